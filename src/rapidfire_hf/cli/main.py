@@ -1,0 +1,44 @@
+"""Entry point of the `rapidfire` console script.
+
+Each subcommand lives in its own module of this package and exposes ``add_parser(subparsers)``, which
+registers its arguments and sets ``func`` (a callable taking the parsed namespace and returning an exit
+status). Modules keep heavy imports (torch, transformers) inside ``func`` so that ``rapidfire --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand modules, in the order `rapidfire --help` lists them
+SUBCOMMANDS = ("demo", "monitor", "bench", "env", "config_cmd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rapidfire",
+        description="rapidfire_hf: fast PPO and faster TRL training on one GPU and beyond.",
+    )
+    from rapidfire_hf import __version__
+
+    parser.add_argument("--version", action="version", version=f"rapidfire_hf {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"rapidfire_hf.cli.{name}")
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 1
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
