@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # subcommand modules, in the order `rapidfire --help` lists them
@@ -26,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rapidfire_hf {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        module = importlib.import_module(f"rapidfire_hf.cli.{name}")
-        module.add_parser(subparsers)
+        if importlib.util.find_spec(f"rapidfire_hf.cli.{name}") is None:  # part not installed in this build
+            continue
+        importlib.import_module(f"rapidfire_hf.cli.{name}").add_parser(subparsers)
     return parser
 
 
