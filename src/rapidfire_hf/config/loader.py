@@ -1,0 +1,222 @@
+"""``load_config``: one entry point for every spelling of a rapidfire_hf configuration.
+
+Resolution order, later wins:
+
+1. the preset named by a top-level ``preset`` key (``balanced`` when absent);
+2. the sections of the full nested form (``gradient``, ``memory``, ``precision``, ``logging``), key by key;
+3. the short-form keys ``gradient_pipeline`` (bool), ``memory_optimization`` (level) and ``precision``
+   given as a string: a mode (``"adaptive"``/``"static"``) or a dtype (``"bf16"``, meaning static bf16);
+4. ``RAPIDFIRE_<SECTION>_<KEY>`` environment variables, e.g. ``RAPIDFIRE_GRADIENT_PIPELINE_DEPTH=4``,
+   ``RAPIDFIRE_MEMORY_OPTIMIZATION=aggressive``, ``RAPIDFIRE_PRECISION_INITIAL=fp16``,
+   ``RAPIDFIRE_LOGGING_REPORT_TO=wandb,tensorboard``,
+   ``RAPIDFIRE_PRECISION_FALLBACK="grad_norm > 1 -> switch_to fp32; throughput < 100 -> disable_pipeline"``.
+
+The prefixes ``RAPIDFIRE_GRADIENT_``, ``RAPIDFIRE_MEMORY_``, ``RAPIDFIRE_PRECISION_`` and
+``RAPIDFIRE_LOGGING_`` belong to the configuration: an unknown name under them is an error (with the
+closest valid name), so that a typo is not silently ignored. Other ``RAPIDFIRE_*`` names are left alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from rapidfire_hf.config.checks import Bool
+from rapidfire_hf.config.errors import ConfigError, invalid_value, unknown_key
+from rapidfire_hf.config.presets import PRESETS, preset_dict
+from rapidfire_hf.config.schema import SECTIONS, DType, MemoryLevel, PrecisionMode, RapidFireConfig, to_plain
+
+ENV_PREFIX = "RAPIDFIRE_"
+SHORT_KEYS = ("gradient_pipeline", "memory_optimization", "precision")
+TOP_LEVEL_KEYS = ("preset", *SECTIONS, *(k for k in SHORT_KEYS if k not in SECTIONS))
+
+
+def load_config(src: Any = None, *, env: bool = True) -> RapidFireConfig:
+    """Resolve any spelling of a configuration into a validated ``RapidFireConfig``.
+
+    Args:
+        src: None (the ``balanced`` defaults); a preset name (``"conservative"``, ``"balanced"``,
+            ``"aggressive"``); a path (str or Path) to a YAML file; a mapping in the full nested form, the
+            short form (``{"gradient_pipeline": True, "memory_optimization": "aggressive",
+            "precision": "adaptive"}``) or a mix, optionally with a ``preset`` key as the base; or a
+            ``RapidFireConfig`` (returned as a validated copy).
+        env: Apply ``RAPIDFIRE_*`` environment overrides (they beat the file).
+
+    Returns:
+        A new, validated ``RapidFireConfig``.
+
+    Raises:
+        ConfigError: naming the source, key path, value and what is allowed, for a missing file, invalid
+            YAML, an unknown preset or key, a wrong type or range, an unparsable rule or a bad env value.
+
+    Example:
+        >>> load_config({"gradient_pipeline": False, "precision": "fp32"}, env=False).precision.mode.value
+        'static'
+    """
+    data, source = _read_source(src)
+    try:
+        nested = resolve(data)
+        RapidFireConfig.from_dict(nested)  # report file errors before env errors
+    except ConfigError as err:
+        if source is None:
+            raise
+        raise err.with_source(source) from None
+    if env:
+        for section, values in env_overrides().items():
+            nested[section].update(values)
+    return RapidFireConfig.from_dict(nested)
+
+
+def _read_source(src: Any) -> tuple[Mapping[str, Any], str | None]:
+    """Turn ``src`` into a mapping to resolve, and a name for error messages (the file path)."""
+    if src is None:
+        return {}, None
+    if isinstance(src, RapidFireConfig):
+        return src.to_dict(), None
+    if isinstance(src, Mapping):
+        return src, None
+    if isinstance(src, str) and src in PRESETS:
+        return {"preset": src}, None
+    if isinstance(src, os.PathLike) or (isinstance(src, str) and _looks_like_path(src)):
+        return read_yaml(src), str(src)
+    if isinstance(src, str):
+        try:
+            preset_dict(src)  # raises "unknown preset", listing the presets and suggesting the closest
+        except ConfigError as err:
+            raise ConfigError(
+                err.problem, value=src, allowed=f"{err.allowed} or a path to a YAML file"
+            ) from None
+    raise invalid_value(
+        "<config>",
+        src,
+        "None, a preset name, a path to a YAML file, a mapping or a RapidFireConfig",
+        "unsupported config source",
+    )
+
+
+def _looks_like_path(text: str) -> bool:
+    return (
+        os.path.exists(text)
+        or "/" in text
+        or os.sep in text
+        or Path(text).suffix in {".yaml", ".yml", ".json"}
+    )
+
+
+def read_yaml(path: str | os.PathLike) -> Mapping[str, Any]:
+    """Read a YAML (or JSON) config file into a mapping; an empty file is an empty mapping.
+
+    Raises:
+        ConfigError: if the file is missing or unreadable, is not valid YAML, or is not a mapping.
+    """
+    import yaml
+
+    path = Path(path)
+    presets = ", ".join(repr(n) for n in PRESETS)
+    if not path.is_file():
+        raise ConfigError(
+            "config file not found",
+            value=str(path),
+            allowed=f"an existing YAML file or a preset name ({presets})",
+        )
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"invalid YAML: {err}", source=str(path)) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read the file: {err}", source=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            "the file must hold a mapping", value=data, allowed="a YAML mapping of sections", source=str(path)
+        )
+    return data
+
+
+def resolve(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Merge preset, full-form sections and short-form keys into the full nested form (plain data).
+
+    Only keys are checked here; values are checked by ``RapidFireConfig.from_dict``.
+    """
+    if not isinstance(data, Mapping):
+        raise invalid_value("<config>", data, "a mapping of " + ", ".join(TOP_LEVEL_KEYS))
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise unknown_key(key, TOP_LEVEL_KEYS)
+    try:
+        nested = preset_dict(data.get("preset", "balanced"))
+    except ConfigError as err:
+        raise err.with_prefix("preset") from None
+    for name, cls in SECTIONS.items():
+        value = data.get(name)
+        if name in SHORT_KEYS and isinstance(value, str):
+            continue  # short form, below
+        if value is not None:
+            nested[name].update(cls.check_keys(value))
+    _apply_short_form(data, nested)
+    return nested
+
+
+def _apply_short_form(data: Mapping[str, Any], nested: dict[str, dict[str, Any]]) -> None:
+    if "gradient_pipeline" in data:
+        nested["gradient"]["pipeline"] = Bool()("gradient_pipeline", data["gradient_pipeline"])
+    if "memory_optimization" in data:
+        nested["memory"]["optimization"] = data["memory_optimization"]
+        if data["memory_optimization"] not in {m.value for m in MemoryLevel}:
+            allowed = "one of " + ", ".join(repr(m.value) for m in MemoryLevel)
+            raise invalid_value("memory_optimization", data["memory_optimization"], allowed)
+    precision = data.get("precision")
+    if isinstance(precision, str):
+        if precision in {m.value for m in PrecisionMode}:
+            nested["precision"]["mode"] = precision
+        elif precision in {d.value for d in DType}:
+            nested["precision"].update(mode="static", initial=precision)
+        else:
+            choices = [m.value for m in PrecisionMode] + [d.value for d in DType]
+            allowed = "a mapping (full form) or one of " + ", ".join(map(repr, choices))
+            raise invalid_value("precision", precision, allowed)
+
+
+def env_variables() -> dict[str, tuple[str, str]]:
+    """Every recognised environment variable name -> (section, field)."""
+    return {
+        f"{ENV_PREFIX}{section}_{f.name}".upper(): (section, f.name)
+        for section, cls in SECTIONS.items()
+        for f in fields(cls)
+    }
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The checked overrides set by ``RAPIDFIRE_<SECTION>_<KEY>`` variables, as ``{section: {key: value}}``.
+
+    Args:
+        environ: Variables to read (``os.environ`` when None).
+
+    Raises:
+        ConfigError: for a bad value or an unknown name under a section prefix, naming the variable.
+    """
+    environ = os.environ if environ is None else environ
+    known = env_variables()
+    prefixes = tuple(f"{ENV_PREFIX}{s}_".upper() for s in SECTIONS)
+    overrides: dict[str, dict[str, Any]] = {}
+    for name in sorted(environ):
+        if not name.startswith(prefixes):
+            continue
+        source = f"environment variable {name}"
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError("unknown variable" + hint, allowed=", ".join(known), source=source)
+        section, key = known[name]
+        check = SECTIONS[section].field_check(key)
+        try:
+            value = check(f"{section}.{key}", check.parse_env(environ[name]))
+        except ConfigError as err:
+            raise err.with_source(source) from None
+        overrides.setdefault(section, {})[key] = to_plain(value)
+    return overrides

@@ -1,0 +1,298 @@
+"""The ``RapidFireConfig`` dataclass tree: gradient / memory / precision / logging.
+
+Each section is a dataclass in the style of accelerate's plugins: every field carries
+``metadata={"help": ..., "check": ...}``; ``__post_init__`` runs the checks, so an instance is always
+valid, and errors name the key path (``memory.compaction_threshold``), the value and what is allowed.
+Option sets are ``str`` enums, so ``cfg.memory.optimization == "aggressive"`` works.
+
+The field defaults are the ``balanced`` preset.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, ClassVar
+
+from rapidfire_hf.config.checks import Bool, Check, Choice, Float, Int, OptionalStr, StrList
+from rapidfire_hf.config.errors import ConfigError, invalid_value, unknown_key
+from rapidfire_hf.config.rules import FallbackRule
+
+
+class MemoryLevel(str, Enum):
+    """How hard memory management works (compaction, activation-checkpointing budget)."""
+
+    CONSERVATIVE = "conservative"
+    BALANCED = "balanced"
+    AGGRESSIVE = "aggressive"
+
+
+class PrecisionMode(str, Enum):
+    """``static`` keeps ``initial`` everywhere; ``adaptive`` measures layers and applies fallback rules."""
+
+    STATIC = "static"
+    ADAPTIVE = "adaptive"
+
+
+class DType(str, Enum):
+    """Compute precision names."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+class LogLevel(str, Enum):
+    """Python logging levels, lower-case."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+# experiment trackers logging.report_to accepts (the names transformers' `report_to` uses)
+REPORT_TARGETS = ("wandb", "tensorboard", "trackio", "mlflow", "comet_ml")
+
+
+class RuleList(Check):
+    """A list of fallback rules given as ``FallbackRule`` or ``{condition, action}`` mappings.
+
+    Environment text: rules separated by ``;``, each ``<condition> -> <action>``.
+    """
+
+    allowed = "a list of {condition, action} mappings"
+
+    def __call__(self, key: str, value: Any) -> list[FallbackRule]:
+        if not isinstance(value, (list, tuple)):
+            self.fail(key, value)
+        rules = []
+        for index, item in enumerate(value):
+            try:
+                rules.append(FallbackRule.from_dict(item))
+            except ConfigError as err:
+                raise err.with_prefix(f"{key}[{index}]") from None
+        return rules
+
+    def parse_env(self, text: str) -> Any:
+        rules = []
+        for part in filter(None, (p.strip() for p in text.split(";"))):
+            condition, arrow, action = part.partition("->")
+            rules.append({"condition": condition.strip(), "action": action.strip()} if arrow else part)
+        return rules
+
+
+def _field(default: Any, help: str, check: Check) -> Any:
+    """A dataclass field with help text and a value check (mutable defaults are copied per instance)."""
+    metadata = {"help": help, "check": check}
+    if isinstance(default, list):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def to_plain(value: Any) -> Any:
+    """A value as YAML/JSON-friendly data (enum -> its value, rule -> dict)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, FallbackRule):
+        return value.to_dict()
+    if isinstance(value, list):
+        return [to_plain(v) for v in value]
+    return value
+
+
+class _Section:
+    """Shared behaviour of the config sections: checking, dict conversion, help."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.metadata["check"](f"{self.section}.{f.name}", getattr(self, f.name)))
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The field names of this section, in declaration order."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def field_check(cls, name: str) -> Check:
+        """The check of field ``name``."""
+        return next(f.metadata["check"] for f in fields(cls) if f.name == name)
+
+    @classmethod
+    def check_keys(cls, data: Any) -> Mapping[str, Any]:
+        """Return ``data`` (None -> {}) after checking it is a mapping of this section's keys.
+
+        Raises:
+            ConfigError: for a non-mapping or an unknown key (suggesting the closest valid key).
+        """
+        if data is None:
+            return {}
+        if not isinstance(data, Mapping):
+            raise invalid_value(cls.section, data, f"a mapping with keys {', '.join(cls.keys())}")
+        for key in data:
+            if key not in cls.keys():
+                raise unknown_key(key, cls.keys(), prefix=cls.section)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any):
+        """Build the section from a mapping; unknown keys raise ConfigError with a suggestion."""
+        return cls(**cls.check_keys(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as plain data (strings for enums, dicts for rules)."""
+        return {f.name: to_plain(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass
+class GradientConfig(_Section):
+    """The gradient pipeline of ``RapidFireOptimizer`` (per-parameter updates overlapping backward)."""
+
+    section: ClassVar[str] = "gradient"
+
+    pipeline: bool = _field(
+        True, "Update each parameter as soon as its gradient is complete, overlapping backward.", Bool()
+    )
+    pipeline_depth: int = _field(
+        4, "Parameter updates that may be in flight at once before backward waits for them.", Int(min=1)
+    )
+    overlap_factor: float = _field(
+        0.5,
+        "Share of the optimizer step allowed to overlap backward (0: none, 1: all of it).",
+        Float(0.0, 1.0),
+    )
+    sync_interval: int = _field(
+        1,
+        "Optimizer steps between host-device syncs that verify predicted updates (1: every step).",
+        Int(min=1),
+    )
+
+
+@dataclass
+class MemoryConfig(_Section):
+    """Memory compaction, telemetry and prefetching (``MemoryCompactionCallback``)."""
+
+    section: ClassVar[str] = "memory"
+
+    optimization: MemoryLevel = _field(
+        MemoryLevel.BALANCED,
+        "How hard to save memory; sets the activation-checkpointing budget and compaction eagerness.",
+        Choice(MemoryLevel),
+    )
+    compaction_threshold: float = _field(
+        0.3,
+        "Release cached blocks when fragmentation (1 - allocated/reserved) passes this value.",
+        Float(0.0, 1.0, open_low=True),
+    )
+    prefetch_window: int = _field(
+        2, "Batches prepared ahead of the training step (0: no prefetch).", Int(min=0)
+    )
+
+
+@dataclass
+class PrecisionConfig(_Section):
+    """Compute precision and the rules that change it during a run (``AdaptivePrecisionPlugin``)."""
+
+    section: ClassVar[str] = "precision"
+
+    mode: PrecisionMode = _field(
+        PrecisionMode.ADAPTIVE,
+        "'static': `initial` everywhere; 'adaptive': measure layer sensitivity and apply fallback rules.",
+        Choice(PrecisionMode),
+    )
+    initial: DType = _field(DType.BF16, "Precision the run starts in.", Choice(DType))
+    fallback: list[FallbackRule] = _field(
+        [{"condition": "nonfinite_grads > 0", "action": "switch_to fp32"}],
+        "Rules {condition, action} checked after each optimizer step, in order (see rapidfire_hf.config.rules).",
+        RuleList(),
+    )
+
+
+@dataclass
+class LoggingConfig(_Section):
+    """What rapidfire_hf logs, how often, and where."""
+
+    section: ClassVar[str] = "logging"
+
+    level: LogLevel = _field(LogLevel.INFO, "Level of the rapidfire_hf Python logger.", Choice(LogLevel))
+    log_every: int = _field(10, "Optimizer steps between metric log lines.", Int(min=1))
+    report_to: list[str] = _field(
+        [], "Experiment trackers to send metrics to (none by default).", StrList(REPORT_TARGETS)
+    )
+    wandb_project: str | None = _field(
+        None, "W&B project name (null: the WANDB_PROJECT default).", OptionalStr()
+    )
+    telemetry_dir: str | None = _field(
+        None,
+        "Folder for the telemetry stream `rapidfire monitor` reads (null: <output_dir>/telemetry).",
+        OptionalStr(),
+    )
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "gradient": GradientConfig,
+    "memory": MemoryConfig,
+    "precision": PrecisionConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class RapidFireConfig:
+    """All rapidfire_hf settings. Defaults are the ``balanced`` preset.
+
+    Sections may be given as section instances or as mappings (checked like ``from_dict``).
+
+    Example:
+        >>> cfg = RapidFireConfig(gradient={"pipeline_depth": 8})
+        >>> cfg.gradient.pipeline_depth, cfg.memory.optimization.value
+        (8, 'balanced')
+    """
+
+    gradient: GradientConfig = field(
+        default_factory=GradientConfig, metadata={"help": GradientConfig.__doc__}
+    )
+    memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"help": MemoryConfig.__doc__})
+    precision: PrecisionConfig = field(
+        default_factory=PrecisionConfig, metadata={"help": PrecisionConfig.__doc__}
+    )
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": LoggingConfig.__doc__})
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                setattr(self, name, cls.from_dict(value))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> RapidFireConfig:
+        """Build from the full nested form (as ``config/advanced.yaml``); missing keys take defaults.
+
+        Raises:
+            ConfigError: for an unknown key (with the closest valid one), a wrong type or range, or a bad rule.
+        """
+        data = {} if data is None else data
+        if not isinstance(data, Mapping):
+            raise invalid_value("<config>", data, f"a mapping with keys {', '.join(SECTIONS)}")
+        for key in data:
+            if key not in SECTIONS:
+                raise unknown_key(key, SECTIONS)
+        return cls(**{name: SECTIONS[name].from_dict(data.get(name)) for name in SECTIONS})
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The full nested form as plain data; ``RapidFireConfig.from_dict(cfg.to_dict()) == cfg``."""
+        return {name: getattr(self, name).to_dict() for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        """The full nested form as YAML text."""
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def copy(self) -> RapidFireConfig:
+        """An independent, re-validated copy."""
+        return RapidFireConfig.from_dict(self.to_dict())
