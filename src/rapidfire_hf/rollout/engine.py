@@ -1,0 +1,159 @@
+"""``RolloutEngine``: one entry point over the fast static engine and the ``model.generate`` fallback."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from rapidfire_hf.rollout.hf_backend import hf_generate
+from rapidfire_hf.rollout.llama_forward import unsupported_reason
+from rapidfire_hf.rollout.types import RolloutOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "static", "hf")
+
+
+@contextlib.contextmanager
+def generation_mode(model):
+    """Eval mode and ``no_grad`` for the duration, then the previous train/eval state again.
+
+    Gradient checkpointing needs no switch: HF's checkpointed layers only checkpoint in train mode, and
+    the static engine never calls the decoder layers' ``forward``.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class RolloutEngine:
+    """Generates responses and their log-probs on the model's current (training) weights.
+
+    Args:
+        model: an HF causal LM, optionally PEFT-wrapped; used in place, never copied.
+        pad_token_id: written after a row's stop token (and used to left-pad prompts internally).
+        stop_token_ids: token ids that end a response; None takes ``model.generation_config.eos_token_id``,
+            ``[]`` means none.
+        backend: "auto" (the static engine on CUDA for Llama/Mistral/Qwen2/Qwen3, else "hf"), "static"
+            (force the static engine; also runs on CPU) or "hf" (``model.generate``).
+        decode_mode: static engine only: "auto", "eager", "cuda_graph" or "compile".
+
+    Example:
+        >>> engine = RolloutEngine(policy, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
+        >>> out = engine.generate(batch["input_ids"], batch["attention_mask"],
+        ...                       SamplingParams(max_new_tokens=64, temperature=0.7))
+        >>> out.responses.shape, out.logprobs.dtype
+        (torch.Size([8, 64]), torch.float32)
+
+    Raises:
+        ValueError: an unknown backend, or "static" forced on a model it cannot run.
+    """
+
+    def __init__(
+        self,
+        model,
+        pad_token_id: int,
+        stop_token_ids: list[int] | None = None,
+        backend: str = "auto",
+        decode_mode: str = "auto",
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.stop_token_ids = self._resolve_stops(model, stop_token_ids)
+        reason = unsupported_reason(model)
+        if backend == "static" and reason is not None:
+            raise ValueError(f"backend='static' cannot run this model ({reason}); use backend='hf'")
+        if backend == "auto":
+            on_cuda = _model_device(model).type == "cuda"
+            backend = "static" if on_cuda and reason is None else "hf"
+            if on_cuda and reason is not None:
+                logger.info("rapidfire rollout: using model.generate (%s)", reason)
+        self.backend = backend
+        self._static = None
+        if backend == "static":
+            from rapidfire_hf.rollout.static_engine import StaticEngine
+
+            self._static = StaticEngine(model, self.pad_token_id, self.stop_token_ids, decode_mode)
+
+    @staticmethod
+    def _resolve_stops(model, stop_token_ids) -> list[int]:
+        if stop_token_ids is not None:
+            return [int(t) for t in stop_token_ids]
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        params: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RolloutOutput:
+        """Sample one response per prompt.
+
+        Args:
+            input_ids: ``[B, P]`` left-padded prompt token ids (every row needs at least one real token).
+            attention_mask: ``[B, P]`` 1 for real tokens (default: all ones).
+            params: sampling settings (default ``SamplingParams()``).
+            generator: makes the draw reproducible: the same seed gives the same tokens.
+
+        Returns:
+            A :class:`RolloutOutput` with ``R = params.max_new_tokens`` response columns.
+        """
+        params = params or SamplingParams()
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError("prompts must be left-padded: attention_mask[:, -1] must be 1 for every row")
+        with generation_mode(self.model):
+            if self._static is not None:
+                tokens, logprobs = self._static.generate(input_ids, attention_mask, params, generator)
+            else:
+                tokens, logprobs = hf_generate(
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    params,
+                    self.pad_token_id,
+                    self.stop_token_ids,
+                    generator,
+                )
+        return self._finish(input_ids, tokens, logprobs, params.max_new_tokens)
+
+    def _finish(self, input_ids, tokens, logprobs, r: int) -> RolloutOutput:
+        """Pad to ``r`` columns, mask everything after the first stop token, assemble the output."""
+        missing = r - tokens.shape[1]
+        if missing > 0:
+            tokens = torch.cat(
+                [tokens, tokens.new_full((tokens.shape[0], missing), self.pad_token_id)], dim=1
+            )
+            logprobs = torch.cat([logprobs, logprobs.new_zeros(logprobs.shape[0], missing)], dim=1)
+        if self.stop_token_ids:
+            stops = torch.tensor(self.stop_token_ids, device=tokens.device)
+            is_stop = torch.isin(tokens, stops).long()
+            mask = (is_stop.cumsum(-1) - is_stop) == 0
+        else:
+            mask = torch.ones_like(tokens, dtype=torch.bool)
+        responses = tokens.masked_fill(~mask, self.pad_token_id)
+        logprobs = logprobs.float().masked_fill(~mask, 0.0)
+        return RolloutOutput(
+            sequences=torch.cat([input_ids, responses], dim=1),
+            responses=responses,
+            logprobs=logprobs,
+            response_mask=mask,
+            prompt_length=input_ids.shape[1],
+        )

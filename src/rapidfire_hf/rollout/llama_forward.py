@@ -1,0 +1,176 @@
+"""A Llama-family forward pass over a static KV cache, run on the HF modules' own weights.
+
+Only attention is re-implemented (so no HF cache object or mask builder is in the loop); embeddings,
+norms, projections and MLPs are the model's modules, called directly, so PEFT LoRA layers wrapped
+around ``q_proj`` etc. keep working and generation always sees the current training weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rapidfire_hf.kernels import gqa_decode_attention
+
+# model_type -> per-architecture switches; everything else about these models is shared
+SUPPORTED = {
+    "llama": {"qk_norm": False},
+    "mistral": {"qk_norm": False},
+    "qwen2": {"qk_norm": False},
+    "qwen3": {"qk_norm": True},
+}
+
+
+def unwrap_causal_lm(model):
+    """The HF ``*ForCausalLM`` inside ``model`` (itself, or the base model of a PEFT wrapper)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the static engine cannot run ``model`` (None when it can)."""
+    lm = unwrap_causal_lm(model)
+    cfg = getattr(lm, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED:
+        return f"model_type {model_type!r} is not one of {sorted(SUPPORTED)}"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return "sliding-window layers are not supported"
+    body = getattr(lm, "model", None)
+    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
+        return "the model has no `.model.layers` / `.model.rotary_emb`"
+    if getattr(body.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+        return "length-dependent rotary scaling (dynamic/longrope) is not supported"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class StaticLlama:
+    """Prefill and one-token decode for a Llama-family model, with the cache passed in explicitly.
+
+    Args:
+        model: an HF ``LlamaForCausalLM`` (or Mistral/Qwen2/Qwen3), possibly wrapped by PEFT.
+    """
+
+    def __init__(self, model):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the static rollout engine cannot run this model: {reason}")
+        lm = unwrap_causal_lm(model)
+        cfg = lm.config
+        self.body = lm.model
+        self.lm_head = lm.get_output_embeddings()
+        self.layers = list(self.body.layers[: cfg.num_hidden_layers])
+        attn = self.layers[0].self_attn
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.group = self.n_heads // self.n_kv
+        self.head_dim = attn.head_dim
+        self.scale = attn.scaling
+        self.qk_norm = SUPPORTED[cfg.model_type]["qk_norm"]
+        self.window = (
+            getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.body.embed_tokens.weight.dtype
+
+    def new_cache(self, batch: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed ``(k, v)`` caches, each ``[layers, B, KV, L, D]`` in the model's dtype."""
+        if self.window is not None and length > self.window:
+            raise ValueError(f"sequence length {length} exceeds the sliding window {self.window}")
+        shape = (len(self.layers), batch, self.n_kv, length, self.head_dim)
+        return (
+            torch.zeros(shape, dtype=self.dtype, device=device),
+            torch.zeros(shape, dtype=self.dtype, device=device),
+        )
+
+    def rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``[B, L]`` -> ``(cos, sin)`` each ``[B, L, D]`` from the model's rotary module."""
+        dummy = torch.empty(0, dtype=self.dtype, device=positions.device)
+        return self.body.rotary_emb(dummy, positions)
+
+    def _qkv(self, attn, h: torch.Tensor, lead: tuple[int, ...]):
+        q = attn.q_proj(h).view(*lead, self.n_heads, self.head_dim)
+        k = attn.k_proj(h).view(*lead, self.n_kv, self.head_dim)
+        v = attn.v_proj(h).view(*lead, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q, k, v
+
+    def prefill(self, input_ids, attention_mask, cos, sin, k_cache, v_cache) -> torch.Tensor:
+        """Run the prompt, fill cache slots ``[0, P)``, return the last position's normed hidden state.
+
+        Args:
+            input_ids: ``[B, P]`` left-padded prompts.
+            attention_mask: ``[B, P]`` 1 for real tokens.
+            cos: ``[B, P, D]`` rotary cosines of the prompt positions (``sin`` likewise).
+            k_cache: ``[layers, B, KV, L, D]``, written in place (``v_cache`` likewise).
+
+        Returns:
+            ``[B, H]`` final-norm hidden state at position ``P - 1``.
+        """
+        b, p = input_ids.shape
+        key_ok = attention_mask.bool()
+        causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()
+        # a pad query sees itself, so its (unused) output is finite and never NaN-poisons the cache
+        mask = (causal[None] & key_ok[:, None, :]) | torch.eye(p, dtype=torch.bool, device=input_ids.device)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        x = self.body.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), (b, p))
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
+            k_cache[i, :, :, :p] = k
+            v_cache[i, :, :, :p] = v
+            # the prompt is attended once per rollout, so expanding K/V here costs little
+            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=self.scale
+            )
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, p, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.body.norm(x[:, -1])
+
+    def decode(self, tokens, slot, cos, sin, key_valid, k_cache, v_cache) -> torch.Tensor:
+        """One token per row: write its K/V at cache slot ``slot`` and attend over the valid slots.
+
+        Args:
+            tokens: ``[B]`` the tokens to feed.
+            slot: ``[1]`` int64 cache slot of these tokens (a tensor, so the step can be graph-captured).
+            cos: ``[B, D]`` rotary cosines at the tokens' positions (``sin`` likewise).
+            key_valid: ``[B, L]`` bool, True for slots the tokens may attend to (including ``slot``).
+            k_cache: ``[layers, B, KV, L, D]``, written in place (``v_cache`` likewise).
+
+        Returns:
+            ``[B, H]`` final-norm hidden states.
+        """
+        b = tokens.shape[0]
+        cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]
+        cos_k, sin_k = cos[:, None, :], sin[:, None, :]
+        x = self.body.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(x), (b,))
+            q = _rope(q.view(b, self.n_kv, self.group, self.head_dim), cos_q, sin_q)
+            k = _rope(k, cos_k, sin_k)
+            k_cache[i].index_copy_(2, slot, k[:, :, None, :])
+            v_cache[i].index_copy_(2, slot, v[:, :, None, :])
+            o = gqa_decode_attention(q, k_cache[i], v_cache[i], key_valid, self.scale)
+            x = x + attn.o_proj(o.reshape(b, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.body.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, H]`` -> ``[B, V]`` float32 logits (one position per row only)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,214 @@
+"""The fast rollout loop: static KV cache, one prefill, then a decode step that can be graph-captured.
+
+Every decode step is a pure function of a fixed set of tensors (cache, masks, rotary table, output
+buffers, a step counter and uniform noise), all allocated once per batch shape, so on CUDA the step is
+recorded once into a CUDA graph (optionally after ``torch.compile``) and replayed; per step the host
+only writes the counter and draws the noise from the caller's generator. Prompts are left-padded up to a
+multiple of ``prompt_bucket`` so batches of slightly different prompt widths reuse the same buffers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from rapidfire_hf.rollout.llama_forward import StaticLlama
+from rapidfire_hf.rollout.sampling import sample_tokens
+from rapidfire_hf.rollout.types import SamplingParams
+
+DECODE_MODES = ("eager", "cuda_graph", "compile")
+# host reads "are all rows finished?" only this often: each read is a device sync
+_STOP_CHECK_EVERY = 16
+
+
+class _Buffers:
+    """The tensors one decode step reads and writes, for one ``(B, P, R)`` shape."""
+
+    def __init__(self, net: StaticLlama, b: int, p: int, r: int, vocab: int, device):
+        self.shape = (b, p, r)
+        self.k, self.v = net.new_cache(b, p + r, device)
+        self.key_valid = torch.zeros(b, p + r, dtype=torch.bool, device=device)
+        self.cos = self.sin = None  # [B, L, D], set per batch
+        self.tokens = torch.zeros(b, r, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(b, r, dtype=torch.float32, device=device)
+        self.step = torch.ones(1, dtype=torch.long, device=device)
+        self.noise = torch.empty(b, vocab, dtype=torch.float32, device=device)
+        self.stops = None  # [S] int64
+
+
+class StaticEngine:
+    """Generation for Llama-family models over a static cache (see module docstring).
+
+    Args:
+        model: HF Llama-family causal LM (optionally PEFT-wrapped); its modules are used as they are.
+        pad_token_id: written after a row has stopped.
+        stop_token_ids: token ids that end a row.
+        decode_mode: "eager", "cuda_graph" (record the step once, replay it), "compile" (``torch.compile``
+            then record) or "auto" (``cuda_graph`` on CUDA, else eager).
+        prompt_bucket: prompts are left-padded to a multiple of this width so shapes repeat.
+    """
+
+    def __init__(
+        self,
+        model,
+        pad_token_id: int,
+        stop_token_ids: list[int],
+        decode_mode: str = "auto",
+        prompt_bucket: int = 32,
+    ):
+        self.net = StaticLlama(model)
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = list(stop_token_ids)
+        if decode_mode not in (*DECODE_MODES, "auto"):
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES + ('auto',)}, got {decode_mode!r}")
+        self.decode_mode = decode_mode
+        self.prompt_bucket = max(1, prompt_bucket)
+        self._buf: _Buffers | None = None
+        self._graph = None
+        self._graph_key = None
+        self._compiled = None
+
+    def _mode(self, device: torch.device) -> str:
+        if device.type != "cuda":
+            return "eager"
+        return "cuda_graph" if self.decode_mode == "auto" else self.decode_mode
+
+    # ----- the step -------------------------------------------------------------------------------
+    def _step(self, params: SamplingParams) -> None:
+        """Decode step ``t = buf.step``: feed token ``t-1``, write token ``t`` and its log-prob."""
+        buf = self._buf
+        _, p, r = buf.shape
+        t = buf.step
+        slot = t + (p - 1)
+        prev = buf.tokens.index_select(1, t - 1).squeeze(1)
+        buf.key_valid.index_fill_(1, slot, True)
+        cos = buf.cos.index_select(1, slot).squeeze(1)
+        sin = buf.sin.index_select(1, slot).squeeze(1)
+        hidden = self.net.decode(prev, slot, cos, sin, buf.key_valid, buf.k, buf.v)
+        noise = buf.noise if params.do_sample else None
+        tok, lp = sample_tokens(self.net.logits(hidden), params, noise)
+        # a row is done when a stop token sits among its tokens 0..t-1 (recomputed, so the step is idempotent)
+        earlier = torch.arange(r, device=t.device)[None, :] < t
+        done = ((buf.tokens[:, :, None] == buf.stops).any(-1) & earlier).any(-1)
+        tok = torch.where(done, self.pad_token_id, tok)
+        lp = torch.where(done, 0.0, lp)
+        buf.tokens.index_copy_(1, t, tok[:, None])
+        buf.logprobs.index_copy_(1, t, lp[:, None])
+
+    def _runner(self, params: SamplingParams, device: torch.device):
+        """A callable doing one decode step: eager, or a recorded CUDA graph's replay."""
+        mode = self._mode(device)
+        step = lambda: self._step(params)  # noqa: E731
+        if mode == "eager":
+            return step
+        key = (self._buf.shape, params, mode, tuple(p.data_ptr() for p in self.model.parameters()))
+        if self._graph is not None and self._graph_key == key:
+            return self._graph.replay
+        if mode == "compile":
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self._step, dynamic=False)
+                step = lambda: self._compiled(params)  # noqa: E731
+                self._record(step)  # compiles during warm-up; errors surface here
+            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back
+                warnings.warn(
+                    f"torch.compile of the decode step failed ({exc!r}); using the uncompiled step",
+                    stacklevel=3,
+                )
+                self.decode_mode = mode = "cuda_graph"
+                step = lambda: self._step(params)  # noqa: E731
+                key = (*key[:2], mode, key[3])
+        if self._graph is None or self._graph_key != key:
+            self._record(step)
+        self._graph_key = key
+        return self._graph.replay
+
+    def _record(self, step) -> None:
+        # warm-up on a side stream (cuBLAS workspaces, compilation), then record; the step is idempotent
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self._graph = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        self._graph = graph
+
+    # ----- the loop -------------------------------------------------------------------------------
+    def _prepare(self, input_ids, attention_mask, r: int) -> _Buffers:
+        b, p = input_ids.shape
+        device = input_ids.device
+        shape = (b, p, r)
+        if self._buf is None or self._buf.shape != shape or self._buf.k.device != device:
+            self._buf = self._graph = None
+            self._buf = _Buffers(self.net, b, p, r, self.net.lm_head.weight.shape[0], device)
+        buf = self._buf
+        n_real = attention_mask.sum(-1, keepdim=True)
+        prompt_pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        gen_pos = n_real + torch.arange(r, device=device)[None, :]
+        cos, sin = self.net.rope_table(torch.cat([prompt_pos, gen_pos], dim=1))
+        if buf.cos is None:
+            buf.cos, buf.sin = cos.contiguous(), sin.contiguous()
+        else:
+            buf.cos.copy_(cos)
+            buf.sin.copy_(sin)
+        buf.key_valid.zero_()
+        buf.key_valid[:, :p] = attention_mask.bool()
+        stops = torch.tensor(self.stop_token_ids or [-1], dtype=torch.long, device=device)
+        if buf.stops is None or not torch.equal(buf.stops.cpu(), stops.cpu()):
+            buf.stops = stops
+            self._graph = None
+        buf.tokens.fill_(self.pad_token_id)
+        buf.logprobs.zero_()
+        return buf
+
+    def generate(self, input_ids, attention_mask, params: SamplingParams, generator=None):
+        """Prefill and decode ``params.max_new_tokens`` tokens (model already in eval, under no_grad).
+
+        Args:
+            input_ids: ``[B, P]`` left-padded prompts.
+            attention_mask: ``[B, P]`` 1 for real tokens.
+            params: sampling settings.
+            generator: seeds the sampling noise (a generator on another device seeds one on the model's).
+
+        Returns:
+            ``(tokens [B, R], logprobs [B, R])``, pad / 0 after a stop token.
+        """
+        device = input_ids.device
+        b, p = input_ids.shape
+        extra = -p % self.prompt_bucket
+        if extra:
+            input_ids = torch.cat([input_ids.new_full((b, extra), self.pad_token_id), input_ids], dim=1)
+            attention_mask = torch.cat([attention_mask.new_zeros(b, extra), attention_mask], dim=1)
+            p += extra
+        r = params.max_new_tokens
+        buf = self._prepare(input_ids, attention_mask, r)
+        if generator is not None and generator.device != device:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            generator = torch.Generator(device).manual_seed(seed)
+
+        hidden = self.net.prefill(input_ids, attention_mask, buf.cos[:, :p], buf.sin[:, :p], buf.k, buf.v)
+        if params.do_sample:
+            buf.noise.uniform_(generator=generator)
+        tok, lp = sample_tokens(self.net.logits(hidden), params, buf.noise if params.do_sample else None)
+        buf.tokens[:, 0] = tok
+        buf.logprobs[:, 0] = lp
+        if r > 1:
+            buf.step.fill_(1)
+            run = self._runner(params, device)
+        for t in range(1, r):
+            if t % _STOP_CHECK_EVERY == 0 and self._all_stopped(buf, t):
+                break
+            buf.step.fill_(t)
+            if params.do_sample:
+                buf.noise.uniform_(generator=generator)
+            run()
+        return buf.tokens.clone(), buf.logprobs.clone()
+
+    def _all_stopped(self, buf: _Buffers, t: int) -> bool:
+        return bool((buf.tokens[:, :t, None] == buf.stops).any(-1).any(-1).all())
