@@ -8,8 +8,7 @@ conservative  pipeline off (depth 1, overlap 0),   conservative level, compact a
 balanced      pipeline on, depth 4, overlap 0.5,   balanced level, compact at 30%  adaptive from bf16, NaN/Inf
               verify every step                    fragmentation, prefetch 2       gradients -> fp32
 aggressive    pipeline on, depth 16, overlap 0.9,  aggressive level, compact at    adaptive from bf16, NaN/Inf -> fp32,
-              verify every 4 steps                 15% fragmentation, prefetch 4   LM head -> fp32 on a gradient spike,
-                                                                                   compact memory above 40%
+              verify every 4 steps                 15% fragmentation, prefetch 4   LM head -> fp32 on a gradient spike
 ============  ===================================  ==============================  ===================================
 
 Use ``conservative`` to debug or to compare against stock TRL, ``balanced`` for most runs, and
@@ -48,7 +47,6 @@ _OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
             "fallback": [
                 {"condition": "nonfinite_grads > 0", "action": "switch_to fp32"},
                 {"condition": "layer:lm_head.grad_anomaly > 6", "action": "switch_to fp32"},
-                {"condition": "fragmentation > 0.4", "action": "compact_memory"},
             ],
         },
     },
