@@ -1,0 +1,493 @@
+"""RapidFireOptimizer: an inner torch optimizer plus gradient pipeline, verification and exact rollback."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from rapidfire_hf.optim.health import HealthMonitor, OptimizerEvent, Rule, read_verdict
+from rapidfire_hf.optim.inner import (
+    build_inner,
+    check_inner_kwargs,
+    normalize_param_groups,
+    resolve_inner_class,
+)
+from rapidfire_hf.optim.pipeline import GradientPipeline, accelerate_flag
+from rapidfire_hf.optim.snapshot import Snapshot
+
+ROLLBACK = ("off", "auto")
+_CLIP_HISTORY = 8  # windows of gradient norms the clip prediction looks at
+_CLIP_EPS = 1e-6  # the epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
+
+
+class RapidFireOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that wraps an inner optimizer and adds the gradient pipeline, predicted
+    clipping, health verification and bit-exact rollback.
+
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects, so LR schedulers,
+    ``state_dict()``, ``accelerator.prepare`` and ``transformers.Trainer(optimizers=(opt, sched))`` see
+    a normal optimizer.
+
+    Args:
+        params: parameters or param-group dicts. Leave out to bind later with :meth:`bind` (a trainer
+            does this for the model it trains).
+        optimizer: ``"adamw"`` (torch AdamW, fused on CUDA, foreach elsewhere), ``"sgd"``,
+            ``"adamw8bit"`` / ``"paged_adamw8bit"`` (bitsandbytes), a ``torch.optim.Optimizer`` subclass,
+            or an optimizer instance (already holding its parameters).
+        gradient_pipeline: step each parameter during the backward that closes an accumulation window
+            and free its gradient (see :mod:`rapidfire_hf.optim.pipeline` for how windows are found).
+        accumulation_steps: backwards per window when not under accelerate (default: 1, or accelerate's
+            ``sync_gradients`` when an ``Accelerator`` exists).
+        max_grad_norm: clip the global L2 gradient norm to this value (like ``clip_grad_norm_``).
+            With the pipeline, windows where the norm history says clipping could bind are stepped in
+            ``step()`` with the exact coefficient; the others are stepped in the hooks with coefficient
+            1, and a miss (the true norm needed clipping) is rolled back when ``rollback="auto"``.
+        rollback: ``"auto"`` checks every step (finite loss and gradients, gradient-norm and loss
+            z-scores, user rules) and skips unhealthy batches, restoring a snapshot when the update was
+            already applied by the pipeline; ``"off"`` checks nothing.
+        snapshot: where the rollback snapshot lives, ``"device"`` or ``"host"`` (pinned memory).
+        snapshot_interval: verified steps between snapshots; above 1 a rollback also undoes the good
+            steps since the last snapshot (reported in the event as ``steps_lost``).
+        grad_z_threshold: largest healthy z-score of the gradient norm.
+        loss_z_threshold: largest healthy z-score of the observed loss (see :meth:`observe_loss`).
+        warmup_steps: verified steps before the z-score rules apply.
+        clip_headroom: the pipeline steps in the hooks only when ``headroom * max(recent norms)`` stays
+            below ``max_grad_norm``.
+        enable_fused_kernels: True forces the fused kernel, False the single-tensor loop, None picks.
+        precision: not handled here; passing it raises (use accelerate's ``mixed_precision`` or
+            ``AdaptivePrecisionPlugin``).
+        **inner_kwargs: hyper-parameters of the inner optimizer (``lr``, ``betas``, ``weight_decay``,
+            ``momentum``, ...), checked against its signature at construction.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = RapidFireOptimizer(model.parameters(), lr=1e-3, gradient_pipeline=True, rollback="auto")
+        >>> loss = model(torch.randn(8, 4)).pow(2).mean()
+        >>> opt.observe_loss(loss)
+        >>> loss.backward()   # parameters are stepped here, as their gradients complete
+        >>> opt.step()        # verifies; rolls back and skips the batch if a rule failed
+        >>> opt.zero_grad()
+        >>> opt.stats()["steps"]
+        1
+    """
+
+    def __init__(
+        self,
+        params: Iterable | None = None,
+        *,
+        optimizer: str | type | torch.optim.Optimizer = "adamw",
+        gradient_pipeline: bool = False,
+        accumulation_steps: int | None = None,
+        max_grad_norm: float | None = None,
+        rollback: str = "off",
+        snapshot: str = "device",
+        snapshot_interval: int = 1,
+        grad_z_threshold: float = 6.0,
+        loss_z_threshold: float = 6.0,
+        warmup_steps: int = 10,
+        clip_headroom: float = 2.0,
+        enable_fused_kernels: bool | None = None,
+        precision: str | None = None,
+        **inner_kwargs: Any,
+    ):
+        if precision is not None:
+            raise ValueError(
+                f"RapidFireOptimizer(precision={precision!r}) is not supported: the optimizer steps "
+                "each parameter in its own dtype. Set precision with accelerate "
+                "(Accelerator(mixed_precision='bf16')) or rapidfire_hf.AdaptivePrecisionPlugin."
+            )
+        if rollback not in ROLLBACK:
+            raise ValueError(f"rollback={rollback!r}: choose one of {ROLLBACK}")
+        if accumulation_steps is not None and (
+            not isinstance(accumulation_steps, int) or accumulation_steps < 1
+        ):
+            raise ValueError(f"accumulation_steps={accumulation_steps!r}: must be an int >= 1 or None")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 or None (no clipping)")
+        if not isinstance(snapshot_interval, int) or snapshot_interval < 1:
+            raise ValueError(f"snapshot_interval={snapshot_interval!r}: must be an int >= 1")
+        self._spec = optimizer
+        self._inner_kwargs = dict(inner_kwargs)
+        self._fused = enable_fused_kernels
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if inner_kwargs or enable_fused_kernels is not None:
+                raise TypeError(
+                    "An optimizer instance already has its hyper-parameters: do not also pass "
+                    f"{sorted(inner_kwargs) + (['enable_fused_kernels'] if enable_fused_kernels is not None else [])}."
+                )
+            if params is not None:
+                raise TypeError(
+                    "An optimizer instance already holds its parameters: do not also pass params."
+                )
+        else:
+            check_inner_kwargs(resolve_inner_class(optimizer), inner_kwargs)
+        self._want_pipeline = gradient_pipeline
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.rollback = rollback
+        self.snapshot_interval = snapshot_interval
+        self.clip_headroom = clip_headroom
+        self._health = HealthMonitor(grad_z_threshold, loss_z_threshold, warmup_steps)
+        self._snapshot = Snapshot(snapshot)
+        self._inner: torch.optim.Optimizer | None = None
+        self._pipeline: GradientPipeline | None = None
+        self._params: list[torch.Tensor] = []
+        self._norm_history: list[float] = []
+        self._applied_since_snapshot = 0
+        self._counters: Counter = Counter()
+        self._deferred: Counter = Counter()
+        self._seconds: Counter = Counter()
+        self._last_coef = (None, None)  # (predicted, true) clip coefficient of the last clipped window
+        self.events: list[OptimizerEvent] = []
+        self.last_step_skipped = False
+        # torch.optim.Optimizer's step hooks, honoured in step()
+        self._optimizer_step_pre_hooks: dict = OrderedDict()
+        self._optimizer_step_post_hooks: dict = OrderedDict()
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._attach(optimizer)
+        elif params is not None:
+            self.bind(params)
+
+    # ---- binding and delegation ---------------------------------------------------------------------
+    @property
+    def is_bound(self) -> bool:
+        """Whether the optimizer has its parameters (given at construction or through :meth:`bind`)."""
+        return self._inner is not None
+
+    def bind(self, params: Iterable) -> RapidFireOptimizer:
+        """Give the optimizer its parameters (``model.parameters()`` or param-group dicts); once only.
+
+        Raises:
+            RuntimeError: it is already bound.
+        """
+        if self._inner is not None:
+            raise RuntimeError(
+                "RapidFireOptimizer is already bound to parameters; bind() may be called once."
+            )
+        self._attach(build_inner(self._spec, normalize_param_groups(params), self._inner_kwargs, self._fused))
+        return self
+
+    def _attach(self, inner: torch.optim.Optimizer) -> None:
+        self._inner = inner
+        self._params = [p for g in inner.param_groups for p in g["params"]]
+        if self._want_pipeline:
+            self.enable_pipeline()
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer (raises if unbound)."""
+        if self._inner is None:
+            raise RuntimeError(
+                "RapidFireOptimizer has no parameters yet: pass them, "
+                "RapidFireOptimizer(model.parameters(), ...), call opt.bind(params), or give the "
+                "optimizer to a trainer (PPOTrainer(optimizer=opt)) which binds it to the model."
+            )
+        return self._inner
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value) -> None:
+        self.inner.defaults = value
+
+    def __repr__(self) -> str:
+        inner = type(self._inner).__name__ if self._inner is not None else f"{self._spec!r} (unbound)"
+        return (
+            f"RapidFireOptimizer(inner={inner}, pipeline={self.pipeline_enabled}, "
+            f"rollback={self.rollback!r}, max_grad_norm={self.max_grad_norm})"
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.inner.add_param_group(param_group)
+        self._params = [p for g in self.inner.param_groups for p in g["params"]]
+        if self._pipeline is not None:
+            self._pipeline.attach(self.inner)
+        self._applied_since_snapshot = self.snapshot_interval  # the snapshot lacks the new parameters
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self.inner.state_dict()
+        sd["rapidfire"] = {
+            "health": self._health.state_dict(),
+            "norm_history": list(self._norm_history),
+            "counters": dict(self._counters),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("rapidfire", None)
+        self.inner.load_state_dict(state_dict)
+        if extra is not None:
+            self._health.load_state_dict(extra["health"])
+            self._norm_history = list(extra["norm_history"])
+            self._counters = Counter(extra["counters"])
+        if self._pipeline is not None:
+            self._pipeline.rebuild(self.inner)  # load_state_dict replaced the groups and the state dict
+        self._applied_since_snapshot = self.snapshot_interval
+        self._maybe_snapshot()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        if self._pipeline is not None and not self._pipeline.stepped:
+            self._pipeline.reset_window()  # a window discarded before anything was applied
+
+    # ---- pipeline switches --------------------------------------------------------------------------
+    @property
+    def pipeline_enabled(self) -> bool:
+        return self._pipeline is not None and self._pipeline.enabled
+
+    def enable_pipeline(self) -> None:
+        """Step parameters during backward from the next closing window on."""
+        if self._inner is None:
+            self._want_pipeline = True
+            return
+        if self._pipeline is None:
+            need_norms = self.max_grad_norm is not None or self.rollback == "auto"
+            self._pipeline = GradientPipeline(self._plan_window, self.accumulation_steps, need_norms)
+            self._pipeline.attach(self._inner)
+        self._pipeline.enabled = True
+        self._maybe_snapshot()
+
+    def disable_pipeline(self) -> None:
+        """Step in ``step()`` again from the next window on (a window already being stepped finishes)."""
+        self._want_pipeline = False
+        if self._pipeline is not None:
+            self._pipeline.enabled = False
+
+    # ---- health inputs ------------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Give the loss of the current micro-batch to the health rules (finite loss, loss spike).
+
+        Call once per micro-batch, before or after its backward and before ``step()``; the window's
+        value is the mean of the observed losses. Does nothing when ``rollback="off"``.
+        """
+        if self.rollback == "auto":
+            self._health.observe_loss(loss)
+
+    def record(self, name: str, value: torch.Tensor | float, reduce: str = "mean") -> None:
+        """Record a metric (a device tensor, no host sync) for user rules, e.g. PPO's ``approx_kl``.
+
+        ``reduce`` combines several records in one window: ``"mean"``, ``"max"`` or ``"last"``.
+        Does nothing when ``rollback="off"``.
+        """
+        if self.rollback == "auto":
+            self._health.record(name, value, reduce)
+
+    def add_rule(self, name: str, rule: Rule) -> None:
+        """Add a health rule: ``rule(metrics) -> bool tensor`` (True = healthy).
+
+        ``metrics`` holds ``loss``, ``loss_z``, ``grad_norm``, ``grad_norm_z`` when known and every
+        recorded name. Example: ``opt.add_rule("approx_kl", lambda m: m["approx_kl"] < 0.05)``.
+
+        Raises:
+            ValueError: ``rollback="off"`` (the rule would never be checked) or the name is taken.
+        """
+        if self.rollback != "auto":
+            raise ValueError("add_rule() needs rollback='auto'; with rollback='off' no rule is checked.")
+        if name in self._health.rules:
+            raise ValueError(f"A rule named {name!r} already exists.")
+        self._health.rules[name] = rule
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self, closure=None) -> None:
+        """Finish the window: verify, then apply (or, for a pipelined window, keep or roll back) the update.
+
+        Raises:
+            RuntimeError: a closure was given (it would re-run forward and backward after the pipeline
+                already consumed the gradients), or the optimizer is unbound.
+        """
+        if closure is not None:
+            raise RuntimeError("RapidFireOptimizer does not support closures: call backward() before step().")
+        inner = self.inner
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        self.last_step_skipped = False
+        if self._pipeline is not None and self._pipeline.window_pipelined:
+            self._finish_pipelined(inner)
+        else:
+            self._step_in_place(inner)
+        self._counters["steps"] += 1
+        self._health.reset_window()
+        if self._pipeline is not None:
+            self._pipeline.reset_window()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+
+    def _step_in_place(self, inner: torch.optim.Optimizer) -> None:
+        """Non-pipelined window: every gradient is here, so verify first and apply only a healthy update."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        keep_history = self._pipeline is not None and self.max_grad_norm is not None
+        need_norm = grads and (self.max_grad_norm is not None or self.rollback == "auto")
+        total = get_total_norm(grads) if need_norm else None
+        metrics, failed, host = self._verify(total, {}, read=self.rollback == "auto" or keep_history)
+        if failed:
+            self._skip("skip", failed, metrics, host)
+            return
+        if self.max_grad_norm is not None and total is not None:
+            clip_grads_with_norm_(self._params, self.max_grad_norm, total)
+        self._snapshot.wait()
+        inner.step()
+        self._after_healthy(metrics, host)
+
+    def _finish_pipelined(self, inner: torch.optim.Optimizer) -> None:
+        """Pipelined window: step parameters whose hooks did not fire, then verify what was applied."""
+        for p in self._pipeline.leftovers(self._params):
+            self._pipeline.step_param(p)
+        norms = self._pipeline.ordered_norms()
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+        flags = {}
+        if self.max_grad_norm is not None and total is not None:
+            # the hooks applied coefficient 1: right iff clip_grad_norm_ would not have scaled
+            flags["clip_prediction"] = total + _CLIP_EPS <= self.max_grad_norm
+            self._counters["clip_checks"] += 1
+        metrics, failed, host = self._verify(total, flags, read=bool(flags) or self.rollback == "auto")
+        if not failed:
+            self._after_healthy(metrics, host)
+            return
+        if "clip_prediction" in failed and host:
+            self._counters["clip_misses"] += 1
+            self._remember_norm(host[0])
+        if self.rollback == "auto":
+            start = time.perf_counter()
+            self._snapshot.restore(self._params, inner)
+            self._seconds["rollback"] += time.perf_counter() - start
+            self._counters["rollbacks"] += 1
+            self._skip("rollback", failed, metrics, host, steps_lost=self._applied_since_snapshot)
+            self._applied_since_snapshot = 0
+        else:
+            warnings.warn(
+                "RapidFireOptimizer: clipping would have bound on a pipelined step that cannot be "
+                "undone (rollback='off'); the step was applied unclipped.",
+                stacklevel=3,
+            )
+            self.events.append(
+                OptimizerEvent(
+                    self._counters["steps"],
+                    "clip_miss_unrecoverable",
+                    failed,
+                    {"grad_norm": host[0] if host else None},
+                )
+            )
+            self._after_healthy(metrics, host)
+
+    # ---- verification helpers -----------------------------------------------------------------------
+    def _verify(self, total: torch.Tensor | None, flags: dict[str, torch.Tensor], read: bool):
+        """Health flags (plus ``flags``) -> (metrics, failed rule names, [host grad norm] or [])."""
+        if not read:
+            return {}, [], []
+        start = time.perf_counter()
+        metrics = self._health.metrics(total) if self.rollback == "auto" else {}
+        if self.rollback == "auto":
+            flags = {**self._health.flags(metrics), **flags}
+        failed, host = read_verdict(flags, [total] if total is not None else [])
+        self._seconds["verify"] += time.perf_counter() - start
+        if host and self.max_grad_norm is not None:
+            predicted = 1.0 if self._pipeline is not None and self._pipeline.window_pipelined else None
+            self._last_coef = (predicted, min(1.0, self.max_grad_norm / (host[0] + _CLIP_EPS)))
+        return metrics, failed, host
+
+    def _skip(
+        self, kind: str, failed: list[str], metrics: dict, host: list[float], steps_lost: int = 0
+    ) -> None:
+        self.last_step_skipped = True
+        self._counters["skipped"] += 1
+        details = {"grad_norm": host[0] if host else None, "steps_lost": steps_lost}
+        if "loss" in metrics:
+            details["loss"] = float(metrics["loss"])  # already off the hot path: this step failed
+        self.events.append(OptimizerEvent(self._counters["steps"], kind, failed, details))
+
+    def _remember_norm(self, norm: float) -> None:
+        self._norm_history = (self._norm_history + [norm])[-_CLIP_HISTORY:]
+
+    def _after_healthy(self, metrics: dict, host: list[float]) -> None:
+        self._health.update_stats(metrics)
+        if host:
+            self._remember_norm(host[0])
+        self._applied_since_snapshot += 1
+        self._maybe_snapshot()
+
+    def _needs_snapshots(self) -> bool:
+        return self.rollback == "auto" and self.pipeline_enabled
+
+    def _maybe_snapshot(self) -> None:
+        """Snapshot the current (verified) state when the pipeline will need one to undo the next step."""
+        if self._inner is None or not self._needs_snapshots():
+            return
+        if self._snapshot.taken and self._applied_since_snapshot < self.snapshot_interval:
+            return
+        self._snapshot.capture(self._params, self._inner, self._counters["steps"])
+        self._applied_since_snapshot = 0
+
+    def _plan_window(self) -> bool:
+        """Called at the first closing hook: step in the hooks this window, or defer to ``step()``?"""
+        reason = None
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
+            reason = "distributed"  # hooks fire before the gradient all-reduce has finished
+        elif accelerate_flag("_mixed_precision", "AcceleratorState") == "fp16":
+            reason = "fp16_loss_scaling"  # gradients are still scaled when the hooks fire
+        elif self.rollback == "auto" and (
+            not self._snapshot.taken or self._applied_since_snapshot >= self.snapshot_interval
+        ):
+            reason = "no_snapshot"
+        elif self.max_grad_norm is not None and (
+            not self._norm_history
+            or self.clip_headroom * max(self._norm_history) + _CLIP_EPS > self.max_grad_norm
+        ):
+            reason = "clip_may_bind"
+        if reason is not None:
+            self._deferred[reason] += 1
+            return False
+        self._snapshot.wait()
+        self._counters["pipelined_steps"] += 1
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for logging (plain Python numbers; reading them never syncs the device)."""
+        c = self._counters
+        return {
+            "steps": c["steps"],
+            "skipped": c["skipped"],
+            "rollbacks": c["rollbacks"],
+            "pipeline_enabled": self.pipeline_enabled,
+            "pipelined_steps": c["pipelined_steps"],
+            "deferred_steps": dict(self._deferred),
+            "clip_checks": c["clip_checks"],
+            "clip_misses": c["clip_misses"],
+            "clip_coef_predicted": self._last_coef[0],
+            "clip_coef_true": self._last_coef[1],
+            "last_grad_norm": self._norm_history[-1] if self._norm_history else None,
+            "hook_seconds": self._pipeline.hook_seconds if self._pipeline is not None else 0.0,
+            "verify_seconds": self._seconds["verify"],
+            "rollback_seconds": self._seconds["rollback"],
+            "snapshots": self._snapshot.count,
+            "snapshot_seconds": self._snapshot.seconds,
+            "snapshot_bytes": self._snapshot.nbytes,
+        }
