@@ -1,0 +1,36 @@
+"""Adaptive precision: per-layer schedules, per-group loss scaling, fallback rules and FP8.
+
+Example:
+    >>> from rapidfire_hf.precision import AdaptivePrecisionPlugin
+    >>> plugin = AdaptivePrecisionPlugin.from_config({"precision": {"initial": "fp16"}})
+    >>> plugin.attach(accelerator, model, optimizer)   # accelerator.rapidfire_precision is plugin
+"""
+
+from rapidfire_hf.precision.actions import PrecisionAction
+from rapidfire_hf.precision.fp8 import Float8Linear, enable_fp8, fp8_candidates, fp8_support
+from rapidfire_hf.precision.metrics import AsyncMetrics, GradientMonitor, OutputProbe
+from rapidfire_hf.precision.plugin import AdaptivePrecisionPlugin, PrecisionMode
+from rapidfire_hf.precision.scaler import PerGroupGradScaler
+from rapidfire_hf.precision.schedule import LayerPrecision, Precision, find_layers, set_layer_precision
+from rapidfire_hf.precision.sensitivity import LayerSensitivity, measure_sensitivity, sensitivity_table
+
+__all__ = [
+    "AdaptivePrecisionPlugin",
+    "AsyncMetrics",
+    "Float8Linear",
+    "GradientMonitor",
+    "LayerPrecision",
+    "LayerSensitivity",
+    "OutputProbe",
+    "PerGroupGradScaler",
+    "Precision",
+    "PrecisionAction",
+    "PrecisionMode",
+    "enable_fp8",
+    "find_layers",
+    "fp8_candidates",
+    "fp8_support",
+    "measure_sensitivity",
+    "sensitivity_table",
+    "set_layer_precision",
+]

@@ -1,0 +1,191 @@
+"""FP8 (e4m3 forward, e5m2 gradients) for large Linear layers, on GPUs that have FP8 tensor cores.
+
+Two backends:
+
+* ``torchao``: ``torchao.float8.convert_to_float8_training`` when torchao is installed (fused casts under
+  ``torch.compile``; the faster one where available).
+* ``scaled_mm``: :class:`Float8Linear`, this module's own layer on ``torch._scaled_mm`` with dynamic
+  per-tensor scales, needing nothing beyond torch.
+
+Parameters stay in their dtype and keep their identity (the optimizer is not touched); only the three
+matmuls of each converted layer (output, input gradient, weight gradient) run in FP8.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn  # activations and weights: more mantissa
+E5M2 = torch.float8_e5m2  # gradients: more range
+FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores
+
+
+def fp8_support(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether FP8 matmuls can run on ``device`` (default: the current CUDA device), and why not.
+
+    Returns:
+        ``(True, "")`` or ``(False, reason)`` with the GPU name and compute capability in the reason.
+    """
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cuda":
+        return (
+            False,
+            f"FP8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); the model is on {device}",
+        )
+    if not torch.cuda.is_available():
+        return (
+            False,
+            "FP8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); no CUDA GPU is available",
+        )
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    cap = torch.cuda.get_device_capability(index)
+    if cap < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(index)
+        return False, (
+            f"{name} has compute capability {cap[0]}.{cap[1]}; FP8 tensor cores need >= 8.9 (Ada, Hopper, "
+            "Blackwell). Keep bf16 on this GPU."
+        )
+    if not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no torch._scaled_mm; FP8 needs torch >= 2.1"
+    return True, ""
+
+
+def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic scaling: ``t * scale`` fills the FP8 range; returns (fp8 tensor, 1/scale)."""
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().abs().amax().float().clamp_min(1e-12)
+    scale = fmax / amax
+    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    # _scaled_mm wants its second operand column-major
+    return t.t().contiguous().t()
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``y = x @ W^T + b`` with all three matmuls of forward and backward in FP8."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, out_dtype):
+        # x2d: (M, K), weight: (N, K)
+        xq, xs = _quantize(x2d, E4M3)
+        wq, ws = _quantize(weight, E4M3)
+        out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
+        if bias is not None:
+            out = out + bias.to(out_dtype)
+        ctx.save_for_backward(xq, xs, wq, ws)  # FP8 copies: a quarter of fp32 activation memory
+        ctx.has_bias, ctx.w_dtype, ctx.x_dtype = bias is not None, weight.dtype, x2d.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xq, xs, wq, ws = ctx.saved_tensors
+        gq, gs = _quantize(grad, E5M2)
+        grad_x = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=grad.dtype)
+        grad_w = torch._scaled_mm(
+            gq.t().contiguous(), _col_major(xq), scale_a=gs, scale_b=xs, out_dtype=torch.float32
+        )
+        grad_b = grad.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
+        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), grad_b, None
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` whose matmuls run in FP8 (``torch._scaled_mm``) with dynamic per-tensor scales.
+
+    Falls back to ``F.linear`` when a dimension is not a multiple of 16 (a ``_scaled_mm`` requirement).
+    Built with :meth:`from_linear`, which reuses the original ``weight`` and ``bias`` Parameters.
+    """
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Float8Linear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] % 16 or self.in_features % 16 or self.out_features % 16:
+            return F.linear(x, self.weight, self.bias)
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = x.dtype
+        with torch.autocast(device_type, enabled=False):
+            out = _Fp8Linear.apply(x2d, self.weight, self.bias, out_dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def fp8_candidates(
+    model: nn.Module, min_features: int = 1024, skip: tuple[str, ...] = ("lm_head",)
+) -> list[str]:
+    """Names of Linear layers large enough for FP8 to pay off, with ``_scaled_mm``-compatible shapes."""
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
+            continue
+        if any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skip):
+            continue
+        if min(module.in_features, module.out_features) >= min_features and not (
+            module.in_features % 16 or module.out_features % 16
+        ):
+            out.append(name)
+    return out
+
+
+def enable_fp8(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    min_features: int = 1024,
+    skip: tuple[str, ...] = ("lm_head",),
+    plugin=None,
+) -> list[str]:
+    """Run the large Linear layers of ``model`` in FP8 for training.
+
+    Args:
+        model: The model, already on the GPU.
+        backend: ``"torchao"``, ``"scaled_mm"`` or ``"auto"`` (torchao when installed).
+        min_features: Smallest ``min(in_features, out_features)`` converted; small matmuls lose to the casts.
+        skip: Module names (or suffixes) never converted; the LM head by default (log-probs are sensitive).
+        plugin: An attached :class:`~rapidfire_hf.precision.AdaptivePrecisionPlugin`: layers it runs above
+            its base precision (sensitive ones) are skipped.
+
+    Returns:
+        Names of the converted layers.
+
+    Raises:
+        RuntimeError: on CPU, on GPUs without FP8 (compute capability < 8.9), naming the GPU.
+        ImportError: for ``backend="torchao"`` when torchao is not installed.
+    """
+    if backend not in ("auto", "torchao", "scaled_mm"):
+        raise ValueError(f"backend must be 'auto', 'torchao' or 'scaled_mm', got {backend!r}")
+    param = next(model.parameters())
+    ok, why = fp8_support(param.device)
+    if not ok:
+        raise RuntimeError(why)
+    names = fp8_candidates(model, min_features, skip)
+    if plugin is not None:
+        names = [n for n in names if not any(n == k or n.startswith(k + ".") for k in plugin.overrides)]
+    from rapidfire_hf.utils.imports import is_available, require
+
+    if backend == "torchao" or (backend == "auto" and is_available("torchao")):
+        require("torchao", "FP8 training with the torchao backend")
+        from torchao.float8 import convert_to_float8_training
+
+        wanted = set(names)
+        convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in wanted)
+        return names
+    modules = dict(model.named_modules())
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        setattr(
+            modules[parent_name] if parent_name else model, child, Float8Linear.from_linear(modules[name])
+        )
+    return names

@@ -1,0 +1,200 @@
+"""Step metrics read without stalling the GPU, and per-layer gradient statistics.
+
+The trainer hands :meth:`AsyncMetrics.submit` whatever it has: Python floats, or tensors still on the GPU.
+Device tensors are copied to pinned host memory with ``non_blocking=True`` and a CUDA event is recorded;
+the values become visible once the event has completed, usually at the next step boundary. Nothing calls
+``.item()`` on a device tensor, so the CPU never waits for the GPU; rules see metrics at most a step or two
+late, which is what "evaluated at step boundaries without stalling" costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class _Pending:
+    step: int
+    host: dict[str, float]
+    names: list[str]
+    values: torch.Tensor | None  # pinned host tensor being filled by a non-blocking copy
+    event: Any = None
+
+
+class AsyncMetrics:
+    """A queue of per-step metric dicts whose device tensors are copied to the host asynchronously."""
+
+    def __init__(self) -> None:
+        self._pending: deque[_Pending] = deque()
+
+    def submit(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Queue ``metrics`` of ``step``: floats are kept, CUDA tensors copied without waiting."""
+        host: dict[str, float] = {}
+        names, tensors = [], []
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                if value.device.type == "cpu":
+                    host[key] = float(value.detach().float().reshape(-1)[0])
+                else:
+                    names.append(key)
+                    tensors.append(value.detach().float().reshape(-1)[:1])
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                host[key] = float(value)
+        values, event = None, None
+        if tensors:
+            packed = torch.cat(tensors)
+            values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            values.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append(_Pending(step, host, names, values, event))
+
+    def ready(self, wait: bool = False) -> list[tuple[int, dict[str, float]]]:
+        """Steps whose values have all reached the host, oldest first (in step order, never skipping).
+
+        Args:
+            wait: Block until everything queued has arrived (end of training, tests).
+        """
+        out = []
+        while self._pending:
+            item = self._pending[0]
+            if item.event is not None:
+                if wait:
+                    item.event.synchronize()
+                elif not item.event.query():
+                    break
+                item.host.update(zip(item.names, item.values.tolist()))
+            out.append((item.step, item.host))
+            self._pending.popleft()
+        return out
+
+
+@dataclass
+class _History:
+    """Running mean/variance (Welford) of a layer's log gradient norm, for its z-score."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def zscore_then_add(self, x: float, warmup: int = 5) -> float:
+        z = 0.0
+        if self.n >= warmup:
+            std = math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else 0.0
+            z = (x - self.mean) / max(std, 1e-3)
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+        return z
+
+
+@dataclass
+class GradientMonitor:
+    """Per-layer gradient norm, non-finite count and anomaly z-score, gathered on the device in one tensor.
+
+    :meth:`collect` returns device tensors (no sync) to submit to :class:`AsyncMetrics`; :meth:`expand`
+    turns the host values into the metric names the fallback rules use: ``nonfinite_grads``,
+    ``layer_grad_anomaly``, ``layer:<name>.grad_norm``, ``layer:<name>.nonfinite_grads``,
+    ``layer:<name>.grad_anomaly``.
+    """
+
+    layers: dict[str, nn.Module]
+    history: dict[str, _History] = field(default_factory=dict)
+
+    def collect(self, inv_scale: torch.Tensor | float = 1.0) -> dict[str, torch.Tensor]:
+        """Device-side statistics of the current ``.grad`` of every layer (call after backward).
+
+        Args:
+            inv_scale: Factor for gradients that are still loss-scaled (norms only; counts are unaffected).
+        """
+        out: dict[str, torch.Tensor] = {}
+        total = None
+        for name, module in self.layers.items():
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            if not grads:
+                continue
+            norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+            bad = (~torch.isfinite(norms)).sum().float()
+            out[f"layer:{name}.grad_norm"] = norms.pow(2).sum().sqrt() * inv_scale
+            out[f"layer:{name}.nonfinite_grads"] = bad
+            total = bad if total is None else total + bad
+        if total is not None:
+            out["nonfinite_grads"] = total
+        return out
+
+    def expand(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Add z-scores of each layer's log gradient norm against its own history (finite norms only)."""
+        worst = 0.0
+        for name in self.layers:
+            norm = metrics.get(f"layer:{name}.grad_norm")
+            if norm is None or not math.isfinite(norm) or norm <= 0:
+                continue
+            z = self.history.setdefault(name, _History()).zscore_then_add(math.log(norm))
+            metrics[f"layer:{name}.grad_anomaly"] = z
+            worst = max(worst, abs(z))
+        if self.history:
+            metrics.setdefault("layer_grad_anomaly", worst)
+        return metrics
+
+
+class OutputProbe:
+    """Forward hooks that flag, on the device, each layer whose output was not finite during the step.
+
+    A forward overflow makes every later activation and every gradient non-finite, so gradients alone do
+    not say where it started; the first layer in forward order with a non-finite output does. The flags are
+    OR-ed in place (no sync), so gradient accumulation over several micro-batches is covered.
+    """
+
+    def __init__(self, layers: dict[str, nn.Module]):
+        self.names = list(layers)
+        self.flags: torch.Tensor | None = None
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(layers.values())]
+
+    def _hook(self, index: int):
+        def hook(module, args, out):
+            from rapidfire_hf.precision.sensitivity import _first_tensor
+
+            t = _first_tensor(out)
+            if t is None or not t.is_floating_point():
+                return
+            if self.flags is None or self.flags.device != t.device:
+                self.flags = torch.zeros(len(self.names), dtype=torch.float32, device=t.device)
+            self.flags[index] += (~torch.isfinite(t.detach())).any().float()
+
+        return hook
+
+    def collect(self) -> dict[str, torch.Tensor]:
+        """Device flags as ``layer:<name>.nonfinite_outputs`` metrics, and reset them for the next step."""
+        if self.flags is None:
+            return {}
+        flags, self.flags = self.flags, None
+        return {f"layer:{n}.nonfinite_outputs": flags[i] for i, n in enumerate(self.names)}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def overflow_culprit(layer_names: list[str], metrics: Mapping[str, float]) -> tuple[str, str] | None:
+    """The layer where a non-finite value started, and why, or None.
+
+    A forward overflow is blamed on the first layer (in forward order) with a non-finite output; a backward
+    one on the last layer with non-finite gradients, since an overflowing activation gradient poisons every
+    layer before it but none after it.
+    """
+    for name in layer_names:
+        if metrics.get(f"layer:{name}.nonfinite_outputs", 0.0) > 0:
+            return name, "non-finite output in forward"
+    for name in reversed(layer_names):
+        if metrics.get(f"layer:{name}.nonfinite_grads", 0.0) > 0:
+            return name, "non-finite gradients in backward"
+    return None
