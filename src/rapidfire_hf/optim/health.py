@@ -60,9 +60,12 @@ class RunningStat:
         if self.mean is None:
             self.mean, self.var = x.clone(), torch.zeros_like(x)
         else:
+            # alpha = 1/n at first makes this Welford's exact mean/variance, so the early z-scores are
+            # not inflated by a variance that starts at 0; later it is an EMA that follows drift.
+            alpha = max(1 - self.beta, 1 / (self.count + 1))
             delta = x - self.mean
-            self.mean = self.mean + (1 - self.beta) * delta
-            self.var = self.beta * (self.var + (1 - self.beta) * delta * delta)
+            self.mean = self.mean + alpha * delta
+            self.var = (1 - alpha) * (self.var + alpha * delta * delta)
         self.count += 1
 
     def state_dict(self) -> dict[str, Any]:
