@@ -1,0 +1,124 @@
+"""Driving ``AdaptivePrecisionPlugin`` from a ``transformers.Trainer``'s events."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+# Trainer log keys -> metric names of the fallback rules (rapidfire_hf.config.rules.METRICS).
+_RULE_METRICS = {
+    "entropy": "entropy",
+    "kl": "kl",
+    "rapidfire/tokens_per_sec": "throughput",
+    "rapidfire/memory/fragmentation": "fragmentation",
+    "rapidfire/memory/allocated_gib": "memory_allocated_gb",
+    "rapidfire/memory/reserved_gib": "memory_reserved_gb",
+}
+
+
+def trainer_precision(trainer) -> str:
+    """The precision the trainer's own autocast runs in: ``"bf16"``, ``"fp16"`` or ``"fp32"``."""
+    return {"bf16": "bf16", "fp16": "fp16"}.get(str(trainer.accelerator.mixed_precision), "fp32")
+
+
+def calibration_batch(inputs) -> dict[str, torch.Tensor] | None:
+    """Causal-LM forward kwargs from one micro-batch of a TRL trainer, for the sensitivity pass."""
+    if not isinstance(inputs, dict):
+        return None
+    if isinstance(inputs.get("input_ids"), torch.Tensor):  # SFT, DPO, reward
+        return {k: inputs[k] for k in ("input_ids", "attention_mask") if k in inputs}
+    if "prompt_ids" in inputs and "completion_ids" in inputs:  # GRPO, RLOO
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        return {"input_ids": ids, "attention_mask": mask}
+    return None
+
+
+class PrecisionPluginCallback(TrainerCallback):
+    """Attaches an ``AdaptivePrecisionPlugin`` to a trainer and runs its per-step protocol.
+
+    - ``on_train_begin`` (after ``accelerator.prepare``): ``attach`` with the final model and optimizer;
+      the plugin's ``disable_pipeline``/``enable_pipeline`` actions go to ``trainer.disable_pipeline()``
+      and its ``compact_memory`` action to the memory callback when installed.
+    - the first micro-batches: ``calibrate`` (the sensitivity pass; a no-op in static mode or fp32).
+    - before each optimizer step: ``observe_gradients`` (gradients the pipeline already applied are gone,
+      so in pipelined windows only the rules on global metrics see data).
+    - after each optimizer step: ``on_step_end(step, metrics)`` with the window's loss (a device tensor,
+      read asynchronously by the plugin), the optimizer's gradient norm, and the most recent logged
+      throughput / memory / entropy / KL (logging happens after ``on_step_end``: a step late).
+
+    Args:
+        plugin: the ``AdaptivePrecisionPlugin``.
+        trainer: the trainer it belongs to.
+    """
+
+    def __init__(self, plugin, trainer):
+        self.plugin = plugin
+        self.trainer = trainer
+        self.logged: dict[str, float] = {}
+        self._losses: list[torch.Tensor] = []
+        self._attached = False
+        self._wrap_training_step(trainer)
+
+    def _wrap_training_step(self, trainer) -> None:
+        training_step = trainer.training_step
+
+        @functools.wraps(training_step)
+        def step_with_precision(model, inputs, *args, **kwargs):
+            if self._attached and not self.plugin.calibration_done:
+                batch = calibration_batch(inputs)
+                if batch is not None:
+                    self.plugin.calibrate(batch)
+            loss = training_step(model, inputs, *args, **kwargs)
+            self._losses.append(loss.detach())
+            return loss
+
+        trainer.training_step = step_with_precision
+
+    def stats(self) -> dict:
+        return self.plugin.stats()
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self._attached:
+            return
+        handlers = {"disable_pipeline": self._pipeline(False), "enable_pipeline": self._pipeline(True)}
+        memory = getattr(getattr(self.trainer, "_rapidfire", None), "parts", {}).get("memory")
+        if memory is not None:
+            handlers["compact_memory"] = functools.partial(memory.compact, "precision rule")
+        self.plugin.attach(self.trainer.accelerator, model, optimizer, handlers=handlers)
+        self._attached = True
+
+    def _pipeline(self, enabled: bool):
+        def switch():
+            method = getattr(self.trainer, "enable_pipeline" if enabled else "disable_pipeline", None)
+            if method is not None:
+                method()
+
+        return switch
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.plugin.observe_gradients()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key, name in _RULE_METRICS.items():
+            value = (logs or {}).get(key)
+            if isinstance(value, (int, float)):
+                self.logged[name] = float(value)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from rapidfire_hf.integrations.parts import find_rapidfire_optimizer
+
+        metrics: dict = dict(self.logged)
+        if self._losses:
+            metrics["loss"] = torch.stack(self._losses).mean()
+            self._losses = []
+        opt = find_rapidfire_optimizer(self.trainer.optimizer)
+        norm = opt.stats().get("last_grad_norm") if opt is not None else None
+        if norm is not None:
+            metrics["grad_norm"] = norm
+        self.plugin.on_step_end(state.global_step, metrics)

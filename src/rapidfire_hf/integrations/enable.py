@@ -1,0 +1,190 @@
+"""``enable_rapidfire``: rapidfire_hf in any ``transformers.Trainer`` or TRL trainer, in one line."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from rapidfire_hf.integrations.parts import STATE_ATTR, RapidFireState, optional_attr
+
+logger = logging.getLogger(__name__)
+
+
+class RapidFireIntegrationError(RuntimeError):
+    """``enable_rapidfire`` was called on a trainer it cannot safely change."""
+
+
+def _check_fresh(trainer) -> None:
+    from transformers import Trainer
+
+    from rapidfire_hf.integrations.optimizer import has_stepped
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(
+            f"enable_rapidfire expects a transformers.Trainer or TRL trainer, got {type(trainer).__name__}"
+        )
+    if getattr(trainer, STATE_ATTR, None) is not None:
+        raise RapidFireIntegrationError(
+            f"enable_rapidfire was already called on this {type(trainer).__name__}; call it once per trainer"
+        )
+    if trainer.state.global_step > 0 or has_stepped(trainer.optimizer):
+        raise RapidFireIntegrationError(
+            f"this {type(trainer).__name__} has already trained (global_step={trainer.state.global_step}); "
+            "call enable_rapidfire before trainer.train(), on a freshly built trainer"
+        )
+
+
+def enable_rapidfire(
+    trainer,
+    config: Any = None,
+    *,
+    rollout: bool | str = True,
+    peak_flops: float | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+):
+    """Install rapidfire_hf's parts into a ``transformers.Trainer`` or TRL trainer, before ``train()``.
+
+    What is installed (each part only where it exists in this installation and applies):
+
+    - ``RapidFireOptimizer`` around the optimizer the trainer builds from its own arguments (learning
+      rate, weight decay, betas, epsilon, ``optim``), or around the one passed in ``optimizers=``; the
+      trainer's LR scheduler runs on it. Gradient clipping moves into the optimizer while the pipeline
+      is on. Not with DeepSpeed, which owns the optimizer.
+    - ``MemoryCompactionCallback`` (``config.memory``) and ``AdaptivePrecisionPlugin``
+      (``config.precision``).
+    - For GRPO/RLOO: the rollout engine in place of ``model.generate`` (``rollout=False`` keeps HF's).
+    - ``rapidfire/*`` metrics in every training log, so ``report_to`` (W&B, TensorBoard) receives them.
+    - ``trainer.disable_pipeline()`` / ``trainer.enable_pipeline()``.
+
+    Args:
+        trainer: a trainer that has not started training.
+        config: a ``RapidFireConfig``, a preset name, a YAML path, or a dict (short or nested form);
+            ``None`` for the ``balanced`` defaults.
+        rollout: replace generation with the rollout engine in GRPO/RLOO trainers (``True`` or a backend
+            name of ``RolloutEngine``: ``"auto"``, ``"static"``, ``"hf"``; ``False`` keeps HF's).
+        peak_flops: peak FLOP/s per device for the MFU metric (looked up for known GPUs when ``None``).
+        optimizer_kwargs: extra ``RapidFireOptimizer`` arguments (default ``rollback="auto"``; e.g.
+            ``{"snapshot": "host"}`` to keep the rollback snapshot in pinned host memory).
+
+    Returns:
+        The same trainer, changed in place.
+
+    Raises:
+        RapidFireIntegrationError: when called twice on a trainer, or after it started training.
+        ConfigError: for an invalid configuration (naming the bad key and what is allowed).
+        TypeError: when ``trainer`` is not a ``transformers.Trainer``.
+
+    Example:
+        >>> from trl import GRPOTrainer
+        >>> trainer = enable_rapidfire(GRPOTrainer(...), config="aggressive")  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+    """
+    from rapidfire_hf.config import load_config
+
+    _check_fresh(trainer)
+    cfg = load_config(config)
+    state = RapidFireState(config=cfg, pipeline=bool(cfg.gradient.pipeline))
+    setattr(trainer, STATE_ATTR, state)
+    _install_optimizer(trainer, state, optimizer_kwargs)
+    _install_memory(trainer, state)
+    _install_precision(trainer, state)
+    if rollout:
+        _install_rollout(trainer, state, "auto" if rollout is True else rollout)
+    _install_metrics(trainer, state, peak_flops)
+    trainer.disable_pipeline = functools.partial(_set_pipeline, trainer, False)
+    trainer.enable_pipeline = functools.partial(_set_pipeline, trainer, True)
+    logger.info(
+        "rapidfire: enabled on %s: %s%s",
+        type(trainer).__name__,
+        "; ".join(state.installed) or "nothing",
+        "".join(f"; skipped {s}" for s in state.skipped),
+    )
+    return trainer
+
+
+def _set_pipeline(trainer, enabled: bool) -> None:
+    from rapidfire_hf.integrations.optimizer import set_pipeline
+
+    set_pipeline(trainer, enabled)
+
+
+def _install_optimizer(trainer, state: RapidFireState, optimizer_kwargs: dict[str, Any] | None) -> None:
+    if optional_attr("rapidfire_hf.optim", "RapidFireOptimizer") is None:
+        state.skipped.append("RapidFireOptimizer (rapidfire_hf.optim is not installed)")
+    elif trainer.is_deepspeed_enabled:
+        state.skipped.append("RapidFireOptimizer (DeepSpeed owns the optimizer)")
+    else:
+        from rapidfire_hf.integrations.optimizer import install_optimizer
+
+        state.installed.append(install_optimizer(trainer, optimizer_kwargs))
+
+
+def _install_memory(trainer, state: RapidFireState) -> None:
+    cls = optional_attr("rapidfire_hf.memory", "MemoryCompactionCallback")
+    if cls is None:
+        state.skipped.append("memory compaction (rapidfire_hf.memory is not installed)")
+        return
+    callback = cls(state.config.memory, telemetry_dir=state.config.logging.telemetry_dir)
+    trainer.add_callback(callback)
+    state.parts["memory"] = callback
+    state.installed.append(f"MemoryCompactionCallback ({state.config.memory.optimization.value})")
+
+
+def _install_precision(trainer, state: RapidFireState) -> None:
+    cls = optional_attr("rapidfire_hf.precision", "AdaptivePrecisionPlugin")
+    if cls is None:
+        state.skipped.append("adaptive precision (rapidfire_hf.precision is not installed)")
+        return
+    from rapidfire_hf.integrations.callbacks import PrecisionPluginCallback, trainer_precision
+
+    # The trainer's own autocast (args.bf16 / args.fp16) is the base precision the model computes in;
+    # the plugin cannot change it from outside, so its `initial` follows the trainer.
+    prec = state.config.precision
+    initial = trainer_precision(trainer)
+    if initial != prec.initial.value:
+        logger.info(
+            "rapidfire: precision.initial=%s but the trainer runs in %s (its bf16/fp16 arguments); using %s",
+            prec.initial.value,
+            initial,
+            initial,
+        )
+    callback = PrecisionPluginCallback(cls.from_config(prec, initial=initial), trainer)
+    trainer.add_callback(callback)
+    state.parts["precision"] = callback
+    state.installed.append(f"AdaptivePrecisionPlugin ({prec.mode.value}, base precision {initial})")
+
+
+def _install_rollout(trainer, state: RapidFireState, backend: str) -> None:
+    if not hasattr(trainer, "_generate_single_turn"):
+        return  # not a generating trainer: nothing to say
+    if optional_attr("rapidfire_hf.rollout", "RolloutEngine") is None:
+        state.skipped.append("rollout engine (rapidfire_hf.rollout is not installed)")
+        return
+    from rapidfire_hf.integrations.rollout import install_rollout, supports_rollout
+
+    reason = supports_rollout(trainer)
+    if reason is not None:
+        state.skipped.append(f"rollout engine ({reason})")
+        return
+    patch = install_rollout(trainer, backend)
+    state.parts["rollout"] = patch
+    state.installed.append(f"rollout engine (backend={backend}) in place of model.generate")
+
+
+def _install_metrics(trainer, state: RapidFireState, peak_flops: float | None) -> None:
+    from rapidfire_hf.integrations.metrics import RapidFireMetricsCallback
+    from rapidfire_hf.integrations.wandb_logger import RapidFireWandbCallback
+
+    # W&B requested in the rapidfire config but not in the trainer's report_to: log there directly.
+    direct_wandb = "wandb" in state.config.logging.report_to and "wandb" not in (trainer.args.report_to or [])
+    if direct_wandb:
+        callback = RapidFireWandbCallback(
+            trainer, peak_flops=peak_flops, project=state.config.logging.wandb_project
+        )
+    else:
+        callback = RapidFireMetricsCallback(trainer, peak_flops=peak_flops)
+    trainer.add_callback(callback)
+    state.parts["metrics"] = callback
+    where = "W&B (direct)" if direct_wandb else f"report_to={trainer.args.report_to or []}"
+    state.installed.append(f"rapidfire/* metrics to {where}")

@@ -1,0 +1,162 @@
+"""The rollout engine in place of ``model.generate`` inside TRL's GRPOTrainer and RLOOTrainer (trl 1.16).
+
+Both trainers generate in ``_generate_single_turn``; its plain-transformers branch left-pads the prompt
+ids, calls ``unwrapped_model.generate`` and returns, per sequence, the completion ids up to and including
+the first EOS (GRPO also returns ``logprobs``, ``None`` on that branch). The replacement below keeps that
+contract exactly and falls back to TRL's own method whenever a case is outside it (vLLM, continuous
+batching, multimodal inputs, or sampling options the engine does not implement).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# GenerationConfig fields whose TRL values the engine reproduces; anything else set away from its
+# default sends the call back to HF generate, so the sampled distribution never silently changes.
+_NEUTRAL = {"min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "suppress_tokens": (None, [])}
+
+
+def supports_rollout(trainer) -> str | None:
+    """``None`` when the trainer's generation can run on the engine, else the reason it cannot."""
+    if not hasattr(trainer, "_generate_single_turn"):
+        return "the trainer has no _generate_single_turn (not a GRPO/RLOO trainer of trl 1.16)"
+    if getattr(trainer, "use_vllm", False):
+        return "the trainer generates with vLLM"
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        return "the trainer uses transformers continuous batching"
+    return _unsupported_sampling(trainer)
+
+
+def _unsupported_sampling(trainer) -> str | None:
+    gen = getattr(trainer, "generation_config", None)
+    if gen is None:
+        return "the trainer has no generation_config"
+    for name, neutral in _NEUTRAL.items():
+        if getattr(gen, name, None) not in neutral:
+            return f"generation_config.{name}={getattr(gen, name)!r} is not implemented by the rollout engine"
+    return None
+
+
+def sampling_params(trainer):
+    """The engine's ``SamplingParams`` equal to the trainer's ``generation_config``."""
+    from rapidfire_hf.rollout import SamplingParams
+
+    gen = trainer.generation_config
+    return SamplingParams(
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature if gen.temperature is not None else 1.0,
+        top_k=gen.top_k or 0,
+        top_p=gen.top_p if gen.top_p is not None else 1.0,
+        do_sample=bool(gen.do_sample),
+    )
+
+
+def truncate_after_eos(responses: torch.Tensor, eos_ids: list[int]) -> list[list[int]]:
+    """Per row, the tokens up to and including the first EOS (all of them when there is none).
+
+    The same rule as TRL's plain-generate branch, so completions have the same format.
+    """
+    responses = responses.cpu()
+    is_eos = torch.isin(responses, torch.tensor(eos_ids))
+    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, responses.size(1))
+    return [row[:n].tolist() for row, n in zip(responses, lengths.tolist())]
+
+
+def _left_pad(prompt_ids: list[list[int]], pad_id: int, multiple: int | None):
+    width = max(len(p) for p in prompt_ids)
+    if multiple:
+        width = -(-width // multiple) * multiple
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompt_ids):
+        if p:
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+class RolloutPatch:
+    """Replaces ``trainer._generate_single_turn`` (instance attribute) with a rollout-engine version.
+
+    Attributes:
+        calls: generation calls served by the engine.
+        fallbacks: calls handed back to TRL's own method.
+    """
+
+    def __init__(self, trainer, backend: str = "auto"):
+        self.trainer = trainer
+        self.backend = backend
+        self.calls = 0
+        self.fallbacks = 0
+        self._engine = None
+        self._engine_model = None
+        self.original = trainer._generate_single_turn
+        # GRPO returns (completion_ids, logprobs); RLOO returns completion_ids only.
+        self.returns_logprobs = "num_generations" in inspect.signature(self.original).parameters
+        trainer._generate_single_turn = functools.wraps(self.original)(self.generate_single_turn)
+
+    def stats(self) -> dict[str, int]:
+        return {"engine_calls": self.calls, "fallbacks": self.fallbacks}
+
+    def _engine_for(self, model):
+        # The engine holds the training weights (no copy); rebuild only if the unwrapped model changes.
+        if self._engine is None or self._engine_model is not model:
+            from rapidfire_hf.rollout import RolloutEngine
+
+            tr = self.trainer
+            self._engine = RolloutEngine(
+                model,
+                pad_token_id=tr._tokenizer.pad_token_id,
+                stop_token_ids=list(tr.eos_token_ids),
+                backend=self.backend,
+            )
+            self._engine_model = model
+        return self._engine
+
+    def generate_single_turn(self, prompt_ids, images=None, multimodal_fields=None, *args, **kwargs):
+        reason = _unsupported_sampling(self.trainer)
+        if images is not None or multimodal_fields or kwargs.get("has_tool_images") or reason:
+            self.fallbacks += 1
+            return self.original(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        completion_ids = self._generate(prompt_ids)
+        self.calls += 1
+        return (completion_ids, None) if self.returns_logprobs else completion_ids
+
+    def _generate(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        from trl.models import unwrap_model_for_generation
+
+        tr = self.trainer
+        ids, mask = _left_pad(prompt_ids, tr._tokenizer.pad_token_id, tr.pad_to_multiple_of)
+        device = tr.accelerator.device
+        # The same context as TRL's branch: ZeRO-3 parameters gathered, gradient checkpointing off, the
+        # KV cache on while generating; FSDP parameters summoned.
+        with contextlib.ExitStack() as stack:
+            model = stack.enter_context(
+                unwrap_model_for_generation(
+                    tr.model_wrapped,
+                    tr.accelerator,
+                    gather_deepspeed3_params=tr.args.ds3_gather_for_generation,
+                    generation_kwargs=tr.generation_kwargs,
+                    gradient_checkpointing_kwargs=tr.args.gradient_checkpointing_kwargs,
+                )
+            )
+            stack.enter_context(torch.no_grad())
+            if getattr(tr, "_dist", None) is not None:
+                stack.enter_context(tr._dist.summon_full_params(tr.model_wrapped, recurse=False))
+            out = self._engine_for(model).generate(ids.to(device), mask.to(device), sampling_params(tr))
+        return truncate_after_eos(out.responses, list(tr.eos_token_ids))
+
+
+def install_rollout(trainer, backend: str = "auto") -> RolloutPatch:
+    """Patch a GRPO/RLOO trainer's generation (see ``RolloutPatch``); raise ``ValueError`` if unsupported."""
+    reason = supports_rollout(trainer)
+    if reason is not None:
+        raise ValueError(reason)
+    return RolloutPatch(trainer, backend=backend)
