@@ -47,7 +47,7 @@ def train(
     """
     steps = [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
     for step, ids in enumerate(steps):
-        for attempt in range(2 if replay else 1):
+        for _attempt in range(2 if replay else 1):
             for i in ids:
                 loss = loss_of(model, i)
                 if inject is not None:
