@@ -166,17 +166,17 @@ def enable_fp8(
     """
     if backend not in ("auto", "torchao", "scaled_mm"):
         raise ValueError(f"backend must be 'auto', 'torchao' or 'scaled_mm', got {backend!r}")
-    param = next(model.parameters())
-    ok, why = fp8_support(param.device)
+    from rapidfire_hf.utils.imports import is_available, require
+
+    if backend == "torchao":
+        require("torchao", "FP8 training with the torchao backend")
+    ok, why = fp8_support(next(model.parameters()).device)
     if not ok:
         raise RuntimeError(why)
     names = fp8_candidates(model, min_features, skip)
     if plugin is not None:
         names = [n for n in names if not any(n == k or n.startswith(k + ".") for k in plugin.overrides)]
-    from rapidfire_hf.utils.imports import is_available, require
-
     if backend == "torchao" or (backend == "auto" and is_available("torchao")):
-        require("torchao", "FP8 training with the torchao backend")
         from torchao.float8 import convert_to_float8_training
 
         wanted = set(names)

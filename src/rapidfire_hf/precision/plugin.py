@@ -159,6 +159,7 @@ class AdaptivePrecisionPlugin:
 
     def _reset_runtime(self) -> None:
         self.model: nn.Module | None = None
+        self._accelerator = None
         self.optimizer = None
         self.scaler: PerGroupGradScaler | None = None
         self.layers: dict[str, nn.Module] = {}
@@ -256,6 +257,7 @@ class AdaptivePrecisionPlugin:
         return self
 
     def _bind_accelerator(self, accelerator) -> None:
+        self._accelerator = accelerator
         accelerator.rapidfire_precision = self
         accelerator.register_for_checkpointing(self)
         amp = {"fp16": Precision.FP16, "bf16": Precision.BF16, "no": Precision.FP32}.get(
@@ -397,6 +399,8 @@ class AdaptivePrecisionPlugin:
     def step(self, optimizer=None, *args, **kwargs):
         """Unscale (fp16), observe gradients, step the optimizer (per-group skipping under fp16)."""
         optimizer = optimizer or self.optimizer
+        if self._accelerator is not None and not self._accelerator.sync_gradients:
+            return None  # inside accelerator.accumulate(): not the step that closes the window
         if self.scaler is not None:
             self.scaler.unscale_(_inner_optimizer(optimizer))
         self.observe_gradients()
@@ -462,8 +466,9 @@ class AdaptivePrecisionPlugin:
             return self.set_precision(rule.argument, None, reason, step)
         if rule.verb in ("disable_pipeline", "enable_pipeline"):
             enable = rule.verb == "enable_pipeline"
-            if self._pipeline_enabled is enable:
-                return []
+            state = getattr(_inner_optimizer(self.optimizer), "pipeline_enabled", self._pipeline_enabled)
+            if state is enable:
+                return []  # already so: not an action, and no log line every step
             self._pipeline_enabled = enable
         handler = self.handlers.get(rule.verb) or getattr(_inner_optimizer(self.optimizer), rule.verb, None)
         if handler is None:
