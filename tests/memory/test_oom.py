@@ -1,0 +1,123 @@
+"""OOM recovery: a micro-batch that raises torch.OutOfMemoryError is split and retried with the same result.
+
+The OOM source is simulated (CPU has no allocator limit): the step raises a real ``torch.OutOfMemoryError``
+when its chunk is larger than a limit, either before backward or from a gradient hook in the middle of it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import BatchEncoding
+
+from rapidfire_hf.memory import OOMRecovery, OOMRecoveryError, TelemetryWriter, split_batch
+
+# fp32 on CPU: the halves sum their gradients in another order than the whole batch does
+ATOL, RTOL = 1e-6, 1e-5
+
+
+def lm_step(model, limit):
+    def step(chunk, weight):
+        if chunk["input_ids"].shape[0] > limit:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated: {chunk['input_ids'].shape[0]} > {limit})"
+            )
+        loss = model(**chunk).loss  # mean over the chunk's tokens; all rows have the same length
+        (loss * weight).backward()
+        return loss
+
+    return step
+
+
+def batch(n=8, length=10, seed=0):
+    ids = torch.randint(4, 40, (n, length), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def test_split_gives_same_gradients_loss_and_update_as_no_oom(tiny_policy):
+    reference, model = tiny_policy, copy.deepcopy(tiny_policy)
+    # SGD: the update is linear in the gradient, so the tolerance carries over (Adam divides tiny
+    # gradients by their own magnitude and turns 1e-9 noise into a full step)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recover = OOMRecovery(max_splits=3, params=model.parameters())
+
+    for seed in (0, 1):  # the second batch is split up front, with no new OOM
+        b = batch(seed=seed)
+        ref_loss = lm_step(reference, limit=8)(b, 1.0)
+        loss = recover(lm_step(model, limit=2), b)
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
+        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad, atol=ATOL, rtol=RTOL, msg=name)
+        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p, p_ref, atol=ATOL, rtol=RTOL)
+    assert [(e["depth"], e["chunk_size"]) for e in recover.events] == [(1, 8), (2, 4)]
+    assert recover.splits == 2
+
+
+def test_gives_up_after_max_splits_with_a_clear_message(tiny_policy, tmp_path):
+    telemetry = TelemetryWriter(tmp_path, register=False)
+    recover = OOMRecovery(max_splits=2, params=tiny_policy.parameters(), telemetry=telemetry)
+    with pytest.raises(
+        OOMRecoveryError, match=r"chunk of 2 sample\(s\) after splitting the micro-batch 2 time"
+    ):
+        recover(lm_step(tiny_policy, limit=1), batch())
+    assert all(p.grad is None for p in tiny_policy.parameters())
+    path = telemetry.open()
+    telemetry.close()
+    assert path.read_text().count('"oom_split"') == 2
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, limit):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.limit = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3), limit
+
+    def forward(self, x):
+        h = self.l1(x)
+        if h.requires_grad and x.shape[0] > self.limit:
+
+            def fail(grad):  # raised after l2's gradients were accumulated
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated, in backward)")
+
+            h.register_hook(fail)
+        return self.l2(torch.relu(h))
+
+
+def mlp_step(model):
+    def step(chunk, weight):
+        loss = model(chunk).pow(2).mean()
+        (loss * weight).backward()
+        return loss
+
+    return step
+
+
+def test_oom_in_backward_drops_the_partial_gradients_it_created():
+    reference, model = MLP(limit=100), MLP(limit=4)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    mlp_step(reference)(x, 1.0)
+    OOMRecovery(params=model.parameters())(mlp_step(model), x)
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, atol=ATOL, rtol=RTOL)
+
+
+def test_oom_in_backward_into_existing_gradients_is_refused():
+    model = MLP(limit=4)
+    recover = OOMRecovery(params=model.parameters())
+    recover(mlp_step(model), torch.randn(2, 6))  # first micro-batch of the accumulation window: fine
+    with pytest.raises(OOMRecoveryError, match="added into existing .grad"):
+        recover(mlp_step(model), torch.randn(8, 6))
+
+
+def test_split_batch_keeps_type_and_shared_values():
+    enc = BatchEncoding({"input_ids": torch.arange(10).view(5, 2), "texts": list("abcde"), "scale": 2.0})
+    first, second = split_batch(enc)
+    assert isinstance(first, BatchEncoding)
+    assert first["input_ids"].tolist() == [[0, 1], [2, 3], [4, 5]] and second["texts"] == ["d", "e"]
+    assert first["scale"] == second["scale"] == 2.0
+    assert [t.tolist() for t in split_batch(torch.arange(4))] == [[0, 1], [2, 3]]
