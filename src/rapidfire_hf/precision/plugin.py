@@ -7,20 +7,28 @@ at three points of each step (see :class:`AdaptivePrecisionPlugin`).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from enum import Enum
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-from rapidfire_hf.precision.actions import PrecisionAction, describe_match
-from rapidfire_hf.precision.metrics import AsyncMetrics, GradientMonitor, OutputProbe, overflow_culprit
+from rapidfire_hf.precision.actions import PrecisionAction
+from rapidfire_hf.precision.metrics import AsyncMetrics, GradientMonitor, OutputProbe
+from rapidfire_hf.precision.options import (
+    DEFAULTS,
+    ENV_PREFIX,
+    PrecisionMode,
+    as_rule,
+    cast_optimizer_state,
+    help_field,
+    inner_optimizer,
+    logger,
+)
+from rapidfire_hf.precision.rules import PluginState, RuleEngine
 from rapidfire_hf.precision.scaler import PerGroupGradScaler
 from rapidfire_hf.precision.schedule import (
     Precision,
@@ -35,54 +43,9 @@ from rapidfire_hf.precision.sensitivity import (
     sensitivity_table,
 )
 
-logger = logging.getLogger("rapidfire_hf.precision")
-
-ENV_PREFIX = "RAPIDFIRE_PRECISION_"
-
-
-class PrecisionMode(str, Enum):
-    """``static``: ``initial`` everywhere; ``adaptive``: sensitivity pass, anomaly switches and rules."""
-
-    STATIC = "static"
-    ADAPTIVE = "adaptive"
-
-
-def _help(text: str, default: Any = None, **kw):
-    return field(default=default, metadata={"help": text}, **kw)
-
-
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in ("1", "0", "true", "false", "yes", "no"):
-        raise ValueError(f"expected a boolean (true/false/1/0), got {text!r}")
-    return value in ("1", "true", "yes")
-
-
-def _parse_rules(text: str) -> list:
-    # the config package owns the rule syntax, including the env spelling "cond -> action; ..."
-    from rapidfire_hf.config import PrecisionConfig
-
-    check = PrecisionConfig.field_check("fallback")
-    return check("precision.fallback", check.parse_env(text))
-
-
-# field -> (default, parser of its RAPIDFIRE_PRECISION_<FIELD> value)
-_DEFAULTS: dict[str, tuple[Any, Callable[[str], Any]]] = {
-    "mode": (PrecisionMode.ADAPTIVE, PrecisionMode),
-    "initial": (Precision.BF16, Precision),
-    "fallback": (None, _parse_rules),  # None: the config package's default rules
-    "sensitive_precision": (None, Precision),  # None: fp32
-    "sensitivity_threshold": (0.02, float),
-    "sensitivity_batches": (1, int),
-    "auto_switch_layers": (True, _parse_bool),
-    "rule_cooldown_steps": (10, int),
-    "init_scale": (2.0**16, float),
-    "growth_interval": (2000, int),
-}
-
 
 @dataclass
-class AdaptivePrecisionPlugin:
+class AdaptivePrecisionPlugin(RuleEngine, PluginState):
     """Adaptive mixed precision for an ``accelerate.Accelerator``.
 
     Every field left as None takes ``RAPIDFIRE_PRECISION_<FIELD>`` from the environment, else its default
@@ -105,34 +68,34 @@ class AdaptivePrecisionPlugin:
         True
     """
 
-    mode: PrecisionMode | str | None = _help(
+    mode: PrecisionMode | str | None = help_field(
         "'static' keeps `initial` everywhere; 'adaptive' measures and switches."
     )
-    initial: Precision | str | None = _help("Precision the run starts in: 'bf16', 'fp16' or 'fp32'.")
-    fallback: list | None = _help(
+    initial: Precision | str | None = help_field("Precision the run starts in: 'bf16', 'fp16' or 'fp32'.")
+    fallback: list | None = help_field(
         "Fallback rules (FallbackRule or {condition, action}) checked at step ends."
     )
-    sensitive_precision: Precision | str | None = _help(
+    sensitive_precision: Precision | str | None = help_field(
         "Precision of layers found sensitive: 'fp32', or 'bf16' when `initial` is 'fp16'."
     )
-    sensitivity_threshold: float | None = _help(
+    sensitivity_threshold: float | None = help_field(
         "Relative error (output or gradient) above which a layer is sensitive."
     )
-    sensitivity_batches: int | None = _help(
+    sensitivity_batches: int | None = help_field(
         "Batches the sensitivity pass measures (the maximum error is kept)."
     )
-    auto_switch_layers: bool | None = _help(
+    auto_switch_layers: bool | None = help_field(
         "In adaptive mode, switch the layer where a non-finite value started to `sensitive_precision`."
     )
-    rule_cooldown_steps: int | None = _help("Steps after a rule fires before it may fire again.")
-    init_scale: float | None = _help("Initial per-group loss scale (fp16).")
-    growth_interval: int | None = _help("Finite steps of a group before its loss scale doubles (fp16).")
+    rule_cooldown_steps: int | None = help_field("Steps after a rule fires before it may fire again.")
+    init_scale: float | None = help_field("Initial per-group loss scale (fp16).")
+    growth_interval: int | None = help_field("Finite steps of a group before its loss scale doubles (fp16).")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name.startswith("_") or getattr(self, f.name) is not None:
                 continue
-            default, parse = _DEFAULTS[f.name]
+            default, parse = DEFAULTS[f.name]
             raw = os.environ.get(ENV_PREFIX + f.name.upper())
             try:
                 setattr(self, f.name, parse(raw) if raw is not None else default)
@@ -144,7 +107,7 @@ class AdaptivePrecisionPlugin:
             from rapidfire_hf.config import PrecisionConfig
 
             self.fallback = list(PrecisionConfig().fallback)
-        self.fallback = [_as_rule(r) for r in self.fallback]
+        self.fallback = [as_rule(r) for r in self.fallback]
         if self.initial is not Precision.FP32 and self.sensitive_precision.rank <= self.initial.rank:
             raise ValueError(
                 f"sensitive_precision={self.sensitive_precision.value!r} is not higher than "
@@ -245,7 +208,7 @@ class AdaptivePrecisionPlugin:
         self._monitor = GradientMonitor(self.layers)
         if self.mode is PrecisionMode.ADAPTIVE and self.auto_switch_layers:
             self._probe = OutputProbe(self.layers)
-        inner = _inner_optimizer(optimizer)
+        inner = inner_optimizer(optimizer)
         if self.initial is Precision.FP16 and inner is not None:
             device = next(model.parameters()).device
             self.scaler = PerGroupGradScaler(
@@ -328,7 +291,7 @@ class AdaptivePrecisionPlugin:
                 continue
             target = None if precision is self.initial else precision  # the ambient autocast covers initial
             changed = set_layer_precision(module, target, cast_back=module is not head)
-            _cast_optimizer_state(_inner_optimizer(self.optimizer), changed)
+            cast_optimizer_state(inner_optimizer(self.optimizer), changed)
 
     def _record(self, action: PrecisionAction) -> None:
         self.history.append(action)
@@ -402,11 +365,11 @@ class AdaptivePrecisionPlugin:
         if self._accelerator is not None and not self._accelerator.sync_gradients:
             return None  # inside accelerator.accumulate(): not the step that closes the window
         if self.scaler is not None:
-            self.scaler.unscale_(_inner_optimizer(optimizer))
+            self.scaler.unscale_(inner_optimizer(optimizer))
         self.observe_gradients()
         if self.scaler is None:
             return optimizer.step(*args, **kwargs)
-        out = self.scaler.step(_inner_optimizer(optimizer), *args, **kwargs)
+        out = self.scaler.step(inner_optimizer(optimizer), *args, **kwargs)
         self.scaler.update()
         return out
 
@@ -434,117 +397,3 @@ class AdaptivePrecisionPlugin:
             if self.mode is PrecisionMode.ADAPTIVE:
                 actions += self._evaluate(s, values)
         return actions
-
-    def _evaluate(self, step: int, metrics: dict[str, float]) -> list[PrecisionAction]:
-        actions: list[PrecisionAction] = []
-        if self.auto_switch_layers:
-            culprit = overflow_culprit(list(self.layers), metrics)
-            if culprit is not None:
-                actions += self.set_precision(self.sensitive_precision, culprit[0], culprit[1], step)
-                # explained by that layer: model-wide rules on it would undo the per-layer schedule
-                metrics["nonfinite_grads"] = 0.0
-        for index, rule in enumerate(self.fallback):
-            last = self._rule_last_fired.get(index)
-            if last is not None and step - last < self.rule_cooldown_steps:
-                continue
-            if not rule.matches(metrics):
-                continue
-            fired = self._apply_rule(rule, step, metrics)
-            if fired:
-                self._rule_last_fired[index] = step
-                actions += fired
-        return actions
-
-    def _apply_rule(self, rule, step: int, metrics: dict[str, float]) -> list[PrecisionAction]:
-        layers = rule.matched_layers(metrics)
-        reason = describe_match(rule, metrics, layers)
-        if rule.verb == "switch_to":
-            if rule.scope is not None:
-                return self.set_precision(rule.argument, rule.scope, reason, step)
-            if rule.layer is not None:
-                return [a for name in layers for a in self.set_precision(rule.argument, name, reason, step)]
-            return self.set_precision(rule.argument, None, reason, step)
-        if rule.verb in ("disable_pipeline", "enable_pipeline"):
-            enable = rule.verb == "enable_pipeline"
-            state = getattr(_inner_optimizer(self.optimizer), "pipeline_enabled", self._pipeline_enabled)
-            if state is enable:
-                return []  # already so: not an action, and no log line every step
-            self._pipeline_enabled = enable
-        handler = self.handlers.get(rule.verb) or getattr(_inner_optimizer(self.optimizer), rule.verb, None)
-        if handler is None:
-            logger.warning("precision: rule '%s' fired but nothing handles %r", rule.condition, rule.verb)
-            return []
-        handler()
-        action = PrecisionAction(step, rule.verb, None, None, reason)
-        self._record(action)
-        return [action]
-
-    # -- reporting and checkpoints ------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Switch counts, switches per hour, actions by kind, layers above the base precision, loss scales."""
-        hours = (self._elapsed_before + time.time() - self._t0) / 3600.0
-        switches = [a for a in self.history if a.verb == "switch_to"]
-        return {
-            "mode": self.mode.value,
-            "precision": self.current.value,
-            "switches": len(switches),
-            "switches_per_hour": len(switches) / max(hours, 1e-9),
-            "actions": dict(Counter(a.verb for a in self.history)),
-            "layer_precision": {n: p.value for n, p in self.overrides.items()},
-            "loss_scales": self.scaler.get_scales() if self.scaler is not None else None,
-            "overflow_steps_per_group": list(self.scaler.overflow_counts)
-            if self.scaler is not None
-            else None,
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Schedule, sensitivity table, switch history, rule cooldowns and loss scales (plain Python types)."""
-        return {
-            "version": 1,
-            "current": self.current.value,
-            "overrides": {n: p.value for n, p in self.overrides.items()},
-            "sensitivity": [vars(r).copy() for r in self.sensitivity.values()],
-            "calibrated_batches": self.calibrated_batches,
-            "history": [a.to_dict() for a in self.history],
-            "rule_last_fired": dict(self._rule_last_fired),
-            "pipeline_enabled": self._pipeline_enabled,
-            "elapsed_s": self._elapsed_before + time.time() - self._t0,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` and re-apply the schedule to the attached model."""
-        self.current = Precision(state["current"])
-        self.overrides = {n: Precision(p) for n, p in state["overrides"].items()}
-        self.sensitivity = {r["name"]: LayerSensitivity(**r) for r in state["sensitivity"]}
-        self.calibrated_batches = state["calibrated_batches"]
-        self.history = [PrecisionAction(**a) for a in state["history"]]
-        self._rule_last_fired = {int(k): v for k, v in state["rule_last_fired"].items()}
-        self._pipeline_enabled = state["pipeline_enabled"]
-        self._elapsed_before, self._t0 = state["elapsed_s"], time.time()
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self._apply_schedule()
-
-
-def _as_rule(rule):
-    from rapidfire_hf.config import FallbackRule
-
-    return rule if isinstance(rule, FallbackRule) else FallbackRule.from_dict(rule)
-
-
-def _inner_optimizer(optimizer):
-    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` wrappers (or None)."""
-    while optimizer is not None and hasattr(optimizer, "optimizer") and hasattr(optimizer, "scaler"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def _cast_optimizer_state(optimizer, params: list[nn.Parameter]) -> None:
-    """Give the moments of parameters converted to fp32 the same dtype (fused/foreach kernels require it)."""
-    if optimizer is None:
-        return
-    for p in params:
-        for key, value in optimizer.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape:
-                optimizer.state[p][key] = value.to(p.dtype)
