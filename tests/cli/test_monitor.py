@@ -1,0 +1,107 @@
+"""`rapidfire monitor` against a real child process that writes telemetry through the library's API."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rapidfire_hf.cli.main import main
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from rapidfire_hf.memory import TelemetryWriter, sample_memory
+
+    # the API a trainer uses, without importing transformers (keeps the child's start short)
+    telemetry = TelemetryWriter(sys.argv[1])
+    telemetry.open()
+    telemetry.memory(sample_memory(torch.nn.Linear(16, 16)), step=3, phase="train", where="step_end")
+    telemetry.event("compaction", step=3, reason="phase rollout->train", bytes_returned=0)
+    telemetry.event("rollback", step=3, reason="loss spike")
+    telemetry.event("precision_switch", step=3, layer="lm_head", to="fp32")
+    telemetry.metrics(3, {"tokens_per_s": 1480.0, "loss": 0.5})
+    print("ready", flush=True)
+    time.sleep(float(sys.argv[2]))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("rapidfire_cache")
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(cache, monkeypatch):
+    monkeypatch.setenv("RAPIDFIRE_CACHE_DIR", str(cache))
+
+
+def start_child(cache, seconds: float) -> subprocess.Popen:
+    """A process that registers a telemetry stream, writes a few records, then lives ``seconds``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(cache / "telemetry"), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAPIDFIRE_CACHE_DIR": str(cache)},
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def live_child(cache):
+    proc = start_child(cache, 120)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_once_json_reads_the_live_process(live_child, capsys):
+    proc = live_child
+    assert main(["monitor", "--pid", str(proc.pid), "--once", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["pid"] == proc.pid and view["step"] == 3 and view["phase"] == "train"
+    assert view["device"] == "cpu" and view["memory"]["reserved"] is None and view["nvml"] is None
+    assert view["memory"]["rss_bytes"] > 0 and view["holdings"]["parameters"] == (16 * 16 + 16) * 4
+    assert (
+        view["compactions"]["count"] == 1 and view["compactions"]["last"]["reason"] == "phase rollout->train"
+    )
+    assert view["rollbacks"] == 1 and view["precision_switches"] == 1 and view["tokens_per_s"] == 1480.0
+
+
+def test_once_table(live_child, capsys):
+    proc = live_child
+    assert main(["monitor", "--pid", str(proc.pid), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert f"rapidfire pid {proc.pid}" in out and "1,480" in out and "compactions" in out
+
+
+def test_process_ending_while_watched(cache, capsys):
+    proc = start_child(cache, 1.0)
+    try:
+        assert main(["monitor", "--pid", str(proc.pid), "--interval", "0.2", "--json"]) == 5
+    finally:
+        proc.kill()
+        proc.wait()
+    captured = capsys.readouterr()
+    assert f"process {proc.pid} ended" in captured.err
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert last["step"] == 3
+
+
+def test_pid_that_does_not_exist(capsys):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert main(["monitor", "--pid", str(gone.pid), "--once"]) == 3
+    assert f"no process with PID {gone.pid}" in capsys.readouterr().err
+
+
+def test_process_that_is_not_rapidfire(capsys):
+    assert main(["monitor", "--pid", str(os.getpid()), "--once"]) == 4
+    assert "is not a rapidfire training process" in capsys.readouterr().err
