@@ -142,7 +142,9 @@ class StaticLlama:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.body.norm(x[:, -1])
 
-    def decode(self, tokens, slot, cos, sin, key_valid, k_cache, v_cache) -> torch.Tensor:
+    def decode(
+        self, tokens, slot, cos, sin, key_valid, k_cache, v_cache, kv_len: int | None = None
+    ) -> torch.Tensor:
         """One token per row: write its K/V at cache slot ``slot`` and attend over the valid slots.
 
         Args:
@@ -151,6 +153,7 @@ class StaticLlama:
             cos: ``[B, D]`` rotary cosines at the tokens' positions (``sin`` likewise).
             key_valid: ``[B, L]`` bool, True for slots the tokens may attend to (including ``slot``).
             k_cache: ``[layers, B, KV, L, D]``, written in place (``v_cache`` likewise).
+            kv_len: attend over slots ``[0, kv_len)`` only (must include ``slot``); None = all ``L``.
 
         Returns:
             ``[B, H]`` final-norm hidden states.
@@ -158,6 +161,8 @@ class StaticLlama:
         b = tokens.shape[0]
         cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]
         cos_k, sin_k = cos[:, None, :], sin[:, None, :]
+        n = k_cache.shape[3] if kv_len is None else kv_len
+        valid = key_valid[:, :n]
         x = self.body.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -166,7 +171,7 @@ class StaticLlama:
             k = _rope(k, cos_k, sin_k)
             k_cache[i].index_copy_(2, slot, k[:, :, None, :])
             v_cache[i].index_copy_(2, slot, v[:, :, None, :])
-            o = gqa_decode_attention(q, k_cache[i], v_cache[i], key_valid, self.scale)
+            o = gqa_decode_attention(q, k_cache[i, :, :, :n], v_cache[i, :, :, :n], valid, self.scale)
             x = x + attn.o_proj(o.reshape(b, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.body.norm(x)
