@@ -1,0 +1,250 @@
+"""Step time and peak memory of RapidFireOptimizer against torch's fused AdamW.
+
+Full fine-tuning of a random-init 1.1B Llama shape (hidden 2048, 22 layers, 32 heads, 4 KV heads,
+vocab 32000) with **bf16 parameters and bf16 AdamW state** (no fp32 master copy: what the optimizer
+saves is then easiest to read, one gradient = 2 bytes/param), sequence 512, on one CUDA GPU:
+
+* ``torch_adamw``: ``torch.optim.AdamW(fused=True)``, ``backward(); step(); zero_grad()``
+* ``rf_pipeline_off``: RapidFireOptimizer with everything off (the wrapper's own cost)
+* ``rf_pipeline_on``: the gradient pipeline (update during backward, gradients freed)
+* ``rf_pipeline_rollback``: pipeline + verification every step + device snapshot for rollback
+* ``rf_pipeline_rollback_host``: the same with the snapshot in pinned host memory
+* ``rf_verify_only``: pipeline off + verification (verify-then-apply needs no snapshot)
+* ``*_accum``: 8 micro-batches per optimizer step instead of 1 (2 with ``--smoke``)
+* ``bnb_adamw8bit`` / ``rf_adamw8bit_pipeline``: bitsandbytes 8-bit inner (when installed)
+
+plus the time of one snapshot (device, host) and one rollback (restore). Writes ``results.json`` and
+``results.png`` to ``--out``. ``--smoke`` runs a tiny model on the CPU in seconds.
+
+    python benchmarks/optimizer/run.py --out benchmarks/optimizer/results
+    python benchmarks/optimizer/run.py --out /tmp/rf_smoke --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rapidfire_hf.optim import RapidFireOptimizer, Snapshot
+from rapidfire_hf.utils.imports import is_available
+
+FULL = {
+    "hidden": 2048,
+    "layers": 22,
+    "heads": 32,
+    "kv_heads": 4,
+    "vocab": 32000,
+    "inter": 5632,
+    "seq": 512,
+    "batch": 4,
+    "dtype": torch.bfloat16,
+    "warmup": 2,
+    "steps": 5,
+}
+SMOKE = {
+    "hidden": 64,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "vocab": 128,
+    "inter": 128,
+    "seq": 32,
+    "batch": 2,
+    "dtype": torch.float32,
+    "warmup": 1,
+    "steps": 2,
+}
+
+
+def variants(device: str, accum: int) -> dict[str, tuple]:
+    """name -> (optimizer factory(params), micro-batches per step, observe_loss?)."""
+    fused = {"fused": True} if device == "cuda" else {"foreach": True}
+    out = {
+        "torch_adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-5, **fused), 1, False),
+        "rf_pipeline_off": (lambda ps: RapidFireOptimizer(ps, lr=1e-5), 1, False),
+        "rf_pipeline_on": (lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True), 1, False),
+        "rf_pipeline_rollback": (
+            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, rollback="auto"),
+            1,
+            True,
+        ),
+        "rf_pipeline_rollback_host": (
+            lambda ps: RapidFireOptimizer(
+                ps, lr=1e-5, gradient_pipeline=True, rollback="auto", snapshot="host"
+            ),
+            1,
+            True,
+        ),
+        "rf_verify_only": (lambda ps: RapidFireOptimizer(ps, lr=1e-5, rollback="auto"), 1, True),
+        "torch_adamw_accum": (lambda ps: torch.optim.AdamW(ps, lr=1e-5, **fused), accum, False),
+        "rf_pipeline_on_accum": (
+            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, accumulation_steps=accum),
+            accum,
+            False,
+        ),
+    }
+    if device == "cuda" and is_available("bitsandbytes"):
+        import bitsandbytes as bnb
+
+        out["bnb_adamw8bit"] = (lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-5), 1, False)
+        out["rf_adamw8bit_pipeline"] = (
+            lambda ps: RapidFireOptimizer(ps, optimizer="adamw8bit", lr=1e-5, gradient_pipeline=True),
+            1,
+            False,
+        )
+    return out
+
+
+def build_model(shape: dict, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["inter"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max(shape["seq"], 64),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # build on the GPU: random init of 1.1B on the CPU is slow
+        return LlamaForCausalLM(config).to(shape["dtype"])
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool) -> dict:
+    model = build_model(shape, device)
+    opt = make_opt(model.parameters())
+    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
+    times = []
+    for i in range(shape["warmup"] + shape["steps"]):
+        if i == shape["warmup"] and device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(micro):
+            loss = model(input_ids=ids, labels=ids).loss
+            if observe:
+                opt.observe_loss(loss)
+            (loss / micro).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    timed = sorted(times[shape["warmup"] :])
+    result = {
+        "step_ms_p50": 1e3 * statistics.median(timed),
+        "step_ms_min": 1e3 * timed[0],
+        "step_ms_max": 1e3 * timed[-1],
+        "micro_batches": micro,
+    }
+    if device == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if isinstance(opt, RapidFireOptimizer):
+        result["stats"] = opt.stats()
+    del model, opt
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def snapshot_costs(shape: dict, device: str) -> dict:
+    """Seconds for one snapshot (device, host) and one restore of 1.1B params + AdamW state."""
+    model = build_model(shape, device)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device), labels=None).logits.sum().backward()
+    opt.step()
+    out = {}
+    for where in ("device", "host"):
+        snap = Snapshot(where)
+        snap.capture(params, opt, 0)  # allocates the buffers once
+        sync(device)
+        start = time.perf_counter()
+        snap.capture(params, opt, 1)
+        snap.wait()
+        sync(device)
+        out[f"snapshot_{where}_ms"] = 1e3 * (time.perf_counter() - start)
+        start = time.perf_counter()
+        snap.restore(params, opt)
+        sync(device)
+        out[f"rollback_{where}_ms"] = 1e3 * (time.perf_counter() - start)
+        out[f"snapshot_{where}_gib"] = snap.nbytes / 2**30
+        del snap
+    return out
+
+
+def chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["variants"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    axes[0].barh(names, [results["variants"][n]["step_ms_p50"] for n in names])
+    axes[0].set_xlabel("step time, ms (median)")
+    if all("peak_gib" in results["variants"][n] for n in names):
+        axes[1].barh(names, [results["variants"][n]["peak_gib"] for n in names])
+        axes[1].set_xlabel("peak allocated, GiB")
+    axes[1].set_yticks([])
+    fig.suptitle(f"RapidFireOptimizer vs torch AdamW — {results['device_name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, seconds")
+    parser.add_argument("--only", nargs="*", help="run only these variants")
+    args = parser.parse_args(argv)
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    shape = SMOKE if args.smoke else FULL
+    import transformers
+
+    results = {
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "shape": {k: str(v) for k, v in shape.items()},
+        "variants": {},
+    }
+    for name, (make_opt, micro, observe) in variants(device, shape["accum"]).items():
+        if args.only and name not in args.only:
+            continue
+        results["variants"][name] = run_variant(shape, device, make_opt, micro, observe)
+        print(
+            name, json.dumps({k: v for k, v in results["variants"][name].items() if k != "stats"}), flush=True
+        )
+    results["snapshot"] = snapshot_costs(shape, device)
+    print("snapshot", json.dumps(results["snapshot"]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    chart(results, args.out / "results.png")
+    return results
+
+
+if __name__ == "__main__":
+    main()
