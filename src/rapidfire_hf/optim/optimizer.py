@@ -11,22 +11,21 @@ from typing import Any
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from rapidfire_hf.optim.health import HealthMonitor, OptimizerEvent, Rule, read_verdict
+from rapidfire_hf.optim.health import HealthMonitor, OptimizerEvent, Rule
 from rapidfire_hf.optim.inner import (
     build_inner,
     check_inner_kwargs,
     normalize_param_groups,
     resolve_inner_class,
 )
-from rapidfire_hf.optim.pipeline import GradientPipeline, accelerate_flag
+from rapidfire_hf.optim.pipeline import GradientPipeline
 from rapidfire_hf.optim.snapshot import Snapshot
+from rapidfire_hf.optim.verification import CLIP_EPS, VerificationMixin
 
 ROLLBACK = ("off", "auto")
-_CLIP_HISTORY = 8  # windows of gradient norms the clip prediction looks at
-_CLIP_EPS = 1e-6  # the epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
 
 
-class RapidFireOptimizer(torch.optim.Optimizer):
+class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that wraps an inner optimizer and adds the gradient pipeline, predicted
     clipping, health verification and bit-exact rollback.
 
@@ -362,7 +361,7 @@ class RapidFireOptimizer(torch.optim.Optimizer):
         flags = {}
         if self.max_grad_norm is not None and total is not None:
             # the hooks applied coefficient 1: right iff clip_grad_norm_ would not have scaled
-            flags["clip_prediction"] = total + _CLIP_EPS <= self.max_grad_norm
+            flags["clip_prediction"] = total + CLIP_EPS <= self.max_grad_norm
             self._counters["clip_checks"] += 1
         metrics, failed, host = self._verify(total, flags, read=bool(flags) or self.rollback == "auto")
         if not failed:
@@ -393,101 +392,3 @@ class RapidFireOptimizer(torch.optim.Optimizer):
                 )
             )
             self._after_healthy(metrics, host)
-
-    # ---- verification helpers -----------------------------------------------------------------------
-    def _verify(self, total: torch.Tensor | None, flags: dict[str, torch.Tensor], read: bool):
-        """Health flags (plus ``flags``) -> (metrics, failed rule names, [host grad norm] or [])."""
-        if not read:
-            return {}, [], []
-        start = time.perf_counter()
-        metrics = self._health.metrics(total) if self.rollback == "auto" else {}
-        if self.rollback == "auto":
-            flags = {**self._health.flags(metrics), **flags}
-        failed, host = read_verdict(flags, [total] if total is not None else [])
-        self._seconds["verify"] += time.perf_counter() - start
-        if host and self.max_grad_norm is not None:
-            predicted = 1.0 if self._pipeline is not None and self._pipeline.window_pipelined else None
-            self._last_coef = (predicted, min(1.0, self.max_grad_norm / (host[0] + _CLIP_EPS)))
-        return metrics, failed, host
-
-    def _skip(
-        self, kind: str, failed: list[str], metrics: dict, host: list[float], steps_lost: int = 0
-    ) -> None:
-        self.last_step_skipped = True
-        self._counters["skipped"] += 1
-        details = {"grad_norm": host[0] if host else None, "steps_lost": steps_lost}
-        if "loss" in metrics:
-            details["loss"] = float(metrics["loss"])  # already off the hot path: this step failed
-        self.events.append(OptimizerEvent(self._counters["steps"], kind, failed, details))
-
-    def _remember_norm(self, norm: float) -> None:
-        self._norm_history = (self._norm_history + [norm])[-_CLIP_HISTORY:]
-
-    def _after_healthy(self, metrics: dict, host: list[float]) -> None:
-        self._health.update_stats(metrics)
-        if host:
-            self._remember_norm(host[0])
-        self._applied_since_snapshot += 1
-        self._maybe_snapshot()
-
-    def _needs_snapshots(self) -> bool:
-        return self.rollback == "auto" and self.pipeline_enabled
-
-    def _maybe_snapshot(self) -> None:
-        """Snapshot the current (verified) state when the pipeline will need one to undo the next step."""
-        if self._inner is None or not self._needs_snapshots():
-            return
-        if self._snapshot.taken and self._applied_since_snapshot < self.snapshot_interval:
-            return
-        self._snapshot.capture(self._params, self._inner, self._counters["steps"])
-        self._applied_since_snapshot = 0
-
-    def _plan_window(self) -> bool:
-        """Called at the first closing hook: step in the hooks this window, or defer to ``step()``?"""
-        reason = None
-        if (
-            torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1
-        ):
-            reason = "distributed"  # hooks fire before the gradient all-reduce has finished
-        elif accelerate_flag("_mixed_precision", "AcceleratorState") == "fp16":
-            reason = "fp16_loss_scaling"  # gradients are still scaled when the hooks fire
-        elif self.rollback == "auto" and (
-            not self._snapshot.taken or self._applied_since_snapshot >= self.snapshot_interval
-        ):
-            reason = "no_snapshot"
-        elif self.max_grad_norm is not None and (
-            not self._norm_history
-            or self.clip_headroom * max(self._norm_history) + _CLIP_EPS > self.max_grad_norm
-        ):
-            reason = "clip_may_bind"
-        if reason is not None:
-            self._deferred[reason] += 1
-            return False
-        self._snapshot.wait()
-        self._counters["pipelined_steps"] += 1
-        return True
-
-    def stats(self) -> dict[str, Any]:
-        """Counters for logging (plain Python numbers; reading them never syncs the device)."""
-        c = self._counters
-        return {
-            "steps": c["steps"],
-            "skipped": c["skipped"],
-            "rollbacks": c["rollbacks"],
-            "pipeline_enabled": self.pipeline_enabled,
-            "pipelined_steps": c["pipelined_steps"],
-            "deferred_steps": dict(self._deferred),
-            "clip_checks": c["clip_checks"],
-            "clip_misses": c["clip_misses"],
-            "clip_coef_predicted": self._last_coef[0],
-            "clip_coef_true": self._last_coef[1],
-            "last_grad_norm": self._norm_history[-1] if self._norm_history else None,
-            "hook_seconds": self._pipeline.hook_seconds if self._pipeline is not None else 0.0,
-            "verify_seconds": self._seconds["verify"],
-            "rollback_seconds": self._seconds["rollback"],
-            "snapshots": self._snapshot.count,
-            "snapshot_seconds": self._snapshot.seconds,
-            "snapshot_bytes": self._snapshot.nbytes,
-        }
