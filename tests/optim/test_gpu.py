@@ -63,3 +63,40 @@ def test_bitsandbytes_inner_matches_standalone(name):
         # bitsandbytes steps each tensor separately as well; a small tolerance covers its blockwise
         # quantisation should the kernel choose a different block path for a lone tensor
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_rollback_on_cuda_is_exact(where):
+    """A NaN step on CUDA (host snapshot: pinned memory on a side stream) equals a run without it."""
+    k = 5
+
+    def run(make_opt, skip_k, inject):
+        model = make_model().cuda()
+        opt = make_opt(model.parameters())
+        for i in range(10):
+            if skip_k and i == k:
+                continue
+            g = torch.Generator(device="cuda").manual_seed(i)
+            x, y = (
+                torch.randn(8, 6, device="cuda", generator=g),
+                torch.randn(8, 3, device="cuda", generator=g),
+            )
+            loss = (model(x) - y).pow(2).mean()
+            if inject and i == k:
+                loss = loss * float("nan")
+            if isinstance(opt, RapidFireOptimizer):
+                opt.observe_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    ref, _ = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), True, False)
+    model, opt = run(
+        lambda ps: RapidFireOptimizer(ps, lr=1e-2, gradient_pipeline=True, rollback="auto", snapshot=where),
+        False,
+        True,
+    )
+    assert [e.kind for e in opt.events] == ["rollback"]
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
