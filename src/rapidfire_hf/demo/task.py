@@ -1,9 +1,9 @@
 """Builders for the demo task and the test-suite's tiny models.
 
-The task: prompts are short random lowercase words ("task: zqkt ->"); the reward is the fraction of
-the response's characters that are vowels, minus a small penalty when the response has no EOS. A
-random-init policy emits vowels about 5/30 of the time, so the reward starts near 0.17; PPO raises it
-visibly within a few dozen updates of a tiny model on a CPU.
+The task: prompts are short random lowercase words ("task: zqkt ->"); the reward counts the vowels
+the response writes (up to 8, scaled to [0, 1]), minus a penalty when the response has no EOS. A
+random-init policy emits a vowel about once in nine tokens, so the reward starts near 0.1; PPO raises
+it visibly within a few dozen updates of a tiny model on a CPU.
 """
 
 from __future__ import annotations
@@ -103,17 +103,14 @@ def make_prompt_dataset(n: int = 256, seed: int = 0, min_len: int = 3, max_len: 
     return Dataset.from_dict({"prompt": prompts})
 
 
-def vowel_reward(completions: list[str], **kwargs) -> list[float]:
-    """Fraction of vowel characters in each completion (0 for an empty completion).
+def vowel_reward(completions: list[str], target: int = 8, **kwargs) -> list[float]:
+    """Vowels in each completion, counted up to ``target``, divided by ``target`` (so in [0, 1]).
 
     A reward function in the style of TRL's ``reward_funcs``: takes the decoded completions (and any
-    dataset columns as keyword arguments) and returns one float per completion.
+    dataset columns as keyword arguments) and returns one float per completion. Counting (rather than
+    a vowel fraction) rewards completions that keep writing vowels instead of stopping at once.
     """
-    out = []
-    for text in completions:
-        letters = [c for c in text if not c.isspace()]
-        out.append(sum(c in VOWELS for c in letters) / len(letters) if letters else 0.0)
-    return out
+    return [min(sum(c in VOWELS for c in text), target) / target for text in completions]
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""PPOConfig: TRL 1.12's PPO arguments on top of ``transformers.TrainingArguments``, plus rapidfire options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class PPOConfig(TrainingArguments):
+    """Arguments of :class:`rapidfire_hf.PPOTrainer`.
+
+    The PPO fields and their defaults are those of TRL 1.12's ``trl.experimental.ppo.PPOConfig`` so a
+    TRL script moves over unchanged. Batch sizes per device follow TRL: one rollout batch holds
+    ``per_device_train_batch_size * gradient_accumulation_steps`` prompts; it is split into
+    ``num_mini_batches`` mini-batches (one optimizer step each) of micro-batches of
+    ``per_device_train_batch_size``. Unlike TRL, ``max_grad_norm`` clips gradients (set 0 to turn it
+    off), accumulation is aligned to mini-batches, and ``gradient_checkpointing`` defaults to off.
+
+    Example:
+        >>> args = PPOConfig(output_dir="out", per_device_train_batch_size=8, response_length=64,
+        ...                  total_episodes=10_000, rapidfire_config="config/advanced.yaml")
+    """
+
+    # Defaults that differ from TrainingArguments (as in TRL 1.12).
+    learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate of AdamW."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N PPO updates."})
+    save_strategy: str = field(default="no", metadata={"help": "'no' or 'steps' (every save_steps updates)."})
+
+    # PPO (TRL 1.12 names and defaults).
+    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per rollout batch (optimizer steps per epoch)."})
+    total_episodes: int | None = field(
+        default=None, metadata={"help": "Prompts to train on in total (default: num_train_epochs * len(train_dataset))."}
+    )
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Rows per no-grad forward in the scoring phase (per device)."}
+    )
+    response_length: int = field(default=53, metadata={"help": "Maximum number of generated response tokens."})
+    stop_token: str | None = field(default=None, metadata={"help": "'eos' to stop at the tokenizer's EOS, or None."})
+    stop_token_id: int | None = field(default=None, metadata={"help": "Token id that ends a response (exclusive with stop_token)."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling filter (0 = off)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling filter (1.0 = off)."})
+    missing_eos_penalty: float | None = field(
+        default=None, metadata={"help": "Subtracted from the score of responses that contain no EOS (positive)."}
+    )
+    num_ppo_epochs: int = field(default=4, metadata={"help": "PPO epochs over each rollout batch."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten the shaped rewards."})
+    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient."})
+    kl_estimator: str = field(default="k1", metadata={"help": "KL estimator for the reward penalty: 'k1' or 'k3'."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value prediction clip range."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "Weights of the reward functions (default: all 1.0)."}
+    )
+    max_prompt_length: int | None = field(default=None, metadata={"help": "Truncate prompts (left) to this many tokens."})
+    dataset_text_field: str = field(default="prompt", metadata={"help": "Column holding the prompt text."})
+    num_sample_generations: int = field(
+        default=0, metadata={"help": "Print sample completions this many times during training (0 = never)."}
+    )
+
+    # rapidfire_hf.
+    value_mode: str = field(
+        default="separate",
+        metadata={
+            "help": "'separate': a value model beside the policy (TRL parity). 'fused': a value head on the "
+            "policy's last hidden state, so one forward gives log-probs and values."
+        },
+    )
+    rollout_backend: str = field(
+        default="auto",
+        metadata={"help": "'auto' (fast engine on GPU, model.generate elsewhere), 'static' or 'hf'."},
+    )
+    rapidfire_config: Any = field(
+        default=None,
+        metadata={"help": "A rapidfire config: YAML path, preset name, dict (short or nested form) or RapidFireConfig."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        errors = []
+        if self.kl_estimator not in ("k1", "k3"):
+            errors.append(f"kl_estimator={self.kl_estimator!r}: allowed 'k1' or 'k3'")
+        if self.value_mode not in ("separate", "fused"):
+            errors.append(f"value_mode={self.value_mode!r}: allowed 'separate' or 'fused'")
+        if self.rollout_backend not in ("auto", "static", "hf"):
+            errors.append(f"rollout_backend={self.rollout_backend!r}: allowed 'auto', 'static' or 'hf'")
+        if self.stop_token not in (None, "eos"):
+            errors.append(f"stop_token={self.stop_token!r}: allowed 'eos' or None (use stop_token_id for others)")
+        if self.stop_token is not None and self.stop_token_id is not None:
+            errors.append("stop_token and stop_token_id are both set: set only one")
+        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
+            errors.append(f"missing_eos_penalty={self.missing_eos_penalty}: must be a positive value")
+        for name in ("num_mini_batches", "num_ppo_epochs", "response_length", "local_rollout_forward_batch_size"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.temperature <= 0:
+            errors.append(f"temperature={self.temperature}: must be > 0")
+        if (self.per_device_train_batch_size * self.gradient_accumulation_steps) % self.num_mini_batches:
+            errors.append(
+                "per_device_train_batch_size * gradient_accumulation_steps = "
+                f"{self.per_device_train_batch_size * self.gradient_accumulation_steps} is not divisible by "
+                f"num_mini_batches={self.num_mini_batches}"
+            )
+        elif (self.local_batch_size // self.num_mini_batches) % self.per_device_train_batch_size:
+            errors.append(
+                f"a mini-batch of {self.local_batch_size // self.num_mini_batches} prompts is not a multiple of "
+                f"per_device_train_batch_size={self.per_device_train_batch_size}: lower num_mini_batches or raise "
+                "gradient_accumulation_steps"
+            )
+        if errors:
+            raise ValueError("Invalid PPOConfig:\n  - " + "\n  - ".join(errors))
+
+    @property
+    def local_batch_size(self) -> int:
+        """Prompts per rollout batch on one device."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def local_mini_batch_size(self) -> int:
+        return self.local_batch_size // self.num_mini_batches
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches accumulated into one optimizer step (one mini-batch)."""
+        return max(1, self.local_mini_batch_size // self.per_device_train_batch_size)

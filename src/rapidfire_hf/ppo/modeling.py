@@ -1,0 +1,186 @@
+"""Model-side pieces of PPO: the policy+value module the optimizer trains, the value head, and the
+no-grad scoring forwards (reference log-probs, values, reward-model scores).
+
+Log-probs are computed from the backbone's hidden states of the response positions only, so the
+``[B, P+R, V]`` logits of a full forward never exist; the response logits are produced in chunks of
+rows by ``rapidfire_hf.ppo.modeling.response_logprobs``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (LoRA layers stay injected in its modules)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(decoder, lm_head)`` of a transformers causal LM (PEFT-wrapped or not).
+
+    Raises:
+        TypeError: the model has no decoder/output-embedding pair (not a causal LM).
+    """
+    base = unwrap_peft(model)
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if decoder is None or head is None or decoder is base:
+        raise TypeError(
+            f"{type(base).__name__} is not a supported causal LM: PPOTrainer needs a transformers model with "
+            "get_decoder() and get_output_embeddings() (an AutoModelForCausalLM)."
+        )
+    return decoder, head
+
+
+def sequence_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Attention mask, position ids and input ids of left-padded prompt+response rows (TRL 1.12's convention:
+    every pad token is masked out and positions count real tokens only)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()
+    input_ids = query_responses.masked_fill(~attention_mask, 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def response_logprobs(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    responses: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    chunk_rows: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally entropy) of ``responses`` from the hidden states that predict them.
+
+    Args:
+        hidden: [B, R, H] hidden states at positions ``context_length-1 .. -2``.
+        lm_head: the output projection.
+        responses: [B, R] token ids.
+        temperature: logits are divided by ``temperature + 1e-7`` as in TRL.
+        with_entropy: also return the entropy of each position's distribution (no grad).
+        chunk_rows: rows of the batch projected at once; bounds the live logits to
+            ``chunk_rows * R * V`` instead of ``B * R * V``.
+
+    Returns:
+        ``(logprobs [B, R] float32, entropy [B, R] float32 or None)``.
+    """
+    logps, ents = [], []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        logits = lm_head(hidden[start : start + chunk_rows]).float() / (temperature + 1e-7)
+        tokens = responses[start : start + chunk_rows]
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logps.append(torch.gather(logp_all, -1, tokens.unsqueeze(-1)).squeeze(-1))
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(-(logp_all.exp() * logp_all).sum(-1))
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+class ValueHead(nn.Module):
+    """A scalar value per position from a backbone's last hidden state (the fused PPO mode)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
+
+
+def check_value_model(value_model: nn.Module, policy: nn.Module) -> None:
+    """Raise a clear error when ``value_model`` cannot give one value per position."""
+    prefix = getattr(value_model, "base_model_prefix", None)
+    score = getattr(value_model, "score", None)
+    if prefix is None or not hasattr(value_model, prefix) or not isinstance(score, nn.Module):
+        raise TypeError(
+            f"value_model ({type(value_model).__name__}) must be a transformers sequence-classification model "
+            "(e.g. AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)) with a `score` head, "
+            "or pass value_model=None with PPOConfig(value_mode='fused')."
+        )
+    out = getattr(score, "out_features", None)
+    if out != 1:
+        raise ValueError(
+            f"value_model must output one value per position, but its score head has out_features={out}: "
+            "load it with num_labels=1."
+        )
+
+
+class PolicyAndValue(nn.Module):
+    """The trainable module of PPO: the policy plus its value function (a separate model or a head).
+
+    One ``forward`` returns the response log-probs, values and (optionally) entropy, so that a single
+    ``accelerator.prepare`` (DDP, DeepSpeed, FSDP) covers both and gradient sync happens once.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None = None, value_head: ValueHead | None = None):
+        super().__init__()
+        if (value_model is None) == (value_head is None):
+            raise ValueError("PolicyAndValue needs exactly one of value_model and value_head")
+        self.policy = policy
+        self.value_model = value_model
+        self.value_head = value_head
+
+    @property
+    def fused(self) -> bool:
+        return self.value_head is not None
+
+    def forward(
+        self,
+        query_responses: torch.Tensor,
+        pad_token_id: int,
+        context_length: int,
+        temperature: float,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Returns ``(logprobs [B, R], values [B, R], entropy [B, R] or None)`` for the response part."""
+        inputs = sequence_inputs(query_responses, pad_token_id)
+        decoder, lm_head = causal_lm_parts(self.policy)
+        hidden = decoder(**inputs, use_cache=False, return_dict=True).last_hidden_state
+        resp_hidden = hidden[:, context_length - 1 : -1]
+        responses = query_responses[:, context_length:]
+        logprobs, entropy = response_logprobs(resp_hidden, lm_head, responses, temperature, with_entropy)
+        if self.fused:
+            values = self.value_head(resp_hidden)
+        else:
+            values = value_positions(self.value_model, inputs, context_length)
+        return logprobs, values.float(), entropy
+
+
+def value_positions(value_model: nn.Module, inputs: dict[str, torch.Tensor], context_length: int) -> torch.Tensor:
+    """Values of the states before each response token from a sequence-classification model. [B, R]"""
+    backbone = getattr(value_model, value_model.base_model_prefix)
+    hidden = backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
+    return value_model.score(hidden[:, context_length - 1 : -1]).squeeze(-1)
+
+
+@torch.no_grad()
+def reward_model_scores(
+    reward_model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int
+) -> torch.Tensor:
+    """Score of each row at its last real token (the token before the first response pad). [B]"""
+    inputs = sequence_inputs(query_responses, pad_token_id)
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    hidden = backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
+    responses = query_responses[:, context_length:]
+    from rapidfire_hf.ppo.core import first_true_indices
+
+    last = first_true_indices(responses == pad_token_id) - 1 + context_length
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
+
+
+@torch.no_grad()
+def policy_logprobs(
+    model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int, temperature: float
+) -> torch.Tensor:
+    """Response log-probs of a frozen causal LM (the reference policy). [B, R]"""
+    decoder, lm_head = causal_lm_parts(model)
+    inputs = sequence_inputs(query_responses, pad_token_id)
+    hidden = decoder(**inputs, use_cache=False, return_dict=True).last_hidden_state
+    responses = query_responses[:, context_length:]
+    return response_logprobs(hidden[:, context_length - 1 : -1], lm_head, responses, temperature)[0]

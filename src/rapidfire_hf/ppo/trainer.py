@@ -1,0 +1,530 @@
+"""PPOTrainer: TRL 1.12's PPO, in TRL's style, written for speed.
+
+One update: rollout (``rapidfire_hf.rollout``) -> scoring (reference log-probs, values, rewards, all
+no-grad in large batches) -> advantages (``rapidfire_hf.ppo.core``) -> ``num_ppo_epochs`` x
+mini-batches x micro-batches of the clipped PPO loss. Statistics stay on the device and reach the
+host once per update; nothing calls ``empty_cache`` or ``.item()`` per micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.integrations import get_reporting_integration_callbacks
+from transformers.optimization import get_scheduler
+from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
+from transformers.trainer_callback import CallbackHandler, PrinterCallback
+
+from rapidfire_hf.ppo import checkpoint as ckpt
+from rapidfire_hf.ppo.config import PPOConfig
+from rapidfire_hf.ppo.core import AdvantageOutput, compute_advantages, first_true_indices, ppo_loss, truncate_after_stop
+from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset
+from rapidfire_hf.ppo.modeling import (
+    PolicyAndValue,
+    ValueHead,
+    causal_lm_parts,
+    check_value_model,
+    policy_logprobs,
+    reward_model_scores,
+    value_positions,
+    sequence_inputs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PPOTrainerState(TrainerState):
+    """``TrainerState`` plus the number of prompts trained on so far."""
+
+    episode: int = 0
+
+
+@dataclass
+class Rollout:
+    """What generation produced for one batch of prompts (all on the training device)."""
+
+    queries: torch.Tensor  # [B, P] left-padded prompts
+    responses: torch.Tensor  # [B, R] generated tokens, pad after the stop token
+    logprobs: torch.Tensor  # [B, R] float32 sampled-token log-probs (temperature-scaled)
+    extra: dict | None = None  # non-tensor dataset columns, passed to reward functions
+
+    @property
+    def query_responses(self) -> torch.Tensor:
+        return torch.cat([self.queries, self.responses], dim=1)
+
+
+@dataclass
+class Experience:
+    """A scored rollout: everything the PPO epochs consume."""
+
+    rollout: Rollout
+    adv: AdvantageOutput
+    postprocessed_responses: torch.Tensor  # [B, R] truncated after the stop token
+
+
+class PPOTrainer:
+    """Proximal Policy Optimization with a value model (or a fused value head) and KL-shaped rewards.
+
+    Args:
+        args: a :class:`PPOConfig`.
+        processing_class: the tokenizer (needs a pad token distinct from any stop token you use).
+        model: the policy, a transformers causal LM (optionally wrapped by PEFT, or use ``peft_config``).
+        ref_model: frozen reference policy; ``None`` copies the policy, or uses the adapter-disabled
+            base when training LoRA (no copy).
+        reward_model: a sequence-classification model scoring prompt+response; exclusive with ``reward_funcs``.
+        reward_funcs: a callable or list of callables ``f(prompts, completions, completion_ids, **columns) ->
+            list[float]``, as in TRL's GRPOTrainer.
+        value_model: a sequence-classification model with one label; ``None`` with ``value_mode='fused'``.
+        train_dataset: prompts, as a ``prompt`` text column or ``input_ids``.
+        optimizer: an optimizer (e.g. ``RapidFireOptimizer(lr=...)`` without parameters: it is bound to
+            the policy and value parameters here). Exclusive with ``optimizers``.
+        optimizers: ``(optimizer, lr_scheduler)`` as in ``transformers.Trainer``.
+
+    Example:
+        >>> trainer = PPOTrainer(args=PPOConfig(output_dir="out"), processing_class=tok, model=policy,
+        ...                      ref_model=None, reward_funcs=my_reward, value_model=value, train_dataset=ds)
+        >>> trainer.train()
+    """
+
+    def __init__(
+        self,
+        args: PPOConfig,
+        processing_class,
+        model,
+        ref_model=None,
+        reward_model=None,
+        train_dataset=None,
+        value_model=None,
+        data_collator=None,
+        eval_dataset=None,
+        optimizer=None,
+        optimizers=(None, None),
+        callbacks: list[TrainerCallback] | None = None,
+        peft_config=None,
+        reward_funcs=None,
+    ):
+        if not isinstance(args, PPOConfig):
+            raise TypeError(f"args must be a rapidfire_hf.PPOConfig, got {type(args).__name__}")
+        self.args = args
+        self.processing_class = tok = processing_class
+        self._check_inputs(tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model)
+        self.stop_token_id = tok.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+        self.pad_token_id = tok.pad_token_id
+
+        self.accelerator = Accelerator(
+            gradient_accumulation_steps=args.micro_batches_per_step,
+            mixed_precision="bf16" if args.bf16 else ("fp16" if args.fp16 else "no"),
+            cpu=args.use_cpu,
+        )
+        self.rf_config = self._load_rapidfire_config(args.rapidfire_config)
+
+        policy = self._apply_peft(model, peft_config)
+        self.is_peft = hasattr(policy, "peft_config")
+        self.ref_model = self._make_reference(policy, ref_model)
+        self.reward_model = reward_model
+        self.reward_funcs = self._as_list(reward_funcs)
+        if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(args.reward_weights)} entries but there are {len(self.reward_funcs)} "
+                "reward functions: give one weight per function."
+            )
+        if value_model is not None:
+            check_value_model(value_model, policy)
+            module = PolicyAndValue(policy, value_model=value_model)
+        elif args.value_mode == "fused":
+            module = PolicyAndValue(policy, value_head=ValueHead(causal_lm_parts(policy)[0].config.hidden_size))
+        else:
+            raise ValueError(
+                "value_model is None: pass a value model (e.g. AutoModelForSequenceClassification with num_labels=1) "
+                "or set PPOConfig(value_mode='fused') to train a value head on the policy."
+            )
+        for m in (module, self.ref_model, self.reward_model):
+            if m is not None:
+                _disable_dropout(m)
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+
+        self.train_dataset = prepare_prompt_dataset(
+            train_dataset, tok, args.dataset_text_field, args.max_prompt_length
+        )
+        self.eval_dataset = eval_dataset
+        self.data_collator = data_collator or (lambda rows: collate_prompts(rows, self.pad_token_id))
+        acc = self.accelerator
+        self.prompt_order = PromptOrder(
+            len(self.train_dataset), args.local_batch_size * acc.num_processes, args.seed, acc.process_index,
+            acc.num_processes,
+        )
+        total = args.total_episodes or int(args.num_train_epochs * len(self.train_dataset))
+        self.num_updates = args.max_steps if args.max_steps > 0 else max(1, math.ceil(total / (args.local_batch_size * acc.num_processes)))
+
+        self.optimizer, self.lr_scheduler = self._make_optimizer(module, optimizer, optimizers)
+        self.model, self.optimizer = acc.prepare(module, self.optimizer)
+        for name in ("ref_model", "reward_model"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(acc.device).eval())
+
+        self.state = PPOTrainerState(is_local_process_zero=acc.is_local_main_process, is_world_process_zero=acc.is_main_process)
+        self.control = TrainerControl()
+        reporting = get_reporting_integration_callbacks(args.report_to)
+        progress = PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK
+        self.callback_handler = CallbackHandler(
+            DEFAULT_CALLBACKS + reporting + [progress] + list(callbacks or []),
+            self.model, tok, self.optimizer, self.lr_scheduler,
+        )
+        self._perm_generator = torch.Generator().manual_seed(args.seed)
+        self._rollout_engine = None
+        self.control = self.callback_handler.on_init_end(args, self.state, self.control)
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _as_list(funcs):
+        if funcs is None:
+            return []
+        return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+
+    def _check_inputs(self, tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model):
+        if tok is None or getattr(tok, "pad_token_id", None) is None:
+            raise ValueError(
+                "processing_class has no pad token: set one before building the trainer, e.g. "
+                "`tokenizer.add_special_tokens({'pad_token': '<pad>'})` and resize the model's embeddings "
+                "(reusing the EOS token as pad would mask real EOS tokens)."
+            )
+        if (reward_model is None) == (not self._as_list(reward_funcs)):
+            raise ValueError(
+                "Give exactly one of reward_model (a sequence-classification model) and reward_funcs "
+                f"(callables returning one float per completion); got reward_model={type(reward_model).__name__}, "
+                f"reward_funcs={reward_funcs!r}."
+            )
+        for f in self._as_list(reward_funcs):
+            if not callable(f):
+                raise TypeError(f"reward_funcs entries must be callables, got {type(f).__name__}")
+        if optimizer is not None and any(o is not None for o in optimizers):
+            raise ValueError("Pass either optimizer= or optimizers=(optimizer, scheduler), not both.")
+        if ref_model is not None and ref_model is model:
+            raise ValueError("ref_model is the same object as model: pass ref_model=None (a frozen copy is made).")
+        if value_model is not None and value_model is model:
+            raise ValueError("value_model is the same object as model: use PPOConfig(value_mode='fused') instead.")
+        if self.args.stop_token == "eos" and tok.eos_token_id is None:
+            raise ValueError("stop_token='eos' but the tokenizer has no eos_token: set stop_token_id instead.")
+        stop = tok.eos_token_id if self.args.stop_token == "eos" else self.args.stop_token_id
+        if stop is not None and stop == tok.pad_token_id:
+            raise ValueError(
+                f"The stop token id {stop} is also the pad token: PPO masks pad tokens, so the stop token would "
+                "vanish. Give the tokenizer a distinct pad token."
+            )
+
+    def _load_rapidfire_config(self, src):
+        if src is None:
+            return None
+        from rapidfire_hf.config import load_config
+
+        return load_config(src)
+
+    def _apply_peft(self, model, peft_config):
+        if peft_config is None:
+            return model
+        from peft import PeftConfig, get_peft_model
+
+        if not isinstance(peft_config, PeftConfig):
+            raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config).__name__}")
+        if hasattr(model, "peft_config"):
+            raise ValueError("model is already a PeftModel: pass the base model with peft_config, or no peft_config.")
+        return get_peft_model(model, peft_config)
+
+    def _make_reference(self, policy, ref_model):
+        if ref_model is not None:
+            ref_model.requires_grad_(False)
+            return ref_model
+        if self.is_peft:
+            return None  # the adapter-disabled policy is the reference
+        ref = copy.deepcopy(policy)
+        ref.requires_grad_(False)
+        return ref
+
+    def _make_optimizer(self, module, optimizer, optimizers):
+        args = self.args
+        optimizer = optimizer if optimizer is not None else optimizers[0]
+        scheduler = optimizers[1]
+        params = [p for p in module.parameters() if p.requires_grad]
+        if optimizer is None:
+            optimizer = torch.optim.AdamW(
+                params, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+            )
+        elif getattr(optimizer, "is_bound", True) is False:
+            optimizer.bind(params)
+        self._optimizer_clips = getattr(optimizer, "max_grad_norm", None) is not None
+        if scheduler is None:
+            scheduler = get_scheduler(
+                args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(self.num_updates),
+                num_training_steps=self.num_updates,
+            )
+        return optimizer, scheduler
+
+    # ------------------------------------------------------------------ public controls
+    def add_callback(self, callback):
+        self.callback_handler.add_callback(callback)
+
+    def disable_pipeline(self):
+        """Turn the optimizer's gradient pipeline off (a no-op for optimizers without one)."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if hasattr(inner, "disable_pipeline"):
+            inner.disable_pipeline()
+
+    def enable_pipeline(self):
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if hasattr(inner, "enable_pipeline"):
+            inner.enable_pipeline()
+
+    @property
+    def policy(self):
+        return self.accelerator.unwrap_model(self.model).policy
+
+    @contextmanager
+    def _reference_context(self):
+        if self.ref_model is None:
+            with self.policy.disable_adapter():
+                yield self.policy
+        else:
+            yield self.ref_model
+
+    # ------------------------------------------------------------------ one update, step by step
+    def next_prompts(self, batch_index: int) -> dict:
+        rows = [self.train_dataset[i] for i in self.prompt_order.indices(batch_index)]
+        return self.data_collator(rows)
+
+    def rollout(self, batch: dict) -> Rollout:
+        """Generate responses for a batch of prompts with the current policy."""
+        from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+
+        args, device = self.args, self.accelerator.device
+        queries = batch["input_ids"].to(device)
+        if self._rollout_engine is None:
+            stops = [self.stop_token_id] if self.stop_token_id is not None else None
+            self._rollout_engine = RolloutEngine(self.policy, self.pad_token_id, stops, backend=args.rollout_backend)
+        params = SamplingParams(
+            max_new_tokens=args.response_length, temperature=args.temperature + 1e-7, top_k=args.top_k,
+            top_p=args.top_p, do_sample=True,
+        )
+        with torch.no_grad():
+            out = self._rollout_engine.generate(queries, queries != self.pad_token_id, params)
+        extra = {k: v for k, v in batch.items() if k != "input_ids"}
+        return Rollout(queries=queries, responses=out.responses, logprobs=out.logprobs.float(), extra=extra)
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout) -> Experience:
+        """Reference log-probs, values and scores of a rollout, then KL-shaped rewards and advantages."""
+        args = self.args
+        pad, ctx = self.pad_token_id, rollout.queries.shape[1]
+        qr = rollout.query_responses
+        post = truncate_after_stop(rollout.responses, self.stop_token_id, pad)
+        post_qr = torch.cat([rollout.queries, post], dim=1)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        ref_lp, values, scores = [], [], []
+        step = args.local_rollout_forward_batch_size
+        with self._reference_context() as ref, self.accelerator.autocast():
+            for i in range(0, qr.shape[0], step):
+                chunk = qr[i : i + step]
+                ref_lp.append(policy_logprobs(ref, chunk, pad, ctx, args.temperature))
+                values.append(self._values(unwrapped, chunk, ctx))
+                if self.reward_model is not None:
+                    scores.append(reward_model_scores(self.reward_model, post_qr[i : i + step], pad, ctx))
+        scores = torch.cat(scores) if scores else self._reward_funcs_scores(rollout, post)
+        eos = self.processing_class.eos_token_id
+        if args.missing_eos_penalty is not None and eos is not None:
+            scores = scores - args.missing_eos_penalty * (~(post == eos).any(-1)).float()
+        sequence_lengths = first_true_indices(post == pad) - 1
+        adv = compute_advantages(
+            rollout.logprobs, torch.cat(ref_lp).float(), torch.cat(values).float(), scores.float(), sequence_lengths,
+            kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, gamma=args.gamma, lam=args.lam,
+            whiten_rewards=args.whiten_rewards,
+        )
+        return Experience(rollout=rollout, adv=adv, postprocessed_responses=post)
+
+    def _values(self, unwrapped: PolicyAndValue, query_responses, ctx):
+        if not unwrapped.fused:
+            return value_positions(unwrapped.value_model, sequence_inputs(query_responses, self.pad_token_id), ctx)
+        decoder, _ = causal_lm_parts(unwrapped.policy)
+        hidden = decoder(**sequence_inputs(query_responses, self.pad_token_id), use_cache=False).last_hidden_state
+        return unwrapped.value_head(hidden[:, ctx - 1 : -1])
+
+    def _reward_funcs_scores(self, rollout: Rollout, post: torch.Tensor) -> torch.Tensor:
+        tok = self.processing_class
+        prompts = tok.batch_decode(rollout.queries, skip_special_tokens=True)
+        completions = tok.batch_decode(post, skip_special_tokens=True)
+        completion_ids = [row[row != self.pad_token_id].tolist() for row in post.cpu()]
+        weights = self.args.reward_weights or [1.0] * len(self.reward_funcs)
+        total = torch.zeros(len(completions), dtype=torch.float32)
+        for w, func in zip(weights, self.reward_funcs):
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **(rollout.extra or {}))
+            if values is None or len(values) != len(completions):
+                raise ValueError(
+                    f"reward function {getattr(func, '__name__', func)!r} returned {None if values is None else len(values)} "
+                    f"scores for {len(completions)} completions: return one float per completion."
+                )
+            total += w * torch.tensor([float(v) for v in values], dtype=torch.float32)
+        return total.to(rollout.queries.device)
+
+    def optimize(self, exp: Experience, permutations: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """``num_ppo_epochs`` passes of mini-batch PPO over a scored rollout. Returns device-side statistics.
+
+        Args:
+            exp: the scored rollout.
+            permutations: one row order per epoch (default: drawn from the trainer's seeded generator).
+        """
+        args, acc, adv = self.args, self.accelerator, exp.adv
+        qr, responses, ctx = exp.rollout.query_responses, exp.rollout.responses, exp.rollout.queries.shape[1]
+        n, mb, micro = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
+        shape = (args.num_ppo_epochs, args.num_mini_batches, args.micro_batches_per_step)
+        stats = {k: torch.zeros(shape, device=acc.device) for k in _STAT_KEYS}
+        self.model.train()
+        for epoch in range(args.num_ppo_epochs):
+            perm = permutations[epoch] if permutations is not None else torch.randperm(n, generator=self._perm_generator)
+            for m, mb_start in enumerate(range(0, n, mb)):
+                mb_idx = perm[mb_start : mb_start + mb]
+                for u, start in enumerate(range(0, mb, micro)):
+                    idx = mb_idx[start : start + micro].to(qr.device)
+                    with acc.accumulate(self.model):
+                        lp, vpred, entropy = self.model(qr[idx], self.pad_token_id, ctx, args.temperature, with_entropy=True)
+                        out = ppo_loss(
+                            lp, adv.logprobs[idx], adv.advantages[idx], vpred, adv.values[idx], adv.returns[idx],
+                            adv.padding_mask[idx], adv.padding_mask_p1[idx], cliprange=args.cliprange,
+                            cliprange_value=args.cliprange_value, vf_coef=args.vf_coef,
+                        )
+                        acc.backward(out.loss)
+                        self._optimizer_step()
+                    ent = entropy.mean()
+                    for key, value in zip(_STAT_KEYS, (out.approx_kl, out.pg_clipfrac, out.pg_loss, out.vf_loss,
+                                                       out.vf_clipfrac, ent, out.ratio_mean)):
+                        stats[key][epoch, m, u] = value
+        del responses
+        return stats
+
+    def _optimizer_step(self):
+        acc, args = self.accelerator, self.args
+        if acc.sync_gradients:
+            self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+            if args.max_grad_norm and args.max_grad_norm > 0 and not self._optimizer_clips:
+                acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if acc.sync_gradients:
+            self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, resume_from_checkpoint: str | bool | None = None):
+        """Run PPO for ``num_updates`` updates (``max_steps`` or ``total_episodes`` worth of prompts)."""
+        args, acc = self.args, self.accelerator
+        start_update = 0
+        if resume_from_checkpoint:
+            start_update = ckpt.load(self, resume_from_checkpoint)
+        self.state.max_steps = self.num_updates
+        self.state.logging_steps = args.logging_steps
+        self.state.save_steps = args.save_steps
+        self.state.num_train_epochs = math.ceil(self.num_updates / self.prompt_order.batches_per_pass)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self._train_start = time.perf_counter()
+        for update in range(start_update, self.num_updates):
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            metrics = self._one_update(update)
+            self.state.global_step = update + 1
+            self.state.epoch = (update + 1) / self.prompt_order.batches_per_pass
+            self.lr_scheduler.step()
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.control.should_log:
+                self.log({k: _to_float(v) for k, v in metrics.items()})
+            if self.control.should_save:
+                ckpt.save(self)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
+            if self.control.should_training_stop:
+                break
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        acc.wait_for_everyone()
+        return self.state
+
+    def _one_update(self, update: int) -> dict:
+        args, acc = self.args, self.accelerator
+        t0 = time.perf_counter()
+        rollout = self.rollout(self.next_prompts(update))
+        t1 = _sync_time(acc.device)
+        exp = self.score(rollout)
+        t2 = _sync_time(acc.device)
+        stats = self.optimize(exp)
+        t3 = _sync_time(acc.device)
+        self.state.episode += args.local_batch_size * acc.num_processes
+        return self._metrics(exp, stats, (t0, t1, t2, t3))
+
+    def _metrics(self, exp: Experience, stats: dict, times) -> dict:
+        acc, adv = self.accelerator, exp.adv
+        real = (~adv.padding_mask).float()
+        mean_kl = adv.kl.sum(1).mean()
+        non_score = adv.non_score_reward.sum(1).mean()
+        device_metrics = {
+            "objective/kl": mean_kl,
+            "objective/entropy": (-adv.logprobs * real).sum(1).mean(),
+            "objective/non_score_reward": non_score,
+            "objective/rlhf_reward": non_score + adv.scores.mean(),
+            "objective/scores": adv.scores.mean(),
+            "policy/approxkl_avg": stats["approx_kl"].mean(),
+            "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
+            "loss/policy_avg": stats["pg_loss"].mean(),
+            "loss/value_avg": stats["vf_loss"].mean(),
+            "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
+            "policy/entropy_avg": stats["entropy"].mean(),
+            "val/ratio": stats["ratio"].mean(),
+            "val/ratio_var": stats["ratio"].var() if stats["ratio"].numel() > 1 else torch.zeros((), device=acc.device),
+            "val/num_eos_tokens": (exp.rollout.responses == self.processing_class.eos_token_id).sum().float(),
+            "response_length": real.sum(1).mean() + 0,
+        }
+        stacked = acc.gather_for_metrics(torch.stack(list(device_metrics.values())).unsqueeze(0)).mean(0)
+        metrics = dict(zip(device_metrics, stacked.tolist()))  # the one host sync of the update
+        metrics["val/num_eos_tokens"] *= acc.num_processes
+        t0, t1, t2, t3 = times
+        b, width = exp.rollout.query_responses.shape
+        metrics.update({
+            "time/rollout": t1 - t0, "time/scoring": t2 - t1, "time/training": t3 - t2, "time/update": t3 - t0,
+            "tokens_per_second": b * width * acc.num_processes / max(t3 - t0, 1e-9),
+            "eps": self.state.episode / max(time.perf_counter() - self._train_start, 1e-9),
+            "lr": self.lr_scheduler.get_last_lr()[0], "episode": self.state.episode,
+        })
+        return metrics
+
+    def log(self, logs: dict[str, float]) -> None:
+        logs = dict(logs)
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Save the policy (and tokenizer) with ``save_pretrained``; the value model/head beside it."""
+        ckpt.save_models(self, output_dir or self.args.output_dir)
+
+
+_STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
+
+
+def _to_float(v):
+    return float(v) if isinstance(v, (int, float)) else v
+
+
+def _sync_time(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # once per phase, to attribute time to phases
+    return time.perf_counter()
+
+
+def _disable_dropout(module: torch.nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
