@@ -6,7 +6,6 @@ weights and see the same data order.
 
 from __future__ import annotations
 
-
 STEPS = 4
 # fp32 everywhere so that stock and rapidfire runs compare at fp32 round-off; the precision plugin keeps
 # the run in fp32 with the static mode.
@@ -100,14 +99,15 @@ def build_grpo(tokenizer, tmp_path, **overrides):
     )
 
 
-def build_rloo(tokenizer, tmp_path, **overrides):
+def build_rloo(tokenizer, tmp_path, model_dir=None, **overrides):
     from trl import RLOOConfig, RLOOTrainer
 
-    from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
+    from rapidfire_hf.demo import make_prompt_dataset, vowel_reward
 
     args = RLOOConfig(**_rl_args(tmp_path, overrides))
+    # from a local path: RLOO (beta 0.05 by default) loads its reference model from the policy's path
     return RLOOTrainer(
-        model=build_tiny_llama(tokenizer),
+        model=str(model_dir),
         reward_funcs=vowel_reward,
         args=args,
         train_dataset=make_prompt_dataset(64),

@@ -47,7 +47,10 @@ def test_matches_stock_trainer(build, kind, max_grad_norm):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(base), rtol=LOSS_RTOL, atol=0)
     # the gradient norm the trainer logs is the optimizer's true pre-clip norm, even when pipelined
     torch.testing.assert_close(
-        torch.tensor(train_log(rapid, "grad_norm")), torch.tensor(train_log(stock, "grad_norm")), rtol=1e-5, atol=0
+        torch.tensor(train_log(rapid, "grad_norm")),
+        torch.tensor(train_log(stock, "grad_norm")),
+        rtol=1e-5,
+        atol=0,
     )
     assert train_log(rapid, "learning_rate") == train_log(stock, "learning_rate")
     assert _max_param_diff(stock.model, rapid.model) <= PARAM_ATOL

@@ -100,7 +100,12 @@ class RolloutPatch:
         self.original = trainer._generate_single_turn
         # GRPO returns (completion_ids, logprobs); RLOO returns completion_ids only.
         self.returns_logprobs = "num_generations" in inspect.signature(self.original).parameters
-        trainer._generate_single_turn = functools.wraps(self.original)(self.generate_single_turn)
+
+        @functools.wraps(self.original)
+        def generate_single_turn(*args, **kwargs):
+            return self.generate_single_turn(*args, **kwargs)
+
+        trainer._generate_single_turn = generate_single_turn
 
     def stats(self) -> dict[str, int]:
         return {"engine_calls": self.calls, "fallbacks": self.fallbacks}
