@@ -60,7 +60,7 @@ def run(smoke: bool, device: torch.device) -> dict:
     """Median ms per forward+backward for bf16 and FP8 (or why FP8 was not measured)."""
     if smoke:
         shape = dict(hidden=64, kv=16, mlp=128, layers=2, tokens=32)
-        iters, warmup = 2, 1
+        iters, warmup = 1, 0
     else:
         shape = dict(hidden=2048, kv=256, mlp=5632, layers=22, tokens=16 * 512)
         iters, warmup = 20, 5

@@ -106,7 +106,7 @@ def run(smoke: bool, device: torch.device) -> dict:
     """Train the three variants with the same data and seed; returns per-mode results."""
     if smoke:
         cfg = dict(vocab_size=64, hidden=32, layers=2, heads=2, kv_heads=1, max_position_embeddings=16)
-        steps, batch = 4, 2
+        steps, batch = 3, 2
     else:
         cfg = dict(vocab_size=2048, hidden=256, layers=4, heads=4, kv_heads=2, max_position_embeddings=128)
         steps, batch = 150, 16

@@ -162,6 +162,8 @@ class OutputProbe:
         def hook(module, args, out):
             from rapidfire_hf.precision.sensitivity import _first_tensor
 
+            if not torch.is_grad_enabled():
+                return  # rollout/scoring forwards: no training step to protect, and decode is latency-bound
             t = _first_tensor(out)
             if t is None or not t.is_floating_point():
                 return

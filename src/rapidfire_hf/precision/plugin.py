@@ -270,6 +270,8 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
             targets = [None]
         else:
             names = [layer] if layer in self.layers else list(match_modules(self.model, layer))
+            if not names:
+                logger.warning("precision: no module matches %r; nothing switched (%s)", layer, reason)
             targets = [n for n in names if self.precision_of(n) is not precision]
             self.overrides.update({n: precision for n in targets})
         self._apply_schedule()

@@ -1,0 +1,27 @@
+"""The GPU benchmark script's --smoke mode runs on CPU and writes its results and chart."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "precision" / "run.py"
+
+
+def test_benchmark_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("precision_bench_run", RUN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--out", str(tmp_path), "--smoke"])
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "precision.png").stat().st_size > 0
+    assert {"gpu", "torch", "date", "command"} <= set(results["env"])
+    runs = results["overflow"]["runs"]
+    assert runs["static_fp16"]["nonfinite_loss_steps"] == results["overflow"]["steps"]
+    assert runs["adaptive_fp16"]["nonfinite_loss_steps"] == 0
+    assert runs["adaptive_fp16"]["stats"]["switches"] == 1
+    assert math.isclose(runs["adaptive_fp16"]["final_loss"], runs["fp32"]["final_loss"], rel_tol=0.02)
+    assert results["fp8"]["output_rel_error_vs_bf16"] < 0.1
