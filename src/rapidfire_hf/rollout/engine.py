@@ -69,6 +69,9 @@ class RolloutEngine:
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        # DDP: generation needs no gradient sync, so work on the wrapped module (same weights)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.stop_token_ids = self._resolve_stops(model, stop_token_ids)

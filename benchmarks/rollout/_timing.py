@@ -1,0 +1,158 @@
+"""Correctness checks and timed runs for benchmarks/rollout/run.py."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prompts(batch: int, prompt_len: int, vocab: int, device: str, mixed: bool):
+    """Random prompts ``[B, P]`` (left-padded to mixed lengths when ``mixed``) and their attention mask."""
+    g = torch.Generator().manual_seed(batch * 1000 + prompt_len)
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=g)
+    mask = torch.ones_like(ids)
+    if mixed:
+        for row in range(batch):
+            n_pad = (row * prompt_len) // (batch + 1)
+            ids[row, :n_pad], mask[row, :n_pad] = 0, 0
+    return ids.to(device), mask.to(device)
+
+
+def _first_divergence(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    diff = (a != b).int()
+    return [int(d.argmax()) if d.any() else a.shape[1] for d in diff]
+
+
+def correctness(model, prompt_len: int, new_tokens: int, device: str) -> dict:
+    """Greedy tokens of the static engine vs ``model.generate``; sampled log-probs vs a fresh forward."""
+    ids, mask = _prompts(4, prompt_len, model.config.vocab_size, device, mixed=True)
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    ours = engine.generate(ids, mask, SamplingParams(new_tokens, do_sample=False)).responses
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[:, ids.shape[1] :]
+    sampled = engine.generate(
+        ids, mask, SamplingParams(new_tokens), generator=torch.Generator().manual_seed(0)
+    )
+    full_mask = torch.cat([mask, torch.ones_like(sampled.responses)], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=sampled.sequences, attention_mask=full_mask, position_ids=positions).logits
+    logp = logits[:, prompt_len - 1 : -1].float().log_softmax(-1)
+    fresh = logp.gather(-1, sampled.responses[..., None]).squeeze(-1)
+    diff = (fresh - sampled.logprobs).abs()
+    return {
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "greedy_rows_identical": f"{int((ours == ref).all(-1).sum())}/{ids.shape[0]}",
+        "greedy_token_match_rate": round(float((ours == ref).float().mean()), 4),
+        "greedy_first_divergence": _first_divergence(ours, ref),
+        "greedy_new_tokens": new_tokens,
+        "logprob_vs_fresh_forward_max_abs": float(diff.max()),
+        "logprob_vs_fresh_forward_mean_abs": float(diff.mean()),
+    }
+
+
+class _StepHook(LogitsProcessor):
+    """Calls ``hook(k)`` when HF is about to pick token ``k`` (k = 1 is right after the first decode step)."""
+
+    def __init__(self, prompt_len: int, hook):
+        self.prompt_len, self.hook = prompt_len, hook
+
+    def __call__(self, input_ids, scores):
+        self.hook(input_ids.shape[1] - self.prompt_len)
+        return scores
+
+
+def _runner(model, system: str, ids, mask):
+    """``run(n, hook)`` generating ``n`` tokens with ``system``; ``hook(k)`` follows decode step k."""
+    if system.startswith("ours_"):
+        engine = RolloutEngine(
+            model,
+            pad_token_id=0,
+            stop_token_ids=[],
+            backend="static",
+            decode_mode=system.removeprefix("ours_"),
+        )
+
+        def run(n, hook):
+            engine._static.step_callback = hook
+            engine.generate(ids, mask, SamplingParams(n, temperature=1.0))
+
+        return run
+    extra = {"cache_implementation": "static"} if system == "hf_static" else {}
+
+    def run(n, hook):
+        procs = LogitsProcessorList([_StepHook(ids.shape[1], hook)] if hook else [])
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                eos_token_id=None,
+                pad_token_id=0,
+                logits_processor=procs,
+                **extra,
+            )
+
+    return run
+
+
+def time_config(model, system: str, batch: int, prompt_len: int, new_tokens: int, device: str) -> dict:
+    """One warm-up and one timed generate call of ``system`` at ``batch``; see run.py's "timing" note."""
+    if device != "cuda" and system in ("ours_cuda_graph", "ours_compile"):
+        return {"status": "skipped: needs CUDA"}
+    ids, mask = _prompts(batch, prompt_len, model.config.vocab_size, device, mixed=False)
+    marks: dict[int, float] = {}
+
+    def hook(k):
+        if k in (1, new_tokens - 1):
+            _sync(device)
+            marks[k] = time.perf_counter()
+
+    try:
+        run = _runner(model, system, ids, mask)
+        t0 = time.perf_counter()
+        # the dynamic cache has nothing to specialise on the length, so a short warm-up suffices
+        run(min(new_tokens, 16) if system == "hf_dynamic" else new_tokens, None)
+        _sync(device)
+        warmup_s = time.perf_counter() - t0
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        run(new_tokens, hook)
+        _sync(device)
+        total = time.perf_counter() - t0
+    except torch.cuda.OutOfMemoryError:
+        return {"status": "OOM"}
+    except Exception as exc:  # noqa: BLE001 - one failing config must not lose the others
+        return {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        run = None
+    return {
+        "status": "ok",
+        "ms_per_step": round((marks[new_tokens - 1] - marks[1]) * 1000 / (new_tokens - 2), 3),
+        "tokens_per_s": round(batch * new_tokens / total, 1),
+        "total_s": round(total, 3),
+        "warmup_s": round(warmup_s, 2),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+    }

@@ -1,0 +1,199 @@
+"""Rollout benchmark: HF ``generate`` (dynamic and static cache) against the rapidfire static engine.
+
+    python benchmarks/rollout/run.py --out benchmarks/rollout/results            # H200, ~5 minutes
+    python benchmarks/rollout/run.py --out /tmp/rollout_smoke --smoke            # tiny model on CPU, seconds
+
+Writes results.json (environment, command, settings, correctness, one row per config), results.csv and
+results.png into --out. See README.md next to this file for what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import correctness, time_config  # noqa: E402
+
+# the 1.1B Llama shape of DESIGN.md's numbers; the smoke shape runs on a CPU in seconds
+SHAPES = {
+    "llama-1.1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        intermediate_size=5632,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        intermediate_size=128,
+    ),
+}
+SYSTEMS = ("ours_cuda_graph", "hf_dynamic", "ours_eager", "hf_static", "ours_compile")
+
+
+def build_model(shape: str, device: str, dtype: torch.dtype, max_positions: int):
+    """Random-init ``LlamaForCausalLM`` built directly on ``device`` (fast for 1.1B on a GPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for results.json / results.csv / results.png")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few seconds (tests the script)")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 32,128,256)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
+    p.add_argument("--new-tokens", type=int, default=None, help="generated tokens per run (default 384)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=330.0,
+        help="configs not started within this many seconds are recorded as skipped",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        print("no CUDA device: run with --smoke, or on a GPU machine", file=sys.stderr)
+        return 2
+    device = "cuda" if cuda else "cpu"
+    shape = "smoke" if args.smoke else "llama-1.1b"
+    batches = [int(b) for b in (args.batches or ("2,4" if args.smoke else "32,128,256")).split(",")]
+    prompt_len = args.prompt_len or (8 if args.smoke else 128)
+    new_tokens = args.new_tokens or (16 if args.smoke else 384)
+    systems = [s for s in args.systems.split(",") if s]
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 correctness must be exact; bf16 is unaffected
+
+    import transformers
+
+    meta = {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": {
+            "shape": shape,
+            **SHAPES[shape],
+            "dtype": "bfloat16" if cuda else "float32",
+            "init": "random",
+        },
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "batches": batches,
+        "sampling": "do_sample=True, temperature=1.0, top_k=0, top_p=1.0, no stop token (every row runs all steps)",
+        "timing": (
+            "one warm-up generate call (compiles / records graphs), then one timed call per config. "
+            "ms_per_step: wall time between decode steps 1 and T-1 of the timed call (device-synchronised at "
+            "both ends) / (T-2), i.e. the average over all contexts from P to P+T. tokens_per_s: B*T / wall "
+            "time of the whole timed call, prefill included. peak_gib: torch.cuda.max_memory_allocated in "
+            "the timed call (weights included)."
+        ),
+    }
+    max_pos = max(2048, prompt_len + new_tokens)
+    model = build_model(shape, device, torch.float32, max_pos)
+    meta["correctness_fp32"] = correctness(model, prompt_len, min(64, new_tokens), device)
+    model = model.to(torch.bfloat16) if cuda else model
+    if cuda:
+        meta["correctness_bf16"] = correctness(model, prompt_len, min(64, new_tokens), device)
+    print(json.dumps({k: v for k, v in meta.items() if k.startswith("correctness")}, indent=1), flush=True)
+
+    rows = []
+    for system in systems:
+        for batch in batches:
+            row = {"system": system, "batch": batch}
+            elapsed = time.perf_counter() - start
+            if elapsed > args.budget_s:
+                row["status"] = f"skipped: time budget ({elapsed:.0f}s > {args.budget_s:.0f}s)"
+            else:
+                row.update(time_config(model, system, batch, prompt_len, new_tokens, device))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    meta["wall_s"] = round(time.perf_counter() - start, 1)
+    write_results(out, meta, rows)
+    print(f"wrote {out}/results.json, results.csv, results.png in {meta['wall_s']} s")
+    return 0
+
+
+def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
+    (out / "results.json").write_text(json.dumps({**meta, "results": rows}, indent=1))
+    fields = ["system", "batch", "ms_per_step", "tokens_per_s", "total_s", "peak_gib", "status"]
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(out / "results.png", meta, rows)
+
+
+def plot(path: Path, meta: dict, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    systems = list(dict.fromkeys(r["system"] for r in ok))
+    batches = meta["batches"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(systems))
+    for i, system in enumerate(systems):
+        for ax, key in zip(axes, ("ms_per_step", "tokens_per_s")):
+            xs = [
+                j + i * width
+                for j, b in enumerate(batches)
+                if any(r["system"] == system and r["batch"] == b for r in ok)
+            ]
+            ys = [r[key] for b in batches for r in ok if r["system"] == system and r["batch"] == b]
+            ax.bar(xs, ys, width, label=system)
+    for ax, title in zip(
+        axes, ("ms per decode step (lower is better)", "generated tokens / s (higher is better)")
+    ):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set_title(title)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(
+        f"{meta['model']['shape']} on {meta['gpu']}: {meta['prompt_len']} prompt + {meta['new_tokens']} new tokens"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
