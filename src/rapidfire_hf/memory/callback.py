@@ -181,13 +181,22 @@ class MemoryCompactionCallback(TrainerCallback):
         self._model = model if model is not None else self._model
         self._optimizer = optimizer if optimizer is not None else self._optimizer
 
-    # ---- transformers.TrainerCallback hooks ----
+    def start(self, output_dir: str | None = None, model=None, optimizer=None, step: int = 0) -> None:
+        """Open the telemetry stream and take the first sample; ``on_train_begin`` calls it.
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        A loop that is not a ``transformers.Trainer`` calls it once before its first step.
+
+        Args:
+            output_dir: Run folder; the stream goes to ``<output_dir>/telemetry`` unless ``telemetry_dir``
+                or ``$RAPIDFIRE_TELEMETRY_DIR`` says otherwise.
+            model: The trained model (its parameters and gradients are reported).
+            optimizer: Its optimizer (its state is reported).
+            step: The optimizer step training starts from.
+        """
         self.attach(model, optimizer)
-        self._step = state.global_step
+        self._step = step
         if self.telemetry is not None and not self.telemetry.is_open:
-            directory = self.telemetry_dir or default_telemetry_dir(getattr(args, "output_dir", None))
+            directory = self.telemetry_dir or self.telemetry.directory or default_telemetry_dir(output_dir)
             path = self.telemetry.open(directory)
             logger.info(
                 "rapidfire: memory telemetry in %s (watch with `rapidfire monitor --pid <pid>`)", path
@@ -201,6 +210,11 @@ class MemoryCompactionCallback(TrainerCallback):
                 optimization=self.optimization,
             )
         self.sample("train_begin")
+
+    # ---- transformers.TrainerCallback hooks ----
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.start(getattr(args, "output_dir", None), model, optimizer, state.global_step)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if (state.global_step + 1) % self.sample_every == 0:

@@ -1,0 +1,256 @@
+"""Training workloads measured by ``run.py``: one function per scenario, each returning a JSON-ready dict.
+
+A scenario runs in its own process on the GPU (the allocator's ``expandable_segments`` is fixed when CUDA
+initialises), so ``run.py`` starts ``python workloads.py SCENARIO OUT.json [--smoke]`` for each.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SIZES = {
+    # the 1.1B Llama shape of DESIGN.md
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    ),
+}
+
+
+SETTINGS = {
+    # sequence lengths, micro-batch, steps (the first `warmup` are not timed), checkpointing runs at
+    # `sac_len` tokens, and the micro-batch search at `search_len` tokens up to `search_cap`
+    "full": dict(size="1b", lengths=(512, 2048, 4096), jitter=255, batch=4, steps=24, warmup=3,
+                 sac_len=4096, sac_steps=4, search_len=2048, search_cap=64),
+    "smoke": dict(size="smoke", lengths=(32, 64, 128), jitter=8, batch=2, steps=4, warmup=1,
+                  sac_len=128, sac_steps=1, search_len=64, search_cap=2),
+}  # fmt: skip
+
+
+def setting(smoke: bool) -> dict:
+    """Settings of a full (H200) or smoke (CPU) run (a copy: callers add to it)."""
+    return dict(SETTINGS["smoke" if smoke else "full"])
+
+
+def length_schedule(cfg: dict, seed: int = 0) -> list[int]:
+    """Per-step sequence lengths: 512/2048/4096 in random order, jittered like real response lengths."""
+    rng = random.Random(seed)
+    return [max(8, rng.choice(cfg["lengths"]) - rng.randint(0, cfg["jitter"])) for _ in range(cfg["steps"])]
+
+
+def build(cfg: dict):
+    """Model (bf16 on CUDA, fp32 on CPU) and AdamW."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    config = LlamaConfig(**SIZES[cfg["size"]], max_position_embeddings=8192, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):  # random init directly on the GPU: seconds instead of minutes on the CPU
+        model = LlamaForCausalLM(config).to(dtype)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    return model, opt, device
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def train_step(model, opt, device, batch: int, length: int, vocab: int) -> float:
+    """One optimizer step on random tokens; returns its wall time (synchronised: benchmark only)."""
+    import torch
+
+    ids = torch.randint(0, vocab, (batch, length), device=device)
+    sync()
+    start = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync()
+    return time.perf_counter() - start
+
+
+def fragmentation_run(cfg: dict, model, opt, device, callback=None) -> dict:
+    """Steps over the length schedule, recording memory after each (the sawtooth)."""
+    import torch
+
+    from rapidfire_hf.memory import sample_memory
+
+    vocab = model.config.vocab_size
+    steps = []
+    if callback is not None:
+        callback.start(model=model, optimizer=opt)  # opens the telemetry stream, as a training run would
+    for step, length in enumerate(length_schedule(cfg), start=1):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        seconds = train_step(model, opt, device, cfg["batch"], length, vocab)
+        tick = time.perf_counter()
+        compacted = 0
+        if callback is not None:
+            compacted = callback.maybe_compact(callback.sample("step_end", step), step)
+        overhead = time.perf_counter() - tick
+        s = sample_memory()
+        steps.append(
+            {
+                "step": step,
+                "length": length,
+                "seconds": seconds + overhead,
+                "callback_s": overhead,
+                "allocated": s.allocated,
+                "reserved": s.reserved,
+                "peak_allocated": s.peak_allocated,
+                "peak_reserved": s.peak_reserved,
+                "fragmentation": s.fragmentation,
+                "inactive_split_bytes": s.inactive_split_bytes,
+                "alloc_retries": s.num_alloc_retries,
+                "compacted_bytes": compacted,
+            }
+        )
+    timed = steps[cfg["warmup"] :]
+    return {
+        "steps": steps,
+        "total_s": sum(x["seconds"] for x in timed),
+        "callback_s": sum(x["callback_s"] for x in timed),
+        "max_reserved": max((x["peak_reserved"] or 0) for x in steps),
+        "mean_fragmentation": statistics.fmean(x["fragmentation"] or 0.0 for x in steps),
+        "compactions": sum(1 for x in steps if x["compacted_bytes"]),
+        "alloc_retries": steps[-1]["alloc_retries"],
+    }
+
+
+def reset(model, opt):
+    import torch
+
+    opt.state.clear()  # each variant starts from empty optimizer state...
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():  # ...and an empty cache
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def largest_micro_batch(cfg: dict, model, opt, device) -> int:
+    """Largest power-of-two micro-batch at ``search_len`` tokens that trains without OOM (up to a cap)."""
+    import torch
+
+    best, batch = 0, 1
+    while batch <= cfg["search_cap"]:
+        try:
+            train_step(model, opt, device, batch, cfg["search_len"], model.config.vocab_size)
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            opt.zero_grad(set_to_none=True)
+            reset(model, opt)
+        best, batch = batch, batch * 2
+    return best
+
+
+def scenario_allocator(cfg: dict) -> dict:
+    """Fragmentation with and without the callback, under the allocator this process was started with."""
+    import os
+
+    import torch
+
+    from rapidfire_hf.memory import MemoryCompactionCallback, TelemetryWriter
+
+    model, opt, device = build(cfg)
+    out = {"alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    if torch.cuda.is_available():  # check that the setting took: segments say whether they are expandable
+        segments = torch.cuda.memory._snapshot()["segments"]
+        out["expandable_segments_seen"] = any(seg.get("is_expandable") for seg in segments)
+    variants = {"no_callback": None}
+    # threshold 1.0 never compacts: what sampling and telemetry alone cost
+    for threshold in (1.0, 0.3, 0.15):
+        variants[f"callback_t{threshold}"] = threshold
+    for name, threshold in variants.items():
+        reset(model, opt)
+        cb = None
+        if threshold is not None:
+            telemetry = TelemetryWriter(cfg["out_dir"] + "/telemetry", register=False)
+            cb = MemoryCompactionCallback(
+                compaction_threshold=threshold,
+                optimization="aggressive",
+                telemetry=telemetry,
+                expandable_segments=False,
+            )
+        out[name] = fragmentation_run(cfg, model, opt, device, cb)
+        if cb is not None:
+            cb.telemetry.close()
+    reset(model, opt)
+    out["largest_micro_batch"] = largest_micro_batch(cfg, model, opt, device)
+    return out
+
+
+def scenario_checkpointing(cfg: dict) -> dict:
+    """Peak memory and step time at ``sac_len`` tokens, and the largest micro-batch, per level."""
+    import torch
+
+    from rapidfire_hf.memory import apply_selective_checkpointing
+
+    out = {}
+    for level in ("conservative", "balanced", "aggressive"):
+        model, opt, device = build(cfg)
+        apply_selective_checkpointing(model, level)
+        reset(model, opt)
+        times = [
+            train_step(model, opt, device, cfg["batch"], cfg["sac_len"], model.config.vocab_size)
+            for _ in range(cfg["sac_steps"] + 1)
+        ][1:]  # the first step pays for cuBLAS/allocator warm-up
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        reset(model, opt)
+        out[level] = {
+            "step_s": statistics.median(times),
+            "peak_allocated": peak,
+            "largest_micro_batch": largest_micro_batch(cfg, model, opt, device),
+        }
+        del model, opt
+        reset_all()
+    return out
+
+
+def reset_all():
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+SCENARIOS = {"allocator": scenario_allocator, "checkpointing": scenario_checkpointing}
+
+
+def main(argv: list[str]) -> None:
+    name, out_path, smoke = argv[0], argv[1], "--smoke" in argv
+    cfg = setting(smoke)
+    cfg["out_dir"] = str(Path(out_path).parent)
+    result = SCENARIOS[name](cfg)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
