@@ -101,3 +101,29 @@ def test_buffers_are_reused_across_calls(tokenizer, prompts):
     second = engine.generate(ids2, mask2, params)
     assert engine._static._buf.k is cache
     assert torch.equal(first.responses, second.responses)
+
+
+def test_decode_step_is_idempotent(tokenizer, prompts, monkeypatch):
+    """CUDA-graph recording runs each new step's body up to 3 times; the result must not change."""
+    from rapidfire_hf.rollout.static_engine import StaticEngine
+
+    model = build_tiny_llama(tokenizer, seed=3)
+    ids, mask = prompts
+    params = SamplingParams(max_new_tokens=LONG, temperature=0.9, top_k=12)
+    stop = 19  # a stop token some rows produce, so the "done" logic is exercised too
+
+    def run():
+        engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[stop], backend="static")
+        return engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(4))
+
+    once = run()
+    step = StaticEngine._step
+
+    def three_times(self, p, kv_len):
+        for _ in range(3):
+            step(self, p, kv_len)
+
+    monkeypatch.setattr(StaticEngine, "_step", three_times)
+    thrice = run()
+    assert torch.equal(once.responses, thrice.responses) and torch.equal(once.logprobs, thrice.logprobs)
+    assert not once.response_mask.all()
