@@ -223,3 +223,12 @@ def test_attach_replaces_the_fp16_grad_scaler_of_accelerate():
     opt.step()
     plugin.on_step_end(1, {"loss": loss.detach()}, wait=True)
     assert torch.isfinite(loss) and not opt.step_was_skipped
+
+
+def test_calibrate_through_accelerate_autocast_wrapped_forward():
+    # accelerate (bf16 on CPU) wraps model.forward in autocast, which the reference run must survive
+    accelerator, model, opt = _accelerated("bf16")
+    plugin = AdaptivePrecisionPlugin(initial="bf16", fallback=[]).attach(accelerator)
+    schedule = plugin.calibrate(_batch())
+    assert schedule == {"model.layers.0": "bf16", "model.layers.1": "bf16", "lm_head": "bf16"}
+    assert all(0 < r.error < plugin.sensitivity_threshold for r in plugin.sensitivity.values())

@@ -6,7 +6,13 @@ import torch
 from torch import nn
 
 from rapidfire_hf.demo import build_tiny_llama
-from rapidfire_hf.precision import AsyncMetrics, Precision, find_layers, set_layer_precision
+from rapidfire_hf.precision import (
+    AsyncMetrics,
+    Precision,
+    find_layers,
+    measure_sensitivity,
+    set_layer_precision,
+)
 from rapidfire_hf.precision.schedule import layer_precision
 
 
@@ -45,3 +51,24 @@ def test_async_metrics_keep_step_order_and_convert_tensors():
     queue.submit(2, {"loss": 3.0})
     assert queue.ready() == [(1, {"loss": 2.5, "grad_norm": 1.0}), (2, {"loss": 3.0})]
     assert queue.ready() == []
+
+
+class _BF16Handoff(nn.Module):
+    """Two fp32 layers with a bf16 tensor between them, as when a forward re-enters autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 4)])
+
+    def forward(self, x):
+        h = self.layers[0](x).to(torch.bfloat16)  # layer 1 records a bf16 input, its weights are fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.layers[1](h).float()
+
+
+def test_sensitivity_pass_accepts_low_precision_recorded_inputs():
+    torch.manual_seed(0)
+    model = _BF16Handoff()
+    rows = measure_sensitivity(model, {"x": torch.randn(4, 8)}, find_layers(model), Precision.BF16)
+    assert [r.name for r in rows] == ["layers.0", "layers.1"]
+    assert all(0 < r.error < 0.05 for r in rows)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rapidfire_hf.precision.schedule import Precision, original_forward
+from rapidfire_hf.precision.schedule import Precision, _cast_floats, original_forward
 
 
 @dataclass
@@ -90,7 +90,9 @@ def _with_leaf_input(args: tuple, kwargs: dict) -> tuple[tuple, dict, torch.Tens
 
 
 def _run_layer(module: nn.Module, inputs, grad_out: torch.Tensor, precision: Precision, device_type: str):
-    args, kwargs, x = _with_leaf_input(*inputs)
+    # recorded inputs are low precision when the model's forward re-enters autocast (accelerate wraps it)
+    args, kwargs = _cast_floats(inputs[0], torch.float32), _cast_floats(inputs[1], torch.float32)
+    args, kwargs, x = _with_leaf_input(args, kwargs)
     if precision is Precision.FP32:
         ctx = torch.autocast(device_type, enabled=False)
     else:
