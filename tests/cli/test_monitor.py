@@ -105,3 +105,42 @@ def test_pid_that_does_not_exist(capsys):
 def test_process_that_is_not_rapidfire(capsys):
     assert main(["monitor", "--pid", str(os.getpid()), "--once"]) == 4
     assert "is not a rapidfire training process" in capsys.readouterr().err
+
+
+GPU_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from rapidfire_hf.memory import TelemetryWriter, sample_memory
+
+    telemetry = TelemetryWriter(sys.argv[1])
+    telemetry.open()
+    held = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    telemetry.memory(sample_memory(), step=1, phase="train", where="step_end")
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.gpu
+def test_once_json_on_gpu_has_allocator_and_nvml_memory(cache, capsys):
+    from rapidfire_hf.utils.imports import is_available
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GPU_CHILD, str(cache / "gpu-telemetry")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAPIDFIRE_CACHE_DIR": str(cache)},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert main(["monitor", "--pid", str(proc.pid), "--once", "--json"]) == 0
+        view = json.loads(capsys.readouterr().out)
+        assert view["device"].startswith("cuda") and view["memory"]["allocated"] >= 256 << 20
+        assert view["memory"]["reserved"] >= view["memory"]["allocated"]
+        if is_available("pynvml"):
+            assert view["nvml"] and view["nvml"][0]["used_bytes"] >= 256 << 20
+    finally:
+        proc.kill()
+        proc.wait()
