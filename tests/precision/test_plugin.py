@@ -175,7 +175,9 @@ def test_state_dict_round_trip_restores_schedule_scales_and_history():
 
 def _accelerated(mixed_precision: str):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: other tests set it
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision)
     model = build_tiny_llama(None, hidden=32, layers=2, heads=2, kv_heads=1)
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
