@@ -48,3 +48,23 @@ def test_sampled_logprobs_and_seed_on_cuda(cuda_setup, mode):
     ref = process_logits(logits.flatten(0, 1), 0.8, 20, 0.95).view_as(logits).log_softmax(-1)
     ref = ref.gather(-1, a.responses[..., None]).squeeze(-1).masked_fill(~a.response_mask, 0.0)
     torch.testing.assert_close(a.logprobs, ref, atol=1e-4, rtol=0)
+
+
+def test_lora_adapter_toggle_under_cuda_graphs(tokenizer, prompts):
+    from peft import LoraConfig, get_peft_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ids, mask = (x.cuda() for x in prompts)
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(build_tiny_llama(tokenizer).cuda(), cfg)
+    engine = RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode="cuda_graph"
+    )
+    params = SamplingParams(max_new_tokens=40, do_sample=False)
+    with_lora = engine.generate(ids, mask, params).responses
+    with model.disable_adapter():
+        base = engine.generate(ids, mask, params).responses
+        assert torch.equal(base, hf_greedy(model, ids, mask, 40, stop=None))
+    assert not torch.equal(with_lora, base)
+    assert torch.equal(engine.generate(ids, mask, params).responses, with_lora)

@@ -58,11 +58,13 @@ def test_peft_lora_generation(tokenizer, prompts, backend):
     model.train()
     ref = hf_greedy(model, ids, mask, 12, stop=2)
     assert not torch.equal(ref, base_ref)  # the adapter changes the output
-    out = RolloutEngine(model, pad_token_id=0, stop_token_ids=[2], backend=backend).generate(
-        ids, mask, SamplingParams(max_new_tokens=12, do_sample=False)
-    )
-    assert torch.equal(out.responses, ref)
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[2], backend=backend)
+    params = SamplingParams(max_new_tokens=12, do_sample=False)
+    assert torch.equal(engine.generate(ids, mask, params).responses, ref)
     assert model.training
+    with model.disable_adapter():  # the LoRA reference policy: base weights, same engine
+        assert torch.equal(engine.generate(ids, mask, params).responses, base_ref)
+    assert torch.equal(engine.generate(ids, mask, params).responses, ref)
 
 
 def _tiny(model_type: str):

@@ -41,6 +41,14 @@ class _Buffers:
         self.stops = None  # [S] int64
 
 
+def _peft_layers(model) -> list:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
 class StaticEngine:
     """Generation for Llama-family models over a static cache (see module docstring).
 
@@ -74,6 +82,8 @@ class StaticEngine:
         self._graph_key = None
         self._pool = None
         self._weights_id = ()
+        # PEFT tuner layers (LoRA etc.): `with model.disable_adapter()` flips a Python flag the graph can't see
+        self._adapter_layers = _peft_layers(model)
         self._compiled = None
         self.step_callback = None  # called with t after each decode step (timing, progress); None = off
 
@@ -211,7 +221,7 @@ class StaticEngine:
         buf.tokens[:, 0] = tok
         buf.logprobs[:, 0] = lp
         mode = self._mode(device)
-        self._weights_id = tuple(q.data_ptr() for q in self.model.parameters())
+        self._weights_id = self._structure_id()
         for t in range(1, r):
             if t % _STOP_CHECK_EVERY == 0 and self._all_stopped(buf, t):
                 break
@@ -233,6 +243,14 @@ class StaticEngine:
             if self.step_callback is not None:
                 self.step_callback(t)
         return buf.tokens.clone(), buf.logprobs.clone()
+
+    def _structure_id(self) -> tuple:
+        """What a recorded graph bakes in: weight addresses and PEFT adapter switches (disabled, merged, active)."""
+        adapters = tuple(
+            (bool(m.disable_adapters), bool(getattr(m, "merged", False)), tuple(m.active_adapters))
+            for m in self._adapter_layers
+        )
+        return tuple(q.data_ptr() for q in self.model.parameters()), adapters
 
     def _all_stopped(self, buf: _Buffers, t: int) -> bool:
         return bool((buf.tokens[:, :t, None] == buf.stops).any(-1).any(-1).all())
