@@ -42,7 +42,15 @@ SHAPES = {
         intermediate_size=128,
     ),
 }
-SYSTEMS = ("ours_cuda_graph", "hf_dynamic", "ours_eager", "hf_static", "ours_compile")
+# in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode attention
+SYSTEMS = (
+    "ours_cuda_graph",
+    "hf_dynamic",
+    "ours_eager",
+    "ours_cuda_graph+matmul",
+    "hf_static",
+    "ours_compile",
+)
 
 
 def build_model(shape: str, device: str, dtype: torch.dtype, max_positions: int):

@@ -8,15 +8,16 @@ import torch
 from rapidfire_hf.kernels import gqa_decode_attention
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "matmul"])
 @pytest.mark.parametrize("b,kv,group,length,d", [(3, 2, 4, 37, 16), (1, 1, 8, 5, 8), (4, 4, 1, 19, 32)])
-def test_matches_expanded_reference(b, kv, group, length, d):
+def test_matches_expanded_reference(b, kv, group, length, d, impl):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, kv, group, d, generator=g)
     k = torch.randn(b, kv, length, d, generator=g)
     v = torch.randn(b, kv, length, d, generator=g)
     valid = torch.rand(b, length, generator=g) < 0.7
     valid[:, -1] = True
-    out = gqa_decode_attention(q, k, v, valid, d**-0.5)
+    out = gqa_decode_attention(q, k, v, valid, d**-0.5, impl)
     # reference: query head h uses K/V head h // group (HF's repeat_kv order), masked softmax
     qh = q.reshape(b, kv * group, 1, d)
     kh, vh = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -24,14 +25,22 @@ def test_matches_expanded_reference(b, kv, group, length, d):
     torch.testing.assert_close(out.reshape(b, kv * group, 1, d), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_unknown_impl_is_refused():
+    x = torch.zeros(1, 1, 1, 4)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        gqa_decode_attention(x, x, x, torch.ones(1, 1, dtype=torch.bool), 0.5, impl="flash9")
+
+
 @pytest.mark.gpu
-def test_bf16_on_cuda_matches_fp32():
+@pytest.mark.parametrize("impl", ["sdpa", "matmul"])
+def test_bf16_on_cuda_matches_fp32(impl):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(8, 4, 8, 64, device="cuda", generator=g)
     k = torch.randn(8, 4, 300, 64, device="cuda", generator=g)
     v = torch.randn(8, 4, 300, 64, device="cuda", generator=g)
     valid = torch.ones(8, 300, dtype=torch.bool, device="cuda")
-    ref = gqa_decode_attention(q, k, v, valid, 0.125)
-    out = gqa_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), valid, 0.125)
+    valid[:3, 200:] = False
+    ref = gqa_decode_attention(q, k, v, valid, 0.125, "matmul")
+    out = gqa_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), valid, 0.125, impl)
     # bf16 inputs: ~3 significant digits
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)

@@ -13,12 +13,14 @@ R = 24
 LONG = 90  # crosses the 64-slot KV buckets twice
 
 
-def test_greedy_matches_generate_without_stop(tokenizer, prompts):
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_greedy_matches_generate_without_stop(tokenizer, prompts, attention):
     model = build_tiny_llama(tokenizer, heads=4, kv_heads=2)  # GQA, group 2
     ids, mask = prompts
-    out = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static").generate(
-        ids, mask, SamplingParams(max_new_tokens=LONG, do_sample=False)
+    engine = RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static", decode_attention=attention
     )
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=LONG, do_sample=False))
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, LONG, stop=None))
     assert out.response_mask.all()
     assert torch.equal(out.sequences[:, : out.prompt_length], ids)

@@ -3,13 +3,23 @@
 HF's eager and SDPA paths expand K/V from ``kv_heads`` to ``heads`` over the whole cache on every step
 (``repeat_kv``); on the 1.1B Llama shape at batch 256 that copy is 74% of the decode step's GPU time
 (DESIGN.md). Here the ``group = heads // kv_heads`` query heads that share a K/V head are laid out as
-the rows of one small matmul, so ``[B, kv, group, D] @ [B, kv, D, L]`` reads each cached head once and
-writes nothing cache-sized.
+the rows of one attention problem over that head: ``[B, kv, group, D]`` against ``[B, kv, L, D]``.
+
+Two implementations of the same math:
+
+- ``"sdpa"`` (default): ``scaled_dot_product_attention`` with the group as the query-length axis (no
+  causal mask among the group's rows; a ``[B, 1, 1, L]`` key mask). On CUDA this is a fused kernel
+  (memory-efficient / cuDNN attention), so the ``[B, kv, group, L]`` scores never reach memory.
+- ``"matmul"``: two batched matmuls with an fp32 softmax in between, as HF's eager attention does.
+  Unfused: at group 8 the fp32 scores passes move more bytes than the K/V reads themselves.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+IMPLS = ("sdpa", "matmul")
 
 
 def gqa_decode_attention(
@@ -18,20 +28,28 @@ def gqa_decode_attention(
     v_cache: torch.Tensor,
     key_valid: torch.Tensor,
     scale: float,
+    impl: str = "sdpa",
 ) -> torch.Tensor:
     """Attention of one query token per row over a (masked) static cache, GQA-aware.
 
     Args:
         q: ``[B, KV, G, D]`` queries; head ``h`` of the model is ``(h // G, h % G)``, the order of HF's
             ``repeat_kv``.
-        k_cache: ``[B, KV, L, D]`` cached keys (rotary already applied).
+        k_cache: ``[B, KV, L, D]`` cached keys (rotary already applied); may be a length-slice view.
         v_cache: ``[B, KV, L, D]`` cached values.
         key_valid: ``[B, L]`` bool, True where a cache slot holds a real token this query may see.
         scale: softmax scale, usually ``D ** -0.5``.
+        impl: "sdpa" (fused where the device has a kernel) or "matmul".
 
     Returns:
         ``[B, KV, G, D]`` attention output in ``q.dtype``.
     """
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(
+            q, k_cache, v_cache, attn_mask=key_valid[:, None, None, :], scale=scale
+        )
+    if impl != "matmul":
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     scores = torch.matmul(q, k_cache.transpose(-1, -2)).float() * scale  # [B, KV, G, L]
     scores = scores.masked_fill(~key_valid[:, None, None, :], float("-inf"))
     # fp32 softmax then cast back, as HF's eager attention does

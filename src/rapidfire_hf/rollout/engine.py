@@ -47,6 +47,7 @@ class RolloutEngine:
         backend: "auto" (the static engine on CUDA for Llama/Mistral/Qwen2/Qwen3, else "hf"), "static"
             (force the static engine; also runs on CPU) or "hf" (``model.generate``).
         decode_mode: static engine only: "auto", "eager", "cuda_graph" or "compile".
+        decode_attention: static engine only: "sdpa" (fused GQA attention on CUDA) or "matmul".
 
     Example:
         >>> engine = RolloutEngine(policy, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
@@ -66,6 +67,7 @@ class RolloutEngine:
         stop_token_ids: list[int] | None = None,
         backend: str = "auto",
         decode_mode: str = "auto",
+        decode_attention: str = "sdpa",
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -88,7 +90,9 @@ class RolloutEngine:
         if backend == "static":
             from rapidfire_hf.rollout.static_engine import StaticEngine
 
-            self._static = StaticEngine(model, self.pad_token_id, self.stop_token_ids, decode_mode)
+            self._static = StaticEngine(
+                model, self.pad_token_id, self.stop_token_ids, decode_mode, attention=decode_attention
+            )
 
     @staticmethod
     def _resolve_stops(model, stop_token_ids) -> list[int]:

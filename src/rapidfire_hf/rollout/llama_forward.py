@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidfire_hf.kernels import gqa_decode_attention
+from rapidfire_hf.kernels.decode_attention import IMPLS
 
 # model_type -> per-architecture switches; everything else about these models is shared
 SUPPORTED = {
@@ -58,12 +59,16 @@ class StaticLlama:
 
     Args:
         model: an HF ``LlamaForCausalLM`` (or Mistral/Qwen2/Qwen3), possibly wrapped by PEFT.
+        attention: decode attention implementation, see :func:`rapidfire_hf.kernels.gqa_decode_attention`.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, attention: str = "sdpa"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static rollout engine cannot run this model: {reason}")
+        if attention not in IMPLS:
+            raise ValueError(f"attention must be one of {IMPLS}, got {attention!r}")
+        self.attention = attention
         lm = unwrap_causal_lm(model)
         cfg = lm.config
         self.body = lm.model
@@ -171,7 +176,9 @@ class StaticLlama:
             k = _rope(k, cos_k, sin_k)
             k_cache[i].index_copy_(2, slot, k[:, :, None, :])
             v_cache[i].index_copy_(2, slot, v[:, :, None, :])
-            o = gqa_decode_attention(q, k_cache[i, :, :, :n], v_cache[i, :, :, :n], valid, self.scale)
+            o = gqa_decode_attention(
+                q, k_cache[i, :, :, :n], v_cache[i, :, :, :n], valid, self.scale, self.attention
+            )
             x = x + attn.o_proj(o.reshape(b, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.body.norm(x)

@@ -59,6 +59,7 @@ class StaticEngine:
         decode_mode: "eager", "cuda_graph" (record the step once, replay it), "compile" (``torch.compile``
             then record) or "auto" (``cuda_graph`` on CUDA, else eager).
         prompt_bucket: prompts are left-padded to a multiple of this width so shapes repeat.
+        attention: decode attention, "sdpa" (fused on CUDA) or "matmul" (see ``gqa_decode_attention``).
     """
 
     def __init__(
@@ -68,8 +69,9 @@ class StaticEngine:
         stop_token_ids: list[int],
         decode_mode: str = "auto",
         prompt_bucket: int = 32,
+        attention: str = "sdpa",
     ):
-        self.net = StaticLlama(model)
+        self.net = StaticLlama(model, attention)
         self.model = model
         self.pad_token_id = pad_token_id
         self.stop_token_ids = list(stop_token_ids)
