@@ -58,7 +58,9 @@ def save(trainer) -> Path:
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    found = [(int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*") if (m := _CKPT.match(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*") if (m := _CKPT.match(p.name))
+    ]
     return max(found)[1] if found else None
 
 
@@ -96,7 +98,9 @@ def load(trainer, resume_from_checkpoint) -> int:
     if resume_from_checkpoint is True:
         path = latest_checkpoint(args.output_dir)
         if path is None:
-            raise FileNotFoundError(f"resume_from_checkpoint=True but {args.output_dir} holds no checkpoint-* folder")
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True but {args.output_dir} holds no checkpoint-* folder"
+            )
     else:
         path = Path(resume_from_checkpoint)
     if not (path / "trainer_state.json").is_file():
@@ -107,7 +111,9 @@ def load(trainer, resume_from_checkpoint) -> int:
         module.value_head.load_state_dict(torch.load(path / "value_head.pt", map_location="cpu"))
     else:
         _load_weights(module.value_model, path / "value_model")
-    trainer.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+    trainer.optimizer.load_state_dict(
+        torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    )
     trainer.lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     state = type(trainer.state).load_from_json(str(path / "trainer_state.json"))
     trainer.state = state

@@ -30,26 +30,38 @@ class PPOConfig(TrainingArguments):
     save_strategy: str = field(default="no", metadata={"help": "'no' or 'steps' (every save_steps updates)."})
 
     # PPO (TRL 1.12 names and defaults).
-    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per rollout batch (optimizer steps per epoch)."})
+    num_mini_batches: int = field(
+        default=1, metadata={"help": "Mini-batches per rollout batch (optimizer steps per epoch)."}
+    )
     total_episodes: int | None = field(
-        default=None, metadata={"help": "Prompts to train on in total (default: num_train_epochs * len(train_dataset))."}
+        default=None,
+        metadata={"help": "Prompts to train on in total (default: num_train_epochs * len(train_dataset))."},
     )
     local_rollout_forward_batch_size: int = field(
         default=64, metadata={"help": "Rows per no-grad forward in the scoring phase (per device)."}
     )
-    response_length: int = field(default=53, metadata={"help": "Maximum number of generated response tokens."})
-    stop_token: str | None = field(default=None, metadata={"help": "'eos' to stop at the tokenizer's EOS, or None."})
-    stop_token_id: int | None = field(default=None, metadata={"help": "Token id that ends a response (exclusive with stop_token)."})
+    response_length: int = field(
+        default=53, metadata={"help": "Maximum number of generated response tokens."}
+    )
+    stop_token: str | None = field(
+        default=None, metadata={"help": "'eos' to stop at the tokenizer's EOS, or None."}
+    )
+    stop_token_id: int | None = field(
+        default=None, metadata={"help": "Token id that ends a response (exclusive with stop_token)."}
+    )
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling filter (0 = off)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling filter (1.0 = off)."})
     missing_eos_penalty: float | None = field(
-        default=None, metadata={"help": "Subtracted from the score of responses that contain no EOS (positive)."}
+        default=None,
+        metadata={"help": "Subtracted from the score of responses that contain no EOS (positive)."},
     )
     num_ppo_epochs: int = field(default=4, metadata={"help": "PPO epochs over each rollout batch."})
     whiten_rewards: bool = field(default=False, metadata={"help": "Whiten the shaped rewards."})
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient."})
-    kl_estimator: str = field(default="k1", metadata={"help": "KL estimator for the reward penalty: 'k1' or 'k3'."})
+    kl_estimator: str = field(
+        default="k1", metadata={"help": "KL estimator for the reward penalty: 'k1' or 'k3'."}
+    )
     cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
     vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Value prediction clip range."})
@@ -58,13 +70,21 @@ class PPOConfig(TrainingArguments):
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "Weights of the reward functions (default: all 1.0)."}
     )
-    max_prompt_length: int | None = field(default=None, metadata={"help": "Truncate prompts (left) to this many tokens."})
+    max_prompt_length: int | None = field(
+        default=None, metadata={"help": "Truncate prompts (left) to this many tokens."}
+    )
     dataset_text_field: str = field(default="prompt", metadata={"help": "Column holding the prompt text."})
     num_sample_generations: int = field(
         default=0, metadata={"help": "Print sample completions this many times during training (0 = never)."}
     )
 
     # rapidfire_hf.
+    approx_kl_limit: float | None = field(
+        default=None,
+        metadata={
+            "help": "With a RapidFireOptimizer: roll back an optimizer step whose approx-KL exceeds this."
+        },
+    )
     value_mode: str = field(
         default="separate",
         metadata={
@@ -78,7 +98,9 @@ class PPOConfig(TrainingArguments):
     )
     rapidfire_config: Any = field(
         default=None,
-        metadata={"help": "A rapidfire config: YAML path, preset name, dict (short or nested form) or RapidFireConfig."},
+        metadata={
+            "help": "A rapidfire config: YAML path, preset name, dict (short or nested form) or RapidFireConfig."
+        },
     )
 
     def __post_init__(self):
@@ -91,12 +113,19 @@ class PPOConfig(TrainingArguments):
         if self.rollout_backend not in ("auto", "static", "hf"):
             errors.append(f"rollout_backend={self.rollout_backend!r}: allowed 'auto', 'static' or 'hf'")
         if self.stop_token not in (None, "eos"):
-            errors.append(f"stop_token={self.stop_token!r}: allowed 'eos' or None (use stop_token_id for others)")
+            errors.append(
+                f"stop_token={self.stop_token!r}: allowed 'eos' or None (use stop_token_id for others)"
+            )
         if self.stop_token is not None and self.stop_token_id is not None:
             errors.append("stop_token and stop_token_id are both set: set only one")
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
             errors.append(f"missing_eos_penalty={self.missing_eos_penalty}: must be a positive value")
-        for name in ("num_mini_batches", "num_ppo_epochs", "response_length", "local_rollout_forward_batch_size"):
+        for name in (
+            "num_mini_batches",
+            "num_ppo_epochs",
+            "response_length",
+            "local_rollout_forward_batch_size",
+        ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)}: must be >= 1")
         if self.temperature <= 0:

@@ -34,7 +34,9 @@ def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     return torch.where(bools, idx, row_len).min(dim=-1).values
 
 
-def truncate_after_stop(responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int) -> torch.Tensor:
+def truncate_after_stop(
+    responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int
+) -> torch.Tensor:
     """Replace every token after the first ``stop_token_id`` of each row with ``pad_token_id``.
 
     Args:
@@ -139,7 +141,9 @@ def kl_shaped_rewards(
     return rewards, non_score_reward, kl
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the response tokens (no bootstrap after the last slot).
 
     Args:

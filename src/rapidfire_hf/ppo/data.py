@@ -7,14 +7,18 @@ from dataclasses import dataclass
 import torch
 
 
-def prepare_prompt_dataset(dataset, tokenizer, text_field: str = "prompt", max_prompt_length: int | None = None):
+def prepare_prompt_dataset(
+    dataset, tokenizer, text_field: str = "prompt", max_prompt_length: int | None = None
+):
     """Return ``dataset`` with an ``input_ids`` column (tokenizing ``text_field`` when needed).
 
     Raises:
         ValueError: the dataset has neither ``input_ids`` nor the text column, or is empty.
     """
     if dataset is None:
-        raise ValueError("PPOTrainer needs a train_dataset of prompts (a `prompt` text column or `input_ids`).")
+        raise ValueError(
+            "PPOTrainer needs a train_dataset of prompts (a `prompt` text column or `input_ids`)."
+        )
     columns = list(getattr(dataset, "column_names", None) or [])
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty: PPO needs at least one prompt per rollout batch.")

@@ -117,7 +117,9 @@ class PolicyAndValue(nn.Module):
     ``accelerator.prepare`` (DDP, DeepSpeed, FSDP) covers both and gradient sync happens once.
     """
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module | None = None, value_head: ValueHead | None = None):
+    def __init__(
+        self, policy: nn.Module, value_model: nn.Module | None = None, value_head: ValueHead | None = None
+    ):
         super().__init__()
         if (value_model is None) == (value_head is None):
             raise ValueError("PolicyAndValue needs exactly one of value_model and value_head")
@@ -151,7 +153,9 @@ class PolicyAndValue(nn.Module):
         return logprobs, values.float(), entropy
 
 
-def value_positions(value_model: nn.Module, inputs: dict[str, torch.Tensor], context_length: int) -> torch.Tensor:
+def value_positions(
+    value_model: nn.Module, inputs: dict[str, torch.Tensor], context_length: int
+) -> torch.Tensor:
     """Values of the states before each response token from a sequence-classification model. [B, R]"""
     backbone = getattr(value_model, value_model.base_model_prefix)
     hidden = backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
@@ -176,7 +180,11 @@ def reward_model_scores(
 
 @torch.no_grad()
 def policy_logprobs(
-    model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int, temperature: float
+    model: nn.Module,
+    query_responses: torch.Tensor,
+    pad_token_id: int,
+    context_length: int,
+    temperature: float,
 ) -> torch.Tensor:
     """Response log-probs of a frozen causal LM (the reference policy). [B, R]"""
     decoder, lm_head = causal_lm_parts(model)

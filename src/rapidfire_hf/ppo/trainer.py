@@ -25,7 +25,13 @@ from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
 from rapidfire_hf.ppo import checkpoint as ckpt
 from rapidfire_hf.ppo.config import PPOConfig
-from rapidfire_hf.ppo.core import AdvantageOutput, compute_advantages, first_true_indices, ppo_loss, truncate_after_stop
+from rapidfire_hf.ppo.core import (
+    AdvantageOutput,
+    compute_advantages,
+    first_true_indices,
+    ppo_loss,
+    truncate_after_stop,
+)
 from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset
 from rapidfire_hf.ppo.modeling import (
     PolicyAndValue,
@@ -34,8 +40,8 @@ from rapidfire_hf.ppo.modeling import (
     check_value_model,
     policy_logprobs,
     reward_model_scores,
-    value_positions,
     sequence_inputs,
+    value_positions,
 )
 
 logger = logging.getLogger(__name__)
@@ -116,7 +122,9 @@ class PPOTrainer:
             raise TypeError(f"args must be a rapidfire_hf.PPOConfig, got {type(args).__name__}")
         self.args = args
         self.processing_class = tok = processing_class
-        self._check_inputs(tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model)
+        self._check_inputs(
+            tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model
+        )
         self.stop_token_id = tok.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         self.pad_token_id = tok.pad_token_id
 
@@ -141,7 +149,9 @@ class PPOTrainer:
             check_value_model(value_model, policy)
             module = PolicyAndValue(policy, value_model=value_model)
         elif args.value_mode == "fused":
-            module = PolicyAndValue(policy, value_head=ValueHead(causal_lm_parts(policy)[0].config.hidden_size))
+            module = PolicyAndValue(
+                policy, value_head=ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
+            )
         else:
             raise ValueError(
                 "value_model is None: pass a value model (e.g. AutoModelForSequenceClassification with num_labels=1) "
@@ -151,7 +161,9 @@ class PPOTrainer:
             if m is not None:
                 _disable_dropout(m)
         if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+            policy.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+            )
 
         self.train_dataset = prepare_prompt_dataset(
             train_dataset, tok, args.dataset_text_field, args.max_prompt_length
@@ -160,11 +172,18 @@ class PPOTrainer:
         self.data_collator = data_collator or (lambda rows: collate_prompts(rows, self.pad_token_id))
         acc = self.accelerator
         self.prompt_order = PromptOrder(
-            len(self.train_dataset), args.local_batch_size * acc.num_processes, args.seed, acc.process_index,
+            len(self.train_dataset),
+            args.local_batch_size * acc.num_processes,
+            args.seed,
+            acc.process_index,
             acc.num_processes,
         )
         total = args.total_episodes or int(args.num_train_epochs * len(self.train_dataset))
-        self.num_updates = args.max_steps if args.max_steps > 0 else max(1, math.ceil(total / (args.local_batch_size * acc.num_processes)))
+        self.num_updates = (
+            args.max_steps
+            if args.max_steps > 0
+            else max(1, math.ceil(total / (args.local_batch_size * acc.num_processes)))
+        )
 
         self.optimizer, self.lr_scheduler = self._make_optimizer(module, optimizer, optimizers)
         self.model, self.optimizer = acc.prepare(module, self.optimizer)
@@ -172,13 +191,18 @@ class PPOTrainer:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(acc.device).eval())
 
-        self.state = PPOTrainerState(is_local_process_zero=acc.is_local_main_process, is_world_process_zero=acc.is_main_process)
+        self.state = PPOTrainerState(
+            is_local_process_zero=acc.is_local_main_process, is_world_process_zero=acc.is_main_process
+        )
         self.control = TrainerControl()
         reporting = get_reporting_integration_callbacks(args.report_to)
         progress = PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK
         self.callback_handler = CallbackHandler(
             DEFAULT_CALLBACKS + reporting + [progress] + list(callbacks or []),
-            self.model, tok, self.optimizer, self.lr_scheduler,
+            self.model,
+            tok,
+            self.optimizer,
+            self.lr_scheduler,
         )
         self._perm_generator = torch.Generator().manual_seed(args.seed)
         self._rollout_engine = None
@@ -191,7 +215,9 @@ class PPOTrainer:
             return []
         return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
 
-    def _check_inputs(self, tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model):
+    def _check_inputs(
+        self, tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model
+    ):
         if tok is None or getattr(tok, "pad_token_id", None) is None:
             raise ValueError(
                 "processing_class has no pad token: set one before building the trainer, e.g. "
@@ -210,11 +236,17 @@ class PPOTrainer:
         if optimizer is not None and any(o is not None for o in optimizers):
             raise ValueError("Pass either optimizer= or optimizers=(optimizer, scheduler), not both.")
         if ref_model is not None and ref_model is model:
-            raise ValueError("ref_model is the same object as model: pass ref_model=None (a frozen copy is made).")
+            raise ValueError(
+                "ref_model is the same object as model: pass ref_model=None (a frozen copy is made)."
+            )
         if value_model is not None and value_model is model:
-            raise ValueError("value_model is the same object as model: use PPOConfig(value_mode='fused') instead.")
+            raise ValueError(
+                "value_model is the same object as model: use PPOConfig(value_mode='fused') instead."
+            )
         if self.args.stop_token == "eos" and tok.eos_token_id is None:
-            raise ValueError("stop_token='eos' but the tokenizer has no eos_token: set stop_token_id instead.")
+            raise ValueError(
+                "stop_token='eos' but the tokenizer has no eos_token: set stop_token_id instead."
+            )
         stop = tok.eos_token_id if self.args.stop_token == "eos" else self.args.stop_token_id
         if stop is not None and stop == tok.pad_token_id:
             raise ValueError(
@@ -235,9 +267,13 @@ class PPOTrainer:
         from peft import PeftConfig, get_peft_model
 
         if not isinstance(peft_config, PeftConfig):
-            raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config).__name__}")
+            raise TypeError(
+                f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config).__name__}"
+            )
         if hasattr(model, "peft_config"):
-            raise ValueError("model is already a PeftModel: pass the base model with peft_config, or no peft_config.")
+            raise ValueError(
+                "model is already a PeftModel: pass the base model with peft_config, or no peft_config."
+            )
         return get_peft_model(model, peft_config)
 
     def _make_reference(self, policy, ref_model):
@@ -255,24 +291,71 @@ class PPOTrainer:
         optimizer = optimizer if optimizer is not None else optimizers[0]
         scheduler = optimizers[1]
         params = [p for p in module.parameters() if p.requires_grad]
+        if optimizer is None and self.rf_config is not None:
+            optimizer = self._optimizer_from_config(params)
         if optimizer is None:
             optimizer = torch.optim.AdamW(
-                params, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                params,
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
                 weight_decay=args.weight_decay,
             )
         elif getattr(optimizer, "is_bound", True) is False:
             optimizer.bind(params)
         self._optimizer_clips = getattr(optimizer, "max_grad_norm", None) is not None
+        self._rf_opt = optimizer if hasattr(optimizer, "observe_loss") else None
+        if (
+            self._rf_opt is not None
+            and not self._optimizer_clips
+            and args.max_grad_norm
+            and args.max_grad_norm > 0
+        ):
+            logger.warning(
+                "max_grad_norm=%s is applied by clip_grad_norm_ after backward; with a gradient pipeline the "
+                "pipelined gradients are already applied then. Pass RapidFireOptimizer(max_grad_norm=...) instead.",
+                args.max_grad_norm,
+            )
+        if self._rf_opt is not None and args.approx_kl_limit is not None:
+            limit = args.approx_kl_limit
+            self._rf_opt.add_rule("approx_kl", lambda m: m["approx_kl"] < limit)
         if scheduler is None:
             scheduler = get_scheduler(
-                args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(self.num_updates),
+                args.lr_scheduler_type,
+                optimizer,
+                num_warmup_steps=args.get_warmup_steps(self.num_updates),
                 num_training_steps=self.num_updates,
             )
         return optimizer, scheduler
 
+    def _optimizer_from_config(self, params):
+        """A RapidFireOptimizer with the trainer's hyper-parameters and the rapidfire config's pipeline."""
+        from rapidfire_hf.optim import RapidFireOptimizer
+
+        args = self.args
+        return RapidFireOptimizer(
+            params,
+            optimizer="adamw",
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+            gradient_pipeline=bool(self.rf_config.gradient.pipeline),
+            max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
+            rollback="auto",
+        )
+
     # ------------------------------------------------------------------ public controls
     def add_callback(self, callback):
         self.callback_handler.add_callback(callback)
+
+    def remove_callback(self, callback):
+        self.callback_handler.remove_callback(callback)
+
+    def remove_progress_callbacks(self):
+        """Drop transformers' tqdm/printer callbacks (for callers that draw their own progress)."""
+        for cb in (DEFAULT_PROGRESS_CALLBACK, PrinterCallback):
+            self.callback_handler.remove_callback(cb)
 
     def disable_pipeline(self):
         """Turn the optimizer's gradient pipeline off (a no-op for optimizers without one)."""
@@ -309,11 +392,16 @@ class PPOTrainer:
         args, device = self.args, self.accelerator.device
         queries = batch["input_ids"].to(device)
         if self._rollout_engine is None:
-            stops = [self.stop_token_id] if self.stop_token_id is not None else None
-            self._rollout_engine = RolloutEngine(self.policy, self.pad_token_id, stops, backend=args.rollout_backend)
+            stops = [self.stop_token_id] if self.stop_token_id is not None else []
+            self._rollout_engine = RolloutEngine(
+                self.policy, self.pad_token_id, stops, backend=args.rollout_backend
+            )
         params = SamplingParams(
-            max_new_tokens=args.response_length, temperature=args.temperature + 1e-7, top_k=args.top_k,
-            top_p=args.top_p, do_sample=True,
+            max_new_tokens=args.response_length,
+            temperature=args.temperature + 1e-7,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            do_sample=True,
         )
         with torch.no_grad():
             out = self._rollout_engine.generate(queries, queries != self.pad_token_id, params)
@@ -344,17 +432,28 @@ class PPOTrainer:
             scores = scores - args.missing_eos_penalty * (~(post == eos).any(-1)).float()
         sequence_lengths = first_true_indices(post == pad) - 1
         adv = compute_advantages(
-            rollout.logprobs, torch.cat(ref_lp).float(), torch.cat(values).float(), scores.float(), sequence_lengths,
-            kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, gamma=args.gamma, lam=args.lam,
+            rollout.logprobs,
+            torch.cat(ref_lp).float(),
+            torch.cat(values).float(),
+            scores.float(),
+            sequence_lengths,
+            kl_coef=args.kl_coef,
+            kl_estimator=args.kl_estimator,
+            gamma=args.gamma,
+            lam=args.lam,
             whiten_rewards=args.whiten_rewards,
         )
         return Experience(rollout=rollout, adv=adv, postprocessed_responses=post)
 
     def _values(self, unwrapped: PolicyAndValue, query_responses, ctx):
         if not unwrapped.fused:
-            return value_positions(unwrapped.value_model, sequence_inputs(query_responses, self.pad_token_id), ctx)
+            return value_positions(
+                unwrapped.value_model, sequence_inputs(query_responses, self.pad_token_id), ctx
+            )
         decoder, _ = causal_lm_parts(unwrapped.policy)
-        hidden = decoder(**sequence_inputs(query_responses, self.pad_token_id), use_cache=False).last_hidden_state
+        hidden = decoder(
+            **sequence_inputs(query_responses, self.pad_token_id), use_cache=False
+        ).last_hidden_state
         return unwrapped.value_head(hidden[:, ctx - 1 : -1])
 
     def _reward_funcs_scores(self, rollout: Rollout, post: torch.Tensor) -> torch.Tensor:
@@ -365,7 +464,12 @@ class PPOTrainer:
         weights = self.args.reward_weights or [1.0] * len(self.reward_funcs)
         total = torch.zeros(len(completions), dtype=torch.float32)
         for w, func in zip(weights, self.reward_funcs):
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **(rollout.extra or {}))
+            values = func(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                **(rollout.extra or {}),
+            )
             if values is None or len(values) != len(completions):
                 raise ValueError(
                     f"reward function {getattr(func, '__name__', func)!r} returned {None if values is None else len(values)} "
@@ -374,7 +478,9 @@ class PPOTrainer:
             total += w * torch.tensor([float(v) for v in values], dtype=torch.float32)
         return total.to(rollout.queries.device)
 
-    def optimize(self, exp: Experience, permutations: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def optimize(
+        self, exp: Experience, permutations: list[torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """``num_ppo_epochs`` passes of mini-batch PPO over a scored rollout. Returns device-side statistics.
 
         Args:
@@ -382,32 +488,73 @@ class PPOTrainer:
             permutations: one row order per epoch (default: drawn from the trainer's seeded generator).
         """
         args, acc, adv = self.args, self.accelerator, exp.adv
-        qr, responses, ctx = exp.rollout.query_responses, exp.rollout.responses, exp.rollout.queries.shape[1]
+        qr, ctx = exp.rollout.query_responses, exp.rollout.queries.shape[1]
         n, mb, micro = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
         shape = (args.num_ppo_epochs, args.num_mini_batches, args.micro_batches_per_step)
         stats = {k: torch.zeros(shape, device=acc.device) for k in _STAT_KEYS}
         self.model.train()
         for epoch in range(args.num_ppo_epochs):
-            perm = permutations[epoch] if permutations is not None else torch.randperm(n, generator=self._perm_generator)
+            perm = (
+                permutations[epoch]
+                if permutations is not None
+                else torch.randperm(n, generator=self._perm_generator)
+            )
             for m, mb_start in enumerate(range(0, n, mb)):
                 mb_idx = perm[mb_start : mb_start + mb]
-                for u, start in enumerate(range(0, mb, micro)):
-                    idx = mb_idx[start : start + micro].to(qr.device)
-                    with acc.accumulate(self.model):
-                        lp, vpred, entropy = self.model(qr[idx], self.pad_token_id, ctx, args.temperature, with_entropy=True)
-                        out = ppo_loss(
-                            lp, adv.logprobs[idx], adv.advantages[idx], vpred, adv.values[idx], adv.returns[idx],
-                            adv.padding_mask[idx], adv.padding_mask_p1[idx], cliprange=args.cliprange,
-                            cliprange_value=args.cliprange_value, vf_coef=args.vf_coef,
-                        )
-                        acc.backward(out.loss)
-                        self._optimizer_step()
-                    ent = entropy.mean()
-                    for key, value in zip(_STAT_KEYS, (out.approx_kl, out.pg_clipfrac, out.pg_loss, out.vf_loss,
-                                                       out.vf_clipfrac, ent, out.ratio_mean)):
-                        stats[key][epoch, m, u] = value
-        del responses
+                for _attempt in range(2):  # a second pass only replays a window the optimizer rolled back
+                    for u, start in enumerate(range(0, mb, micro)):
+                        idx = mb_idx[start : start + micro].to(qr.device)
+                        out, ent = self._micro_step(qr[idx], ctx, adv, idx)
+                        for key, value in zip(
+                            _STAT_KEYS,
+                            (
+                                out.approx_kl,
+                                out.pg_clipfrac,
+                                out.pg_loss,
+                                out.vf_loss,
+                                out.vf_clipfrac,
+                                ent,
+                                out.ratio_mean,
+                            ),
+                        ):
+                            stats[key][epoch, m, u] = value
+                    if not self._should_replay():
+                        break
         return stats
+
+    def _micro_step(self, query_responses, ctx, adv, idx):
+        """Forward, loss and backward of one micro-batch; the optimizer steps when its window closes."""
+        args, acc = self.args, self.accelerator
+        with acc.accumulate(self.model):
+            lp, vpred, entropy = self.model(
+                query_responses, self.pad_token_id, ctx, args.temperature, with_entropy=True
+            )
+            out = ppo_loss(
+                lp,
+                adv.logprobs[idx],
+                adv.advantages[idx],
+                vpred,
+                adv.values[idx],
+                adv.returns[idx],
+                adv.padding_mask[idx],
+                adv.padding_mask_p1[idx],
+                cliprange=args.cliprange,
+                cliprange_value=args.cliprange_value,
+                vf_coef=args.vf_coef,
+            )
+            if self._rf_opt is not None:  # device tensors only: verified at the end of the window
+                self._rf_opt.observe_loss(out.loss)
+                self._rf_opt.record("approx_kl", out.approx_kl, reduce="max")
+            acc.backward(out.loss)
+            self._optimizer_step()
+        return out, entropy.mean()
+
+    def _should_replay(self) -> bool:
+        """True when the optimizer undid the last window because its clip prediction missed."""
+        opt = self._rf_opt
+        if opt is None or not opt.last_step_skipped or not opt.events:
+            return False
+        return "clip_prediction" in opt.events[-1].reasons
 
     def _optimizer_step(self):
         acc, args = self.accelerator, self.args
@@ -481,7 +628,9 @@ class PPOTrainer:
             "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
             "policy/entropy_avg": stats["entropy"].mean(),
             "val/ratio": stats["ratio"].mean(),
-            "val/ratio_var": stats["ratio"].var() if stats["ratio"].numel() > 1 else torch.zeros((), device=acc.device),
+            "val/ratio_var": stats["ratio"].var()
+            if stats["ratio"].numel() > 1
+            else torch.zeros((), device=acc.device),
             "val/num_eos_tokens": (exp.rollout.responses == self.processing_class.eos_token_id).sum().float(),
             "response_length": real.sum(1).mean() + 0,
         }
@@ -490,12 +639,22 @@ class PPOTrainer:
         metrics["val/num_eos_tokens"] *= acc.num_processes
         t0, t1, t2, t3 = times
         b, width = exp.rollout.query_responses.shape
-        metrics.update({
-            "time/rollout": t1 - t0, "time/scoring": t2 - t1, "time/training": t3 - t2, "time/update": t3 - t0,
-            "tokens_per_second": b * width * acc.num_processes / max(t3 - t0, 1e-9),
-            "eps": self.state.episode / max(time.perf_counter() - self._train_start, 1e-9),
-            "lr": self.lr_scheduler.get_last_lr()[0], "episode": self.state.episode,
-        })
+        metrics.update(
+            {
+                "time/rollout": t1 - t0,
+                "time/scoring": t2 - t1,
+                "time/training": t3 - t2,
+                "time/update": t3 - t0,
+                "tokens_per_second": b * width * acc.num_processes / max(t3 - t0, 1e-9),
+                "eps": self.state.episode / max(time.perf_counter() - self._train_start, 1e-9),
+                "lr": self.lr_scheduler.get_last_lr()[0],
+                "episode": self.state.episode,
+            }
+        )
+        if self._rf_opt is not None:
+            opt_stats = self._rf_opt.stats()
+            for key in ("rollbacks", "skipped", "clip_misses", "pipelined_steps"):
+                metrics[f"rapidfire/{key}"] = opt_stats[key]
         return metrics
 
     def log(self, logs: dict[str, float]) -> None:
@@ -527,4 +686,3 @@ def _disable_dropout(module: torch.nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-

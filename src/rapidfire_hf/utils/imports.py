@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from functools import lru_cache
+from functools import cache
 
 # import name -> (pip extra of rapidfire_hf, what it is for)
 OPTIONAL = {
@@ -18,7 +18,7 @@ OPTIONAL = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def is_available(name: str) -> bool:
     """Whether the module ``name`` can be imported (without importing it)."""
     try:
@@ -33,5 +33,7 @@ def require(name: str, feature: str | None = None):
         extra, purpose = OPTIONAL.get(name, (None, name))
         what = feature or purpose
         how = f"pip install 'rapidfire_hf[{extra}]'" if extra else f"pip install {name}"
-        raise ImportError(f"{what} needs the optional package `{name}`, which is not installed. Install it with: {how}")
+        raise ImportError(
+            f"{what} needs the optional package `{name}`, which is not installed. Install it with: {how}"
+        )
     return importlib.import_module(name)

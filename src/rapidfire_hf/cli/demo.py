@@ -1,0 +1,167 @@
+"""`rapidfire demo`: PPO on the embedded task, with a live table, a chart and summary.json.
+
+Runs with no downloads: a tiny Llama-style policy built from a config, a character tokenizer built in
+code, random-word prompts and a rule-based reward (vowels written, see ``rapidfire_hf.demo.task``).
+``--model PATH`` trains any local HF causal LM on the same task instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from pathlib import Path
+
+DEMO_HELP = "Train PPO on the embedded demo task (no downloads; minutes on a laptop CPU)."
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("demo", help=DEMO_HELP, description=DEMO_HELP)
+    p.add_argument("--steps", type=int, default=40, help="PPO updates to run (default 40).")
+    p.add_argument(
+        "--output-dir", default="rapidfire_demo", help="Where the chart, summary.json and metrics go."
+    )
+    p.add_argument(
+        "--model", default=None, help="Local path of a HF causal LM to train instead of the tiny policy."
+    )
+    p.add_argument("--config", default=None, help="A rapidfire config: YAML path or preset name.")
+    p.add_argument("--batch-size", type=int, default=32, help="Prompts per rollout batch (default 32).")
+    p.add_argument(
+        "--response-length", type=int, default=12, help="Generated tokens per response (default 12)."
+    )
+    p.add_argument("--learning-rate", type=float, default=1e-3, help="Learning rate (default 1e-3).")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="Stay on the CPU even when a GPU is present.")
+    p.set_defaults(func=run_demo)
+
+
+def _load_models(args):
+    """(tokenizer, policy, value_model or None, value_mode) for the demo or a user's local model."""
+    from rapidfire_hf.demo import DemoTask
+
+    if args.model is None:
+        tok, policy, value, _ = DemoTask(seed=args.seed).build()
+        return tok, policy, value, "separate"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(args.model)
+    if not path.exists():
+        raise SystemExit(f"--model {args.model}: no such local path (the demo never downloads models).")
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        raise SystemExit(
+            f"The tokenizer in {path} has no pad token distinct from EOS; add one (tokenizer.add_special_tokens"
+            "({'pad_token': '<pad>'}), resize the model's embeddings) and save both again."
+        )
+    tok.padding_side = "left"
+    policy = AutoModelForCausalLM.from_pretrained(path)
+    return tok, policy, None, "fused"
+
+
+def _ppo_args(args, out_dir: Path):
+    import torch
+
+    from rapidfire_hf.ppo import PPOConfig
+
+    use_gpu = torch.cuda.is_available() and not args.cpu
+    micro = min(args.batch_size, 16)
+    return PPOConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=max(1, args.batch_size // micro),
+        num_mini_batches=max(1, args.batch_size // micro),
+        num_ppo_epochs=4,
+        learning_rate=args.learning_rate,
+        max_steps=args.steps,
+        response_length=args.response_length,
+        temperature=1.0,
+        stop_token="eos",
+        missing_eos_penalty=0.5,
+        kl_coef=0.05,
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        seed=args.seed,
+        use_cpu=not use_gpu,
+        bf16=use_gpu and torch.cuda.is_bf16_supported(),
+        rapidfire_config=args.config,
+    )
+
+
+def run_demo(args) -> int:
+    from rapidfire_hf.demo import make_prompt_dataset, vowel_reward
+    from rapidfire_hf.ppo import PPOTrainer
+    from rapidfire_hf.utils.reporting import LiveTableCallback, plot_curves
+
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1")
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, policy, value, value_mode = _load_models(args)
+    ppo_args = _ppo_args(args, out_dir)
+    ppo_args.value_mode = value_mode
+    live = LiveTableCallback(
+        columns={
+            "objective/scores": "reward",
+            "objective/kl": "KL",
+            "response_length": "resp len",
+            "loss/value_avg": "value loss",
+            "tokens_per_second": "tok/s",
+        },
+        title="rapidfire demo: PPO on the vowel task",
+    )
+    trainer = PPOTrainer(
+        args=ppo_args,
+        processing_class=tok,
+        model=policy,
+        value_model=value,
+        reward_funcs=vowel_reward,
+        train_dataset=make_prompt_dataset(max(512, args.batch_size * 4), seed=args.seed),
+        callbacks=[live],
+    )
+    trainer.remove_progress_callbacks()
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    history = [h for h in trainer.state.log_history if "objective/scores" in h]
+    summary = _write_outputs(out_dir, history, wall, trainer)
+    live.console.print(
+        f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} in {wall:.0f} s on "
+        f"{summary['device']}; chart: {out_dir / 'demo_curves.png'}"
+    )
+    plot_curves(
+        history,
+        out_dir / "demo_curves.png",
+        {"objective/scores": "reward", "objective/kl": "KL"},
+        title="rapidfire demo: PPO reward and KL per update",
+    )
+    return 0
+
+
+def _write_outputs(out_dir: Path, history: list[dict], wall: float, trainer) -> dict:
+    keys = sorted({k for h in history for k in h})
+    with open(out_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(history)
+    summary = {
+        "reward_first": history[0]["objective/scores"],
+        "reward_last": history[-1]["objective/scores"],
+        "kl_last": history[-1]["objective/kl"],
+        "updates": len(history),
+        "wall_seconds": round(wall, 2),
+        "device": str(trainer.accelerator.device),
+        "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
+        "tokens_per_second_mean": sum(h["tokens_per_second"] for h in history) / len(history),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - `python -m rapidfire_hf.cli.demo`
+    parser = argparse.ArgumentParser(prog="rapidfire demo")
+    sub = parser.add_subparsers()
+    add_parser(sub)
+    ns = parser.parse_args(["demo", *(argv or [])])
+    return ns.func(ns)

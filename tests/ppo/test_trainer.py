@@ -1,0 +1,272 @@
+"""PPOTrainer end to end on CPU with tiny models: training, callbacks, errors, resume, LoRA, fused value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from rapidfire_hf.demo import (
+    build_char_tokenizer,
+    build_tiny_llama,
+    build_tiny_value_model,
+    make_prompt_dataset,
+    vowel_reward,
+)
+from rapidfire_hf.ppo import PPOConfig, PPOTrainer
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        response_length=6,
+        stop_token="eos",
+        learning_rate=1e-3,
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        temperature=1.0,
+        use_cpu=True,
+        seed=3,
+    )
+    base.update(kw)
+    return PPOConfig(**base)
+
+
+def _trainer(tmp_path, tok, policy=None, value=None, **kw):
+    extra = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k
+        in (
+            "optimizer",
+            "optimizers",
+            "peft_config",
+            "callbacks",
+            "reward_model",
+            "reward_funcs",
+            "train_dataset",
+            "ref_model",
+        )
+    }
+    extra.setdefault("reward_funcs", None if "reward_model" in extra else vowel_reward)
+    extra.setdefault("train_dataset", make_prompt_dataset(32))
+    args = _args(tmp_path, **kw)
+    if value is None and args.value_mode == "separate":
+        value = build_tiny_value_model(tok)
+    return PPOTrainer(
+        args=args, processing_class=tok, model=policy or build_tiny_llama(tok), value_model=value, **extra
+    )
+
+
+class EventRecorder(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            events = object.__getattribute__(self, "events")
+            return lambda *a, **k: events.append(name)
+        return object.__getattribute__(self, name)
+
+
+def test_trains_and_fires_callbacks(tmp_path, tokenizer):
+    rec = EventRecorder()
+    trainer = _trainer(tmp_path, tokenizer, callbacks=[rec], save_strategy="steps", save_steps=2)
+    policy_before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2
+    for key in (
+        "objective/kl",
+        "objective/entropy",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "loss/value_avg",
+        "val/clipfrac_avg",
+        "tokens_per_second",
+        "objective/rlhf_reward",
+    ):
+        assert key in logs[-1] and logs[-1][key] == logs[-1][key]  # present and not NaN
+    changed = any(not torch.equal(policy_before[k], v) for k, v in trainer.policy.state_dict().items())
+    assert changed
+    ev = rec.events
+    assert ev[0] == "on_init_end" and "on_train_begin" in ev and ev[-1] == "on_train_end"
+    # 2 updates x 2 epochs x 2 mini-batches = 8 optimizer steps
+    assert ev.count("on_optimizer_step") == 8 and ev.count("on_pre_optimizer_step") == 8
+    assert ev.count("on_step_begin") == 2 and ev.count("on_step_end") == 2 and ev.count("on_log") == 2
+    assert ev.count("on_save") == 1 and (tmp_path / "checkpoint-2" / "policy" / "config.json").is_file()
+
+
+def test_reward_model_and_fused_value(tmp_path, tokenizer):
+    rm = build_tiny_value_model(tokenizer, seed=7)
+    trainer = _trainer(tmp_path, tokenizer, reward_model=rm, value_mode="fused", max_steps=1)
+    assert trainer.accelerator.unwrap_model(trainer.model).fused
+    trainer.train()
+    assert "objective/scores" in trainer.state.log_history[-1]
+
+
+class StopAt(TrainerCallback):
+    """Interrupts training after ``step`` updates (a run cut short, to be resumed)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def _run(tmp_path, tokenizer, resume=None, **kw):
+    trainer = _trainer(tmp_path, tokenizer, max_steps=4, save_strategy="steps", save_steps=2, **kw)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_resume_is_bit_identical(tmp_path, tokenizer):
+    straight = _run(tmp_path / "a", tokenizer)
+    interrupted = _run(tmp_path / "b", tokenizer, callbacks=[StopAt(2)])
+    assert interrupted.state.global_step == 2
+    resumed = _run(tmp_path / "b", tokenizer, resume=str(tmp_path / "b" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values()):
+        assert torch.equal(a, b), name
+    va = straight.accelerator.unwrap_model(straight.model).value_model.state_dict()
+    vb = resumed.accelerator.unwrap_model(resumed.model).value_model.state_dict()
+    assert all(torch.equal(va[k], vb[k]) for k in va)
+    last_a = [h for h in straight.state.log_history if "objective/kl" in h][-1]
+    last_b = [h for h in resumed.state.log_history if "objective/kl" in h][-1]
+    assert last_a["objective/kl"] == last_b["objective/kl"]
+
+
+def test_max_grad_norm_is_honoured(tmp_path, tokenizer):
+    """With SGD (no normalisation) a tiny max_grad_norm bounds the total parameter change."""
+    policy, value = build_tiny_llama(tokenizer), build_tiny_value_model(tokenizer)
+    params = [p for m in (policy, value) for p in m.parameters()]
+    before = torch.cat([p.detach().flatten().clone() for p in params])
+    opt = torch.optim.SGD(params, lr=0.5)
+    trainer = _trainer(
+        tmp_path,
+        tokenizer,
+        policy,
+        value,
+        optimizers=(opt, None),
+        max_steps=1,
+        max_grad_norm=1e-4,
+        lr_scheduler_type="constant",
+    )
+    trainer.train()
+    after = torch.cat([p.detach().flatten() for p in params])
+    steps = 4  # 2 epochs x 2 mini-batches
+    assert 0 < (after - before).norm() <= steps * 0.5 * 1e-4 * 1.001
+
+
+def test_lora_reference_is_the_adapter_disabled_base(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    base = build_tiny_llama(tokenizer)
+    frozen = {k: v.clone() for k, v in base.state_dict().items()}
+    trainer = _trainer(
+        tmp_path,
+        tokenizer,
+        base,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        max_steps=1,
+    )
+    assert trainer.ref_model is None and trainer.is_peft
+    trainer.train()
+    policy = trainer.policy
+    for name, p in policy.named_parameters():
+        if "lora_" not in name:
+            key = name.replace("base_model.model.", "").replace(".base_layer", "")
+            assert torch.equal(p.detach(), frozen[key]), name
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    plain = build_tiny_llama(tokenizer)
+    plain.load_state_dict(frozen)
+    from rapidfire_hf.ppo.modeling import policy_logprobs
+
+    with trainer._reference_context() as ref:
+        ref_lp = policy_logprobs(ref, ids, tokenizer.pad_token_id, 3, 1.0)
+    lora_lp = policy_logprobs(policy, ids, tokenizer.pad_token_id, 3, 1.0)
+    base_lp = policy_logprobs(plain, ids, tokenizer.pad_token_id, 3, 1.0)
+    torch.testing.assert_close(ref_lp, base_lp, rtol=0, atol=1e-6)
+    assert (lora_lp - base_lp).abs().max() > 1e-6  # init_lora_weights=False: the adapter changes outputs
+
+
+def test_rapidfire_optimizer_pipeline_matches_plain_step(tmp_path, tokenizer):
+    from rapidfire_hf.optim import RapidFireOptimizer
+
+    results = []
+    for pipeline in (False, True):
+        policy, value = build_tiny_llama(tokenizer), build_tiny_value_model(tokenizer)
+        opt = RapidFireOptimizer(lr=1e-3, gradient_pipeline=pipeline)
+        trainer = _trainer(tmp_path / str(pipeline), tokenizer, policy, value, optimizer=opt, max_grad_norm=0)
+        assert opt.is_bound
+        trainer.train()
+        results.append([p.detach().clone() for p in policy.parameters()])
+        if pipeline:
+            assert trainer.state.log_history[-1]["rapidfire/pipelined_steps"] > 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- bad input, raised before any step
+def test_dataset_without_prompt_column(tmp_path, tokenizer):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="no prompt column.*'text'"):
+        _trainer(tmp_path, tokenizer, train_dataset=Dataset.from_dict({"text": ["a", "b"]}))
+
+
+def test_tokenizer_without_pad_token(tmp_path):
+    tok = build_char_tokenizer()
+    tok.pad_token = None
+    with pytest.raises(ValueError, match="no pad token"):
+        _trainer(
+            tmp_path,
+            tok,
+            policy=build_tiny_llama(build_char_tokenizer()),
+            value=build_tiny_value_model(build_char_tokenizer()),
+        )
+
+
+def test_value_model_of_wrong_shape(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="num_labels=1"):
+        _trainer(tmp_path, tokenizer, value=build_tiny_value_model(tokenizer, num_labels=2))
+    with pytest.raises(TypeError, match="sequence-classification"):
+        _trainer(tmp_path, tokenizer, value=build_tiny_llama(tokenizer, seed=5))
+
+
+def test_reward_model_and_reward_funcs_exclusive(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="exactly one of reward_model"):
+        _trainer(
+            tmp_path, tokenizer, reward_model=build_tiny_value_model(tokenizer), reward_funcs=vowel_reward
+        )
+    with pytest.raises(ValueError, match="exactly one of reward_model"):
+        _trainer(tmp_path, tokenizer, reward_funcs=[])
+
+
+def test_optimizer_and_optimizers_exclusive(tmp_path, tokenizer):
+    policy = build_tiny_llama(tokenizer)
+    opt = torch.optim.AdamW(policy.parameters())
+    with pytest.raises(ValueError, match="either optimizer= or optimizers="):
+        _trainer(tmp_path, tokenizer, policy, optimizer=opt, optimizers=(opt, None))
+
+
+def test_unknown_rapidfire_config_key(tmp_path, tokenizer):
+    from rapidfire_hf.config import ConfigError
+
+    with pytest.raises(ConfigError, match="pipline_depth"):
+        _trainer(tmp_path, tokenizer, rapidfire_config={"gradient": {"pipline_depth": 4}})
+
+
+def test_bad_ppo_config_values(tmp_path):
+    with pytest.raises(ValueError, match="kl_estimator='k2'"):
+        _args(tmp_path, kl_estimator="k2")
+    with pytest.raises(ValueError, match="not divisible by num_mini_batches=3"):
+        _args(tmp_path, num_mini_batches=3)
