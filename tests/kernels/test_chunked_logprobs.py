@@ -86,3 +86,19 @@ def test_frozen_weight_gets_no_grad():
     weight.requires_grad_(False)
     chunked_logprobs(hidden, weight, tokens, chunk_size=3).sum().backward()
     assert weight.grad is None and hidden.grad is not None
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_matches_cpu_float64():
+    hidden, weight, tokens = _inputs(300, 64, 5003, torch.bfloat16)
+    truth = _run(_reference, hidden, weight, tokens, 0.9, torch.float64)
+    h = hidden.detach().cuda().requires_grad_()
+    w = weight.detach().cuda().requires_grad_()
+    lp, ent = chunked_logprobs_and_entropy(h, w, tokens.cuda(), 0.9, 128)
+    g = torch.Generator().manual_seed(1)
+    up_lp, up_ent = torch.randn(300, generator=g).cuda(), torch.randn(300, generator=g).cuda()
+    (lp * up_lp + ent * up_ent).sum().backward()
+    for name, o, t in zip(NAMES, (lp, ent, h.grad, w.grad), truth):
+        scale = max(1.0, float(t.abs().max()))
+        err = float((o.detach().double().cpu() - t).abs().max())
+        assert err <= REL_TOL[torch.bfloat16] * scale, f"{name}: {err:.3g}"

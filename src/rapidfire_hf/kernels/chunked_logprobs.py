@@ -99,7 +99,7 @@ def chunked_logprobs_and_entropy(
     lead = tokens.shape
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     logprobs, entropy = ChunkedLogprobsFunction.apply(
-        h, lm_head_weight, tokens.reshape(-1), float(temperature), int(chunk_size), True
+        h, lm_head_weight, tokens.reshape(-1).long(), float(temperature), int(chunk_size), True
     )
     return logprobs.view(lead), entropy.view(lead)
 
@@ -129,6 +129,6 @@ def chunked_logprobs(
     lead = tokens.shape
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     logprobs, _ = ChunkedLogprobsFunction.apply(
-        h, lm_head_weight, tokens.reshape(-1), float(temperature), int(chunk_size), False
+        h, lm_head_weight, tokens.reshape(-1).long(), float(temperature), int(chunk_size), False
     )
     return logprobs.view(lead)

@@ -124,6 +124,8 @@ class RolloutEngine:
         params = params or SamplingParams()
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        device = _model_device(self.model)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if not bool(attention_mask[:, -1].all()):
             raise ValueError("prompts must be left-padded: attention_mask[:, -1] must be 1 for every row")
         with generation_mode(self.model):

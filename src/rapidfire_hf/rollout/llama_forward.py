@@ -37,6 +37,8 @@ def unsupported_reason(model) -> str | None:
     layer_types = getattr(cfg, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return "sliding-window layers are not supported"
+    if any(hasattr(p, "ds_id") for p in lm.parameters()):
+        return "DeepSpeed ZeRO-3 partitions the weights; generate through model.generate"
     body = getattr(lm, "model", None)
     if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
         return "the model has no `.model.layers` / `.model.rotary_emb`"
