@@ -134,6 +134,8 @@ class PPOTrainer:
             cpu=args.use_cpu,
         )
         self.rf_config = self._load_rapidfire_config(args.rapidfire_config)
+        # Created before any model reaches the GPU, so expandable segments cover every allocation.
+        self.memory_callback = self._make_memory_callback()
 
         policy = self._apply_peft(model, peft_config)
         self.is_peft = hasattr(policy, "peft_config")
@@ -191,6 +193,7 @@ class PPOTrainer:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(acc.device).eval())
 
+        self.precision_plugin = self._make_precision_plugin()
         self.state = PPOTrainerState(
             is_local_process_zero=acc.is_local_main_process, is_world_process_zero=acc.is_main_process
         )
@@ -198,7 +201,7 @@ class PPOTrainer:
         reporting = get_reporting_integration_callbacks(args.report_to)
         progress = PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK
         self.callback_handler = CallbackHandler(
-            DEFAULT_CALLBACKS + reporting + [progress] + list(callbacks or []),
+            DEFAULT_CALLBACKS + reporting + [progress] + [c for c in [self.memory_callback] if c] + list(callbacks or []),
             self.model,
             tok,
             self.optimizer,
@@ -260,6 +263,31 @@ class PPOTrainer:
         from rapidfire_hf.config import load_config
 
         return load_config(src)
+
+    def _make_memory_callback(self):
+        if not self.args.memory_management:
+            return None
+        from rapidfire_hf.memory import MemoryCompactionCallback
+
+        cfg = self.rf_config
+        return MemoryCompactionCallback(
+            cfg.memory if cfg is not None else None,
+            telemetry_dir=getattr(getattr(cfg, "logging", None), "telemetry_dir", None),
+        )
+
+    def _make_precision_plugin(self):
+        """The adaptive precision plugin when the rapidfire config asks for it (precision.mode adaptive)."""
+        cfg = self.rf_config
+        if cfg is None or str(getattr(cfg.precision.mode, "value", cfg.precision.mode)) != "adaptive":
+            return None
+        from rapidfire_hf.precision import AdaptivePrecisionPlugin
+
+        plugin = AdaptivePrecisionPlugin.from_config(cfg)
+        compact = (lambda: self.memory_callback.compact("precision_rule")) if self.memory_callback else None
+        return plugin.attach(
+            self.accelerator, self.accelerator.unwrap_model(self.model), self.optimizer, compact_memory=compact,
+            handlers={"disable_pipeline": self.disable_pipeline, "enable_pipeline": self.enable_pipeline},
+        )
 
     def _apply_peft(self, model, peft_config):
         if peft_config is None:
@@ -562,6 +590,8 @@ class PPOTrainer:
             self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
             if args.max_grad_norm and args.max_grad_norm > 0 and not self._optimizer_clips:
                 acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+            if self.precision_plugin is not None:
+                self.precision_plugin.observe_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if acc.sync_gradients:
@@ -587,6 +617,11 @@ class PPOTrainer:
             self.state.epoch = (update + 1) / self.prompt_order.batches_per_pass
             self.lr_scheduler.step()
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.precision_plugin is not None:
+                self.precision_plugin.on_step_end(update + 1, {
+                    "loss": metrics["loss/policy_avg"] + args.vf_coef * metrics["loss/value_avg"],
+                    "throughput": metrics["tokens_per_second"], "approx_kl": metrics["policy/approxkl_avg"],
+                })
             if self.control.should_log:
                 self.log({k: _to_float(v) for k, v in metrics.items()})
             if self.control.should_save:
@@ -605,6 +640,8 @@ class PPOTrainer:
         t1 = _sync_time(acc.device)
         exp = self.score(rollout)
         t2 = _sync_time(acc.device)
+        if self.memory_callback is not None:  # rollout -> training: release the generation/scoring blocks
+            self.memory_callback.phase_boundary("rollout", "train", step=update)
         stats = self.optimize(exp)
         t3 = _sync_time(acc.device)
         self.state.episode += args.local_batch_size * acc.num_processes
