@@ -91,15 +91,20 @@ class StaticLlama:
     def dtype(self) -> torch.dtype:
         return self.body.embed_tokens.weight.dtype
 
-    def new_cache(self, batch: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed ``(k, v)`` caches, each ``[layers, B, KV, L, D]`` in the model's dtype."""
+    def new_cache(self, batch: int, length: int, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed ``(k, v)`` caches: one ``[B, KV, L, D]`` tensor per layer, in the model's dtype.
+
+        One tensor per layer rather than one stacked tensor: under ``torch.compile`` an in-place write into
+        a view of a graph input can be functionalised into a scatter over the whole base tensor.
+        """
         if self.window is not None and length > self.window:
             raise ValueError(f"sequence length {length} exceeds the sliding window {self.window}")
-        shape = (len(self.layers), batch, self.n_kv, length, self.head_dim)
-        return (
-            torch.zeros(shape, dtype=self.dtype, device=device),
-            torch.zeros(shape, dtype=self.dtype, device=device),
-        )
+        shape = (batch, self.n_kv, length, self.head_dim)
+
+        def make():
+            return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
+
+        return make(), make()
 
     def rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[B, L]`` -> ``(cos, sin)`` each ``[B, L, D]`` from the model's rotary module."""
@@ -121,7 +126,7 @@ class StaticLlama:
             input_ids: ``[B, P]`` left-padded prompts.
             attention_mask: ``[B, P]`` 1 for real tokens.
             cos: ``[B, P, D]`` rotary cosines of the prompt positions (``sin`` likewise).
-            k_cache: ``[layers, B, KV, L, D]``, written in place (``v_cache`` likewise).
+            k_cache: per layer ``[B, KV, L, D]``, written in place (``v_cache`` likewise).
 
         Returns:
             ``[B, H]`` final-norm hidden state at position ``P - 1``.
@@ -138,8 +143,8 @@ class StaticLlama:
             q, k, v = self._qkv(attn, layer.input_layernorm(x), (b, p))
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
-            k_cache[i, :, :, :p] = k
-            v_cache[i, :, :, :p] = v
+            k_cache[i][:, :, :p] = k
+            v_cache[i][:, :, :p] = v
             # the prompt is attended once per rollout, so expanding K/V here costs little
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(
@@ -159,7 +164,7 @@ class StaticLlama:
             slot: ``[1]`` int64 cache slot of these tokens (a tensor, so the step can be graph-captured).
             cos: ``[B, D]`` rotary cosines at the tokens' positions (``sin`` likewise).
             key_valid: ``[B, L]`` bool, True for slots the tokens may attend to (including ``slot``).
-            k_cache: ``[layers, B, KV, L, D]``, written in place (``v_cache`` likewise).
+            k_cache: per layer ``[B, KV, L, D]``, written in place (``v_cache`` likewise).
             kv_len: attend over slots ``[0, kv_len)`` only (must include ``slot``); None = all ``L``.
 
         Returns:
@@ -168,7 +173,7 @@ class StaticLlama:
         b = tokens.shape[0]
         cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]
         cos_k, sin_k = cos[:, None, :], sin[:, None, :]
-        n = k_cache.shape[3] if kv_len is None else kv_len
+        n = k_cache[0].shape[2] if kv_len is None else kv_len
         valid = key_valid[:, :n]
         x = self.body.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
@@ -179,7 +184,7 @@ class StaticLlama:
             k_cache[i].index_copy_(2, slot, k[:, :, None, :])
             v_cache[i].index_copy_(2, slot, v[:, :, None, :])
             o = gqa_decode_attention(
-                q, k_cache[i, :, :, :n], v_cache[i, :, :, :n], valid, self.scale, self.attention
+                q, k_cache[i][:, :, :n], v_cache[i][:, :, :n], valid, self.scale, self.attention
             )
             x = x + attn.o_proj(o.reshape(b, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -168,7 +168,7 @@ class StaticEngine:
         b, p = input_ids.shape
         device = input_ids.device
         shape = (b, p, r)
-        if self._buf is None or self._buf.shape != shape or self._buf.k.device != device:
+        if self._buf is None or self._buf.shape != shape or self._buf.k[0].device != device:
             self._buf, self._graphs, self._graph_key = None, {}, None
             self._buf = _Buffers(self.net, b, p, r, self.net.lm_head.weight.shape[0], device)
         buf = self._buf
