@@ -76,6 +76,8 @@ def test_matches_stock_on_the_same_completions(build, kind):
         base, ours = train_log(stock, key), train_log(rapid, key)
         assert len(base) == len(ours) == STEPS, key
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(base), rtol=RTOL, atol=1e-7, msg=key)
+    # GRPO/RLOO build their inputs inside training_step: throughput comes from TRL's token count
+    assert all(t > 0 for t in train_log(rapid, "rapidfire/tokens_per_sec"))
     diffs = [(a - b).abs().max().item() for a, b in zip(stock.model.parameters(), rapid.model.parameters())]
     assert max(diffs) <= PARAM_ATOL
 

@@ -26,17 +26,24 @@ def trainer_precision(trainer) -> str:
     return {"bf16": "bf16", "fp16": "fp16"}.get(str(trainer.accelerator.mixed_precision), "fp32")
 
 
-def calibration_batch(inputs) -> dict[str, torch.Tensor] | None:
+# Rows of a micro-batch the sensitivity pass runs on: its fp32 reference forward materialises [B, T, V]
+# logits, and a few rows measure a layer's error as well as a whole GRPO batch of 64 x 384 tokens would.
+CALIBRATION_ROWS = 4
+
+
+def calibration_batch(inputs, rows: int = CALIBRATION_ROWS) -> dict[str, torch.Tensor] | None:
     """Causal-LM forward kwargs from one micro-batch of a TRL trainer, for the sensitivity pass."""
     if not isinstance(inputs, dict):
         return None
     if isinstance(inputs.get("input_ids"), torch.Tensor):  # SFT, DPO, reward
-        return {k: inputs[k] for k in ("input_ids", "attention_mask") if k in inputs}
-    if "prompt_ids" in inputs and "completion_ids" in inputs:  # GRPO, RLOO
+        batch = {k: inputs[k] for k in ("input_ids", "attention_mask") if k in inputs}
+    elif "prompt_ids" in inputs and "completion_ids" in inputs:  # GRPO, RLOO
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        return {"input_ids": ids, "attention_mask": mask}
-    return None
+        batch = {"input_ids": ids, "attention_mask": mask}
+    else:
+        return None
+    return {k: v[:rows] for k, v in batch.items()}
 
 
 class PrecisionPluginCallback(TrainerCallback):
@@ -45,7 +52,8 @@ class PrecisionPluginCallback(TrainerCallback):
     - ``on_train_begin`` (after ``accelerator.prepare``): ``attach`` with the final model and optimizer;
       the plugin's ``disable_pipeline``/``enable_pipeline`` actions go to ``trainer.disable_pipeline()``
       and its ``compact_memory`` action to the memory callback when installed.
-    - the first micro-batches: ``calibrate`` (the sensitivity pass; a no-op in static mode or fp32).
+    - the first micro-batches: ``calibrate`` (the sensitivity pass, on a few rows; a no-op in static mode
+      or fp32, and skipped when the weights themselves are not fp32).
     - before each optimizer step: ``observe_gradients`` (gradients the pipeline already applied are gone,
       so in pipelined windows only the rules on global metrics see data).
     - after each optimizer step: ``on_step_end(step, metrics)`` with the window's loss (a device tensor,
@@ -63,6 +71,7 @@ class PrecisionPluginCallback(TrainerCallback):
         self.logged: dict[str, float] = {}
         self._losses: list[torch.Tensor] = []
         self._attached = False
+        self._calibrate = False
         self._wrap_training_step(trainer)
 
     def _wrap_training_step(self, trainer) -> None:
@@ -70,7 +79,7 @@ class PrecisionPluginCallback(TrainerCallback):
 
         @functools.wraps(training_step)
         def step_with_precision(model, inputs, *args, **kwargs):
-            if self._attached and not self.plugin.calibration_done:
+            if self._calibrate and not self.plugin.calibration_done:
                 batch = calibration_batch(inputs)
                 if batch is not None:
                     self.plugin.calibrate(batch)
@@ -92,6 +101,10 @@ class PrecisionPluginCallback(TrainerCallback):
             handlers["compact_memory"] = functools.partial(memory.compact, "precision rule")
         self.plugin.attach(self.trainer.accelerator, model, optimizer, handlers=handlers)
         self._attached = True
+        # The sensitivity pass compares against fp32 weights; a model held in bf16/fp16 has none.
+        self._calibrate = all(p.dtype == torch.float32 for p in self.plugin.model.parameters())
+        if not self._calibrate:
+            logger.info("rapidfire: no precision sensitivity pass (the model's weights are not fp32)")
 
     def _pipeline(self, enabled: bool):
         def switch():

@@ -158,7 +158,9 @@ def part_metrics(trainer) -> dict[str, float]:
 class RapidFireMetricsCallback(TrainerCallback):
     """Adds ``rapidfire/*`` metrics to every training log of ``trainer`` (main process only).
 
-    Metrics: ``tokens_per_sec`` (non-padding tokens trained per wall second since the previous log),
+    Metrics: ``tokens_per_sec`` (tokens per wall second since the previous log: the trainer's
+    ``num_input_tokens_seen`` when it counts them (GRPO/RLOO always do: prompt + completion tokens of
+    each generation), else the non-padding tokens of the training micro-batches),
     ``mfu`` (6·N·tokens/s over the GPU's datasheet dense bf16 peak, ``N`` = non-embedding parameters;
     training forward+backward only, so generation in GRPO/RLOO is not counted), ``step_time_s``, memory
     holdings and fragmentation, and the counters of the installed rapidfire parts.
@@ -178,6 +180,7 @@ class RapidFireMetricsCallback(TrainerCallback):
         self._tokens = 0
         self._steps = 0
         self._window_start = time.perf_counter()
+        self._seen_at_window_start = 0
         self._n_params: int | None = None
         self._wrap(trainer)
 
@@ -207,6 +210,7 @@ class RapidFireMetricsCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._window_start = time.perf_counter()
         self._tokens = self._steps = 0
+        self._seen_at_window_start = state.num_input_tokens_seen
         if self.peak_flops is None:
             self.peak_flops = peak_flops(args.device)
 
@@ -217,7 +221,10 @@ class RapidFireMetricsCallback(TrainerCallback):
         """Metrics for the window since the previous call (which starts a new window)."""
         now = time.perf_counter()
         elapsed = max(now - self._window_start, 1e-9)
-        tokens_per_sec = self._tokens / elapsed
+        seen = self.trainer.state.num_input_tokens_seen
+        # GRPO/RLOO hand training_step the raw prompts (inputs are built inside it): use their own count
+        tokens = seen - self._seen_at_window_start if seen > self._seen_at_window_start else self._tokens
+        tokens_per_sec = tokens / elapsed
         metrics = {"tokens_per_sec": tokens_per_sec}
         if self._steps:
             metrics["step_time_s"] = elapsed / self._steps
@@ -227,5 +234,5 @@ class RapidFireMetricsCallback(TrainerCallback):
             metrics["mfu"] = 6.0 * self._n_params * tokens_per_sec / self.peak_flops
         metrics.update(memory_metrics(self.trainer.args.device))
         metrics.update(part_metrics(self.trainer))
-        self._window_start, self._tokens, self._steps = now, 0, 0
+        self._window_start, self._tokens, self._steps, self._seen_at_window_start = now, 0, 0, seen
         return {PREFIX + k: v for k, v in metrics.items()}

@@ -82,7 +82,9 @@ def install_optimizer(trainer, optimizer_kwargs: dict[str, Any] | None = None) -
     user_given = trainer.optimizer is not None
     ensure_wrapped()
     where = (
-        "the optimizer passed to the trainer" if user_given else f"the trainer's own optimizer ({args.optim})"
+        "the optimizer passed to the trainer"
+        if user_given
+        else f"the trainer's own optimizer ({getattr(args.optim, 'value', args.optim)})"
     )
     return f"RapidFireOptimizer around {where}, gradient pipeline {'on' if rf_state.pipeline else 'off'}"
 
