@@ -68,6 +68,8 @@ def build_model(shape: str, device: str, dtype: torch.dtype, max_positions: int)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config)
+    # no stop token anywhere: generate would otherwise fall back to this eos and end rows early
+    model.generation_config.eos_token_id = None
     return model.to(dtype).eval()
 
 

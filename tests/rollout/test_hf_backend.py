@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _rollout_helpers import hf_greedy
+from _rollout_helpers import hf_greedy, no_default_eos
 
 from rapidfire_hf.demo import build_tiny_llama
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams
@@ -20,7 +20,7 @@ def test_hf_backend_tokens_and_logprobs_equal_generate_scores(tokenizer, prompts
     # the same seed in HF's own sampler (its warpers, output_scores) must give the same draw
     seed = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(3)))
     torch.manual_seed(seed)
-    with torch.no_grad():
+    with no_default_eos(model), torch.no_grad():
         hf = model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -123,3 +123,15 @@ def test_right_padded_prompts_are_rejected(tokenizer):
         RolloutEngine(build_tiny_llama(tokenizer), 0, backend="static").generate(
             ids, torch.tensor([[1, 1, 0]])
         )
+
+
+@pytest.mark.parametrize("backend", ["static", "hf"])
+def test_no_stop_tokens_means_the_model_eos_is_ignored(tokenizer, prompts, backend):
+    model = build_tiny_llama(tokenizer)
+    ids, mask = prompts
+    params = SamplingParams(max_new_tokens=20, do_sample=False)
+    free = RolloutEngine(model, 0, [], backend="static").generate(ids, mask, params).responses
+    model.generation_config.eos_token_id = int(free[0, 3])  # a token the first row emits early
+    out = RolloutEngine(model, 0, [], backend=backend).generate(ids, mask, params)
+    assert torch.equal(out.responses, free) and out.response_mask.all()
+    assert model.generation_config.eos_token_id == int(free[0, 3])  # restored after the call

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _rollout_helpers import fresh_logits
+from _rollout_helpers import fresh_logits, no_default_eos
 from scipy.stats import chisquare
 
 from rapidfire_hf.demo import build_tiny_llama
@@ -55,7 +55,7 @@ def test_process_logits_equals_hf_processed_scores(tokenizer, prompts, top_k, to
     model.lm_head.weight.data *= 4
     ids, mask = prompts
     torch.manual_seed(0)
-    with torch.no_grad():
+    with no_default_eos(model), torch.no_grad():
         hf = model.generate(
             input_ids=ids,
             attention_mask=mask,

@@ -8,9 +8,12 @@ log-softmax; the next call, which sees the token that was picked, gathers its lo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from rapidfire_hf.rollout.llama_forward import unwrap_causal_lm
 from rapidfire_hf.rollout.sampling import process_logits
 from rapidfire_hf.rollout.types import SamplingParams
 
@@ -35,6 +38,18 @@ class _ProcessAndRecord(LogitsProcessor):
         processed = process_logits(scores.float(), p.temperature, p.top_k, p.top_p)
         self.prev_logp = torch.log_softmax(processed, dim=-1)
         return processed
+
+
+@contextlib.contextmanager
+def _only_these_stops(model, stop_token_ids: list[int]):
+    """``generate`` falls back to ``model.generation_config.eos_token_id`` when given none; hide it meanwhile."""
+    gen_config = unwrap_causal_lm(model).generation_config
+    saved = gen_config.eos_token_id
+    gen_config.eos_token_id = list(stop_token_ids) or None
+    try:
+        yield
+    finally:
+        gen_config.eos_token_id = saved
 
 
 def hf_generate(
@@ -73,7 +88,10 @@ def hf_generate(
         use_cache=True,  # TRL sets config.use_cache=False with gradient checkpointing
     )
     devices = [input_ids.device] if input_ids.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=generator is not None):
+    with (
+        _only_these_stops(model, stop_token_ids),
+        torch.random.fork_rng(devices=devices, enabled=generator is not None),
+    ):
         if generator is not None:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
             torch.manual_seed(seed)
