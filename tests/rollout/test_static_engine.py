@@ -129,3 +129,21 @@ def test_decode_step_is_idempotent(tokenizer, prompts, monkeypatch):
     thrice = run()
     assert torch.equal(once.responses, thrice.responses) and torch.equal(once.logprobs, thrice.logprobs)
     assert not once.response_mask.all()
+
+
+def test_tied_embeddings_and_llama3_rope_scaling(tokenizer, prompts):
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+    }
+    model = build_tiny_llama(tokenizer, tie_word_embeddings=True, rope_parameters=rope)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids, mask = prompts
+    out = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static").generate(
+        ids, mask, SamplingParams(max_new_tokens=40, do_sample=False)
+    )
+    assert torch.equal(out.responses, hf_greedy(model, ids, mask, 40, stop=None))
