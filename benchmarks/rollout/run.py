@@ -84,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--budget-s",
         type=float,
-        default=330.0,
+        default=300.0,
         help="configs not started within this many seconds are recorded as skipped",
     )
     return p.parse_args(argv)
