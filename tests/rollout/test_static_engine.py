@@ -103,6 +103,9 @@ def test_buffers_are_reused_across_calls(tokenizer, prompts):
     second = engine.generate(ids2, mask2, params)
     assert engine._static._buf.k is cache
     assert torch.equal(first.responses, second.responses)
+    engine.release()
+    assert engine._static._buf is None
+    assert torch.equal(engine.generate(ids, mask, params).responses, first.responses)
 
 
 def test_decode_step_is_idempotent(tokenizer, prompts, monkeypatch):

@@ -56,6 +56,11 @@ class RolloutEngine:
         >>> out.responses.shape, out.logprobs.dtype
         (torch.Size([8, 64]), torch.float32)
 
+    Create the engine once and reuse it: the static engine keeps its KV cache and recorded CUDA graphs
+    between calls of the same batch shape (prompts are left-padded to a multiple of 32 columns, so
+    slightly different prompt widths share them). Call :meth:`release` before a phase that needs the
+    memory back (at B=256, 512 tokens, the 1.1B shape: ~2.9 GB of cache).
+
     Raises:
         ValueError: an unknown backend, or "static" forced on a model it cannot run.
     """
@@ -93,6 +98,11 @@ class RolloutEngine:
             self._static = StaticEngine(
                 model, self.pad_token_id, self.stop_token_ids, decode_mode, attention=decode_attention
             )
+
+    def release(self) -> None:
+        """Free the static engine's KV cache, buffers and recorded graphs (rebuilt on the next call)."""
+        if self._static is not None:
+            self._static.release()
 
     @staticmethod
     def _resolve_stops(model, stop_token_ids) -> list[int]:

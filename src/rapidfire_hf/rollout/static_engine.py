@@ -89,6 +89,10 @@ class StaticEngine:
         self._compiled = None
         self.step_callback = None  # called with t after each decode step (timing, progress); None = off
 
+    def release(self) -> None:
+        """Drop the cache, buffers, recorded graphs and their memory pool."""
+        self._buf, self._graphs, self._graph_key, self._pool = None, {}, None, None
+
     def _mode(self, device: torch.device) -> str:
         if device.type != "cuda":
             return "eager"
