@@ -79,3 +79,22 @@ def test_wraps_user_optimizer_and_scheduler(build):
     rf_opt = trainer.optimizer.optimizer
     assert rf_opt.inner is user_opt
     assert [round(lr, 6) for lr in train_log(trainer, "learning_rate")] == [0.05, 0.025, 0.016667]
+
+
+def test_precision_rule_switches_the_pipeline_off(build):
+    """A fallback rule's action reaches the trainer: the plugin sees the logged throughput and turns the
+    pipeline off through ``trainer.disable_pipeline()`` (rules read metrics a step late, so 4 steps)."""
+    config = {
+        "gradient": {"pipeline": True},
+        "precision": {
+            "mode": "adaptive",
+            "initial": "fp32",
+            "fallback": [{"condition": "throughput < 1e12", "action": "disable_pipeline"}],
+        },
+    }
+    trainer = enable_rapidfire(build("sft", max_grad_norm=0.0), config=config)
+    trainer.train()
+    stats = trainer.optimizer.optimizer.stats()
+    assert trainer._rapidfire.pipeline is False and not stats["pipeline_enabled"]
+    assert 1 <= stats["pipelined_steps"] < STEPS  # on at the start, off once the rule fired
+    assert trainer._rapidfire.parts["precision"].stats()["actions"] == {"disable_pipeline": 1}
