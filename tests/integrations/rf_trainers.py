@@ -115,7 +115,32 @@ def build_rloo(tokenizer, tmp_path, model_dir=None, **overrides):
     )
 
 
-BUILDERS = {"sft": build_sft, "dpo": build_dpo, "grpo": build_grpo, "rloo": build_rloo}
+def build_reward(tokenizer, tmp_path, **overrides):
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    from rapidfire_hf.demo import build_tiny_reward_model
+
+    words = _words(32)
+    ds = Dataset.from_dict(
+        {"chosen": [f"task: {w} -> aeiou" for w in words], "rejected": [f"task: {w} -> {w}" for w in words]}
+    )
+    args = RewardConfig(**common_args(tmp_path, per_device_train_batch_size=4, max_length=24, **overrides))
+    return RewardTrainer(
+        model=build_tiny_reward_model(tokenizer, seed=0),
+        args=args,
+        train_dataset=ds,
+        processing_class=tokenizer,
+    )
+
+
+BUILDERS = {
+    "reward": build_reward,
+    "sft": build_sft,
+    "dpo": build_dpo,
+    "grpo": build_grpo,
+    "rloo": build_rloo,
+}
 
 
 def train_log(trainer, key="loss"):

@@ -7,7 +7,7 @@ them, after checking it was asked for the same prompts). From there on, rewards,
 updates are TRL's own code in both runs, with the RapidFireOptimizer (pipeline on) against torch AdamW.
 
 The GRPO loss of an on-policy step is ``-mean(advantage)`` whatever the weights, so parameters, entropy
-and (RLOO) KL are compared too: they depend on every update. Tolerances as in test_enable_sft_dpo.py.
+and (RLOO) KL are compared too: they depend on every update. Tolerances as in test_enable_trainers.py.
 """
 
 from __future__ import annotations

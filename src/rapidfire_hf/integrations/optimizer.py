@@ -97,6 +97,9 @@ def _hook_grad_clipping(trainer) -> None:
     in ``step()`` when clipping may bind, predicted in the hooks otherwise), with the same
     ``max_grad_norm``. The trainer gets a 0-d tensor that the optimizer's step post-hook fills with the
     true pre-clip norm; the trainer reads it (``.item()``) only when it logs, after the step.
+
+    With ``rollback="off"`` the optimizer reads the norm only for pipelined windows it clips; when the
+    gradients are still there the trainer measures and clips them itself, as stock does.
     """
     clip, get_norm = trainer._clip_grad_norm, trainer._get_grad_norm
     pending: list[torch.Tensor] = []
@@ -106,6 +109,8 @@ def _hook_grad_clipping(trainer) -> None:
         opt = find_rapidfire_optimizer(trainer.optimizer)
         if opt is None:
             return None
+        if opt.rollback != "auto" and any(p.grad is not None for p in model.parameters()):
+            return None
         if id(opt) not in hooked:
             opt.register_step_post_hook(lambda *_: _fill(opt, pending))
             hooked.add(id(opt))
@@ -114,7 +119,7 @@ def _hook_grad_clipping(trainer) -> None:
         return norm
 
     @functools.wraps(clip)
-    def clip_grad_norm(model):
+    def clip_grad_norm(model):  # the trainer calls this only when args.max_grad_norm > 0
         norm = placeholder(model)
         return norm if norm is not None else clip(model)
 
@@ -145,7 +150,9 @@ def _feed_loss(trainer) -> None:
 def _fill(opt, pending: list[torch.Tensor]) -> None:
     """Write the last window's pre-clip gradient norm into the tensors handed to the trainer."""
     norm = opt.stats().get("last_grad_norm")
-    if opt.last_step_skipped and opt.events:
+    if opt.rollback != "auto" and opt.max_grad_norm is None:
+        norm = None  # nothing read the norm of this window: NaN rather than an older window's value
+    elif opt.last_step_skipped and opt.events:
         norm = opt.events[-1].details.get("grad_norm", norm)
     for t in pending:
         t.fill_(float("nan") if norm is None else norm)

@@ -18,8 +18,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# GenerationConfig fields whose TRL values the engine reproduces; anything else set away from its
-# default sends the call back to HF generate, so the sampled distribution never silently changes.
+# GenerationConfig fields the engine reproduces (sampling) or that do not change what is sampled.
+_HANDLED = {
+    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "pad_token_id", "bos_token_id",
+    "eos_token_id", "cache_implementation", "disable_compile", "use_cache", "transformers_version",
+}  # fmt: skip
+# Fields TRL always sets, harmless at these values. Any other field away from its default (min_p,
+# repetition_penalty, no_repeat_ngram_size, min_new_tokens, ...) sends the call back to HF generate,
+# so the sampled distribution never silently changes.
 _NEUTRAL = {"min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "suppress_tokens": (None, [])}
 
 
@@ -38,9 +44,9 @@ def _unsupported_sampling(trainer) -> str | None:
     gen = getattr(trainer, "generation_config", None)
     if gen is None:
         return "the trainer has no generation_config"
-    for name, neutral in _NEUTRAL.items():
-        if getattr(gen, name, None) not in neutral:
-            return f"generation_config.{name}={getattr(gen, name)!r} is not implemented by the rollout engine"
+    for name, value in gen.to_diff_dict().items():
+        if name not in _HANDLED and value not in _NEUTRAL.get(name, ()):
+            return f"generation_config.{name}={value!r} is not implemented by the rollout engine"
     return None
 
 
