@@ -1,0 +1,173 @@
+"""Stock TRL 1.12 PPO against rapidfire_hf PPO on the same GPU, in the same run.
+
+    # on the GPU machine, with trl 1.12.0 installed in its own directory (never beside trl 1.16):
+    TRL112_PATH=/tmp/site112 python benchmarks/ppo_vs_trl/run.py --out benchmarks/ppo_vs_trl/results
+    python benchmarks/ppo_vs_trl/run.py --out /tmp/ppo_smoke --smoke      # tiny shape on CPU
+
+Two parts, each configuration in its own subprocess (clean peak-memory numbers; an OOM ends only that
+configuration):
+
+* throughput: the 1.1B Llama shape of DESIGN.md (hidden 2048, 22 layers, 32 heads, 4 KV heads, vocab
+  32000), 128 prompt + 384 response tokens, 1 PPO epoch, separate policy / reference / value / reward
+  models, bf16, for several rollout batch sizes: seconds per update (median of the timed updates after a
+  warm-up update), generation share, peak GPU memory, tokens/s = batch * (prompt + response) / s.
+* learning: a smaller shape on a rule-based reward (the share of response tokens from a target set,
+  computed by a reward "model" both trainers call the same way), the same number of updates for stock
+  TRL, ours with a separate value model and ours with the fused value head: reward per update.
+
+Writes results.json (GPU, versions, date, command, one row per configuration), results.csv and
+ppo_vs_trl.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {
+    "llama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                       intermediate_size=5632, vocab_size=32000),
+    "llama-160m": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                       intermediate_size=2048, vocab_size=32000),
+    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=512),
+}
+
+
+def run_one(cfg: dict, out_dir: Path, timeout: int) -> dict:
+    """Run one configuration in a fresh interpreter; returns its result row (or the failure)."""
+    env = dict(os.environ)
+    if cfg["system"] == "trl":
+        trl_path = os.environ.get("TRL112_PATH")
+        if not trl_path:
+            return {**cfg, "status": "skipped", "error": "TRL112_PATH is not set (trl 1.12.0 install dir)"}
+        env["PYTHONPATH"] = trl_path + os.pathsep + env.get("PYTHONPATH", "")
+    result_file = out_dir / f"row_{cfg['name']}.json"
+    cmd = [sys.executable, str(HERE / "worker.py"), json.dumps(cfg), str(result_file)]
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {**cfg, "status": "timeout", "error": f"over {timeout} s"}
+    if result_file.is_file():
+        return json.loads(result_file.read_text())
+    tail = (proc.stdout + proc.stderr)[-1500:]
+    status = "oom" if "OutOfMemoryError" in tail or "out of memory" in tail else "error"
+    return {**cfg, "status": status, "error": tail}
+
+
+def configs(args) -> list[dict]:
+    rows = []
+    common = dict(shape=args.shape, prompt_len=args.prompt_len, response_len=args.response_len,
+                  updates=args.updates, micro=args.micro, part="throughput")
+    for system, batches in (("trl", args.trl_batches), ("rapidfire", args.our_batches)):
+        for b in batches:
+            rows.append({**common, "system": system, "value_mode": "separate", "batch": b,
+                         "name": f"tp_{system}_b{b}"})
+    for b in args.fused_batches:
+        rows.append({**common, "system": "rapidfire", "value_mode": "fused", "batch": b, "name": f"tp_fused_b{b}"})
+    learn = dict(shape=args.learn_shape, prompt_len=args.learn_prompt_len, response_len=args.learn_response_len,
+                 updates=args.learn_updates, micro=args.learn_batch, batch=args.learn_batch, part="learning")
+    if args.learn_updates > 0:
+        for system, mode in (("trl", "separate"), ("rapidfire", "separate"), ("rapidfire", "fused")):
+            rows.append({**learn, "system": system, "value_mode": mode, "name": f"learn_{system}_{mode}"})
+    return rows
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    tp = [r for r in rows if r["part"] == "throughput"]
+    for label, keep in (("stock TRL 1.12", lambda r: r["system"] == "trl"),
+                        ("rapidfire (separate value)", lambda r: r["system"] == "rapidfire" and r["value_mode"] == "separate"),
+                        ("rapidfire (fused value)", lambda r: r["system"] == "rapidfire" and r["value_mode"] == "fused")):
+        ok = [r for r in tp if keep(r) and r.get("status") == "ok"]
+        failed = [r for r in tp if keep(r) and r.get("status") != "ok"]
+        line = axes[0].plot([r["batch"] for r in ok], [r["tokens_per_s"] for r in ok], marker="o", label=label)
+        axes[1].plot([r["batch"] for r in ok], [r["peak_gib"] for r in ok], marker="o", label=label)
+        for r in failed:
+            axes[0].annotate(r.get("status", "?").upper(), (r["batch"], 0), color=line[0].get_color())
+    axes[0].set(xscale="log", yscale="log", xlabel="rollout batch", ylabel="tokens / s", title="PPO throughput")
+    axes[1].set(xscale="log", xlabel="rollout batch", ylabel="peak GiB", title="peak GPU memory")
+    for r in rows:
+        if r["part"] == "learning" and r.get("status") == "ok":
+            axes[2].plot(range(1, len(r["rewards"]) + 1), r["rewards"], label=f"{r['system']} ({r['value_mode']})")
+    axes[2].set(xlabel="update", ylabel="mean reward", title="learning (rule-based reward)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true", help="tiny shape, CPU, our system only unless TRL112_PATH is set")
+    p.add_argument("--shape", default="llama-1.1b", choices=SHAPES)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--response-len", type=int, default=384)
+    p.add_argument("--updates", type=int, default=3, help="updates per throughput config (first is warm-up)")
+    p.add_argument("--micro", type=int, default=8, help="micro-batch (per_device_train_batch_size)")
+    p.add_argument("--trl-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32, 64])
+    p.add_argument("--our-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32, 64, 256])
+    p.add_argument("--fused-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[64, 256])
+    p.add_argument("--learn-shape", default="llama-160m", choices=SHAPES)
+    p.add_argument("--learn-updates", type=int, default=25)
+    p.add_argument("--learn-batch", type=int, default=32)
+    p.add_argument("--learn-prompt-len", type=int, default=32)
+    p.add_argument("--learn-response-len", type=int, default=32)
+    p.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
+    p.add_argument("--rollout-backend", default="auto", choices=["auto", "static", "hf"], help="our rollout engine")
+    args = p.parse_args()
+    if args.smoke:
+        args.shape = args.learn_shape = "smoke"
+        args.prompt_len, args.response_len, args.updates, args.micro = 8, 8, 2, 4
+        args.trl_batches, args.our_batches, args.fused_batches = [8], [8], [8]
+        args.learn_updates, args.learn_batch, args.learn_prompt_len, args.learn_response_len = 3, 8, 8, 8
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for cfg in configs(args):
+        cfg["shape_kwargs"] = SHAPES[cfg["shape"]]
+        cfg["rollout_backend"] = args.rollout_backend
+        row = run_one(cfg, out, args.timeout)
+        rows.append(row)
+        brief = {k: row.get(k) for k in ("name", "status", "s_per_update", "gen_share", "peak_gib", "tokens_per_s")}
+        print(json.dumps(brief), flush=True)
+        (out / "results.json").write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
+    import csv
+
+    keys = ["name", "part", "system", "value_mode", "batch", "status", "s_per_update", "gen_share", "peak_gib",
+            "tokens_per_s", "reward_first", "reward_last"]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out / "ppo_vs_trl.png")
+
+
+if __name__ == "__main__":
+    main()
