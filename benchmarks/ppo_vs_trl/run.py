@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def run_one(cfg: dict, out_dir: Path, timeout: int) -> dict:
         if not trl_path:
             return {**cfg, "status": "skipped", "error": "TRL112_PATH is not set (trl 1.12.0 install dir)"}
         env["PYTHONPATH"] = trl_path + os.pathsep + env.get("PYTHONPATH", "")
-    result_file = out_dir / f"row_{cfg['name']}.json"
+    result_file = Path(tempfile.gettempdir()) / f"ppo_vs_trl_row_{cfg['name']}.json"
+    result_file.unlink(missing_ok=True)
     cmd = [sys.executable, str(HERE / "worker.py"), json.dumps(cfg), str(result_file)]
     try:
         proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
