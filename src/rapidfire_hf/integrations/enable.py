@@ -49,10 +49,11 @@ def enable_rapidfire(
 
     - ``RapidFireOptimizer`` around the optimizer the trainer builds from its own arguments (learning
       rate, weight decay, betas, epsilon, ``optim``), or around the one passed in ``optimizers=``; the
-      trainer's LR scheduler runs on it. Gradient clipping moves into the optimizer while the pipeline
-      is on. Not with DeepSpeed, which owns the optimizer.
+      trainer's LR scheduler runs on it. Gradient clipping (``args.max_grad_norm``) moves into the
+      optimizer, which is what lets it step during backward. Not with DeepSpeed, which owns the optimizer.
     - ``MemoryCompactionCallback`` (``config.memory``) and ``AdaptivePrecisionPlugin``
-      (``config.precision``).
+      (``config.precision``; its base precision is the trainer's own ``bf16``/``fp16`` setting, since the
+      trainer owns autocast).
     - For GRPO/RLOO: the rollout engine in place of ``model.generate`` (``rollout=False`` keeps HF's).
     - ``rapidfire/*`` metrics in every training log, so ``report_to`` (W&B, TensorBoard) receives them.
     - ``trainer.disable_pipeline()`` / ``trainer.enable_pipeline()``.

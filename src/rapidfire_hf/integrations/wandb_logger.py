@@ -98,8 +98,8 @@ class RapidFireWandbCallback(RapidFireMetricsCallback):
         self._logger: WandbLogger | None = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
+        if not state.is_world_process_zero or "wandb" in (args.report_to or []):
+            return  # with wandb in report_to the trainer's own reporter already sends these keys
         ours = {f"train/{k}": v for k, v in (logs or {}).items() if k.startswith(PREFIX)}
         if ours:
             if self._logger is None:
