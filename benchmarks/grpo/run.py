@@ -119,7 +119,7 @@ def build_model(shape: dict, tok, device: str):
     return model.to(torch.bfloat16) if device == "cuda" else model
 
 
-def run_variant(variant: str, smoke: bool, steps: int, out: Path) -> dict:
+def run_variant(variant: str, smoke: bool, steps: int, out: Path, optimizer_kwargs: dict) -> dict:
     """Train one variant in this process and return its measurements."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
@@ -156,8 +156,7 @@ def run_variant(variant: str, smoke: bool, steps: int, out: Path) -> dict:
     if variant == "rapidfire":
         from rapidfire_hf import enable_rapidfire
 
-        # rollback snapshots in pinned host memory: a device copy of weights + Adam state is 3x the weights
-        trainer = enable_rapidfire(trainer, optimizer_kwargs={"snapshot": "host"})
+        trainer = enable_rapidfire(trainer, optimizer_kwargs=optimizer_kwargs)
     step_times: list[float] = []
     from transformers import TrainerCallback
 
@@ -255,18 +254,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json and chart.png")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per variant")
+    parser.add_argument(
+        "--rollback", choices=("auto", "off"), default="auto", help="RapidFireOptimizer rollback"
+    )
+    # default host: a device snapshot of weights + Adam state adds about 3x the weights to the GPU peak
+    parser.add_argument(
+        "--snapshot", choices=("device", "host"), default="host", help="where rollback snapshots live"
+    )
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the child process's job
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
     steps = args.steps or shape["steps"]
     args.out.mkdir(parents=True, exist_ok=True)
     if args.variant:
-        result = run_variant(args.variant, args.smoke, steps, args.out)
+        optimizer_kwargs = {"rollback": args.rollback, "snapshot": args.snapshot}
+        result = run_variant(args.variant, args.smoke, steps, args.out, optimizer_kwargs)
         (args.out / f"{args.variant}.json").write_text(json.dumps(result, indent=2))
         return
     runs = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--out", str(args.out), "--steps", str(steps), "--variant", variant]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--out",
+            str(args.out),
+            "--steps",
+            str(steps),
+            "--variant",
+            variant,
+            "--rollback",
+            args.rollback,
+            "--snapshot",
+            args.snapshot,
+        ]
         subprocess.run(cmd + (["--smoke"] if args.smoke else []), check=True, env=os.environ.copy())
         runs[variant] = json.loads((args.out / f"{variant}.json").read_text())
     stock, rapid = runs["stock"], runs["rapidfire"]
@@ -278,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Llama hidden {shape['hidden']} x {shape['layers']} layers, {shape['prompt_len']}-token prompts, "
             f"{GENERATIONS} x {shape['completion_len']} completion tokens, batch {shape['batch']}"
         ),
+        "rapidfire_optimizer": {"rollback": args.rollback, "snapshot": args.snapshot},
         "runs": runs,
         "ratios": {
             "tokens_per_sec": rapid["tokens_per_sec"] / stock["tokens_per_sec"],
