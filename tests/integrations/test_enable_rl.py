@@ -59,6 +59,10 @@ def test_matches_stock_on_the_same_completions(build, kind):
     calls = record_generations(rapid)
     rapid.train()
     assert patch.calls == len(calls) >= 1 and patch.fallbacks == 0
+    # each generation ends at the rollout -> train boundary, where the memory part compacts
+    assert [c["reason"] for c in rapid._rapidfire.parts["memory"].compactions] == [
+        "phase rollout->train"
+    ] * len(calls)
     # completions are in TRL's format: ids up to and including the first EOS, at most max_completion_length
     eos = rapid.processing_class.eos_token_id
     for _, completions in calls:

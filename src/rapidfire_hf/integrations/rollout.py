@@ -162,7 +162,12 @@ class RolloutPatch:
             if getattr(tr, "_dist", None) is not None:
                 stack.enter_context(tr._dist.summon_full_params(tr.model_wrapped, recurse=False))
             out = self._engine_for(model).generate(ids.to(device), mask.to(device), sampling_params(tr))
-        return truncate_after_eos(out.responses, list(tr.eos_token_ids))
+        completions = truncate_after_eos(out.responses, list(tr.eos_token_ids))
+        memory = getattr(getattr(tr, "_rapidfire", None), "parts", {}).get("memory")
+        if memory is not None:
+            # the rollout -> train boundary: the memory part releases the generation's cached blocks
+            memory.phase_boundary("rollout", "train", step=tr.state.global_step)
+        return completions
 
 
 def install_rollout(trainer, backend: str = "auto") -> RolloutPatch:
