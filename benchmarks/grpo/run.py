@@ -22,6 +22,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -131,7 +132,7 @@ def run_variant(variant: str, smoke: bool, steps: int, out: Path, optimizer_kwar
     tok = build_tokenizer(shape["vocab"])
     model = build_model(shape, tok, device)
     args = GRPOConfig(
-        output_dir=str(out / f"trainer-{variant}"),
+        output_dir=tempfile.mkdtemp(prefix=f"grpo-{variant}-"),  # nothing is saved; keep --out clean
         max_steps=steps,
         per_device_train_batch_size=shape["batch"],
         num_generations=GENERATIONS,
