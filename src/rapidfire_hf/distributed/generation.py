@@ -1,0 +1,75 @@
+"""Generation with sharded weights: gather them once per rollout, not once per decode step.
+
+Under ZeRO-3 and FSDP2 every module forward gathers its weights and frees them afterwards. A
+rollout of R tokens runs R forwards, so the whole model crosses the interconnect R times. Gathering
+all weights once before the rollout and releasing them after costs one model's worth of memory on
+each GPU for the duration of generation and turns R all-gathers into one.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def gathered_for_generation(accelerator, model: torch.nn.Module):
+    """Yield the unwrapped model with all of its weights present on this rank.
+
+    DDP and single-device models are yielded as they are. A collective under ZeRO-3 and FSDP2:
+    every rank must enter it (generate on every rank, even with nothing to generate).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
+        model: the prepared model (DeepSpeed engine, FSDP2 module, DDP module).
+
+    Yields:
+        The unwrapped ``nn.Module`` to call ``generate``/forward on; its weights must not be modified.
+    """
+    from rapidfire_hf.distributed.features import Engine, detect_engine
+
+    engine = detect_engine(accelerator)
+    unwrapped = accelerator.unwrap_model(model)
+    if engine is Engine.ZERO3:
+        with _zero3_gathered(model):
+            yield unwrapped
+    elif engine is Engine.FSDP2:
+        with _fsdp2_unsharded(model):
+            yield unwrapped
+    else:
+        yield unwrapped
+
+
+@contextmanager
+def _zero3_gathered(engine):
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.parameters()), modifier_rank=None):
+        # ZeRO-3's per-module hooks would re-partition each layer after its forward (undoing the
+        # gather at the first decode step): take them off while generating, put them back after.
+        offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+        hooks = list(offload.forward_hooks) + list(offload.backward_hooks)
+        for hook in hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
+
+
+@contextmanager
+def _fsdp2_unsharded(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False)  # keep the weights across the decode steps
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True)  # accelerate's fsdp2 default (FULL_SHARD)

@@ -1,0 +1,67 @@
+"""The per-engine feature table and engine detection on a real (single-process) Accelerator."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rapidfire_hf.distributed import Engine, Status, check_sync, describe_engine, support_for
+from rapidfire_hf.distributed.sync_debug import SyncChecker, tensor_checksums
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_single_process_accelerator_is_single_and_everything_holds(caplog):
+    from accelerate import Accelerator
+
+    with caplog.at_level(logging.INFO, logger="rapidfire_hf.distributed.features"):
+        support = describe_engine(Accelerator(cpu=True))
+    assert support.engine is Engine.SINGLE and support.world_size == 1
+    assert support.fallbacks() == {}
+    assert "all features hold" in caplog.text
+
+
+@pytest.mark.parametrize("engine", ["deepspeed_zero2", "deepspeed_zero3", "fsdp2"])
+def test_sharded_engines_state_their_fallbacks(engine):
+    support = support_for(engine, world_size=2)
+    assert not support.holds("gradient_pipeline")
+    message = support.message()
+    assert message.startswith(f"rapidfire_hf on {engine} (2 process(es))")
+    assert "gradient_pipeline: falls back" in message
+    assert set(support.to_dict()["features"]) == set(support.features)
+
+
+def test_ddp_keeps_rollback_and_drops_the_pipeline():
+    support = support_for("ddp", 2)
+    assert support.holds("rollback") and support.holds("memory_compaction")
+    assert support.features["gradient_pipeline"][0] is Status.FALLS_BACK
+
+
+def test_unknown_engine_is_rejected():
+    with pytest.raises(ValueError):
+        support_for("horovod")
+
+
+def test_checksums_see_a_swap_that_a_sum_misses():
+    a = torch.tensor([1.0, 2.0, 3.0])
+    b = torch.tensor([2.0, 1.0, 3.0])
+    ca, cb = tensor_checksums(a), tensor_checksums(b)
+    assert ca[0] == cb[0] and ca[2] == cb[2]
+    assert ca[1] != cb[1]
+
+
+def test_single_process_check_is_trivially_in_sync():
+    model = torch.nn.Linear(3, 2)
+    report = check_sync(model)
+    assert report.in_sync and report.gradient_sync_diff == 0.0 and report.compared == 2
+    with pytest.raises(ValueError, match="interval"):
+        SyncChecker(model, interval=0)
