@@ -11,16 +11,20 @@ import torch
 
 from tests.distributed.launch import run_ranks
 
-# fp32: DDP's mean over 2 ranks of per-rank means vs one mean over the whole batch differ only in
-# summation order (measured max |diff| 3e-8 after 5 AdamW steps at lr 1e-2).
+# fp32 (TF32 off on GPUs): DDP's mean over 2 ranks of per-rank means vs one mean over the whole batch
+# differ only in summation order (measured on CPU: max |diff| 3e-8 after 5 AdamW steps at lr 1e-2).
 ATOL, RTOL = 1e-6, 1e-5
 KINDS = ("adamw", "rapidfire", "rapidfire_pipeline")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    run_ranks("optim_ranks.py", out)
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
+def results(request, tmp_path_factory):
+    """gloo on 2 CPU processes, or NCCL on 2 GPUs: the same script and the same assertions."""
+    out = tmp_path_factory.mktemp(f"ddp_{request.param}")
+    run_ranks("optim_ranks.py", out, "--device", request.param)
 
     def load(name):
         return torch.load(out / f"{name}.pt", weights_only=False)
