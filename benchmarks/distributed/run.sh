@@ -27,7 +27,7 @@ step() {
     local left=$((BUDGET_S - ($(date +%s) - START)))
     if [ "$left" -lt 20 ]; then
         echo "{\"name\": \"$name\", \"rc\": null, \"seconds\": 0, \"skipped\": \"time budget spent\"}" >> "$OUT/steps.jsonl"
-        return
+        return 0
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "=== $name (limit ${limit}s)"
@@ -37,6 +37,7 @@ step() {
     echo "{\"name\": \"$name\", \"rc\": $rc, \"seconds\": $(($(date +%s) - t0)), \"limit\": $limit}" >> "$OUT/steps.jsonl"
     echo "    rc=$rc in $(($(date +%s) - t0))s  (log: $OUT/$name.log)"
     [ $rc -ne 0 ] && tail -n 15 "$OUT/$name.log"
+    return $rc
 }
 
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
@@ -60,14 +61,19 @@ else
     step tput_2 150 accelerate launch --config_file $CFG/multi_gpu.yaml \
         benchmarks/distributed/ppo_throughput.py --out "$OUT/tput_2.json"
     # PPOTrainer smoke per engine (tiny model, bf16); sharded engines gather weights once per rollout
-    step smoke_ddp 60 accelerate launch --config_file $CFG/multi_gpu.yaml \
-        $SCRIPTS/ppo_ranks.py "$OUT/smoke_ddp" --device cuda --bf16
-    step smoke_zero2 75 accelerate launch --config_file $CFG/deepspeed_zero2.yaml \
-        $SCRIPTS/ppo_ranks.py "$OUT/smoke_zero2" --device cuda --bf16
-    step smoke_zero3 75 accelerate launch --config_file $CFG/deepspeed_zero3.yaml \
-        $SCRIPTS/ppo_ranks.py "$OUT/smoke_zero3" --device cuda --bf16 --gather --rollout-backend hf
-    step smoke_fsdp2 75 accelerate launch --config_file $CFG/fsdp2.yaml \
-        $SCRIPTS/ppo_ranks.py "$OUT/smoke_fsdp2" --device cuda --bf16 --gather --rollout-backend hf
+    # on failure, the same engine once more with plain AdamW and no weight gathering: says which part broke
+    for engine in ddp zero2 zero3 fsdp2; do
+        case $engine in
+            ddp) cfg=multi_gpu; extra="" ;;
+            zero2) cfg=deepspeed_zero2; extra="" ;;
+            zero3) cfg=deepspeed_zero3; extra="--gather --rollout-backend hf" ;;
+            fsdp2) cfg=fsdp2; extra="--gather --rollout-backend hf" ;;
+        esac
+        step smoke_$engine 75 accelerate launch --config_file $CFG/$cfg.yaml \
+            $SCRIPTS/ppo_ranks.py "$OUT/smoke_$engine" --device cuda --bf16 $extra \
+        || step smoke_${engine}_adamw 75 accelerate launch --config_file $CFG/$cfg.yaml \
+            $SCRIPTS/ppo_ranks.py "$OUT/smoke_${engine}_adamw" --device cuda --bf16 --optimizer adamw --rollout-backend hf
+    done
 fi
 python3 benchmarks/distributed/report.py "$OUT"
 echo "total $(($(date +%s) - START))s; results: $OUT/results.json"

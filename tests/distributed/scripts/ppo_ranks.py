@@ -45,11 +45,19 @@ class _MicroBatchAccelerator(ppo_trainer.Accelerator):
 
 
 class GatheringPPOTrainer(PPOTrainer):
-    """PPOTrainer whose rollout gathers sharded weights once (ZeRO-3/FSDP2) instead of per decode step."""
+    """PPOTrainer whose rollout and scoring see full weights under ZeRO-3/FSDP2, gathered once.
+
+    Scoring calls the backbones' submodules directly (not the prepared root module), so under FSDP2
+    the root unit's weights (embeddings, final norm) would still be sharded there.
+    """
 
     def rollout(self, batch):
         with gathered_for_generation(self.accelerator, self.model):
             return super().rollout(batch)
+
+    def score(self, rollout):
+        with gathered_for_generation(self.accelerator, self.model):
+            return super().score(rollout)
 
 
 def build_trainer(out: Path, args) -> PPOTrainer:
