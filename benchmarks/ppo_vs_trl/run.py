@@ -142,6 +142,7 @@ def main() -> None:
     p.add_argument("--learn-prompt-len", type=int, default=32)
     p.add_argument("--learn-response-len", type=int, default=32)
     p.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
+    p.add_argument("--only", default=None, help="run only configurations whose name starts with this prefix")
     p.add_argument("--rollout-backend", default="auto", choices=["auto", "static", "hf"], help="our rollout engine")
     args = p.parse_args()
     if args.smoke:
@@ -153,6 +154,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for cfg in configs(args):
+        if args.only and not cfg["name"].startswith(args.only):
+            continue
         cfg["shape_kwargs"] = SHAPES[cfg["shape"]]
         cfg["rollout_backend"] = args.rollout_backend
         row = run_one(cfg, out, args.timeout)
