@@ -74,7 +74,8 @@ def configs(args) -> list[dict]:
     for b in args.fused_batches:
         rows.append({**common, "system": "rapidfire", "value_mode": "fused", "batch": b, "name": f"tp_fused_b{b}"})
     learn = dict(shape=args.learn_shape, prompt_len=args.learn_prompt_len, response_len=args.learn_response_len,
-                 updates=args.learn_updates, micro=args.learn_batch, batch=args.learn_batch, part="learning")
+                 updates=args.learn_updates, micro=args.learn_batch, batch=args.learn_batch, part="learning",
+                 lr=args.learn_lr)
     if args.learn_updates > 0:
         for system, mode in (("trl", "separate"), ("rapidfire", "separate"), ("rapidfire", "fused")):
             rows.append({**learn, "system": system, "value_mode": mode, "name": f"learn_{system}_{mode}"})
@@ -139,6 +140,7 @@ def main() -> None:
     p.add_argument("--learn-shape", default="llama-160m", choices=SHAPES)
     p.add_argument("--learn-updates", type=int, default=25)
     p.add_argument("--learn-batch", type=int, default=32)
+    p.add_argument("--learn-lr", type=float, default=2e-5)
     p.add_argument("--learn-prompt-len", type=int, default=32)
     p.add_argument("--learn-response-len", type=int, default=32)
     p.add_argument("--timeout", type=int, default=240, help="seconds per configuration")

@@ -89,7 +89,7 @@ def common_args(cfg: dict, device: str) -> dict:
         gradient_accumulation_steps=cfg["batch"] // cfg["micro"], num_ppo_epochs=4 if learning else 1,
         num_mini_batches=1, total_episodes=cfg["batch"] * cfg["updates"], response_length=cfg["response_len"],
         local_rollout_forward_batch_size=cfg["batch"], bf16=device == "cuda", report_to=[], save_strategy="no",
-        logging_steps=1, learning_rate=2e-5 if learning else 3e-6, temperature=1.0 if learning else 0.7,
+        logging_steps=1, learning_rate=cfg.get("lr", 2e-5) if learning else 3e-6, temperature=1.0 if learning else 0.7,
         seed=0, use_cpu=device == "cpu",
     )
 
