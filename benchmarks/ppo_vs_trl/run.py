@@ -36,6 +36,8 @@ SHAPES = {
                        intermediate_size=5632, vocab_size=32000),
     "llama-160m": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
                        intermediate_size=2048, vocab_size=32000),
+    "llama-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=512, vocab_size=512),
     "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512),
 }
