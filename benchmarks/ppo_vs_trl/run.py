@@ -115,10 +115,13 @@ def plot(rows: list[dict], path: Path) -> None:
             axes[0].annotate(r.get("status", "?").upper(), (r["batch"], 0), color=line[0].get_color())
     axes[0].set(xscale="log", yscale="log", xlabel="rollout batch", ylabel="tokens / s", title="PPO throughput")
     axes[1].set(xscale="log", xlabel="rollout batch", ylabel="peak GiB", title="peak GPU memory")
-    for r in rows:
-        if r["part"] == "learning" and r.get("status") == "ok":
-            axes[2].plot(range(1, len(r["rewards"]) + 1), r["rewards"], label=f"{r['system']} ({r['value_mode']})")
-    axes[2].set(xlabel="update", ylabel="mean reward", title="learning (rule-based reward)")
+    learning = [r for r in rows if r["part"] == "learning" and r.get("status") == "ok"]
+    shape = learning[-1]["shape"] if learning else None
+    for r in (r for r in learning if r["shape"] == shape):
+        rewards = r["rewards"]
+        smooth = [sum(rewards[max(0, i - 4) : i + 1]) / len(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]
+        axes[2].plot(range(1, len(rewards) + 1), smooth, label=f"{r['system']} ({r['value_mode']})")
+    axes[2].set(xlabel="update", ylabel="mean reward (5-update moving avg)", title=f"learning, {shape}, rule reward")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -127,7 +130,34 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def write_outputs(out: Path, rows: list[dict], env: dict) -> None:
+    import csv
+
+    (out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    keys = ["name", "part", "shape", "system", "value_mode", "batch", "status", "s_per_update", "gen_share",
+            "peak_gib", "tokens_per_s", "reward_first", "reward_last", "run_command", "date"]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out / "ppo_vs_trl.png")
+
+
+def merge(out: Path, files: list[str]) -> None:
+    """Combine the rows of several runs (each keeps its own command and date) into one result set."""
+    rows, envs = [], []
+    for f in files:
+        data = json.loads(Path(f).read_text())
+        envs.append(data["environment"])
+        for r in data["rows"]:
+            rows.append({**r, "run_command": data["environment"].get("command"), "date": data["environment"].get("date")})
+    write_outputs(out, rows, {"merged_from": envs, "gpu": envs[0].get("gpu")})
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "merge":  # run.py merge OUT results1.json results2.json ...
+        merge(Path(sys.argv[2]), sys.argv[3:])
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--smoke", action="store_true", help="tiny shape, CPU, our system only unless TRL112_PATH is set")
@@ -166,16 +196,7 @@ def main() -> None:
         rows.append(row)
         brief = {k: row.get(k) for k in ("name", "status", "s_per_update", "gen_share", "peak_gib", "tokens_per_s")}
         print(json.dumps(brief), flush=True)
-        (out / "results.json").write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
-    import csv
-
-    keys = ["name", "part", "system", "value_mode", "batch", "status", "s_per_update", "gen_share", "peak_gib",
-            "tokens_per_s", "reward_first", "reward_last"]
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    plot(rows, out / "ppo_vs_trl.png")
+        write_outputs(out, rows, environment())
 
 
 if __name__ == "__main__":
