@@ -81,7 +81,9 @@ class PPOConfig(TrainingArguments):
     # rapidfire_hf.
     memory_management: bool = field(
         default=True,
-        metadata={"help": "Attach MemoryCompactionCallback (allocator setup, phase-boundary compaction, telemetry)."},
+        metadata={
+            "help": "Attach MemoryCompactionCallback (allocator setup, phase-boundary compaction, telemetry)."
+        },
     )
     approx_kl_limit: float | None = field(
         default=None,

@@ -23,6 +23,7 @@ from transformers.optimization import get_scheduler
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
+from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo import checkpoint as ckpt
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.core import (
@@ -188,6 +189,10 @@ class PPOTrainer:
         )
 
         self.optimizer, self.lr_scheduler = self._make_optimizer(module, optimizer, optimizers)
+        ds_plugin = getattr(acc.state, "deepspeed_plugin", None)
+        if ds_plugin is not None and ds_plugin.is_auto("train_micro_batch_size_per_gpu"):
+            # accelerate reads this from a prepared dataloader; PPO prepares none (prompts are indexed).
+            ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         self.model, self.optimizer = acc.prepare(module, self.optimizer)
         for name in ("ref_model", "reward_model"):
             if getattr(self, name) is not None:
@@ -201,7 +206,11 @@ class PPOTrainer:
         reporting = get_reporting_integration_callbacks(args.report_to)
         progress = PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK
         self.callback_handler = CallbackHandler(
-            DEFAULT_CALLBACKS + reporting + [progress] + [c for c in [self.memory_callback] if c] + list(callbacks or []),
+            DEFAULT_CALLBACKS
+            + reporting
+            + [progress]
+            + [c for c in [self.memory_callback] if c]
+            + list(callbacks or []),
             self.model,
             tok,
             self.optimizer,
@@ -209,6 +218,10 @@ class PPOTrainer:
         )
         self._perm_generator = torch.Generator().manual_seed(args.seed)
         self._rollout_engine = None
+        from rapidfire_hf.distributed import attach_sync_debug, describe_engine
+
+        self.engine_support = describe_engine(acc)  # says which features hold under DDP/ZeRO/FSDP
+        attach_sync_debug(self)  # only when RAPIDFIRE_SYNC_DEBUG=1
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
 
     # ------------------------------------------------------------------ construction helpers
@@ -285,7 +298,10 @@ class PPOTrainer:
         plugin = AdaptivePrecisionPlugin.from_config(cfg)
         compact = (lambda: self.memory_callback.compact("precision_rule")) if self.memory_callback else None
         return plugin.attach(
-            self.accelerator, self.accelerator.unwrap_model(self.model), self.optimizer, compact_memory=compact,
+            self.accelerator,
+            self.accelerator.unwrap_model(self.model),
+            self.optimizer,
+            compact_memory=compact,
             handlers={"disable_pipeline": self.disable_pipeline, "enable_pipeline": self.enable_pipeline},
         )
 
@@ -422,7 +438,7 @@ class PPOTrainer:
         if self._rollout_engine is None:
             stops = [self.stop_token_id] if self.stop_token_id is not None else []
             self._rollout_engine = RolloutEngine(
-                self.policy, self.pad_token_id, stops, backend=args.rollout_backend
+                self.policy, self.pad_token_id, stops, backend=self._rollout_backend()
             )
         params = SamplingParams(
             max_new_tokens=args.response_length,
@@ -431,10 +447,18 @@ class PPOTrainer:
             top_p=args.top_p,
             do_sample=True,
         )
-        with torch.no_grad():
+        with torch.no_grad(), gathered_for_generation(self.accelerator, self.model):
             out = self._rollout_engine.generate(queries, queries != self.pad_token_id, params)
         extra = {k: v for k, v in batch.items() if k != "input_ids"}
         return Rollout(queries=queries, responses=out.responses, logprobs=out.logprobs.float(), extra=extra)
+
+    def _rollout_backend(self) -> str:
+        """The configured backend, except "hf" for sharded weights (recorded graphs would keep pointers
+        to weights that ZeRO-3/FSDP2 free again after the rollout)."""
+        from rapidfire_hf.distributed import Engine
+
+        sharded = self.engine_support.engine in (Engine.ZERO3, Engine.FSDP2)
+        return "hf" if sharded and self.args.rollout_backend == "auto" else self.args.rollout_backend
 
     @torch.no_grad()
     def score(self, rollout: Rollout) -> Experience:
@@ -447,7 +471,11 @@ class PPOTrainer:
         unwrapped = self.accelerator.unwrap_model(self.model)
         ref_lp, values, scores = [], [], []
         step = args.local_rollout_forward_batch_size
-        with self._reference_context() as ref, self.accelerator.autocast():
+        with (
+            gathered_for_generation(self.accelerator, self.model),
+            self._reference_context() as ref,
+            self.accelerator.autocast(),
+        ):
             for i in range(0, qr.shape[0], step):
                 chunk = qr[i : i + step]
                 ref_lp.append(policy_logprobs(ref, chunk, pad, ctx, args.temperature))
@@ -618,10 +646,14 @@ class PPOTrainer:
             self.lr_scheduler.step()
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.precision_plugin is not None:
-                self.precision_plugin.on_step_end(update + 1, {
-                    "loss": metrics["loss/policy_avg"] + args.vf_coef * metrics["loss/value_avg"],
-                    "throughput": metrics["tokens_per_second"], "approx_kl": metrics["policy/approxkl_avg"],
-                })
+                self.precision_plugin.on_step_end(
+                    update + 1,
+                    {
+                        "loss": metrics["loss/policy_avg"] + args.vf_coef * metrics["loss/value_avg"],
+                        "throughput": metrics["tokens_per_second"],
+                        "approx_kl": metrics["policy/approxkl_avg"],
+                    },
+                )
             if self.control.should_log:
                 self.log({k: _to_float(v) for k, v in metrics.items()})
             if self.control.should_save:
