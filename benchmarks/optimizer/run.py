@@ -49,6 +49,7 @@ FULL = {
     "dtype": torch.bfloat16,
     "warmup": 2,
     "steps": 5,
+    "accum": 8,
 }
 SMOKE = {
     "hidden": 64,
@@ -62,6 +63,7 @@ SMOKE = {
     "dtype": torch.float32,
     "warmup": 1,
     "steps": 2,
+    "accum": 2,
 }
 
 
