@@ -24,14 +24,23 @@ from rapidfire_hf.demo import DemoTask, make_prompt_dataset, vowel_reward
 
 @dataclass
 class ScriptArguments:
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Local policy path (default: demo policy)."})
-    value_model_path: str | None = field(default=None, metadata={"help": "Local value model (default: fused head or demo)."})
-    reward_model_path: str | None = field(default=None, metadata={"help": "Local reward model (default: vowel_reward)."})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Local policy path (default: demo policy)."}
+    )
+    value_model_path: str | None = field(
+        default=None, metadata={"help": "Local value model (default: fused head or demo)."}
+    )
+    reward_model_path: str | None = field(
+        default=None, metadata={"help": "Local reward model (default: vowel_reward)."}
+    )
     dataset_path: str | None = field(
-        default=None, metadata={"help": "A local JSON/JSONL/CSV file with a `prompt` column (default: synthetic)."}
+        default=None,
+        metadata={"help": "A local JSON/JSONL/CSV file with a `prompt` column (default: synthetic)."},
     )
     num_prompts: int = field(default=1024, metadata={"help": "Synthetic prompts when no dataset is given."})
-    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (the reference is the base)."})
+    use_peft: bool = field(
+        default=False, metadata={"help": "Train a LoRA adapter (the reference is the base)."}
+    )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     gradient_pipeline_depth: int | None = field(
         default=None, metadata={"help": "Overrides gradient.pipeline_depth of the rapidfire config."}
@@ -81,7 +90,9 @@ def main() -> None:
     if script.reward_model_path:
         from transformers import AutoModelForSequenceClassification
 
-        reward["reward_model"] = AutoModelForSequenceClassification.from_pretrained(script.reward_model_path, num_labels=1)
+        reward["reward_model"] = AutoModelForSequenceClassification.from_pretrained(
+            script.reward_model_path, num_labels=1
+        )
     else:
         reward["reward_funcs"] = vowel_reward
     peft_config = None
@@ -90,8 +101,13 @@ def main() -> None:
 
         peft_config = LoraConfig(r=script.lora_r, lora_alpha=2 * script.lora_r, target_modules="all-linear")
     trainer = PPOTrainer(
-        args=args, processing_class=tok, model=policy, value_model=value, train_dataset=dataset,
-        peft_config=peft_config, **reward,
+        args=args,
+        processing_class=tok,
+        model=policy,
+        value_model=value,
+        train_dataset=dataset,
+        peft_config=peft_config,
+        **reward,
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)

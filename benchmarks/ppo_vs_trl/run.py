@@ -26,20 +26,44 @@ import datetime
 import json
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SHAPES = {
-    "llama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                       intermediate_size=5632, vocab_size=32000),
-    "llama-160m": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
-                       intermediate_size=2048, vocab_size=32000),
-    "llama-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                       intermediate_size=512, vocab_size=512),
-    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=512),
+    "llama-1.1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        intermediate_size=5632,
+        vocab_size=32000,
+    ),
+    "llama-160m": dict(
+        hidden_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+    ),
+    "llama-tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        vocab_size=512,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
 }
 
 
@@ -67,17 +91,39 @@ def run_one(cfg: dict, out_dir: Path, timeout: int) -> dict:
 
 def configs(args) -> list[dict]:
     rows = []
-    common = dict(shape=args.shape, prompt_len=args.prompt_len, response_len=args.response_len,
-                  updates=args.updates, micro=args.micro, part="throughput")
+    common = dict(
+        shape=args.shape,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        updates=args.updates,
+        micro=args.micro,
+        part="throughput",
+    )
     for system, batches in (("trl", args.trl_batches), ("rapidfire", args.our_batches)):
         for b in batches:
-            rows.append({**common, "system": system, "value_mode": "separate", "batch": b,
-                         "name": f"tp_{system}_b{b}"})
+            rows.append(
+                {
+                    **common,
+                    "system": system,
+                    "value_mode": "separate",
+                    "batch": b,
+                    "name": f"tp_{system}_b{b}",
+                }
+            )
     for b in args.fused_batches:
-        rows.append({**common, "system": "rapidfire", "value_mode": "fused", "batch": b, "name": f"tp_fused_b{b}"})
-    learn = dict(shape=args.learn_shape, prompt_len=args.learn_prompt_len, response_len=args.learn_response_len,
-                 updates=args.learn_updates, micro=args.learn_batch, batch=args.learn_batch, part="learning",
-                 lr=args.learn_lr)
+        rows.append(
+            {**common, "system": "rapidfire", "value_mode": "fused", "batch": b, "name": f"tp_fused_b{b}"}
+        )
+    learn = dict(
+        shape=args.learn_shape,
+        prompt_len=args.learn_prompt_len,
+        response_len=args.learn_response_len,
+        updates=args.learn_updates,
+        micro=args.learn_batch,
+        batch=args.learn_batch,
+        part="learning",
+        lr=args.learn_lr,
+    )
     if args.learn_updates > 0:
         for system, mode in (("trl", "separate"), ("rapidfire", "separate"), ("rapidfire", "fused")):
             rows.append({**learn, "system": system, "value_mode": mode, "name": f"learn_{system}_{mode}"})
@@ -88,9 +134,13 @@ def environment() -> dict:
     import torch
     import transformers
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
@@ -104,24 +154,38 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     tp = [r for r in rows if r["part"] == "throughput"]
-    for label, keep in (("stock TRL 1.12", lambda r: r["system"] == "trl"),
-                        ("rapidfire (separate value)", lambda r: r["system"] == "rapidfire" and r["value_mode"] == "separate"),
-                        ("rapidfire (fused value)", lambda r: r["system"] == "rapidfire" and r["value_mode"] == "fused")):
+    for label, keep in (
+        ("stock TRL 1.12", lambda r: r["system"] == "trl"),
+        (
+            "rapidfire (separate value)",
+            lambda r: r["system"] == "rapidfire" and r["value_mode"] == "separate",
+        ),
+        ("rapidfire (fused value)", lambda r: r["system"] == "rapidfire" and r["value_mode"] == "fused"),
+    ):
         ok = [r for r in tp if keep(r) and r.get("status") == "ok"]
         failed = [r for r in tp if keep(r) and r.get("status") != "ok"]
-        line = axes[0].plot([r["batch"] for r in ok], [r["tokens_per_s"] for r in ok], marker="o", label=label)
+        line = axes[0].plot(
+            [r["batch"] for r in ok], [r["tokens_per_s"] for r in ok], marker="o", label=label
+        )
         axes[1].plot([r["batch"] for r in ok], [r["peak_gib"] for r in ok], marker="o", label=label)
         for r in failed:
             axes[0].annotate(r.get("status", "?").upper(), (r["batch"], 0), color=line[0].get_color())
-    axes[0].set(xscale="log", yscale="log", xlabel="rollout batch", ylabel="tokens / s", title="PPO throughput")
+    axes[0].set(
+        xscale="log", yscale="log", xlabel="rollout batch", ylabel="tokens / s", title="PPO throughput"
+    )
     axes[1].set(xscale="log", xlabel="rollout batch", ylabel="peak GiB", title="peak GPU memory")
     learning = [r for r in rows if r["part"] == "learning" and r.get("status") == "ok"]
     shape = learning[-1]["shape"] if learning else None
     for r in (r for r in learning if r["shape"] == shape):
         rewards = r["rewards"]
-        smooth = [sum(rewards[max(0, i - 4) : i + 1]) / len(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]
+        smooth = [
+            sum(rewards[max(0, i - 4) : i + 1]) / len(rewards[max(0, i - 4) : i + 1])
+            for i in range(len(rewards))
+        ]
         axes[2].plot(range(1, len(rewards) + 1), smooth, label=f"{r['system']} ({r['value_mode']})")
-    axes[2].set(xlabel="update", ylabel="mean reward (5-update moving avg)", title=f"learning, {shape}, rule reward")
+    axes[2].set(
+        xlabel="update", ylabel="mean reward (5-update moving avg)", title=f"learning, {shape}, rule reward"
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -134,8 +198,23 @@ def write_outputs(out: Path, rows: list[dict], env: dict) -> None:
     import csv
 
     (out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    keys = ["name", "part", "shape", "system", "value_mode", "batch", "status", "s_per_update", "gen_share",
-            "peak_gib", "tokens_per_s", "reward_first", "reward_last", "run_command", "date"]
+    keys = [
+        "name",
+        "part",
+        "shape",
+        "system",
+        "value_mode",
+        "batch",
+        "status",
+        "s_per_update",
+        "gen_share",
+        "peak_gib",
+        "tokens_per_s",
+        "reward_first",
+        "reward_last",
+        "run_command",
+        "date",
+    ]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
@@ -150,7 +229,13 @@ def merge(out: Path, files: list[str]) -> None:
         data = json.loads(Path(f).read_text())
         envs.append(data["environment"])
         for r in data["rows"]:
-            rows.append({**r, "run_command": data["environment"].get("command"), "date": data["environment"].get("date")})
+            rows.append(
+                {
+                    **r,
+                    "run_command": data["environment"].get("command"),
+                    "date": data["environment"].get("date"),
+                }
+            )
     write_outputs(out, rows, {"merged_from": envs, "gpu": envs[0].get("gpu")})
 
 
@@ -160,14 +245,18 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--smoke", action="store_true", help="tiny shape, CPU, our system only unless TRL112_PATH is set")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shape, CPU, our system only unless TRL112_PATH is set"
+    )
     p.add_argument("--shape", default="llama-1.1b", choices=SHAPES)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--response-len", type=int, default=384)
     p.add_argument("--updates", type=int, default=3, help="updates per throughput config (first is warm-up)")
     p.add_argument("--micro", type=int, default=8, help="micro-batch (per_device_train_batch_size)")
     p.add_argument("--trl-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32, 64])
-    p.add_argument("--our-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32, 64, 256])
+    p.add_argument(
+        "--our-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32, 64, 256]
+    )
     p.add_argument("--fused-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[64, 256])
     p.add_argument("--learn-shape", default="llama-160m", choices=SHAPES)
     p.add_argument("--learn-updates", type=int, default=25)
@@ -177,7 +266,9 @@ def main() -> None:
     p.add_argument("--learn-response-len", type=int, default=32)
     p.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
     p.add_argument("--only", default=None, help="run only configurations whose name starts with this prefix")
-    p.add_argument("--rollout-backend", default="auto", choices=["auto", "static", "hf"], help="our rollout engine")
+    p.add_argument(
+        "--rollout-backend", default="auto", choices=["auto", "static", "hf"], help="our rollout engine"
+    )
     args = p.parse_args()
     if args.smoke:
         args.shape = args.learn_shape = "smoke"
@@ -194,7 +285,9 @@ def main() -> None:
         cfg["rollout_backend"] = args.rollout_backend
         row = run_one(cfg, out, args.timeout)
         rows.append(row)
-        brief = {k: row.get(k) for k in ("name", "status", "s_per_update", "gen_share", "peak_gib", "tokens_per_s")}
+        brief = {
+            k: row.get(k) for k in ("name", "status", "s_per_update", "gen_share", "peak_gib", "tokens_per_s")
+        }
         print(json.dumps(brief), flush=True)
         write_outputs(out, rows, environment())
 

@@ -28,7 +28,11 @@ class RuleRewardBackbone(nn.Module):
         self.register_buffer("anchor", torch.zeros(1), persistent=False)  # gives the module a device
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
-        mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        mask = (
+            attention_mask.bool()
+            if attention_mask is not None
+            else torch.ones_like(input_ids, dtype=torch.bool)
+        )
         in_response = torch.arange(input_ids.shape[1], device=input_ids.device) >= self.prompt_len
         hits = ((input_ids % TARGET_MOD) == 0) & mask & in_response
         hidden = (hits.float().cumsum(1) / self.response_len).unsqueeze(-1)
@@ -54,16 +58,28 @@ def build_tokenizer(vocab_size: int):
     vocab.update({f"w{i}": i for i in range(4, vocab_size)})
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
 
 
 def build_models(cfg: dict, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    conf = LlamaConfig(**cfg["shape_kwargs"], max_position_embeddings=cfg["prompt_len"] + cfg["response_len"] + 8,
-                       pad_token_id=0, bos_token_id=1, eos_token_id=2, num_labels=1)
+    conf = LlamaConfig(
+        **cfg["shape_kwargs"],
+        max_position_embeddings=cfg["prompt_len"] + cfg["response_len"] + 8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_labels=1,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         policy = LlamaForCausalLM(conf).to(dtype)
@@ -85,12 +101,22 @@ def dataset(cfg: dict, n: int):
 def common_args(cfg: dict, device: str) -> dict:
     learning = cfg["part"] == "learning"
     return dict(
-        output_dir=f"/tmp/ppo_bench_{cfg['name']}", per_device_train_batch_size=cfg["micro"],
-        gradient_accumulation_steps=cfg["batch"] // cfg["micro"], num_ppo_epochs=4 if learning else 1,
-        num_mini_batches=1, total_episodes=cfg["batch"] * cfg["updates"], response_length=cfg["response_len"],
-        local_rollout_forward_batch_size=cfg["batch"], bf16=device == "cuda", report_to=[], save_strategy="no",
-        logging_steps=1, learning_rate=cfg.get("lr", 2e-5) if learning else 3e-6, temperature=1.0 if learning else 0.7,
-        seed=0, use_cpu=device == "cpu",
+        output_dir=f"/tmp/ppo_bench_{cfg['name']}",
+        per_device_train_batch_size=cfg["micro"],
+        gradient_accumulation_steps=cfg["batch"] // cfg["micro"],
+        num_ppo_epochs=4 if learning else 1,
+        num_mini_batches=1,
+        total_episodes=cfg["batch"] * cfg["updates"],
+        response_length=cfg["response_len"],
+        local_rollout_forward_batch_size=cfg["batch"],
+        bf16=device == "cuda",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=cfg.get("lr", 2e-5) if learning else 3e-6,
+        temperature=1.0 if learning else 0.7,
+        seed=0,
+        use_cpu=device == "cpu",
     )
 
 
@@ -131,15 +157,31 @@ def run_trl(cfg: dict, device: str) -> dict:
     tok = build_tokenizer(cfg["shape_kwargs"]["vocab_size"])
     policy, ref, value, reward = build_models(cfg, device)
     ds = dataset(cfg, cfg["batch"] * cfg["updates"])
-    args = PPOConfig(**{k: v for k, v in common_args(cfg, device).items() if k != "use_cpu"},
-                     num_sample_generations=0, use_cpu=device == "cpu")
-    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=value, train_dataset=ds, eval_dataset=ds.select(range(2)), callbacks=[Clock()])
+    args = PPOConfig(
+        **{k: v for k, v in common_args(cfg, device).items() if k != "use_cpu"},
+        num_sample_generations=0,
+        use_cpu=device == "cpu",
+    )
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=ds,
+        eval_dataset=ds.select(range(2)),
+        callbacks=[Clock()],
+    )
     _sync()
     stamps.append(time.perf_counter())
     trainer.train()
-    return {"update_times": [b - a for a, b in zip(stamps, stamps[1:])], "gen_times": gen_times, "rewards": rewards,
-            "trl_version": trl.__version__}
+    return {
+        "update_times": [b - a for a, b in zip(stamps, stamps[1:])],
+        "gen_times": gen_times,
+        "rewards": rewards,
+        "trl_version": trl.__version__,
+    }
 
 
 def run_ours(cfg: dict, device: str) -> dict:
@@ -150,16 +192,31 @@ def run_ours(cfg: dict, device: str) -> dict:
     policy, ref, value, reward = build_models(cfg, device)
     fused = cfg["value_mode"] == "fused"
     ds = dataset(cfg, cfg["batch"] * cfg["updates"])
-    args = PPOConfig(**common_args(cfg, device), value_mode=cfg["value_mode"], disable_tqdm=True,
-                     rollout_backend=cfg.get("rollout_backend", "auto"))
-    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=None if fused else value, train_dataset=ds)
+    args = PPOConfig(
+        **common_args(cfg, device),
+        value_mode=cfg["value_mode"],
+        disable_tqdm=True,
+        rollout_backend=cfg.get("rollout_backend", "auto"),
+    )
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        value_model=None if fused else value,
+        train_dataset=ds,
+    )
     trainer.remove_progress_callbacks()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "time/update" in h]
-    return {"update_times": [h["time/update"] for h in logs], "gen_times": [h["time/rollout"] for h in logs],
-            "rewards": [h["objective/scores"] for h in logs], "rapidfire_version": rapidfire_hf.__version__,
-            "rollout_backend": getattr(trainer._rollout_engine, "backend", None)}
+    return {
+        "update_times": [h["time/update"] for h in logs],
+        "gen_times": [h["time/rollout"] for h in logs],
+        "rewards": [h["objective/scores"] for h in logs],
+        "rapidfire_version": rapidfire_hf.__version__,
+        "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
+    }
 
 
 def main() -> None:
@@ -171,12 +228,17 @@ def main() -> None:
     timed = out["update_times"][1:] or out["update_times"]  # the first update includes warm-up/compilation
     gens = out["gen_times"][1:] or out["gen_times"]
     s = statistics.median(timed)
-    row = {**cfg, **out, "status": "ok", "s_per_update": s,
-           "gen_share": statistics.median(gens) / s if gens else None,
-           "tokens_per_s": cfg["batch"] * (cfg["prompt_len"] + cfg["response_len"]) / s,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-           "reward_first": out["rewards"][0] if out["rewards"] else None,
-           "reward_last": out["rewards"][-1] if out["rewards"] else None}
+    row = {
+        **cfg,
+        **out,
+        "status": "ok",
+        "s_per_update": s,
+        "gen_share": statistics.median(gens) / s if gens else None,
+        "tokens_per_s": cfg["batch"] * (cfg["prompt_len"] + cfg["response_len"]) / s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "reward_first": out["rewards"][0] if out["rewards"] else None,
+        "reward_last": out["rewards"][-1] if out["rewards"] else None,
+    }
     row.pop("shape_kwargs", None)
     with open(result_path, "w") as f:
         json.dump(row, f)

@@ -63,8 +63,16 @@ def _llama_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_head
     )
 
 
-def build_tiny_llama(tokenizer=None, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                     seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
+def build_tiny_llama(
+    tokenizer=None,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **config_kwargs,
+):
     """A random-init ``LlamaForCausalLM`` (GQA when ``kv_heads < heads``) sized for CPU tests."""
     from transformers import LlamaForCausalLM
 
@@ -76,8 +84,15 @@ def build_tiny_llama(tokenizer=None, hidden: int = 64, layers: int = 2, heads: i
     return model.to(dtype)
 
 
-def build_tiny_value_model(tokenizer=None, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                           seed: int = 1, num_labels: int = 1):
+def build_tiny_value_model(
+    tokenizer=None,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 1,
+    num_labels: int = 1,
+):
     """A random-init ``LlamaForSequenceClassification`` with one label: a value or reward model."""
     from transformers import LlamaForSequenceClassification
 
@@ -127,6 +142,8 @@ class DemoTask:
     def build(self):
         tok = build_char_tokenizer()
         policy = build_tiny_llama(tok, self.hidden, self.layers, self.heads, self.kv_heads, seed=self.seed)
-        value = build_tiny_value_model(tok, self.hidden, self.layers, self.heads, self.kv_heads, seed=self.seed + 1)
+        value = build_tiny_value_model(
+            tok, self.hidden, self.layers, self.heads, self.kv_heads, seed=self.seed + 1
+        )
         dataset = make_prompt_dataset(self.num_prompts, seed=self.seed)
         return tok, policy, value, dataset
