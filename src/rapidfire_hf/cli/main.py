@@ -35,7 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = []
+    if "--" in argv:  # everything after `--` goes to the subcommand untouched (e.g. a benchmark script)
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    if passthrough:
+        if not hasattr(args, "extra"):
+            parser.error(f"`rapidfire {args.command}` takes no arguments after `--`")
+        args.extra = passthrough
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 1

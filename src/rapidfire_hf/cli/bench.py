@@ -1,0 +1,70 @@
+"""`rapidfire bench NAME`: run one of the committed benchmark scripts of a source checkout.
+
+The scripts live in ``benchmarks/<name>/`` of the repository (they are not part of the wheel) and
+each writes results.json / CSV / PNG into ``--out``. Extra arguments are passed to the script.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = {
+    "ppo": (
+        "ppo_vs_trl/run.py",
+        "stock TRL 1.12 PPO vs rapidfire PPO (needs TRL112_PATH for the stock side)",
+    ),
+    "grpo": ("grpo/run.py", "stock TRL GRPOTrainer vs enable_rapidfire(GRPOTrainer)"),
+    "rollout": ("rollout/run.py", "HF generate vs the rollout engine: ms per decode step"),
+    "optimizer": ("optimizer/run.py", "fused AdamW vs RapidFireOptimizer: step time, memory, snapshot cost"),
+    "memory": ("memory/run.py", "allocator, compaction and selective checkpointing"),
+    "precision": ("precision/run.py", "static vs adaptive fp16; FP8 vs bf16"),
+}
+
+
+def benchmarks_dir() -> Path | None:
+    """``benchmarks/`` of the checkout this package was installed from (editable installs), if any."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent / "benchmarks"
+        if (candidate / "ppo_vs_trl").is_dir():
+            return candidate
+    return None
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="Run a committed benchmark script (source checkout).")
+    p.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")
+    p.add_argument("--out", default=None, help="output folder (default: benchmarks/<name>/results/local)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
+    p.add_argument("--list", action="store_true", help="list the benchmarks")
+    p.set_defaults(extra=[])  # `rapidfire bench NAME -- ARGS...`: main() passes ARGS to the script
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args) -> int:
+    if args.list or args.name is None:
+        for name, (_, what) in sorted(BENCHMARKS.items()):
+            print(f"{name:10s} {what}")
+        return 0 if args.list else 2
+    root = benchmarks_dir()
+    if root is None:
+        print(
+            "rapidfire bench needs the benchmarks/ folder of a source checkout; clone the repository and "
+            "install it with `pip install -e .`.",
+            file=sys.stderr,
+        )
+        return 2
+    script, _ = BENCHMARKS[args.name]
+    out = args.out or str(root / Path(script).parent / "results" / "local")
+    cmd = [
+        sys.executable,
+        str(root / script),
+        "--out",
+        out,
+        *(["--smoke"] if args.smoke else []),
+        *args.extra,
+    ]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
