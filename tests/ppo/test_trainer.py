@@ -270,3 +270,22 @@ def test_bad_ppo_config_values(tmp_path):
         _args(tmp_path, kl_estimator="k2")
     with pytest.raises(ValueError, match="not divisible by num_mini_batches=3"):
         _args(tmp_path, num_mini_batches=3)
+
+
+def test_sample_tables_use_the_eval_prompts(tmp_path, tokenizer, capsys):
+    from datasets import Dataset
+
+    evals = Dataset.from_dict({"prompt": ["task: zzzz ->", "task: qq ->"]})
+    trainer = _trainer(tmp_path, tokenizer, num_sample_generations=2, max_steps=2)
+    trainer_eval = PPOTrainer(
+        args=trainer.args,
+        processing_class=tokenizer,
+        model=build_tiny_llama(tokenizer),
+        value_model=build_tiny_value_model(tokenizer),
+        reward_funcs=vowel_reward,
+        train_dataset=make_prompt_dataset(32),
+        eval_dataset=evals,
+    )
+    trainer_eval.train()
+    out = capsys.readouterr().out
+    assert out.count("samples at update") == 2 and "zzzz" in out and "qq" in out

@@ -75,7 +75,10 @@ class PPOConfig(TrainingArguments):
     )
     dataset_text_field: str = field(default="prompt", metadata={"help": "Column holding the prompt text."})
     num_sample_generations: int = field(
-        default=0, metadata={"help": "Print sample completions this many times during training (0 = never)."}
+        default=0,
+        metadata={
+            "help": "Print a table of sampled prompts, completions and scores this many times (0 = never)."
+        },
     )
 
     # rapidfire_hf.

@@ -171,7 +171,12 @@ class PPOTrainer:
         self.train_dataset = prepare_prompt_dataset(
             train_dataset, tok, args.dataset_text_field, args.max_prompt_length
         )
-        self.eval_dataset = eval_dataset
+        # As in TRL's PPO, the eval prompts serve the sample tables of `num_sample_generations`.
+        self.eval_dataset = None
+        if eval_dataset is not None:
+            self.eval_dataset = prepare_prompt_dataset(
+                eval_dataset, tok, args.dataset_text_field, args.max_prompt_length
+            )
         self.data_collator = data_collator or (lambda rows: collate_prompts(rows, self.pad_token_id))
         acc = self.accelerator
         self.prompt_order = PromptOrder(
@@ -677,7 +682,31 @@ class PPOTrainer:
         stats = self.optimize(exp)
         t3 = _sync_time(acc.device)
         self.state.episode += args.local_batch_size * acc.num_processes
-        return self._metrics(exp, stats, (t0, t1, t2, t3))
+        metrics = self._metrics(exp, stats, (t0, t1, t2, t3))
+        every = max(1, self.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+        if every and update % every == 0:
+            if self.eval_dataset is not None:  # every rank generates (collectives under ZeRO-3/FSDP2)
+                rows = [self.eval_dataset[i] for i in range(min(4, len(self.eval_dataset)))]
+                exp = self.score(self.rollout(self.data_collator(rows)))
+            if acc.is_main_process:
+                self.show_samples(exp)
+        return metrics
+
+    def show_samples(self, exp: Experience, rows: int = 4) -> None:
+        """Print a few prompts, completions and scores of a scored rollout (``num_sample_generations``)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        tok = self.processing_class
+        table = Table(title=f"samples at update {self.state.global_step + 1}", show_lines=True)
+        for col in ("prompt", "completion", "score"):
+            table.add_column(col)
+        n = min(rows, exp.rollout.queries.shape[0])
+        prompts = tok.batch_decode(exp.rollout.queries[:n], skip_special_tokens=True)
+        completions = tok.batch_decode(exp.postprocessed_responses[:n], skip_special_tokens=True)
+        for p, c, sc in zip(prompts, completions, exp.adv.scores[:n].tolist()):
+            table.add_row(p, c, f"{sc:.3f}")
+        Console().print(table)
 
     def _metrics(self, exp: Experience, stats: dict, times) -> dict:
         acc, adv = self.accelerator, exp.adv
