@@ -88,6 +88,12 @@ class PPOConfig(TrainingArguments):
             "help": "Attach MemoryCompactionCallback (allocator setup, phase-boundary compaction, telemetry)."
         },
     )
+    max_oom_splits: int = field(
+        default=3,
+        metadata={
+            "help": "On CUDA OOM in a micro-batch, halve it and retry up to this many times (0 = never)."
+        },
+    )
     approx_kl_limit: float | None = field(
         default=None,
         metadata={

@@ -254,6 +254,7 @@ def ppo_loss(
     cliprange: float,
     cliprange_value: float,
     vf_coef: float,
+    counts: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> LossOutput:
     """Clipped policy loss plus ``vf_coef`` times the clipped value loss of one micro-batch.
 
@@ -262,7 +263,25 @@ def ppo_loss(
         old_logprobs, advantages, old_values, returns: [b, R] from the rollout.
         vpred: [b, R] current value predictions.
         padding_mask, padding_mask_p1: [b, R] bool.
+        counts: ``(tokens, value_tokens, slots)`` of a whole micro-batch, to divide this piece's masked
+            sums by: the losses and statistics of the pieces of a split micro-batch then add up to
+            those of the whole (OOM recovery).
     """
+    if counts is not None:
+        return _split_ppo_loss(
+            new_logprobs,
+            old_logprobs,
+            advantages,
+            vpred,
+            old_values,
+            returns,
+            padding_mask,
+            padding_mask_p1,
+            cliprange,
+            cliprange_value,
+            vf_coef,
+            counts,
+        )
     new_logprobs = new_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
     vpred = vpred.masked_fill(padding_mask_p1, 0)
     vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
@@ -287,6 +306,45 @@ def ppo_loss(
             ratio_mean=ratio.mean(),
         )
     return LossOutput(loss=loss, pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), **stats)
+
+
+def _split_ppo_loss(
+    new_logprobs,
+    old_logprobs,
+    advantages,
+    vpred,
+    old_values,
+    returns,
+    padding_mask,
+    padding_mask_p1,
+    cliprange,
+    cliprange_value,
+    vf_coef,
+    counts,
+) -> LossOutput:
+    """``ppo_loss`` of one piece of a micro-batch, normalised by the whole micro-batch's ``counts``."""
+    tokens, value_tokens, slots = counts
+    token_mask, value_mask = (~padding_mask).float(), (~padding_mask_p1).float()
+    new_logprobs = new_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+    vpred = vpred.masked_fill(padding_mask_p1, 0)
+    vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
+    vf_losses1, vf_losses2 = torch.square(vpred - returns), torch.square(vpred_clipped - returns)
+    vf_loss = 0.5 * (torch.max(vf_losses1, vf_losses2) * value_mask).sum() / value_tokens
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = (torch.max(pg_losses, pg_losses2) * token_mask).sum() / tokens
+    with torch.no_grad():  # additive over the pieces too: sums over this piece / counts of the whole
+        stats = dict(
+            pg_clipfrac=((pg_losses2 > pg_losses).float() * token_mask).sum() / tokens,
+            vf_clipfrac=((vf_losses2 > vf_losses1).float() * value_mask).sum() / value_tokens,
+            approx_kl=0.5 * (log_ratio**2).sum() / slots,
+            ratio_mean=ratio.sum() / slots,
+        )
+    return LossOutput(
+        loss=pg_loss + vf_coef * vf_loss, pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), **stats
+    )
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -222,6 +222,8 @@ class PPOTrainer:
             self.lr_scheduler,
         )
         self._perm_generator = torch.Generator().manual_seed(args.seed)
+        self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self._had_grad, self._in_backward, self._oom_splits = [], False, 0
         self._rollout_engine = None
         from rapidfire_hf.distributed import attach_sync_debug, describe_engine
 
@@ -584,31 +586,98 @@ class PPOTrainer:
         return stats
 
     def _micro_step(self, query_responses, ctx, adv, idx):
-        """Forward, loss and backward of one micro-batch; the optimizer steps when its window closes."""
-        args, acc = self.args, self.accelerator
-        with acc.accumulate(self.model):
-            lp, vpred, entropy = self.model(
-                query_responses, self.pad_token_id, ctx, args.temperature, with_entropy=True
-            )
-            out = ppo_loss(
-                lp,
-                adv.logprobs[idx],
-                adv.advantages[idx],
-                vpred,
-                adv.values[idx],
-                adv.returns[idx],
-                adv.padding_mask[idx],
-                adv.padding_mask_p1[idx],
-                cliprange=args.cliprange,
-                cliprange_value=args.cliprange_value,
-                vf_coef=args.vf_coef,
-            )
+        """Forward, loss and backward of one micro-batch; the optimizer steps when its window closes.
+
+        A CUDA out-of-memory error splits the micro-batch in halves (recursively, up to
+        ``max_oom_splits`` times) with every piece normalised by the whole micro-batch's token counts,
+        so the accumulated gradient is the one the whole batch gives and no sample is dropped.
+        """
+        with self.accelerator.accumulate(self.model):
+            try:
+                out, entropy = self._forward_backward(query_responses, ctx, adv, idx)
+            except torch.OutOfMemoryError as err:
+                pad, p1 = adv.padding_mask[idx], adv.padding_mask_p1[idx]
+                counts = ((~pad).sum().clamp_min(1), (~p1).sum().clamp_min(1), pad.numel())
+                out, entropy = self._recover_from_oom(err, query_responses, ctx, adv, idx, counts, depth=1)
             if self._rf_opt is not None:  # device tensors only: verified at the end of the window
                 self._rf_opt.observe_loss(out.loss)
                 self._rf_opt.record("approx_kl", out.approx_kl, reduce="max")
-            acc.backward(out.loss)
             self._optimizer_step()
         return out, entropy.mean()
+
+    def _forward_backward(self, query_responses, ctx, adv, idx, counts=None):
+        args = self.args
+        lp, vpred, entropy = self.model(
+            query_responses, self.pad_token_id, ctx, args.temperature, with_entropy=True
+        )
+        out = ppo_loss(
+            lp,
+            adv.logprobs[idx],
+            adv.advantages[idx],
+            vpred,
+            adv.values[idx],
+            adv.returns[idx],
+            adv.padding_mask[idx],
+            adv.padding_mask_p1[idx],
+            cliprange=args.cliprange,
+            cliprange_value=args.cliprange_value,
+            vf_coef=args.vf_coef,
+            counts=counts,
+        )
+        self._had_grad = [p.grad is not None for p in self._trainable]  # host flags: no sync
+        self._in_backward = True
+        self.accelerator.backward(out.loss)
+        self._in_backward = False
+        out.loss = out.loss.detach()
+        return out, entropy.detach()
+
+    def _recover_from_oom(self, err, query_responses, ctx, adv, idx, counts, depth):
+        """Free what the failed attempt held, then run the two halves of the micro-batch."""
+        args = self.args
+        if depth > args.max_oom_splits or len(idx) < 2:
+            raise RuntimeError(
+                f"CUDA out of memory in a PPO micro-batch even after {depth - 1} split(s) down to {len(idx)} "
+                "row(s): lower per_device_train_batch_size or response_length, or set "
+                "memory.optimization='aggressive' (activation checkpointing)."
+            ) from err
+        self._drop_partial_grads()
+        if self.memory_callback is not None:
+            self.memory_callback.compact("oom_split")
+        elif torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.warning("CUDA out of memory in a micro-batch of %d rows: retrying in halves", len(idx))
+        self._oom_splits += 1
+        pieces = []
+        for half in range(2):
+            sl = slice(0, (len(idx) + 1) // 2) if half == 0 else slice((len(idx) + 1) // 2, None)
+            try:
+                pieces.append(self._forward_backward(query_responses[sl], ctx, adv, idx[sl], counts))
+            except torch.OutOfMemoryError as inner:
+                pieces.append(
+                    self._recover_from_oom(inner, query_responses[sl], ctx, adv, idx[sl], counts, depth + 1)
+                )
+        outs, ents = zip(*pieces)
+        merged = {f: sum(getattr(o, f) for o in outs) for f in vars(outs[0])}  # additive by construction
+        return type(outs[0])(**merged), torch.cat(ents)
+
+    def _drop_partial_grads(self):
+        """Undo gradients a failed backward created; refuse when it may have added to existing ones."""
+        if not self._in_backward:  # the OOM came in forward: no gradient was touched
+            return
+        self._in_backward = False
+        if self._rf_opt is not None and self._rf_opt.pipeline_enabled:
+            raise RuntimeError(
+                "CUDA out of memory during a pipelined backward: some parameters may already be updated. "
+                "Lower per_device_train_batch_size or disable the gradient pipeline."
+            )
+        for p, had in zip(self._trainable, self._had_grad):
+            if p.grad is not None and not had:
+                p.grad = None
+            elif had:
+                raise RuntimeError(
+                    "CUDA out of memory during a backward that accumulates into existing gradients; "
+                    "the partial sum cannot be undone exactly. Lower per_device_train_batch_size."
+                )
 
     def _should_replay(self) -> bool:
         """True when the optimizer undid the last window because its clip prediction missed."""
@@ -753,6 +822,7 @@ class PPOTrainer:
             opt_stats = self._rf_opt.stats()
             for key in ("rollbacks", "skipped", "clip_misses", "pipelined_steps"):
                 metrics[f"rapidfire/{key}"] = opt_stats[key]
+        metrics["rapidfire/oom_splits"] = self._oom_splits
         return metrics
 
     def log(self, logs: dict[str, float]) -> None:

@@ -1,0 +1,72 @@
+"""A CUDA out-of-memory error in a PPO micro-batch: split, retry, same update, no sample dropped.
+
+The OOM is raised by a forward pre-hook on the policy's decoder whenever a gradient-tracking forward
+gets more rows than a limit (generation and scoring run without gradients and are left alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rapidfire_hf.demo import build_tiny_llama, build_tiny_value_model, make_prompt_dataset, vowel_reward
+from rapidfire_hf.ppo import PPOConfig, PPOTrainer
+from rapidfire_hf.ppo.modeling import causal_lm_parts
+
+
+def _train(tmp_path, tokenizer, max_rows=None, **kw):
+    policy, value = build_tiny_llama(tokenizer), build_tiny_value_model(tokenizer)
+    calls = {"oom": 0}
+    if max_rows is not None:
+
+        def fake_oom(module, args, kwargs):
+            rows = kwargs["input_ids"].shape[0]
+            if torch.is_grad_enabled() and rows > max_rows:
+                calls["oom"] += 1
+                raise torch.OutOfMemoryError(f"simulated: {rows} rows > {max_rows}")
+
+        causal_lm_parts(policy)[0].register_forward_pre_hook(fake_oom, with_kwargs=True)
+    args = PPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_ppo_epochs=1,
+        response_length=6,
+        stop_token="eos",
+        max_steps=2,
+        report_to=[],
+        disable_tqdm=True,
+        temperature=1.0,
+        use_cpu=True,
+        seed=5,
+        logging_steps=1,
+        **kw,
+    )
+    # SGD, not Adam: Adam divides by sqrt(v), which turns summation-order rounding in a near-zero
+    # gradient into a visible parameter difference; SGD keeps the comparison at rounding level.
+    sgd = torch.optim.SGD([p for m in (policy, value) for p in m.parameters()], lr=0.1)
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        value_model=value,
+        reward_funcs=vowel_reward,
+        train_dataset=make_prompt_dataset(32),
+        optimizers=(sgd, None),
+    )
+    trainer.train()
+    return trainer, [p.detach().clone() for p in policy.parameters()], calls["oom"]
+
+
+def test_split_micro_batches_give_the_same_update(tmp_path, tokenizer):
+    _, reference, _ = _train(tmp_path / "ref", tokenizer)
+    trainer, params, ooms = _train(tmp_path / "oom", tokenizer, max_rows=1)
+    # 4 rows -> 2 + 2 -> 1+1+1+1: 3 splits per micro-batch, 2 micro-batches per update, 2 updates
+    assert ooms > 0 and trainer.state.log_history[-1]["rapidfire/oom_splits"] == 12
+    for a, b in zip(reference, params):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)  # only the summation order differs
+
+
+def test_gives_up_after_max_splits_with_a_clear_message(tmp_path, tokenizer):
+    with pytest.raises(RuntimeError, match="out of memory.*after 1 split.*per_device_train_batch_size"):
+        _train(tmp_path, tokenizer, max_rows=0, max_oom_splits=1)
