@@ -44,6 +44,8 @@ from rapidfire_hf.ppo.modeling import (
     sequence_inputs,
     value_positions,
 )
+from rapidfire_hf.ppo.recovery import OOMRecoveryMixin
+from rapidfire_hf.ppo.reporting import ReportingMixin
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class Experience:
     postprocessed_responses: torch.Tensor  # [B, R] truncated after the stop token
 
 
-class PPOTrainer:
+class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
     """Proximal Policy Optimization with a value model (or a fused value head) and KL-shaped rewards.
 
     Args:
@@ -631,54 +633,6 @@ class PPOTrainer:
         out.loss = out.loss.detach()
         return out, entropy.detach()
 
-    def _recover_from_oom(self, err, query_responses, ctx, adv, idx, counts, depth):
-        """Free what the failed attempt held, then run the two halves of the micro-batch."""
-        args = self.args
-        if depth > args.max_oom_splits or len(idx) < 2:
-            raise RuntimeError(
-                f"CUDA out of memory in a PPO micro-batch even after {depth - 1} split(s) down to {len(idx)} "
-                "row(s): lower per_device_train_batch_size or response_length, or set "
-                "memory.optimization='aggressive' (activation checkpointing)."
-            ) from err
-        self._drop_partial_grads()
-        if self.memory_callback is not None:
-            self.memory_callback.compact("oom_split")
-        elif torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        logger.warning("CUDA out of memory in a micro-batch of %d rows: retrying in halves", len(idx))
-        self._oom_splits += 1
-        pieces = []
-        for half in range(2):
-            sl = slice(0, (len(idx) + 1) // 2) if half == 0 else slice((len(idx) + 1) // 2, None)
-            try:
-                pieces.append(self._forward_backward(query_responses[sl], ctx, adv, idx[sl], counts))
-            except torch.OutOfMemoryError as inner:
-                pieces.append(
-                    self._recover_from_oom(inner, query_responses[sl], ctx, adv, idx[sl], counts, depth + 1)
-                )
-        outs, ents = zip(*pieces)
-        merged = {f: sum(getattr(o, f) for o in outs) for f in vars(outs[0])}  # additive by construction
-        return type(outs[0])(**merged), torch.cat(ents)
-
-    def _drop_partial_grads(self):
-        """Undo gradients a failed backward created; refuse when it may have added to existing ones."""
-        if not self._in_backward:  # the OOM came in forward: no gradient was touched
-            return
-        self._in_backward = False
-        if self._rf_opt is not None and self._rf_opt.pipeline_enabled:
-            raise RuntimeError(
-                "CUDA out of memory during a pipelined backward: some parameters may already be updated. "
-                "Lower per_device_train_batch_size or disable the gradient pipeline."
-            )
-        for p, had in zip(self._trainable, self._had_grad):
-            if p.grad is not None and not had:
-                p.grad = None
-            elif had:
-                raise RuntimeError(
-                    "CUDA out of memory during a backward that accumulates into existing gradients; "
-                    "the partial sum cannot be undone exactly. Lower per_device_train_batch_size."
-                )
-
     def _should_replay(self) -> bool:
         """True when the optimizer undid the last window because its clip prediction missed."""
         opt = self._rf_opt
@@ -760,77 +714,6 @@ class PPOTrainer:
             if acc.is_main_process:
                 self.show_samples(exp)
         return metrics
-
-    def show_samples(self, exp: Experience, rows: int = 4) -> None:
-        """Print a few prompts, completions and scores of a scored rollout (``num_sample_generations``)."""
-        from rich.console import Console
-        from rich.table import Table
-
-        tok = self.processing_class
-        table = Table(title=f"samples at update {self.state.global_step + 1}", show_lines=True)
-        for col in ("prompt", "completion", "score"):
-            table.add_column(col)
-        n = min(rows, exp.rollout.queries.shape[0])
-        prompts = tok.batch_decode(exp.rollout.queries[:n], skip_special_tokens=True)
-        completions = tok.batch_decode(exp.postprocessed_responses[:n], skip_special_tokens=True)
-        for p, c, sc in zip(prompts, completions, exp.adv.scores[:n].tolist()):
-            table.add_row(p, c, f"{sc:.3f}")
-        Console().print(table)
-
-    def _metrics(self, exp: Experience, stats: dict, times) -> dict:
-        acc, adv = self.accelerator, exp.adv
-        real = (~adv.padding_mask).float()
-        mean_kl = adv.kl.sum(1).mean()
-        non_score = adv.non_score_reward.sum(1).mean()
-        device_metrics = {
-            "objective/kl": mean_kl,
-            "objective/entropy": (-adv.logprobs * real).sum(1).mean(),
-            "objective/non_score_reward": non_score,
-            "objective/rlhf_reward": non_score + adv.scores.mean(),
-            "objective/scores": adv.scores.mean(),
-            "policy/approxkl_avg": stats["approx_kl"].mean(),
-            "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
-            "loss/policy_avg": stats["pg_loss"].mean(),
-            "loss/value_avg": stats["vf_loss"].mean(),
-            "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
-            "policy/entropy_avg": stats["entropy"].mean(),
-            "val/ratio": stats["ratio"].mean(),
-            "val/ratio_var": stats["ratio"].var()
-            if stats["ratio"].numel() > 1
-            else torch.zeros((), device=acc.device),
-            "val/num_eos_tokens": (exp.rollout.responses == self.processing_class.eos_token_id).sum().float(),
-            "response_length": real.sum(1).mean() + 0,
-        }
-        stacked = acc.gather_for_metrics(torch.stack(list(device_metrics.values())).unsqueeze(0)).mean(0)
-        metrics = dict(zip(device_metrics, stacked.tolist()))  # the one host sync of the update
-        metrics["val/num_eos_tokens"] *= acc.num_processes
-        t0, t1, t2, t3 = times
-        b, width = exp.rollout.query_responses.shape
-        metrics.update(
-            {
-                "time/rollout": t1 - t0,
-                "time/scoring": t2 - t1,
-                "time/training": t3 - t2,
-                "time/update": t3 - t0,
-                "tokens_per_second": b * width * acc.num_processes / max(t3 - t0, 1e-9),
-                "eps": self.state.episode / max(time.perf_counter() - self._train_start, 1e-9),
-                "lr": self.lr_scheduler.get_last_lr()[0],
-                "episode": self.state.episode,
-            }
-        )
-        if self._rf_opt is not None:
-            opt_stats = self._rf_opt.stats()
-            for key in ("rollbacks", "skipped", "clip_misses", "pipelined_steps"):
-                metrics[f"rapidfire/{key}"] = opt_stats[key]
-        metrics["rapidfire/oom_splits"] = self._oom_splits
-        return metrics
-
-    def log(self, logs: dict[str, float]) -> None:
-        logs = dict(logs)
-        if self.state.epoch is not None:
-            logs["epoch"] = self.state.epoch
-        self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Save the policy (and tokenizer) with ``save_pretrained``; the value model/head beside it."""
