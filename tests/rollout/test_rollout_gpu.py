@@ -68,3 +68,21 @@ def test_lora_adapter_toggle_under_cuda_graphs(tokenizer, prompts):
         assert torch.equal(base, hf_greedy(model, ids, mask, 40, stop=None))
     assert not torch.equal(with_lora, base)
     assert torch.equal(engine.generate(ids, mask, params).responses, with_lora)
+
+
+def test_graphs_rerecorded_after_settings_and_shape_change(cuda_setup):
+    """Greedy, then sampled, then a smaller batch, then greedy again on one engine: each change drops the
+    recorded graphs and records new ones into a fresh pool (a stale pool handle broke the capture)."""
+    model, ids, mask = cuda_setup
+    engine = RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode="cuda_graph"
+    )
+    greedy = SamplingParams(max_new_tokens=40, do_sample=False)
+    ref = hf_greedy(model, ids, mask, 40, stop=None)
+    assert torch.equal(engine.generate(ids, mask, greedy).responses, ref)
+    engine.generate(
+        ids, mask, SamplingParams(max_new_tokens=40), generator=torch.Generator("cuda").manual_seed(1)
+    )
+    small = engine.generate(ids[:2], mask[:2], greedy).responses
+    assert torch.equal(small, hf_greedy(model, ids[:2], mask[:2], 40, stop=None))
+    assert torch.equal(engine.generate(ids, mask, greedy).responses, ref)

@@ -139,7 +139,8 @@ class StaticEngine:
         # recorded graphs hold raw addresses: a new shape, new settings or moved weights need new ones
         key = (self._buf.shape, params, mode, self._weights_id)
         if self._graph_key != key:
-            self._graphs, self._graph_key = {}, key
+            self._reset_graphs()
+            self._graph_key = key
         graph = self._graphs.get(kv_len)
         if graph is None:
             graph = self._graphs[kv_len] = self._record(lambda: self._step_fn(mode)(params, kv_len))
@@ -151,6 +152,15 @@ class StaticEngine:
         if self._compiled is None:
             self._compiled = torch.compile(self._step, dynamic=False)
         return self._compiled
+
+    def _reset_graphs(self) -> None:
+        """Drop the recorded graphs together with their memory pool.
+
+        Re-using a pool handle after every graph recorded into it was freed trips an internal assert
+        of the CUDA caching allocator at the next capture (seen on the H200 with torch 2.11 when the
+        sampling settings changed between two generate calls), so a new pool goes with new graphs.
+        """
+        self._graphs, self._graph_key, self._pool = {}, None, None
 
     def _record(self, step) -> torch.cuda.CUDAGraph:
         # warm-up on a side stream (cuBLAS workspaces, compilation), then record; the step is idempotent
@@ -173,7 +183,8 @@ class StaticEngine:
         device = input_ids.device
         shape = (b, p, r)
         if self._buf is None or self._buf.shape != shape or self._buf.k[0].device != device:
-            self._buf, self._graphs, self._graph_key = None, {}, None
+            self._buf = None
+            self._reset_graphs()
             self._buf = _Buffers(self.net, b, p, r, self.net.lm_head.weight.shape[0], device)
         buf = self._buf
         n_real = attention_mask.sum(-1, keepdim=True)
@@ -190,7 +201,7 @@ class StaticEngine:
         stops = torch.tensor(self.stop_token_ids or [-1], dtype=torch.long, device=device)
         if buf.stops is None or not torch.equal(buf.stops.cpu(), stops.cpu()):
             buf.stops = stops
-            self._graphs, self._graph_key = {}, None
+            self._reset_graphs()
         buf.tokens.fill_(self.pad_token_id)
         buf.logprobs.zero_()
         return buf
