@@ -214,6 +214,8 @@ def run_ours(cfg: dict, device: str) -> dict:
         "update_times": [h["time/update"] for h in logs],
         "gen_times": [h["time/rollout"] for h in logs],
         "rewards": [h["objective/scores"] for h in logs],
+        "score_times": [h["time/scoring"] for h in logs],
+        "train_times": [h["time/training"] for h in logs],
         "rapidfire_version": rapidfire_hf.__version__,
         "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
     }
