@@ -70,3 +70,25 @@ def test_split_micro_batches_give_the_same_update(tmp_path, tokenizer):
 def test_gives_up_after_max_splits_with_a_clear_message(tmp_path, tokenizer):
     with pytest.raises(RuntimeError, match="out of memory.*after 1 split.*per_device_train_batch_size"):
         _train(tmp_path, tokenizer, max_rows=0, max_oom_splits=1)
+
+
+def test_telemetry_records_throughput_and_oom_splits(tmp_path, tokenizer):
+    """What `rapidfire monitor` reads: tokens/s per update and the OOM-split events."""
+    import json
+
+    from rapidfire_hf.memory import get_telemetry
+
+    _train(tmp_path, tokenizer, max_rows=2)
+    # one stream per process (the first run of this pytest process chose its folder): read this run's tail
+    lines = get_telemetry().path.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    starts = [i for i, r in enumerate(records) if r["kind"] == "event" and r["name"] == "train_begin"]
+    records = records[starts[-1] :]
+    rates = [
+        r["values"]["tokens_per_s"]
+        for r in records
+        if r["kind"] == "metrics" and "tokens_per_s" in r.get("values", {})
+    ]
+    splits = [r for r in records if r["kind"] == "event" and r["name"] == "oom_split"]
+    assert len(rates) == 2 and all(v > 0 for v in rates)
+    assert sum(r["count"] for r in splits) == 4  # one split per micro-batch of 4 rows into 2 + 2

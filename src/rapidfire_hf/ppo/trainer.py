@@ -226,6 +226,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         self._perm_generator = torch.Generator().manual_seed(args.seed)
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._had_grad, self._in_backward, self._oom_splits = [], False, 0
+        self._telemetry_seen: dict[str, int] = {}
         self._rollout_engine = None
         from rapidfire_hf.distributed import attach_sync_debug, describe_engine
 
@@ -633,6 +634,28 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         out.loss = out.loss.detach()
         return out, entropy.detach()
 
+    def _to_telemetry(self, step: int, metrics: dict) -> None:
+        """Feed `rapidfire monitor`: tokens/s every update, and rollback / OOM-split events as they happen."""
+        if self.memory_callback is None:
+            return
+        from rapidfire_hf.memory import get_telemetry
+
+        telemetry = get_telemetry()
+        telemetry.metrics(
+            step,
+            {
+                "tokens_per_s": metrics["tokens_per_second"],
+                "kl": metrics["objective/kl"],
+                "reward": metrics["objective/scores"],
+            },
+        )
+        seen = self._telemetry_seen
+        for key, event in (("rapidfire/rollbacks", "rollback"), ("rapidfire/oom_splits", "oom_split")):
+            new = int(metrics.get(key, 0)) - seen.get(key, 0)
+            if new > 0:
+                telemetry.event(event, step=step, count=new)
+                seen[key] = int(metrics[key])
+
     def _should_replay(self) -> bool:
         """True when the optimizer undid the last window because its clip prediction missed."""
         opt = self._rf_opt
@@ -706,6 +729,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         t3 = _sync_time(acc.device)
         self.state.episode += args.local_batch_size * acc.num_processes
         metrics = self._metrics(exp, stats, (t0, t1, t2, t3))
+        self._to_telemetry(update + 1, metrics)
         every = max(1, self.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
         if every and update % every == 0:
             if self.eval_dataset is not None:  # every rank generates (collectives under ZeRO-3/FSDP2)
