@@ -267,84 +267,40 @@ def ppo_loss(
             sums by: the losses and statistics of the pieces of a split micro-batch then add up to
             those of the whole (OOM recovery).
     """
-    if counts is not None:
-        return _split_ppo_loss(
-            new_logprobs,
-            old_logprobs,
-            advantages,
-            vpred,
-            old_values,
-            returns,
-            padding_mask,
-            padding_mask_p1,
-            cliprange,
-            cliprange_value,
-            vf_coef,
-            counts,
+    if counts is None:  # this micro-batch alone (the plain masked means)
+        counts = (
+            (~padding_mask).sum().clamp_min(1),
+            (~padding_mask_p1).sum().clamp_min(1),
+            padding_mask.numel(),
         )
+    tokens, value_tokens, slots = counts
+    token_mask, value_mask = ~padding_mask, ~padding_mask_p1
+
+    def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (x * mask.to(x.dtype)).sum()
+
     new_logprobs = new_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
     vpred = vpred.masked_fill(padding_mask_p1, 0)
     vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses1 = torch.square(vpred - returns)
     vf_losses2 = torch.square(vpred_clipped - returns)
-    value_mask = ~padding_mask_p1
-    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), value_mask)
+    vf_loss = 0.5 * (masked_sum(torch.max(vf_losses1, vf_losses2), value_mask) / value_tokens)
 
     log_ratio = new_logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    token_mask = ~padding_mask
-    pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), token_mask)
+    pg_loss = masked_sum(torch.max(pg_losses, pg_losses2), token_mask) / tokens
     loss = pg_loss + vf_coef * vf_loss
     with torch.no_grad():
         stats = dict(
-            pg_clipfrac=masked_mean((pg_losses2 > pg_losses).float(), token_mask),
-            vf_clipfrac=masked_mean((vf_losses2 > vf_losses1).float(), value_mask),
+            pg_clipfrac=masked_sum((pg_losses2 > pg_losses).float(), token_mask) / tokens,
+            vf_clipfrac=masked_sum((vf_losses2 > vf_losses1).float(), value_mask) / value_tokens,
             # As TRL 1.12 logs it: over all slots (padded slots have log_ratio 0).
-            approx_kl=0.5 * (log_ratio**2).mean(),
-            ratio_mean=ratio.mean(),
-        )
-    return LossOutput(loss=loss, pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), **stats)
-
-
-def _split_ppo_loss(
-    new_logprobs,
-    old_logprobs,
-    advantages,
-    vpred,
-    old_values,
-    returns,
-    padding_mask,
-    padding_mask_p1,
-    cliprange,
-    cliprange_value,
-    vf_coef,
-    counts,
-) -> LossOutput:
-    """``ppo_loss`` of one piece of a micro-batch, normalised by the whole micro-batch's ``counts``."""
-    tokens, value_tokens, slots = counts
-    token_mask, value_mask = (~padding_mask).float(), (~padding_mask_p1).float()
-    new_logprobs = new_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-    vpred = vpred.masked_fill(padding_mask_p1, 0)
-    vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
-    vf_losses1, vf_losses2 = torch.square(vpred - returns), torch.square(vpred_clipped - returns)
-    vf_loss = 0.5 * (torch.max(vf_losses1, vf_losses2) * value_mask).sum() / value_tokens
-    log_ratio = new_logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = (torch.max(pg_losses, pg_losses2) * token_mask).sum() / tokens
-    with torch.no_grad():  # additive over the pieces too: sums over this piece / counts of the whole
-        stats = dict(
-            pg_clipfrac=((pg_losses2 > pg_losses).float() * token_mask).sum() / tokens,
-            vf_clipfrac=((vf_losses2 > vf_losses1).float() * value_mask).sum() / value_tokens,
             approx_kl=0.5 * (log_ratio**2).sum() / slots,
             ratio_mean=ratio.sum() / slots,
         )
-    return LossOutput(
-        loss=pg_loss + vf_coef * vf_loss, pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), **stats
-    )
+    return LossOutput(loss=loss, pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(), **stats)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
