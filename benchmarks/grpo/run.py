@@ -57,27 +57,9 @@ GENERATIONS = 8
 
 def build_tokenizer(vocab: int | None):
     """The demo's char tokenizer, padded with filler tokens up to ``vocab`` (decoded as ``<|id|>``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from rapidfire_hf.demo import build_char_tokenizer
 
-    base = build_char_tokenizer()
-    if vocab is None:
-        return base
-    table = dict(base.get_vocab())
-    table.update({f"<|{i}|>": i for i in range(len(table), vocab)})
-    core = Tokenizer(models.WordLevel(vocab=table, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
+    return build_char_tokenizer(vocab)
 
 
 def prompts(n: int, length: int, seed: int = 0):

@@ -51,21 +51,13 @@ class RuleReward(nn.Module):
 
 
 def build_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
+
+    from rapidfire_hf.demo.task import wordlevel_tokenizer
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     vocab.update({f"w{i}": i for i in range(4, vocab_size)})
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
+    return wordlevel_tokenizer(vocab, pre_tokenizers.WhitespaceSplit())
 
 
 def build_models(cfg: dict, device: str):

@@ -19,21 +19,20 @@ _SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 _PUNCT = [" ", ":", "-", ">", ".", ","]
 
 
-def build_char_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` built in code (no download).
+def wordlevel_tokenizer(vocab: dict[str, int], pre_tokenizer, decoder=None):
+    """A left-padding ``PreTrainedTokenizerFast`` over a fixed vocabulary (no download).
 
-    Vocabulary: 4 specials (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3), 26 lowercase letters,
-    6 punctuation characters and 10 digits. Saved/loaded with ``save_pretrained`` like any HF tokenizer.
+    ``vocab`` must hold the specials ``<pad>``, ``<s>``, ``</s>`` and ``<unk>``; ``pre_tokenizer`` (and
+    ``decoder``) come from the ``tokenizers`` library.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(_ALPHABET) + _PUNCT + [str(d) for d in range(10)]
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
+    core.pre_tokenizer = pre_tokenizer
+    if decoder is not None:
+        core.decoder = decoder
+    return PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="<pad>",
         bos_token="<s>",
@@ -41,7 +40,23 @@ def build_char_tokenizer():
         unk_token="<unk>",
         padding_side="left",
     )
-    return tok
+
+
+def build_char_tokenizer(vocab_size: int | None = None):
+    """A character-level ``PreTrainedTokenizerFast`` built in code (no download).
+
+    Vocabulary: 4 specials (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3), 26 lowercase letters,
+    6 punctuation characters and 10 digits; ``vocab_size`` pads it with filler tokens ``<|i|>`` (for
+    benchmarks that need a model-sized vocabulary). Saved/loaded with ``save_pretrained`` like any HF
+    tokenizer.
+    """
+    from tokenizers import decoders, pre_tokenizers
+
+    chars = list(_ALPHABET) + _PUNCT + [str(d) for d in range(10)]
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + chars)}
+    if vocab_size is not None:
+        vocab.update({f"<|{i}|>": i for i in range(len(vocab), vocab_size)})
+    return wordlevel_tokenizer(vocab, pre_tokenizers.Split(pattern="", behavior="isolated"), decoders.Fuse())
 
 
 def _llama_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, **kw):
