@@ -176,8 +176,8 @@ def run_trl(cfg: dict, device: str) -> dict:
     }
 
 
-def run_ours(cfg: dict, device: str) -> dict:
-    import rapidfire_hf
+def build_ours(cfg: dict, device: str):
+    """Our PPOTrainer on the benchmark's models and data (also used by profile_ours.py)."""
     from rapidfire_hf import PPOConfig, PPOTrainer
 
     tok = build_tokenizer(cfg["shape_kwargs"]["vocab_size"])
@@ -189,6 +189,7 @@ def run_ours(cfg: dict, device: str) -> dict:
         value_mode=cfg["value_mode"],
         disable_tqdm=True,
         rollout_backend=cfg.get("rollout_backend", "auto"),
+        **({"rapidfire_config": cfg["rapidfire_config"]} if cfg.get("rapidfire_config") else {}),
     )
     trainer = PPOTrainer(
         args=args,
@@ -200,6 +201,13 @@ def run_ours(cfg: dict, device: str) -> dict:
         train_dataset=ds,
     )
     trainer.remove_progress_callbacks()
+    return trainer
+
+
+def run_ours(cfg: dict, device: str) -> dict:
+    import rapidfire_hf
+
+    trainer = build_ours(cfg, device)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "time/update" in h]
     return {
