@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from rapidfire_hf.precision import Float8Linear, enable_fp8, fp8_candidates, fp8_support
+from rapidfire_hf.precision import fp8 as fp8_module
 from rapidfire_hf.utils.imports import is_available
 
 
@@ -74,3 +77,114 @@ def test_enable_fp8_on_gpu_converts_large_linears_or_explains():
     out = model(x)
     out.float().pow(2).mean().backward()
     assert _rel(out, ref) < 0.1 and torch.isfinite(model[0].weight.grad).all()
+
+
+# -- the quantisation itself, against a plain reference ----------------------------------------------------
+
+# (fp8 dtype, half the relative spacing of its normal numbers, half its smallest subnormal step)
+_FORMATS = [(torch.float8_e4m3fn, 2.0**-4, 2.0**-10), (torch.float8_e5m2, 2.0**-3, 2.0**-17)]
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,rel,sub", _FORMATS)
+@pytest.mark.parametrize("magnitude", [1e-5, 1.0, 300.0])
+def test_quantize_matches_plain_reference(src, fmt, rel, sub, magnitude):
+    torch.manual_seed(0)
+    t = (torch.randn(48, 32) * magnitude).to(src)
+    q, inv = fp8_module._quantize(t, fmt)
+    assert q.dtype == fmt and q.shape == t.shape and inv.dtype == torch.float32 and inv.dim() == 0
+    fmax = torch.finfo(fmt).max
+    scale = 1.0 / inv.double().item()
+    amax = t.double().abs().max().item()
+    # power-of-two scale, the largest one that keeps amax * scale within the FP8 range
+    assert math.log2(scale) == int(math.log2(scale))
+    assert fmax / 2 < amax * scale <= fmax
+    # bit-identical to a plain fp32 scale-and-cast (the scaling is exact, so only the FP8 cast rounds)
+    reference = (t.float() * scale).to(fmt)
+    assert torch.equal(q.view(torch.uint8), reference.view(torch.uint8))
+    # dequantised: within half an FP8 step of the input, element by element
+    back, exact = q.double() * inv.double(), t.double()
+    bound = torch.maximum(exact.abs() * rel, torch.full_like(exact, sub * inv.double().item()))
+    assert ((back - exact).abs() <= bound * (1 + 1e-9)).all()
+
+
+def test_quantize_zero_and_tiny_fp16_tensors_stay_finite():
+    q, inv = fp8_module._quantize(torch.zeros(16, 16, dtype=torch.bfloat16), torch.float8_e4m3fn)
+    assert torch.equal(q.float(), torch.zeros(16, 16)) and math.isfinite(inv.item()) and inv.item() > 0
+    tiny = torch.full((16, 16), 3e-5, dtype=torch.float16)  # its scale (2**23) does not fit in fp16
+    q, inv = fp8_module._quantize(tiny, torch.float8_e5m2)
+    assert torch.isfinite(q.float()).all()
+    assert torch.allclose(q.float() * inv, tiny.float(), rtol=2.0**-3)
+
+
+def test_float8_linear_bf16_inputs_give_bf16_outputs_and_grads():
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 32).bfloat16()
+    fp8 = Float8Linear.from_linear(ref)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = fp8(x)
+    y.float().pow(2).sum().backward()
+    assert y.dtype == x.grad.dtype == ref.weight.grad.dtype == torch.bfloat16
+    assert _rel(y, ref(x.detach())) < 0.05
+
+
+# -- the weight cache ---------------------------------------------------------------------------------------
+def _cached_pair():
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 48)
+    plain = Float8Linear.from_linear(ref)
+    cached = Float8Linear.from_linear(ref, cache_weight=True)
+    return ref, plain, cached
+
+
+def test_weight_cache_is_reused_while_the_weight_is_unchanged():
+    ref, plain, cached = _cached_pair()
+    x = torch.randn(32, 64)
+    y1 = cached(x)
+    first = cached._weight_cache
+    y2 = cached(x)
+    assert cached._weight_cache is first  # no second cast of the weight
+    assert torch.equal(y1, y2) and torch.equal(y1, plain(x))
+
+
+@pytest.mark.parametrize("optimizer_kwargs", [dict(foreach=False), dict(foreach=True), dict(fused=True)])
+def test_weight_cache_follows_optimizer_steps(optimizer_kwargs):
+    # a fused AdamW step changes the weight without bumping its version counter: the global step hook
+    # must still invalidate the cache
+    ref, plain, cached = _cached_pair()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, **optimizer_kwargs)
+    x = torch.randn(32, 64)
+    cached(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    assert torch.equal(cached(x), plain(x))
+
+
+def test_weight_cache_follows_in_place_edits_and_load_state_dict():
+    ref, plain, cached = _cached_pair()
+    x = torch.randn(32, 64)
+    cached(x)
+    with torch.no_grad():
+        ref.weight.mul_(3.0)
+    assert torch.equal(cached(x), plain(x))
+    ref.load_state_dict(nn.Linear(64, 48).state_dict())
+    assert torch.equal(cached(x), plain(x))
+    ref.weight.data = torch.randn(48, 64)  # a new storage
+    assert torch.equal(cached(x), plain(x))
+
+
+def test_weight_cache_needs_clearing_after_writes_through_data():
+    ref, plain, cached = _cached_pair()
+    x = torch.randn(32, 64)
+    cached(x)
+    ref.weight.data.mul_(3.0)  # invisible to version counter, storage and optimizer hook (documented)
+    assert not torch.equal(cached(x), plain(x))
+    cached.clear_weight_cache()
+    assert torch.equal(cached(x), plain(x))
+
+
+def test_enable_fp8_passes_cache_weights(monkeypatch):
+    model = nn.Sequential(nn.Linear(2048, 2048))
+    monkeypatch.setattr(fp8_module, "fp8_support", lambda device=None: (True, ""))
+    assert enable_fp8(model, backend="scaled_mm", cache_weights=True) == ["0"]
+    assert isinstance(model[0], Float8Linear) and model[0].cache_weight

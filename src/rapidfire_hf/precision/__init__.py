@@ -11,7 +11,13 @@ from rapidfire_hf.precision.fp8 import Float8Linear, enable_fp8, fp8_candidates,
 from rapidfire_hf.precision.metrics import AsyncMetrics, GradientMonitor, OutputProbe
 from rapidfire_hf.precision.plugin import AdaptivePrecisionPlugin, PrecisionMode
 from rapidfire_hf.precision.scaler import PerGroupGradScaler
-from rapidfire_hf.precision.schedule import LayerPrecision, Precision, find_layers, set_layer_precision
+from rapidfire_hf.precision.schedule import (
+    LayerPrecision,
+    Precision,
+    find_layers,
+    logprob_path,
+    set_layer_precision,
+)
 from rapidfire_hf.precision.sensitivity import LayerSensitivity, measure_sensitivity, sensitivity_table
 
 __all__ = [
@@ -30,6 +36,7 @@ __all__ = [
     "find_layers",
     "fp8_candidates",
     "fp8_support",
+    "logprob_path",
     "measure_sensitivity",
     "sensitivity_table",
     "set_layer_precision",

@@ -13,6 +13,8 @@ matmuls of each converted layer (output, input gradient, weight gradient) run in
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,7 @@ from torch import nn
 E4M3 = torch.float8_e4m3fn  # activations and weights: more mantissa
 E5M2 = torch.float8_e5m2  # gradients: more range
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores
+_TINY = 1e-30  # amax floor: an all-zero tensor gets a finite scale (2**-100 * fmax away from overflow)
 
 
 def fp8_support(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -53,11 +56,23 @@ def fp8_support(device: torch.device | str | None = None) -> tuple[bool, str]:
 
 
 def _quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor dynamic scaling: ``t * scale`` fills the FP8 range; returns (fp8 tensor, 1/scale)."""
+    """Per-tensor dynamic scaling into ``dtype``; returns (fp8 tensor, 1/scale), the scale ``_scaled_mm`` takes.
+
+    The scale is the largest power of two with ``amax * scale <= finfo(dtype).max``. A power of two is
+    exact in every float format, so ``t * scale`` is computed in ``t``'s own dtype without rounding
+    (bf16 stays bf16: no fp32 copy of the tensor), it cannot exceed the FP8 maximum (no clamp pass), and
+    ``1/scale`` is exact. ``amax`` is one reduction (``vector_norm(inf)``: no ``|t|`` temporary) and stays
+    on the device. Passes over the tensor per cast: 3 (read; read+write in t's dtype; read+write FP8)
+    instead of 6, four of them in fp32, before. An all-zero tensor quantises to zeros with a finite
+    scale; a tensor holding inf/NaN gives NaN, as the bf16 matmul would.
+    """
     fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().amax().float().clamp_min(1e-12)
-    scale = fmax / amax
-    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    t = t.detach()
+    amax = torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float32).clamp_min(_TINY)
+    scale = torch.exp2(torch.floor(torch.log2(fmax / amax)))
+    # fp16 cannot hold scales above 65504 (amax below ~0.007): scale such tensors in fp32
+    work = t if t.dtype in (torch.bfloat16, torch.float32) else t.float()
+    q = (work * scale.to(work.dtype)).to(dtype)
     return q, scale.reciprocal()
 
 
@@ -66,14 +81,35 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+# Optimizer steps taken in this process by any torch.optim.Optimizer (counted by a global step hook that
+# is installed with the first weight cache). Part of the cache key, because a fused AdamW step (and
+# anything writing through ``param.data``) changes a weight without bumping its version counter.
+_OPTIMIZER_STEPS = [0]
+_STEP_HOOK = []
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def _install_step_hook() -> None:
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+
+
 class _Fp8Linear(torch.autograd.Function):
-    """``y = x @ W^T + b`` with all three matmuls of forward and backward in FP8."""
+    """``y = x @ W^T + b`` with all three matmuls of forward and backward in FP8.
+
+    ``wq``/``ws`` are the e4m3 weight and its inverse scale (quantised by the caller, possibly cached);
+    ``weight`` is passed only so that autograd returns its gradient.
+    """
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, out_dtype):
-        # x2d: (M, K), weight: (N, K)
+    def forward(ctx, x2d, weight, bias, out_dtype, wq, ws):
+        # x2d: (M, K) row-major; wq: (N, K) row-major, so wq.t() is the column-major (K, N) operand
         xq, xs = _quantize(x2d, E4M3)
-        wq, ws = _quantize(weight, E4M3)
         out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
         if bias is not None:
             out = out + bias.to(out_dtype)
@@ -84,13 +120,13 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         xq, xs, wq, ws = ctx.saved_tensors
-        gq, gs = _quantize(grad, E5M2)
+        gq, gs = _quantize(grad.contiguous(), E5M2)
         grad_x = torch._scaled_mm(gq, _col_major(wq), scale_a=gs, scale_b=ws, out_dtype=grad.dtype)
         grad_w = torch._scaled_mm(
             gq.t().contiguous(), _col_major(xq), scale_a=gs, scale_b=xs, out_dtype=torch.float32
         )
         grad_b = grad.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), grad_b, None
+        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), grad_b, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -98,15 +134,45 @@ class Float8Linear(nn.Linear):
 
     Falls back to ``F.linear`` when a dimension is not a multiple of 16 (a ``_scaled_mm`` requirement).
     Built with :meth:`from_linear`, which reuses the original ``weight`` and ``bias`` Parameters.
+
+    Args of :meth:`from_linear`:
+        cache_weight: keep the FP8 copy of the weight between calls and re-quantise only when the weight
+            may have changed: another storage, an in-place op on the Parameter (its version counter), or
+            a step of any ``torch.optim.Optimizer`` in the process (a global step hook). Saves the weight's
+            cast in every forward after the first of an optimizer step (gradient accumulation, evaluation,
+            generation) at the cost of one byte per weight. Off by default: writes through ``param.data``
+            outside an optimizer step (some EMA / weight-sync code) are invisible to all three checks, and
+            would leave a stale FP8 weight; call :meth:`clear_weight_cache` after such writes.
     """
 
+    cache_weight: bool = False
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Float8Linear:
+    def from_linear(cls, linear: nn.Linear, cache_weight: bool = False) -> Float8Linear:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
+        new.cache_weight = cache_weight
+        new._weight_cache = None
+        if cache_weight:
+            _install_step_hook()
         return new
+
+    def clear_weight_cache(self) -> None:
+        """Drop the cached FP8 weight (re-quantised on the next forward)."""
+        self._weight_cache = None
+
+    def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.weight
+        if not self.cache_weight:
+            return _quantize(w, E4M3)
+        key = (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), _OPTIMIZER_STEPS[0])
+        cached = getattr(self, "_weight_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, *_quantize(w, E4M3))
+            self._weight_cache = cached
+        return cached[1], cached[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
@@ -118,7 +184,8 @@ class Float8Linear(nn.Linear):
         else:
             out_dtype = x.dtype
         with torch.autocast(device_type, enabled=False):
-            out = _Fp8Linear.apply(x2d, self.weight, self.bias, out_dtype)
+            wq, ws = self._fp8_weight()
+            out = _Fp8Linear.apply(x2d.contiguous(), self.weight, self.bias, out_dtype, wq, ws)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -146,6 +213,7 @@ def enable_fp8(
     min_features: int = 1024,
     skip: tuple[str, ...] = ("lm_head",),
     plugin=None,
+    cache_weights: bool = False,
 ) -> list[str]:
     """Run the large Linear layers of ``model`` in FP8 for training.
 
@@ -156,6 +224,8 @@ def enable_fp8(
         skip: Module names (or suffixes) never converted; the LM head by default (log-probs are sensitive).
         plugin: An attached :class:`~rapidfire_hf.precision.AdaptivePrecisionPlugin`: layers it runs above
             its base precision (sensitive ones) are skipped.
+        cache_weights: ``scaled_mm`` backend: keep each layer's FP8 weight between calls until the weight
+            changes (see :class:`Float8Linear`); ignored by torchao.
 
     Returns:
         Names of the converted layers.
@@ -186,6 +256,8 @@ def enable_fp8(
     for name in names:
         parent_name, _, child = name.rpartition(".")
         setattr(
-            modules[parent_name] if parent_name else model, child, Float8Linear.from_linear(modules[name])
+            modules[parent_name] if parent_name else model,
+            child,
+            Float8Linear.from_linear(modules[name], cache_weight=cache_weights),
         )
     return names

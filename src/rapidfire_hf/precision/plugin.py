@@ -33,6 +33,7 @@ from rapidfire_hf.precision.scaler import PerGroupGradScaler
 from rapidfire_hf.precision.schedule import (
     Precision,
     find_layers,
+    logprob_path,
     match_modules,
     set_layer_precision,
 )
@@ -280,19 +281,47 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
             self._record(action)
         return made
 
+    def set_logprob_path(
+        self, precision: Precision | str | None = None, reason: str = "log-prob path", step: int = 0
+    ):
+        """Run the log-prob path (final norm + output head of each causal LM in the model) in ``precision``.
+
+        For RL losses built on ratios of log-probs from two forwards (PPO/GRPO: rollout vs training), where
+        bf16 logits make the ratio differ from 1 before any update. The outputs stay in ``precision``
+        (fp32 logits). See :func:`~rapidfire_hf.precision.schedule.logprob_path`.
+
+        Args:
+            precision: Default: ``sensitive_precision`` (fp32).
+            reason: Recorded with the switches.
+            step: Recorded with the switches.
+
+        Returns:
+            The :class:`PrecisionAction` records of the switches made.
+        """
+        if self.model is None:
+            raise ValueError("set_logprob_path() needs an attached model: call attach() first")
+        precision = Precision(precision or self.sensitive_precision)
+        made = []
+        for name in logprob_path(self.model):
+            made += self.set_precision(precision, name, reason, step)
+        return made
+
     def _apply_schedule(self) -> None:
         if self.model is None:
             return
         modules = dict(self.model.named_modules())
         wanted = {name: self.current for name in self.layers}
         wanted.update(self.overrides)
-        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        # The final norm and output head of each causal LM in the model (also one wrapped, as PPO's
+        # policy+value module wraps the policy) keep their higher-precision output: fp32 logits for
+        # log-probs are the point of running them in fp32, and the fp32 norm output feeds the head.
+        keep_output = {id(m) for m in logprob_path(self.model).values()}
         for name, precision in wanted.items():
             module = self.layers.get(name, modules.get(name))
             if module is None:
                 continue
             target = None if precision is self.initial else precision  # the ambient autocast covers initial
-            changed = set_layer_precision(module, target, cast_back=module is not head)
+            changed = set_layer_precision(module, target, cast_back=id(module) not in keep_output)
             cast_optimizer_state(inner_optimizer(self.optimizer), changed)
 
     def _record(self, action: PrecisionAction) -> None:

@@ -65,6 +65,45 @@ def find_layers(model: nn.Module) -> dict[str, nn.Module]:
     return layers
 
 
+def logprob_path(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules that turn a causal LM's last hidden state into logits: its final norm and output head.
+
+    Found for every causal LM inside ``model`` (the model itself, or one it wraps: PPO's policy+value
+    module, a PEFT model), through ``get_output_embeddings()`` and ``get_decoder().norm``. Log-probs
+    compared across two forwards (PPO's ratio ``exp(logp_new - logp_old)``) are only as exact as these
+    two modules: bf16 logits carry a rounding error of up to ``|logit| * 2**-9`` per entry.
+
+    Args:
+        model: Any module.
+
+    Returns:
+        Module name (as in ``named_modules``) to module, norms before heads; empty when there is no head.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    norms: dict[str, nn.Module] = {}
+    heads: dict[str, nn.Module] = {}
+    for module in model.modules():
+        head = _call_getter(module, "get_output_embeddings")
+        if not isinstance(head, nn.Module) or id(head) not in names:
+            continue
+        heads[names[id(head)]] = head
+        decoder = _call_getter(module, "get_decoder")
+        norm = getattr(decoder, "norm", None)
+        if isinstance(norm, nn.Module) and id(norm) in names:
+            norms[names[id(norm)]] = norm
+    return {**norms, **heads}
+
+
+def _call_getter(module: nn.Module, name: str):
+    getter = getattr(module, name, None)
+    if not callable(getter):
+        return None
+    try:
+        return getter()
+    except (AttributeError, NotImplementedError, TypeError):  # models that do not implement it
+        return None
+
+
 def match_modules(model: nn.Module, pattern: str) -> dict[str, nn.Module]:
     """Modules whose name matches ``pattern`` (exact name or ``fnmatch`` glob such as ``model.layers.*.mlp``)."""
     return {n: m for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)}
