@@ -86,7 +86,8 @@ def _runner(model, system: str, ids, mask):
             pad_token_id=0,
             stop_token_ids=[],
             backend="static",
-            decode_mode=system.removeprefix("ours_"),
+            decode_mode=system.removeprefix("ours_").removesuffix("+matmul"),
+            decode_attention="matmul" if system.endswith("+matmul") else "sdpa",
         )
 
         def run(n, hook):

@@ -270,6 +270,8 @@ def test_bad_ppo_config_values(tmp_path):
         _args(tmp_path, kl_estimator="k2")
     with pytest.raises(ValueError, match="not divisible by num_mini_batches=3"):
         _args(tmp_path, num_mini_batches=3)
+    with pytest.raises(ValueError, match="rollout_decode_mode='graph'.*'cuda_graph'"):
+        _args(tmp_path, rollout_decode_mode="graph")
 
 
 def test_sample_tables_use_the_eval_prompts(tmp_path, tokenizer, capsys):

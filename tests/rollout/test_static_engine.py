@@ -150,3 +150,25 @@ def test_tied_embeddings_and_llama3_rope_scaling(tokenizer, prompts):
         ids, mask, SamplingParams(max_new_tokens=40, do_sample=False)
     )
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, 40, stop=None))
+
+
+def test_auto_decode_mode_compiles_a_bounded_number_of_shapes(tokenizer):
+    """On CUDA "auto" compiles the step for the first MAX_COMPILED_SHAPES shapes, then only records graphs;
+    on CPU it is eager. (The choice alone is checked here; the compiled step itself runs in the GPU tests.)"""
+    from types import SimpleNamespace
+
+    from rapidfire_hf.rollout.static_engine import MAX_COMPILED_SHAPES, StaticEngine
+
+    engine = StaticEngine(build_tiny_llama(tokenizer), pad_token_id=0, stop_token_ids=[])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    modes = []
+    for b in range(1, MAX_COMPILED_SHAPES + 3):
+        engine._buf = SimpleNamespace(shape=(b, 32, 16))
+        modes.append(engine._mode(cuda))
+        assert engine._mode(cpu) == "eager"
+    assert modes == ["compile"] * MAX_COMPILED_SHAPES + ["cuda_graph"] * 2
+    engine._buf = SimpleNamespace(shape=(1, 32, 16))  # a shape compiled before stays compiled
+    assert engine._mode(cuda) == "compile"
+    fixed = StaticEngine(build_tiny_llama(tokenizer), pad_token_id=0, stop_token_ids=[], decode_mode="cuda_graph")
+    fixed._buf = SimpleNamespace(shape=(1, 32, 16))
+    assert fixed._mode(cuda) == "cuda_graph"

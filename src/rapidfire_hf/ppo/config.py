@@ -111,6 +111,13 @@ class PPOConfig(TrainingArguments):
         default="auto",
         metadata={"help": "'auto' (fast engine on GPU, model.generate elsewhere), 'static' or 'hf'."},
     )
+    rollout_decode_mode: str = field(
+        default="auto",
+        metadata={
+            "help": "Decode step of the fast engine: 'auto' (torch.compile + CUDA graph on GPU for the first "
+            "four batch shapes, then CUDA graph alone), 'compile', 'cuda_graph' or 'eager'."
+        },
+    )
     rapidfire_config: Any = field(
         default=None,
         metadata={
@@ -127,6 +134,10 @@ class PPOConfig(TrainingArguments):
             errors.append(f"value_mode={self.value_mode!r}: allowed 'separate' or 'fused'")
         if self.rollout_backend not in ("auto", "static", "hf"):
             errors.append(f"rollout_backend={self.rollout_backend!r}: allowed 'auto', 'static' or 'hf'")
+        if self.rollout_decode_mode not in ("auto", "compile", "cuda_graph", "eager"):
+            errors.append(
+                f"rollout_decode_mode={self.rollout_decode_mode!r}: allowed 'auto', 'compile', 'cuda_graph' or 'eager'"
+            )
         if self.stop_token not in (None, "eos"):
             errors.append(
                 f"stop_token={self.stop_token!r}: allowed 'eos' or None (use stop_token_id for others)"

@@ -448,7 +448,11 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         if self._rollout_engine is None:
             stops = [self.stop_token_id] if self.stop_token_id is not None else []
             self._rollout_engine = RolloutEngine(
-                self.policy, self.pad_token_id, stops, backend=self._rollout_backend()
+                self.policy,
+                self.pad_token_id,
+                stops,
+                backend=self._rollout_backend(),
+                decode_mode=args.rollout_decode_mode,
             )
         params = SamplingParams(
             max_new_tokens=args.response_length,
