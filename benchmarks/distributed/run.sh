@@ -59,11 +59,6 @@ else
     # 1-3: DDP equivalence, cross-rank rollback and sync debug over NCCL (the same assertions as on CPU)
     step nccl_tests 120 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_ddp.py -k cuda \
         --junitxml "$OUT/nccl_tests.xml"
-    # PPO tokens/s, 1.1B Llama shape, bf16, 128 prompt + 128 response tokens, 32 prompts per rank
-    step tput_1 150 accelerate launch --config_file $CFG/single_gpu.yaml \
-        benchmarks/distributed/ppo_throughput.py --out "$OUT/tput_1.json"
-    step tput_2 150 accelerate launch --config_file $CFG/multi_gpu.yaml \
-        benchmarks/distributed/ppo_throughput.py --out "$OUT/tput_2.json"
     # PPOTrainer smoke per engine (tiny model, bf16); sharded engines gather weights once per rollout
     # on failure, the same engine once more with plain AdamW and no weight gathering: says which part broke
     for engine in ddp zero2 zero3 fsdp2; do
@@ -78,6 +73,11 @@ else
         || step smoke_${engine}_adamw 75 accelerate launch --config_file $CFG/$cfg.yaml \
             $SCRIPTS/ppo_ranks.py "$OUT/smoke_${engine}_adamw" --device cuda --bf16 --optimizer adamw --rollout-backend hf
     done
+    # PPO tokens/s, 1.1B Llama shape, bf16, 128 prompt + 128 response tokens, 32 prompts per rank
+    step tput_1 150 accelerate launch --config_file $CFG/single_gpu.yaml \
+        benchmarks/distributed/ppo_throughput.py --out "$OUT/tput_1.json"
+    step tput_2 150 accelerate launch --config_file $CFG/multi_gpu.yaml \
+        benchmarks/distributed/ppo_throughput.py --out "$OUT/tput_2.json"
 fi
 python3 benchmarks/distributed/report.py "$OUT"
 echo "total $(($(date +%s) - START))s; results: $OUT/results.json"

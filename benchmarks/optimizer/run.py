@@ -6,18 +6,26 @@ saves is then easiest to read, one gradient = 2 bytes/param), sequence 512, on o
 
 * ``torch_adamw``: ``torch.optim.AdamW(fused=True)``, ``backward(); step(); zero_grad()``
 * ``rf_pipeline_off``: RapidFireOptimizer with everything off (the wrapper's own cost)
-* ``rf_pipeline_on``: the gradient pipeline (update during backward, gradients freed)
+* ``rf_pipeline_on``: the gradient pipeline (update during backward, gradients freed), default
+  buckets (``pipeline_bucket_mb=64``: one inner step per ~64 MiB of gradient)
+* ``rf_pipeline_bucket<N>``: the same with ``pipeline_bucket_mb=N`` (``--bucket-mb``, default 0 32 128;
+  0 = one inner step per parameter, the pre-bucket behaviour)
 * ``rf_pipeline_rollback``: pipeline + verification every step + device snapshot for rollback
 * ``rf_pipeline_rollback_host``: the same with the snapshot in pinned host memory
 * ``rf_verify_only``: pipeline off + verification (verify-then-apply needs no snapshot)
 * ``*_accum``: 8 micro-batches per optimizer step instead of 1 (2 with ``--smoke``)
 * ``bnb_adamw8bit`` / ``rf_adamw8bit_pipeline``: bitsandbytes 8-bit inner (when installed)
 
-plus the time of one snapshot (device, host) and one rollback (restore). Writes ``results.json`` and
-``results.png`` to ``--out``. ``--smoke`` runs a tiny model on the CPU in seconds.
+plus the time of one snapshot (device, host) and one rollback (restore). Each variant reports the
+median/min/max step time and, on CUDA, the peak allocated memory over the timed steps
+(``torch.cuda.max_memory_allocated``, ``peak_gib``). Writes ``results.json`` and ``results.png`` to
+``--out``. ``--smoke`` runs a tiny model on the CPU in seconds; ``--preset cpu_small`` a small Llama
+(hidden 256, 8 layers, fp32) on the CPU, for step-time comparisons without a GPU.
 
     python benchmarks/optimizer/run.py --out benchmarks/optimizer/results
     python benchmarks/optimizer/run.py --out /tmp/rf_smoke --smoke
+    python benchmarks/optimizer/run.py --out /tmp/rf_cpu --preset cpu_small \
+        --only torch_adamw rf_pipeline_off rf_pipeline_on rf_pipeline_bucket0 --no-snapshot
 """
 
 from __future__ import annotations
@@ -65,15 +73,39 @@ SMOKE = {
     "steps": 2,
     "accum": 2,
 }
+CPU_SMALL = {
+    "hidden": 256,
+    "layers": 8,
+    "heads": 4,
+    "kv_heads": 2,
+    "vocab": 2048,
+    "inter": 688,
+    "seq": 64,
+    "batch": 2,
+    "dtype": torch.float32,
+    "warmup": 3,
+    "steps": 15,
+    "accum": 2,
+}
+PRESETS = {"full": FULL, "smoke": SMOKE, "cpu_small": CPU_SMALL}
+DEFAULT_BUCKETS = (0.0, 32.0, 128.0)
 
 
-def variants(device: str, accum: int) -> dict[str, tuple]:
+def variants(device: str, accum: int, buckets=DEFAULT_BUCKETS) -> dict[str, tuple]:
     """name -> (optimizer factory(params), micro-batches per step, observe_loss?)."""
     fused = {"fused": True} if device == "cuda" else {"foreach": True}
     out = {
         "torch_adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-5, **fused), 1, False),
         "rf_pipeline_off": (lambda ps: RapidFireOptimizer(ps, lr=1e-5), 1, False),
         "rf_pipeline_on": (lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True), 1, False),
+    }
+    for mb in buckets:
+        out[f"rf_pipeline_bucket{mb:g}"] = (
+            lambda ps, mb=mb: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, pipeline_bucket_mb=mb),
+            1,
+            False,
+        )
+    out |= {
         "rf_pipeline_rollback": (
             lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, rollback="auto"),
             1,
@@ -133,10 +165,11 @@ def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool) -
     model = build_model(shape, device)
     opt = make_opt(model.parameters())
     ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
-    times = []
+    times, opt_times = [], []
     for i in range(shape["warmup"] + shape["steps"]):
         if i == shape["warmup"] and device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        hooks_before = hook_seconds(opt)
         sync(device)
         start = time.perf_counter()
         for _ in range(micro):
@@ -144,25 +177,50 @@ def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool) -
             if observe:
                 opt.observe_loss(loss)
             (loss / micro).backward()
+        step_start = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(device)
-        times.append(time.perf_counter() - start)
-    timed = sorted(times[shape["warmup"] :])
+        end = time.perf_counter()
+        times.append(end - start)
+        # optimizer work: the step() call plus the time the pipeline's hooks spent stepping buckets
+        # (host time; on CUDA the kernels launched in the hooks may still run after they return)
+        opt_times.append(end - step_start + hook_seconds(opt) - hooks_before)
     result = {
-        "step_ms_p50": 1e3 * statistics.median(timed),
-        "step_ms_min": 1e3 * timed[0],
-        "step_ms_max": 1e3 * timed[-1],
+        "times_ms": [1e3 * t for t in times[shape["warmup"] :]],
+        "opt_ms": [1e3 * t for t in opt_times[shape["warmup"] :]],
         "micro_batches": micro,
     }
-    if device == "cuda":
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    # peak allocated over the timed steps (reset after warm-up); not measured on the CPU
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     if isinstance(opt, RapidFireOptimizer):
         result["stats"] = opt.stats()
     del model, opt
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+    return result
+
+
+def hook_seconds(opt) -> float:
+    return opt.stats()["hook_seconds"] if isinstance(opt, RapidFireOptimizer) else 0.0
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One variant's rounds -> median/min/max step ms over all timed steps, the largest peak."""
+    timed = sorted(t for r in rounds for t in r["times_ms"])
+    peaks = [r["peak_gib"] for r in rounds if r["peak_gib"] is not None]
+    result = {
+        "step_ms_p50": statistics.median(timed),
+        "step_ms_min": timed[0],
+        "step_ms_max": timed[-1],
+        "timed_steps": len(timed),
+        "opt_ms_p50": statistics.median(t for r in rounds for t in r["opt_ms"]),
+        "micro_batches": rounds[0]["micro_batches"],
+        "peak_gib": max(peaks) if peaks else None,
+    }
+    if "stats" in rounds[-1]:
+        result["stats"] = rounds[-1]["stats"]
     return result
 
 
@@ -192,6 +250,20 @@ def snapshot_costs(shape: dict, device: str) -> dict:
     return out
 
 
+def summary(variants: dict) -> str:
+    """A plain-text table: step time, optimizer work (step() + bucket steps in the hooks), peak memory,
+    bucket count."""
+    lines = [f"{'variant':28s} {'p50 ms':>9s} {'min ms':>9s} {'opt ms':>9s} {'peak GiB':>9s} {'buckets':>8s}"]
+    for name, r in variants.items():
+        peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
+        buckets = r.get("stats", {}).get("pipeline_buckets") or "-"
+        lines.append(
+            f"{name:28s} {r['step_ms_p50']:9.1f} {r['step_ms_min']:9.1f} {r['opt_ms_p50']:9.2f} {peak:>9s} "
+            f"{buckets!s:>8s}"
+        )
+    return "\n".join(lines)
+
+
 def chart(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -202,7 +274,7 @@ def chart(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     axes[0].barh(names, [results["variants"][n]["step_ms_p50"] for n in names])
     axes[0].set_xlabel("step time, ms (median)")
-    if all("peak_gib" in results["variants"][n] for n in names):
+    if all(results["variants"][n].get("peak_gib") is not None for n in names):
         axes[1].barh(names, [results["variants"][n]["peak_gib"] for n in names])
         axes[1].set_xlabel("peak allocated, GiB")
     axes[1].set_yticks([])
@@ -214,11 +286,40 @@ def chart(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, seconds")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, seconds (= --preset smoke)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model shape: full (1.1B Llama, CUDA; the default), smoke (tiny, CPU), cpu_small "
+        "(hidden 256, 8 layers, CPU)",
+    )
+    parser.add_argument(
+        "--bucket-mb",
+        nargs="*",
+        type=float,
+        default=list(DEFAULT_BUCKETS),
+        help="pipeline_bucket_mb values of the rf_pipeline_bucket<N> variants (0: one step per parameter)",
+    )
     parser.add_argument("--only", nargs="*", help="run only these variants")
+    parser.add_argument("--steps", type=int, help="timed steps per variant (default: the preset's)")
+    parser.add_argument("--no-snapshot", action="store_true", help="skip the snapshot/rollback timing")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants round-robin this many times and pool their timed steps (steadier on a "
+        "shared CPU)",
+    )
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU runs)")
     args = parser.parse_args(argv)
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    shape = SMOKE if args.smoke else FULL
+    preset = "smoke" if args.smoke else args.preset or "full"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = dict(PRESETS[preset])
+    if args.steps is not None:
+        shape["steps"] = args.steps
+    device = "cuda" if preset == "full" and torch.cuda.is_available() else "cpu"
     import transformers
 
     results = {
@@ -230,18 +331,29 @@ def main(argv: list[str] | None = None) -> dict:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },
+        "preset": preset,
         "shape": {k: str(v) for k, v in shape.items()},
+        "torch_threads": torch.get_num_threads(),
         "variants": {},
     }
-    for name, (make_opt, micro, observe) in variants(device, shape["accum"]).items():
-        if args.only and name not in args.only:
-            continue
-        results["variants"][name] = run_variant(shape, device, make_opt, micro, observe)
+    table = variants(device, shape["accum"], args.bucket_mb)
+    unknown = sorted(set(args.only or ()) - set(table))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {sorted(table)}")
+    chosen = {n: v for n, v in table.items() if not args.only or n in args.only}
+    rounds: dict[str, list[dict]] = {n: [] for n in chosen}
+    for _ in range(max(1, args.rounds)):
+        for name, (make_opt, micro, observe) in chosen.items():
+            rounds[name].append(run_variant(shape, device, make_opt, micro, observe))
+    for name in chosen:
+        results["variants"][name] = merge_rounds(rounds[name])
         print(
             name, json.dumps({k: v for k, v in results["variants"][name].items() if k != "stats"}), flush=True
         )
-    results["snapshot"] = snapshot_costs(shape, device)
-    print("snapshot", json.dumps(results["snapshot"]), flush=True)
+    print(summary(results["variants"]), flush=True)
+    if not args.no_snapshot:
+        results["snapshot"] = snapshot_costs(shape, device)
+        print("snapshot", json.dumps(results["snapshot"]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     chart(results, args.out / "results.png")

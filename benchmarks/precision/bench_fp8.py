@@ -1,8 +1,15 @@
 """FP8 vs bf16 forward+backward time of the linear layers of the 1.1B Llama shape.
 
 22 layers, hidden 2048, 32 heads / 4 KV heads (k, v project to 256), MLP 5632; 16 x 512 tokens. Only the
-linears and the element-wise glue between them run (no attention kernel, no norms), so the time is that of
-what FP8 changes. FP8 layers: those ``enable_fp8`` selects (min(in, out) >= 1024: q, o, gate, up, down).
+linears, an RMS norm before each block (as in Llama) and the element-wise glue between them run (no
+attention kernel), so the time is mostly that of what FP8 changes. Without the norms the stack is not a
+model: the MLP is quadratic in its input, activations grow ~x100 per layer and overflow bf16 by layer 5
+(which made the H200 run of 2026-11-30 report a NaN error). FP8 layers: those ``enable_fp8`` selects
+(min(in, out) >= 1024: q, o, gate, up, down).
+
+Two FP8 timings: ``fp8_ms`` re-quantises every weight in every call (each step of training without
+gradient accumulation), ``fp8_cached_ms`` keeps the FP8 weights between calls (``cache_weights=True``;
+the weights do not change between the timed iterations, as within a gradient-accumulation window).
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ class _Layer(nn.Module):
         self.down = nn.Linear(mlp, hidden, bias=False)
 
     def forward(self, x):
-        x = x + self.o(self.q(x)) + (self.k(x) * self.v(x)).mean(-1, keepdim=True)
-        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+        h = F.rms_norm(x, x.shape[-1:])
+        x = x + self.o(self.q(h)) + (self.k(h) * self.v(h)).mean(-1, keepdim=True)
+        h = F.rms_norm(x, x.shape[-1:])
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
 def _stack(shape: dict, device) -> nn.Module:
@@ -56,6 +65,21 @@ def _time(model, x, iters: int, warmup: int) -> tuple[float, float]:
     return statistics.median(times), out.detach()
 
 
+def _convert(model: nn.Module, ok: bool, cache: bool) -> int:
+    if ok:
+        return len(enable_fp8(model, backend="scaled_mm", cache_weights=cache))
+    # smoke on CPU: exercise the FP8 layer (torch._scaled_mm runs there), timing is meaningless
+    for layer in model:
+        for name in ("q", "o", "gate", "up", "down"):
+            setattr(layer, name, Float8Linear.from_linear(getattr(layer, name), cache_weight=cache))
+    return 5 * len(model)
+
+
+def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
 def run(smoke: bool, device: torch.device) -> dict:
     """Median ms per forward+backward for bf16 and FP8 (or why FP8 was not measured)."""
     if smoke:
@@ -66,19 +90,24 @@ def run(smoke: bool, device: torch.device) -> dict:
         iters, warmup = 20, 5
     ok, why = fp8_support(device)
     result = {"shape": shape, "fp8_available": ok, "fp8_unavailable_reason": why or None}
-    model = _stack(shape, device)
-    x = torch.randn(shape["tokens"], shape["hidden"], device=device, dtype=torch.bfloat16)
-    result["bf16_ms"], ref = _time(model, x, iters, warmup)
-    if ok:
-        result["fp8_layers"] = len(enable_fp8(model, backend="scaled_mm"))
-    elif smoke:  # exercise the FP8 layer on CPU (torch._scaled_mm runs there), timing is meaningless
-        for layer in model:
-            for name in ("q", "o", "gate", "up", "down"):
-                setattr(layer, name, Float8Linear.from_linear(getattr(layer, name)))
-        result["fp8_layers"] = 5 * len(model)
-    else:
+    if not ok and not smoke:
+        model = _stack(shape, device)
+        x = torch.randn(shape["tokens"], shape["hidden"], device=device, dtype=torch.bfloat16)
+        result["bf16_ms"], _ = _time(model, x, iters, warmup)
         return result
-    result["fp8_ms"], out = _time(model, x, iters, warmup)
-    result["speedup"] = result["bf16_ms"] / result["fp8_ms"]
-    result["output_rel_error_vs_bf16"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    x = torch.randn(shape["tokens"], shape["hidden"], device=device, dtype=torch.bfloat16)
+    model = _stack(shape, device)
+    result["bf16_ms"], ref = _time(model, x, iters, warmup)
+    result["bf16_output_finite"] = bool(torch.isfinite(ref).all())
+    for key, cache in (("fp8", False), ("fp8_cached", True)):
+        model = _stack(shape, device)  # same seed: the same weights as the bf16 run
+        result["fp8_layers"] = _convert(model, ok, cache)
+        result[f"{key}_ms"], out = _time(model, x, iters, warmup)
+        result[f"{key}_output_finite"] = bool(torch.isfinite(out).all())
+        if key == "fp8":
+            result["speedup"] = result["bf16_ms"] / result["fp8_ms"]
+            result["output_rel_error_vs_bf16"] = _rel_error(out, ref)
+        else:
+            result["speedup_cached"] = result["bf16_ms"] / result["fp8_cached_ms"]
+        del model
     return result

@@ -51,6 +51,9 @@ def test_enums_are_str_and_compare_to_strings():
         ("gradient", "overlap_factor", 1.5, "a number in [0, 1]"),
         ("gradient", "overlap_factor", float("nan"), "a number in [0, 1]"),
         ("gradient", "sync_interval", -1, "an integer >= 1"),
+        ("gradient", "bucket_mb", -1, "a number in [0, 65536]"),
+        ("gradient", "bucket_mb", "64MB", "a number in [0, 65536]"),
+        ("gradient", "bucket_mb", float("inf"), "a number in [0, 65536]"),
         ("memory", "optimization", "extreme", "one of 'conservative', 'balanced', 'aggressive'"),
         ("memory", "compaction_threshold", 0.0, "a number in (0, 1]"),
         ("memory", "prefetch_window", -1, "an integer >= 0"),
@@ -78,6 +81,9 @@ def test_bad_value_in_a_section_built_directly():
 def test_ints_are_accepted_for_floats_and_report_to_accepts_a_string():
     cfg = RapidFireConfig.from_dict({"gradient": {"overlap_factor": 1}, "logging": {"report_to": "wandb"}})
     assert cfg.gradient.overlap_factor == 1.0 and isinstance(cfg.gradient.overlap_factor, float)
+    assert RapidFireConfig().gradient.bucket_mb == 64.0
+    per_param = RapidFireConfig.from_dict({"gradient": {"bucket_mb": 0}})
+    assert per_param.gradient.bucket_mb == 0.0 and isinstance(per_param.gradient.bucket_mb, float)
     assert cfg.logging.report_to == ["wandb"]
 
 
@@ -114,7 +120,9 @@ def test_section_must_be_a_mapping():
 
 def test_round_trip_through_dict_and_yaml():
     cfg = RapidFireConfig(
-        gradient=GradientConfig(pipeline=False, pipeline_depth=2, overlap_factor=0.25, sync_interval=3),
+        gradient=GradientConfig(
+            pipeline=False, pipeline_depth=2, overlap_factor=0.25, sync_interval=3, bucket_mb=16.0
+        ),
         memory=MemoryConfig(optimization="conservative", compaction_threshold=1.0, prefetch_window=0),
         precision=PrecisionConfig(
             mode="static",

@@ -170,6 +170,13 @@ class GradientConfig(_Section):
         "Optimizer steps between host-device syncs that verify predicted updates (1: every step).",
         Int(min=1),
     )
+    bucket_mb: float = _field(
+        64.0,
+        "MiB of gradient the pipeline updates at once: parameters are grouped, in the order their "
+        "gradients complete, into buckets of about this size, each stepped with one optimizer call "
+        "(0: each parameter on its own).",
+        Float(0.0, 65536.0),
+    )
 
 
 @dataclass

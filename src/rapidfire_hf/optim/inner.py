@@ -1,10 +1,11 @@
-"""Building the inner optimizer (by name, class or instance) and per-parameter views of it."""
+"""Building the inner optimizer (by name, class or instance) and bucket views of it for the pipeline."""
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -101,33 +102,89 @@ def normalize_param_groups(params: Iterable) -> list[dict[str, Any]]:
     return [{"params": items}]
 
 
-class ParamStepper:
-    """Steps one parameter with the inner optimizer, sharing its state and hyper-parameters.
+class BucketStepper:
+    """Steps a bucket of parameters of one param group with ONE call of the inner optimizer.
 
-    A shallow copy of the inner optimizer whose only param group is a view of the parameter's master
+    A shallow copy of the inner optimizer whose only param group is a view of the bucket's master
     group: the view re-reads the master group's hyper-parameters before each step, so LR schedulers
     (which change the master group's ``lr``) act on what actually steps, and the state dict is the
-    master's own, so ``state_dict()`` sees every parameter. One stepper per parameter keeps hooks
-    that run on different autograd threads from touching shared mutable objects.
+    master's own, so ``state_dict()`` sees every parameter. One call over the whole view lets a
+    foreach/fused optimizer run one multi-tensor kernel for the bucket; optimizers that loop over
+    their parameters in Python (SGD without foreach, bitsandbytes) work unchanged, since nothing here
+    depends on how the inner ``step()`` is implemented, only that it updates each parameter from its
+    own gradient and state.
+
+    One stepper per bucket keeps hooks that run on different autograd threads from sharing a mutable
+    view; the lock covers the rare case of one bucket stepped from two threads (a parameter whose
+    gradient arrives again after its bucket was stepped in the same window).
+
+    Args:
+        inner: the inner optimizer (its ``state`` dict and hyper-parameters are shared, not copied).
+        group: the master param group (a dict of ``inner.param_groups``) the parameters belong to.
+        params: the parameters of the bucket, all of ``group``.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor):
-        self._param = param
+    def __init__(self, inner: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor]):
+        self.params = list(params)
         self._master_group = group
-        self._view = dict(group, params=[param])
+        self._view = dict(group, params=self.params)
         self._inner_view = copy.copy(inner)
+        # an LR scheduler built on the inner instance wraps ``step`` as an instance attribute bound to
+        # the original optimizer: the copy must call its own class's step, over its own view
+        self._inner_view.__dict__.pop("step", None)
         self._inner_view.param_groups = [self._view]
+        self._lock = threading.Lock()
 
-    def step(self) -> None:
-        self._view.update(self._master_group)
-        self._view["params"] = [self._param]
-        self._inner_view.step()
+    def step(self, params: list[torch.Tensor] | None = None) -> None:
+        """One inner ``step()`` over ``params`` (default: the whole bucket)."""
+        with self._lock:
+            self._view.update(self._master_group)
+            self._view["params"] = self.params if params is None else list(params)
+            self._inner_view.step()
 
 
-def make_steppers(inner: torch.optim.Optimizer) -> dict[torch.Tensor, ParamStepper]:
-    """One :class:`ParamStepper` per parameter of ``inner`` (keyed by the parameter tensor)."""
-    steppers = {}
-    for group in inner.param_groups:
-        for p in group["params"]:
-            steppers[p] = ParamStepper(inner, group, p)
-    return steppers
+def grad_nbytes(p: torch.Tensor) -> int:
+    """Bytes of ``p``'s gradient (same shape and dtype as the parameter)."""
+    return p.numel() * p.element_size()
+
+
+def plan_buckets(
+    inner: torch.optim.Optimizer,
+    segments: list[list[torch.Tensor]],
+    bucket_bytes: float,
+    hooked: Callable[[torch.Tensor], bool],
+) -> list[tuple[int, list[torch.Tensor]]]:
+    """Cut the parameters of ``inner`` into buckets of about ``bucket_bytes`` of gradient.
+
+    ``segments`` lists the parameters in the order their gradients are expected to be ready (a
+    parameter of ``inner`` missing from every segment is appended, in reverse registration order, as a
+    last segment); a bucket never spans two segments. Walking that order, each parameter joins the open
+    bucket of its (param group, device, hooked) key, and a bucket closes once it holds at least
+    ``bucket_bytes`` (so ``0`` gives one parameter per bucket). Parameters without a hook (``hooked``
+    False: frozen when the hooks were registered) get buckets of their own, which are only ever stepped
+    as leftovers in ``step()``.
+
+    Returns:
+        ``(param group index, params)`` per bucket, in the order they are expected to complete.
+    """
+    group_of = {p: gi for gi, g in enumerate(inner.param_groups) for p in g["params"]}
+    seen: set[torch.Tensor] = set()
+    cleaned = []
+    for segment in segments:
+        kept = [p for p in segment if p in group_of and p not in seen]
+        seen.update(kept)
+        cleaned.append(kept)
+    cleaned.append([p for p in reversed(list(group_of)) if p not in seen])
+    buckets: list[tuple[int, list[torch.Tensor]]] = []
+    for segment in cleaned:
+        open_buckets: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
+        for p in segment:
+            key = (group_of[p], p.device, bool(hooked(p)))
+            params, size = open_buckets.setdefault(key, ([], [0]))
+            params.append(p)
+            size[0] += grad_nbytes(p)
+            if size[0] >= bucket_bytes:
+                buckets.append((key[0], params))
+                del open_buckets[key]
+        buckets.extend((key[0], params) for key, (params, _) in open_buckets.items())
+    return buckets

@@ -18,7 +18,7 @@ from rapidfire_hf.optim.inner import (
     normalize_param_groups,
     resolve_inner_class,
 )
-from rapidfire_hf.optim.pipeline import GradientPipeline
+from rapidfire_hf.optim.pipeline import GradientPipeline, check_bucket_mb
 from rapidfire_hf.optim.snapshot import Snapshot
 from rapidfire_hf.optim.verification import CLIP_EPS, VerificationMixin
 
@@ -39,8 +39,14 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         optimizer: ``"adamw"`` (torch AdamW, fused on CUDA, foreach elsewhere), ``"sgd"``,
             ``"adamw8bit"`` / ``"paged_adamw8bit"`` (bitsandbytes), a ``torch.optim.Optimizer`` subclass,
             or an optimizer instance (already holding its parameters).
-        gradient_pipeline: step each parameter during the backward that closes an accumulation window
-            and free its gradient (see :mod:`rapidfire_hf.optim.pipeline` for how windows are found).
+        gradient_pipeline: step parameters during the backward that closes an accumulation window, a
+            bucket at a time as their gradients complete, and free their gradients (see
+            :mod:`rapidfire_hf.optim.pipeline` for how windows are found).
+        pipeline_bucket_mb: MiB of gradient the pipeline steps at once: parameters of one param group
+            are grouped, in the order their gradients become ready, into buckets of about this size,
+            each stepped with one inner ``step()`` call (one multi-tensor kernel for foreach/fused
+            AdamW). Larger buckets mean fewer calls but gradients held a little longer; ``0`` steps each
+            parameter on its own. The result is the same for any size.
         accumulation_steps: backwards per window when not under accelerate (default: 1, or accelerate's
             ``sync_gradients`` when an ``Accelerator`` exists).
         max_grad_norm: clip the global L2 gradient norm to this value (like ``clip_grad_norm_``).
@@ -69,7 +75,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         >>> opt = RapidFireOptimizer(model.parameters(), lr=1e-3, gradient_pipeline=True, rollback="auto")
         >>> loss = model(torch.randn(8, 4)).pow(2).mean()
         >>> opt.observe_loss(loss)
-        >>> loss.backward()   # parameters are stepped here, as their gradients complete
+        >>> loss.backward()   # parameters are stepped here, a bucket at a time, as gradients complete
         >>> opt.step()        # verifies; rolls back and skips the batch if a rule failed
         >>> opt.zero_grad()
         >>> opt.stats()["steps"]
@@ -82,6 +88,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         *,
         optimizer: str | type | torch.optim.Optimizer = "adamw",
         gradient_pipeline: bool = False,
+        pipeline_bucket_mb: float = 64.0,
         accumulation_steps: int | None = None,
         max_grad_norm: float | None = None,
         rollback: str = "off",
@@ -111,6 +118,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 or None (no clipping)")
         if not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(f"snapshot_interval={snapshot_interval!r}: must be an int >= 1")
+        self.pipeline_bucket_mb = check_bucket_mb(pipeline_bucket_mb)
         self._spec = optimizer
         self._inner_kwargs = dict(inner_kwargs)
         self._fused = enable_fused_kernels
@@ -266,7 +274,9 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             return
         if self._pipeline is None:
             need_norms = self.max_grad_norm is not None or self.rollback == "auto"
-            self._pipeline = GradientPipeline(self._plan_window, self.accumulation_steps, need_norms)
+            self._pipeline = GradientPipeline(
+                self._plan_window, self.accumulation_steps, need_norms, self.pipeline_bucket_mb
+            )
             self._pipeline.attach(self._inner)
         self._pipeline.enabled = True
         self._maybe_snapshot()
@@ -354,8 +364,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
 
     def _finish_pipelined(self, inner: torch.optim.Optimizer) -> None:
         """Pipelined window: step parameters whose hooks did not fire, then verify what was applied."""
-        for p in self._pipeline.leftovers(self._params):
-            self._pipeline.step_param(p)
+        self._pipeline.step_leftovers(self._params)
         norms = self._pipeline.ordered_norms()
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
         flags = {}

@@ -1,9 +1,24 @@
-"""The gradient pipeline: step each parameter as soon as its gradient is complete, then free it.
+"""The gradient pipeline: step buckets of parameters as soon as their gradients are complete, then free them.
 
 On the backward that closes an accumulation window, ``Tensor.register_post_accumulate_grad_hook``
-fires once per parameter right after its ``.grad`` has received the last contribution; the hook steps
-that parameter with the inner optimizer and sets ``.grad = None``. The update overlaps the rest of
-backward and a full gradient buffer never exists on that step. Other micro-steps accumulate as usual.
+fires once per parameter right after its ``.grad`` has received the last contribution. Parameters are
+grouped into buckets of about ``bucket_mb`` MiB of gradient (within one param group and device, in the
+order their gradients become ready); when the last gradient of a bucket is complete, its hook steps the
+whole bucket with one call of the inner optimizer (one multi-tensor kernel for a foreach/fused AdamW),
+computes the bucket's gradient norms with one ``torch._foreach_norm`` when norms are needed, and sets
+the bucket's ``.grad`` to None. The update overlaps the rest of backward and a full gradient buffer
+never exists on that step. Other micro-steps accumulate as usual.
+
+Bucket order: before the first closing window, reverse registration order (the usual order of
+gradients in backward); the hook order observed in the first closing window then replaces it (the
+buckets are re-cut once, at the end of that window; parameters that did not receive a gradient there
+go to buckets of their own, so an unused parameter never holds back a bucket of used ones).
+
+Parameters whose hook did not fire in a window (not reached by the closing backward, or in a bucket
+that did not complete) are stepped in ``step()`` by :meth:`GradientPipeline.step_leftovers`, one inner
+call per bucket. Stepping per bucket gives bit-for-bit the result of one inner ``step()`` over all
+parameters, for any optimizer whose update of a parameter reads only that parameter's gradient and
+state (AdamW, SGD, bitsandbytes' 8-bit optimizers, ...).
 
 Which backward closes a window:
 
@@ -17,13 +32,17 @@ Which backward closes a window:
 
 from __future__ import annotations
 
+import math
 import sys
+import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from rapidfire_hf.optim.inner import make_steppers
+from rapidfire_hf.optim.inner import BucketStepper, plan_buckets
+
+MIB = 2**20
 
 
 def accelerate_flag(name: str, state_class: str = "GradientState"):
@@ -39,8 +58,35 @@ def accelerate_flag(name: str, state_class: str = "GradientState"):
     return shared.get(name) if shared else None
 
 
+def check_bucket_mb(value) -> float:
+    """``pipeline_bucket_mb`` as a float, or a ValueError that says what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"pipeline_bucket_mb={value!r}: must be a finite number of MiB >= 0 (the gradient bytes the "
+            "pipeline steps at once; 0 steps each parameter on its own)."
+        )
+    return float(value)
+
+
+class Bucket:
+    """Parameters of one param group (and device) stepped together: one inner call, one norm call."""
+
+    __slots__ = ("index", "group_index", "params", "stepper", "hooked")
+
+    def __init__(self, index: int, group_index: int, stepper: BucketStepper, hooked: int):
+        self.index = index
+        self.group_index = group_index
+        self.stepper = stepper
+        self.params = stepper.params
+        self.hooked = hooked  # members with a hook: the bucket completes when that many have fired
+
+    def __repr__(self) -> str:
+        nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        return f"Bucket({self.index}, group={self.group_index}, params={len(self.params)}, mib={nbytes / MIB:.2f})"
+
+
 class GradientPipeline:
-    """Hooks that step parameters during backward, for one inner optimizer.
+    """Hooks that step buckets of parameters during backward, for one inner optimizer.
 
     Args:
         plan_window: called at the first closing hook of a window; returns True to step parameters in
@@ -48,19 +94,39 @@ class GradientPipeline:
         accumulation_steps: explicit window length in backwards, or None (see module docstring).
         need_norms: whether the hooks record each gradient's norm before stepping (for clipping checks
             and health rules).
+        bucket_mb: MiB of gradient per bucket (0: one parameter per bucket).
+        learn_order: re-cut the buckets once from the hook order of the first closing window.
     """
 
-    def __init__(self, plan_window: Callable[[], bool], accumulation_steps: int | None, need_norms: bool):
+    def __init__(
+        self,
+        plan_window: Callable[[], bool],
+        accumulation_steps: int | None,
+        need_norms: bool,
+        bucket_mb: float = 64.0,
+        learn_order: bool = True,
+    ):
         self.plan_window = plan_window
         self.accumulation_steps = accumulation_steps
         self.need_norms = need_norms
+        self.bucket_bytes = check_bucket_mb(bucket_mb) * MIB
         self.enabled = True
         self.hook_seconds = 0.0
+        self.bucket_steps = 0  # inner step() calls made for buckets (hooks and leftovers)
+        self.buckets: list[Bucket] = []
+        self._inner: torch.optim.Optimizer | None = None
+        self._lock = threading.Lock()
         self._handles: list = []
         self._order: dict[torch.Tensor, int] = {}
-        self._steppers: dict = {}
+        self._hooked: set[torch.Tensor] = set()
+        self._bucket_of: dict[torch.Tensor, Bucket] = {}
+        self._learning = learn_order
+        self._learned: list[torch.Tensor] | None = None
+        self._seen: list[torch.Tensor] = []
         self._counts: dict[torch.Tensor, int] = {}
         self._plan: bool | None = None
+        self._fired: dict[int, set[torch.Tensor]] = {}
+        self._done: set[int] = set()
         self.stepped: set[torch.Tensor] = set()
         self.norms: dict[int, torch.Tensor] = {}
 
@@ -70,24 +136,35 @@ class GradientPipeline:
         return bool(self._plan)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Register hooks on the parameters of ``optimizer`` that have none yet, and (re)build steppers."""
+        """Register hooks on the parameters of ``optimizer`` that have none yet, and (re)build buckets."""
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p in self._order:
                     continue
                 self._order[p] = len(self._order)
                 if p.requires_grad:
+                    self._hooked.add(p)
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
         self.rebuild(optimizer)
 
     def rebuild(self, optimizer: torch.optim.Optimizer) -> None:
-        """Rebuild the per-parameter steppers (after ``load_state_dict`` replaced state and groups)."""
-        self._steppers = make_steppers(optimizer)
+        """Re-cut the buckets and rebuild their steppers (after ``load_state_dict`` replaced state and
+        groups, a new param group, or once the gradient order was observed)."""
+        self._inner = optimizer
+        segments = [self._learned] if self._learned is not None else []
+        buckets = []
+        for gi, params in plan_buckets(optimizer, segments, self.bucket_bytes, self._hooked.__contains__):
+            stepper = BucketStepper(optimizer, optimizer.param_groups[gi], params)
+            buckets.append(Bucket(len(buckets), gi, stepper, sum(p in self._hooked for p in params)))
+        self.buckets = buckets
+        self._bucket_of = {p: b for b in buckets for p in b.params}
+        self._fired.clear()
+        self._done.clear()
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._order = [], {}
+        self._handles, self._order, self._hooked = [], {}, set()
 
     def _closes_window(self, p: torch.Tensor) -> bool:
         if self.accumulation_steps is not None:
@@ -99,24 +176,65 @@ class GradientPipeline:
     def _hook(self, p: torch.Tensor) -> None:
         if not self._closes_window(p) or not self.enabled:
             return
-        if self._plan is None:
-            self._plan = self.plan_window()
-        if self._plan:
-            start = time.perf_counter()
-            self.step_param(p)
-            self.hook_seconds += time.perf_counter() - start
+        with self._lock:
+            if self._plan is None:
+                self._plan = self.plan_window()
+            if self._learning:
+                self._seen.append(p)
+            bucket = self._bucket_of.get(p)
+            if not self._plan or bucket is None:
+                return
+            if bucket.index in self._done:
+                todo = [p]  # a new gradient after its bucket was stepped this window: step it alone
+            else:
+                fired = self._fired.setdefault(bucket.index, set())
+                fired.add(p)
+                if len(fired) < bucket.hooked:
+                    return
+                self._done.add(bucket.index)
+                todo = None
+        start = time.perf_counter()
+        self.step_bucket(bucket, todo)
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self.hook_seconds += elapsed
+
+    def step_bucket(self, bucket: Bucket, params: list[torch.Tensor] | None = None) -> None:
+        """Step ``params`` of ``bucket`` (default: all) that hold a gradient with one inner call, record
+        their gradient norms when needed (one ``_foreach_norm``), and free the gradients."""
+        params = [p for p in (bucket.params if params is None else params) if p.grad is not None]
+        if not params:
+            return
+        if self.need_norms:
+            norms = torch._foreach_norm([p.grad for p in params])
+            for p, norm in zip(params, norms):
+                self.norms[self._order[p]] = norm
+        bucket.stepper.step(params)
+        for p in params:
+            p.grad = None
+        with self._lock:
+            self.stepped.update(params)
+            self.bucket_steps += 1
 
     def step_param(self, p: torch.Tensor) -> None:
-        """Step ``p`` with the inner optimizer and free its gradient."""
-        if self.need_norms:
-            self.norms[self._order[p]] = torch.linalg.vector_norm(p.grad)
-        self._steppers[p].step()
-        p.grad = None
-        self.stepped.add(p)
+        """Step ``p`` alone with the inner optimizer and free its gradient."""
+        self.step_bucket(self._bucket_of[p], [p])
 
     def leftovers(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Parameters that still hold a gradient this window (their hook did not fire on the closing step)."""
+        """Parameters that still hold a gradient this window (their hook did not fire on the closing
+        step, or their bucket did not complete)."""
         return [p for p in params if p.grad is not None and p not in self.stepped]
+
+    def step_leftovers(self, params: list[torch.Tensor]) -> None:
+        """Step the :meth:`leftovers` of ``params``, one inner call per bucket (run from ``step()``)."""
+        todo = self.leftovers(params)
+        if any(p not in self._bucket_of for p in todo):  # param groups changed behind the pipeline's back
+            self.rebuild(self._inner)
+        by_bucket: dict[int, list[torch.Tensor]] = {}
+        for p in todo:
+            by_bucket.setdefault(self._bucket_of[p].index, []).append(p)
+        for index, todo in by_bucket.items():
+            self.step_bucket(self.buckets[index], todo)
 
     def ordered_norms(self) -> list[torch.Tensor]:
         return [self.norms[i] for i in sorted(self.norms)]
@@ -126,3 +244,11 @@ class GradientPipeline:
         self._plan = None
         self.stepped.clear()
         self.norms.clear()
+        self._fired.clear()
+        self._done.clear()
+        if self._learning and self._seen:
+            # the first closing window showed the order gradients really complete in: cut by it
+            self._learned = list(dict.fromkeys(self._seen))
+            self._learning, self._seen = False, []
+            if self._inner is not None:
+                self.rebuild(self._inner)

@@ -111,6 +111,8 @@ class VerificationMixin:
             "clip_coef_true": self._last_coef[1],
             "last_grad_norm": self._norm_history[-1] if self._norm_history else None,
             "hook_seconds": self._pipeline.hook_seconds if self._pipeline is not None else 0.0,
+            "pipeline_buckets": len(self._pipeline.buckets) if self._pipeline is not None else 0,
+            "bucket_steps": self._pipeline.bucket_steps if self._pipeline is not None else 0,
             "verify_seconds": self._seconds["verify"],
             "rollback_seconds": self._seconds["rollback"],
             "snapshots": self._snapshot.count,
