@@ -67,7 +67,10 @@ def _chart(results: dict, path: Path) -> None:
     if "fp8_ms" in fp8:
         names.append("fp8 (scaled_mm)")
         values.append(fp8["fp8_ms"])
-    ax2.bar(names, values, color=["tab:blue", "tab:orange"][: len(values)])
+    if "fp8_cached_ms" in fp8:
+        names.append("fp8, cached weights")
+        values.append(fp8["fp8_cached_ms"])
+    ax2.bar(names, values, color=["tab:blue", "tab:orange", "tab:green"][: len(values)])
     ax2.set(
         ylabel="ms per forward+backward",
         title=f"linears of the 1.1B shape ({results['env']['gpu'] or 'CPU'})",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -91,3 +92,18 @@ def test_logprob_path_schedule_survives_state_dict():
     restored.load_state_dict(state)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert policy2(input_ids=_ids()).logits.dtype == torch.float32
+
+
+def test_tied_low_precision_head_is_refused_and_fp32_master_weights_are_fine():
+    tied = dict(hidden=32, layers=2, heads=2, kv_heads=1, tie_word_embeddings=True)
+    policy = build_tiny_llama(None, dtype=torch.bfloat16, **tied)
+    plugin = AdaptivePrecisionPlugin(initial="bf16", fallback=[]).attach(model=policy)
+    with pytest.raises(ValueError, match="tied input/output embeddings"):
+        plugin.set_logprob_path()
+    assert plugin.overrides == {} and policy.lm_head.weight.dtype == torch.bfloat16  # nothing switched
+
+    policy = build_tiny_llama(None, **tied)  # fp32 master weights: nothing to convert, works
+    plugin = AdaptivePrecisionPlugin(initial="bf16", fallback=[]).attach(model=policy)
+    plugin.set_logprob_path()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert policy(input_ids=_ids()).logits.dtype == torch.float32

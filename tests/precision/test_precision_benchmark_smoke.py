@@ -24,4 +24,7 @@ def test_benchmark_smoke(tmp_path):
     assert runs["adaptive_fp16"]["nonfinite_loss_steps"] == 0
     assert runs["adaptive_fp16"]["stats"]["switches"] == 1
     assert math.isclose(runs["adaptive_fp16"]["final_loss"], runs["fp32"]["final_loss"], rel_tol=0.02)
-    assert results["fp8"]["output_rel_error_vs_bf16"] < 0.1
+    fp8 = results["fp8"]
+    assert fp8["output_rel_error_vs_bf16"] < 0.1
+    assert fp8["bf16_output_finite"] and fp8["fp8_output_finite"] and fp8["fp8_cached_output_finite"]
+    assert fp8["fp8_cached_ms"] > 0 and fp8["speedup_cached"] > 0

@@ -297,12 +297,36 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
 
         Returns:
             The :class:`PrecisionAction` records of the switches made.
+
+        Raises:
+            ValueError: a head shares its weight with another module (``tie_word_embeddings``) and that
+                weight is stored in fp16/bf16: running the head in fp32 converts the weight, and with it
+                the input embedding, whose fp32 output then meets bf16 weights in the first layer wherever
+                no autocast is active (the rollout engine). Keep fp32 master weights or untie the head.
         """
         if self.model is None:
             raise ValueError("set_logprob_path() needs an attached model: call attach() first")
         precision = Precision(precision or self.sensitive_precision)
+        path = logprob_path(self.model)
+        if precision is Precision.FP32:
+            owners: dict[int, int] = {}
+            for module in self.model.modules():
+                for param in module.parameters(recurse=False):
+                    owners[id(param)] = owners.get(id(param), 0) + 1
+            for name, module in path.items():
+                tied = [
+                    p
+                    for p in module.parameters(recurse=False)
+                    if owners[id(p)] > 1 and p.dtype != torch.float32
+                ]
+                if tied:
+                    raise ValueError(
+                        f"{name} shares its {tied[0].dtype} weight with another module (tied input/output "
+                        "embeddings): an fp32 log-prob path would convert the input embedding too and break "
+                        "forwards without autocast. Keep fp32 master weights (mixed precision) or untie it."
+                    )
         made = []
-        for name in logprob_path(self.model):
+        for name in path:
             made += self.set_precision(precision, name, reason, step)
         return made
 
