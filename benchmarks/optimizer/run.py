@@ -286,7 +286,9 @@ def chart(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, seconds (= --preset smoke)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model on the CPU, seconds (= --preset smoke)"
+    )
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -303,6 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--only", nargs="*", help="run only these variants")
     parser.add_argument("--steps", type=int, help="timed steps per variant (default: the preset's)")
+    parser.add_argument("--batch", type=int, help="sequences per micro-batch (default: the preset's)")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     parser.add_argument("--no-snapshot", action="store_true", help="skip the snapshot/rollback timing")
     parser.add_argument(
         "--rounds",
@@ -317,8 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = dict(PRESETS[preset])
-    if args.steps is not None:
-        shape["steps"] = args.steps
+    for key in ("steps", "batch", "seq"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
     device = "cuda" if preset == "full" and torch.cuda.is_available() else "cpu"
     import transformers
 

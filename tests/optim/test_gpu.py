@@ -27,16 +27,23 @@ def cuda_run(make_opt, steps=10, observe=False):
     return model, opt
 
 
-def test_fused_adamw_pipeline_matches_fused_adamw():
+@pytest.mark.parametrize("bucket_mb", [0, 1e-3, 64], ids=["per-param", "small", "one-bucket"])
+def test_fused_adamw_pipeline_matches_fused_adamw(bucket_mb):
     ref, _ = cuda_run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))
-    model, opt = cuda_run(lambda ps: RapidFireOptimizer(ps, lr=1e-2, gradient_pipeline=True))
+    model, opt = cuda_run(
+        lambda ps: RapidFireOptimizer(ps, lr=1e-2, gradient_pipeline=True, pipeline_bucket_mb=bucket_mb)
+    )
     assert opt.defaults["fused"] is True
     for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)  # same fused kernel, one tensor at a time
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # same fused kernel, a bucket at a time
 
 
-def test_no_host_sync_in_pipelined_step():
-    model, opt = cuda_run(lambda ps: RapidFireOptimizer(ps, lr=1e-2, gradient_pipeline=True), steps=2)
+@pytest.mark.parametrize("bucket_mb", [0, 64], ids=["per-param", "one-bucket"])
+def test_no_host_sync_in_pipelined_step(bucket_mb):
+    model, opt = cuda_run(
+        lambda ps: RapidFireOptimizer(ps, lr=1e-2, gradient_pipeline=True, pipeline_bucket_mb=bucket_mb),
+        steps=2,
+    )
     x = torch.randn(8, 6, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -60,7 +60,12 @@ def accelerate_flag(name: str, state_class: str = "GradientState"):
 
 def check_bucket_mb(value) -> float:
     """``pipeline_bucket_mb`` as a float, or a ValueError that says what is allowed."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(
             f"pipeline_bucket_mb={value!r}: must be a finite number of MiB >= 0 (the gradient bytes the "
             "pipeline steps at once; 0 steps each parameter on its own)."
