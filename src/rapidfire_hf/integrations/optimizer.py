@@ -61,11 +61,12 @@ def install_optimizer(trainer, optimizer_kwargs: dict[str, Any] | None = None) -
     args = trainer.args
     create_optimizer = trainer.create_optimizer
 
+    kwargs = dict(optimizer_kwargs or {})
+    kwargs.setdefault("pipeline_bucket_mb", rf_state.config.gradient.bucket_mb)
+
     def ensure_wrapped():
         if trainer.optimizer is not None and find_rapidfire_optimizer(trainer.optimizer) is None:
-            trainer.optimizer = wrap_optimizer(
-                trainer.optimizer, args.max_grad_norm, rf_state.pipeline, **(optimizer_kwargs or {})
-            )
+            trainer.optimizer = wrap_optimizer(trainer.optimizer, args.max_grad_norm, rf_state.pipeline, **kwargs)
         return trainer.optimizer
 
     @functools.wraps(create_optimizer)

@@ -395,6 +395,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             eps=args.adam_epsilon,
             weight_decay=args.weight_decay,
             gradient_pipeline=bool(self.rf_config.gradient.pipeline),
+            pipeline_bucket_mb=self.rf_config.gradient.bucket_mb,
             max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             rollback="auto",
         )
