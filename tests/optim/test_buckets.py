@@ -301,9 +301,12 @@ class LoopAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+        self.initialized = False  # like bitsandbytes: an attribute set in __init__ and read in step()
 
     @torch.no_grad()
     def step(self, closure=None):
+        if not self.initialized:
+            self.initialized = True
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:

@@ -63,6 +63,12 @@ def _zero3_gathered(engine):
 def _fsdp2_unsharded(model):
     from torch.distributed.fsdp import FSDPModule
 
+    if isinstance(model, FSDPModule):
+        # FSDP2 makes the first unit to run forward the root. Rollout and scoring call submodules
+        # (decoder layers) directly, which would make a layer the root and break the next forward
+        # through the real root ("FSDP state has already been lazily initialized for ...layers.0",
+        # seen on 2x H200, torch 2.11). Initialise from the real root first (a no-op once done).
+        model._get_fsdp_state()._lazy_init()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_reshard_after_forward(False)  # keep the weights across the decode steps

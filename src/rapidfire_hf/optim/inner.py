@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import threading
 from collections.abc import Callable, Iterable
@@ -128,7 +127,11 @@ class BucketStepper:
         self.params = list(params)
         self._master_group = group
         self._view = dict(group, params=self.params)
-        self._inner_view = copy.copy(inner)
+        # a copy of the whole instance dict: copy.copy would go through torch.optim.Optimizer's
+        # __getstate__, which keeps only defaults/state/param_groups and drops what other optimizers
+        # set in __init__ (bitsandbytes' ``initialized``: AttributeError at the first step, seen on H200)
+        self._inner_view = object.__new__(type(inner))
+        self._inner_view.__dict__.update(inner.__dict__)
         # an LR scheduler built on the inner instance wraps ``step`` as an instance attribute bound to
         # the original optimizer: the copy must call its own class's step, over its own view
         self._inner_view.__dict__.pop("step", None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.optimization import get_scheduler
@@ -131,8 +132,12 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         self.stop_token_id = tok.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         self.pad_token_id = tok.pad_token_id
 
+        # A plugin, not gradient_accumulation_steps=: with the latter accelerate reads
+        # ACCELERATE_GRADIENT_ACCUMULATION_STEPS, which `accelerate launch` sets to "auto" from a DeepSpeed
+        # config and int() rejects (seen under ZeRO-2/3 on 2x H200); DeepSpeed's "auto" is then filled
+        # from this plugin at prepare().
         self.accelerator = Accelerator(
-            gradient_accumulation_steps=args.micro_batches_per_step,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.micro_batches_per_step),
             mixed_precision="bf16" if args.bf16 else ("fp16" if args.fp16 else "no"),
             cpu=args.use_cpu,
         )
