@@ -65,3 +65,43 @@ def test_single_process_check_is_trivially_in_sync():
     assert report.in_sync and report.gradient_sync_diff == 0.0 and report.compared == 2
     with pytest.raises(ValueError, match="interval"):
         SyncChecker(model, interval=0)
+
+
+def test_gathered_for_generation_is_reentrant(monkeypatch):
+    """Nested use gathers once: ZeRO-3 refuses overlapping GatheredParameters, and an inner FSDP2 exit
+    would reshard under the outer context. Engines that hold full weights gather nothing."""
+    from contextlib import contextmanager
+
+    import torch
+
+    from rapidfire_hf.distributed import features, generation
+
+    events = []
+
+    @contextmanager
+    def fake_gather(model):
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    class Acc:
+        @staticmethod
+        def unwrap_model(model):
+            return model
+
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(generation, "_zero3_gathered", fake_gather)
+    monkeypatch.setattr(features, "detect_engine", lambda acc: features.Engine.ZERO3)
+    with generation.gathered_for_generation(Acc(), model) as outer:
+        with generation.gathered_for_generation(Acc(), model) as inner:
+            assert inner is outer is model
+            assert events == ["enter"]
+        assert events == ["enter"]  # the inner exit left the weights gathered
+    assert events == ["enter", "exit"]
+    with generation.gathered_for_generation(Acc(), model):  # a later rollout gathers again
+        pass
+    assert events == ["enter", "exit", "enter", "exit"]
+    monkeypatch.setattr(features, "detect_engine", lambda acc: features.Engine.DDP)
+    with generation.gathered_for_generation(Acc(), model):
+        pass
+    assert len(events) == 4

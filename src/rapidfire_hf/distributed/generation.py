@@ -31,14 +31,22 @@ def gathered_for_generation(accelerator, model: torch.nn.Module):
 
     engine = detect_engine(accelerator)
     unwrapped = accelerator.unwrap_model(model)
-    if engine is Engine.ZERO3:
-        with _zero3_gathered(model):
-            yield unwrapped
-    elif engine is Engine.FSDP2:
-        with _fsdp2_unsharded(model):
-            yield unwrapped
-    else:
+    if engine not in (Engine.ZERO3, Engine.FSDP2) or getattr(model, _GATHERED, False):
+        # nested use (a subclass gathering around rollout(), which gathers itself) is a no-op: DeepSpeed
+        # refuses overlapping GatheredParameters (seen under ZeRO-3 on 2x H200), and an inner FSDP2
+        # exit would reshard under the outer context
         yield unwrapped
+        return
+    gather = _zero3_gathered if engine is Engine.ZERO3 else _fsdp2_unsharded
+    with gather(model):
+        setattr(model, _GATHERED, True)
+        try:
+            yield unwrapped
+        finally:
+            setattr(model, _GATHERED, False)
+
+
+_GATHERED = "_rapidfire_weights_gathered"
 
 
 @contextmanager
