@@ -36,6 +36,7 @@ import math
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -149,7 +150,7 @@ class GradientPipeline:
                 self._order[p] = len(self._order)
                 if p.requires_grad:
                     self._hooked.add(p)
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+                    self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
         self.rebuild(optimizer)
 
     def rebuild(self, optimizer: torch.optim.Optimizer) -> None:
@@ -257,3 +258,22 @@ class GradientPipeline:
             self._learning, self._seen = False, []
             if self._inner is not None:
                 self.rebuild(self._inner)
+
+
+def _weak_hook(pipeline: GradientPipeline) -> Callable[[torch.Tensor], None]:
+    """The parameter hook, holding the pipeline weakly.
+
+    A hook kept on a parameter lives on the C++ side, where Python's garbage collector cannot see it, so
+    a bound method there (parameter -> hook -> pipeline -> optimizer -> parameter) kept every optimizer,
+    its state and the parameters alive after the user dropped them (seen as GPU memory growing from one
+    optimizer to the next in benchmarks/optimizer). Once the optimizer is gone the hook does nothing.
+    """
+    ref = weakref.ref(pipeline)
+
+    def hook(p: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            target._hook(p)
+
+    return hook
+
