@@ -39,7 +39,17 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
     folder = p.parse_args().results
     rows = load_rows(folder)
-    fields = ["system", "value_mode", "decode", "batch", "tokens_per_s", "s_per_update", "gen_share", "peak_gib", "source"]
+    fields = [
+        "system",
+        "value_mode",
+        "decode",
+        "batch",
+        "tokens_per_s",
+        "s_per_update",
+        "gen_share",
+        "peak_gib",
+        "source",
+    ]
     with open(folder / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -60,7 +70,9 @@ def main() -> None:
         style = "--" if name.startswith("stock") else "-"
         ax.plot([b for b, _ in pts], [t for _, t in pts], style, marker="o", label=name)
         for b, t in pts:
-            ax.annotate(f"{t:,.0f}", (b, t), textcoords="offset points", xytext=(0, 5), fontsize=7, ha="center")
+            ax.annotate(
+                f"{t:,.0f}", (b, t), textcoords="offset points", xytext=(0, 5), fontsize=7, ha="center"
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rollout batch (prompts per update)")
     ax.set_ylabel("tokens / s (prompt + response)")

@@ -13,7 +13,11 @@ from rapidfire_hf.optim import RapidFireOptimizer
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"gradient_pipeline": True}, {"gradient_pipeline": True, "rollback": "auto", "pipeline_bucket_mb": 0}],
+    [
+        {},
+        {"gradient_pipeline": True},
+        {"gradient_pipeline": True, "rollback": "auto", "pipeline_bucket_mb": 0},
+    ],
 )
 def test_optimizer_and_parameters_are_freed(kwargs):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))

@@ -291,3 +291,35 @@ def test_sample_tables_use_the_eval_prompts(tmp_path, tokenizer, capsys):
     trainer_eval.train()
     out = capsys.readouterr().out
     assert out.count("samples at update") == 2 and "zzzz" in out and "qq" in out
+
+
+def test_adaptive_precision_runs_the_sensitivity_pass(tmp_path, tokenizer):
+    """precision.mode adaptive: the first scored rollouts feed the plugin's sensitivity pass (fp32 weights),
+    every layer gets a finite error, and the pass writes no gradients (the optimizer steps as without it)."""
+    cfg = {"precision": {"mode": "adaptive"}, "gradient": {"pipeline": True}}
+    trainer = _trainer(tmp_path, tokenizer, rapidfire_config=cfg, max_steps=2)
+    plugin = trainer.precision_plugin
+    assert plugin is not None and not plugin.calibration_done
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    exp = trainer.score(trainer.rollout(trainer.next_prompts(0)))
+    trainer._calibrate_precision(exp)
+    assert plugin.calibration_done
+    rows = list(plugin.sensitivity.values())
+    assert len(rows) == len(plugin.layers) > 0
+    assert all(torch.isfinite(torch.tensor([r.output_error, r.grad_error])).all() for r in rows)
+    # the pass wrote no gradient and moved no parameter (the pipeline's hooks never fired)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    trainer.train()  # and training goes on with the schedule
+    assert trainer.state.global_step == 2
+
+
+def test_adaptive_precision_without_fp32_weights_skips_the_pass(tmp_path, tokenizer, caplog):
+    cfg = {"precision": {"mode": "adaptive"}}
+    policy = build_tiny_llama(tokenizer).to(torch.bfloat16)
+    value = build_tiny_value_model(tokenizer).to(torch.bfloat16)
+    trainer = _trainer(tmp_path, tokenizer, policy=policy, value=value, rapidfire_config=cfg, max_steps=1)
+    with caplog.at_level("INFO", logger="rapidfire_hf.ppo.trainer"):
+        trainer.train()
+    assert not trainer.precision_plugin.calibration_done
+    assert "no precision sensitivity pass" in caplog.text

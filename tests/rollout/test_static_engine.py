@@ -169,6 +169,8 @@ def test_auto_decode_mode_compiles_a_bounded_number_of_shapes(tokenizer):
     assert modes == ["compile"] * MAX_COMPILED_SHAPES + ["cuda_graph"] * 2
     engine._buf = SimpleNamespace(shape=(1, 32, 16))  # a shape compiled before stays compiled
     assert engine._mode(cuda) == "compile"
-    fixed = StaticEngine(build_tiny_llama(tokenizer), pad_token_id=0, stop_token_ids=[], decode_mode="cuda_graph")
+    fixed = StaticEngine(
+        build_tiny_llama(tokenizer), pad_token_id=0, stop_token_ids=[], decode_mode="cuda_graph"
+    )
     fixed._buf = SimpleNamespace(shape=(1, 32, 16))
     assert fixed._mode(cuda) == "cuda_graph"

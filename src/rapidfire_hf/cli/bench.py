@@ -21,7 +21,10 @@ BENCHMARKS = {
     "memory": ("memory/run.py", "allocator, compaction and selective checkpointing"),
     "precision": ("precision/run.py", "static vs adaptive fp16; FP8 vs bf16"),
     "ppo-precision": ("precision/ppo_ratio.py", "PPO bf16 vs adaptive vs fp32: log-prob gap, ratio and KL"),
-    "sft-dpo": ("trl_trainers/run.py", "stock TRL SFTTrainer/DPOTrainer vs enable_rapidfire at sequence 2048"),
+    "sft-dpo": (
+        "trl_trainers/run.py",
+        "stock TRL SFTTrainer/DPOTrainer vs enable_rapidfire at sequence 2048",
+    ),
 }
 
 

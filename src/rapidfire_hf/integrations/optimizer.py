@@ -66,7 +66,9 @@ def install_optimizer(trainer, optimizer_kwargs: dict[str, Any] | None = None) -
 
     def ensure_wrapped():
         if trainer.optimizer is not None and find_rapidfire_optimizer(trainer.optimizer) is None:
-            trainer.optimizer = wrap_optimizer(trainer.optimizer, args.max_grad_norm, rf_state.pipeline, **kwargs)
+            trainer.optimizer = wrap_optimizer(
+                trainer.optimizer, args.max_grad_norm, rf_state.pipeline, **kwargs
+            )
         return trainer.optimizer
 
     @functools.wraps(create_optimizer)

@@ -276,4 +276,3 @@ def _weak_hook(pipeline: GradientPipeline) -> Callable[[torch.Tensor], None]:
             target._hook(p)
 
     return hook
-

@@ -320,6 +320,29 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             handlers={"disable_pipeline": self.disable_pipeline, "enable_pipeline": self.enable_pipeline},
         )
 
+    def _calibrate_precision(self, exp: Experience) -> None:
+        """The precision plugin's sensitivity pass on the first scored rollouts (its per-layer schedule).
+
+        The pass compares each layer in the low precision with an fp32 reference, so it needs fp32
+        weights (mixed precision); with weights stored in bf16/fp16 there is nothing to compare with and
+        the schedule stays as configured (said once in the log). It differentiates with
+        ``torch.autograd.grad`` only: no ``.grad`` is written, so no optimizer hook fires.
+        """
+        plugin, args = self.precision_plugin, self.args
+        if any(p.dtype != torch.float32 for p in plugin.model.parameters()):
+            if not getattr(self, "_calibration_skipped", False):
+                logger.info("rapidfire: no precision sensitivity pass (the model's weights are not fp32)")
+                self._calibration_skipped = True
+            return
+        ctx = exp.rollout.queries.shape[1]
+
+        def loss_fn(model, batch):  # what training differentiates: log-probs and values of the rollout
+            logprobs, values, _ = model(batch["query_responses"], self.pad_token_id, ctx, args.temperature)
+            return -logprobs.mean() + args.vf_coef * values.pow(2).mean()
+
+        rows = exp.rollout.query_responses[: args.per_device_train_batch_size]
+        plugin.calibrate({"query_responses": rows}, loss_fn=loss_fn)  # logs the schedule when complete
+
     def _apply_peft(self, model, peft_config):
         if peft_config is None:
             return model
@@ -732,6 +755,8 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         rollout = self.rollout(self.next_prompts(update))
         t1 = _sync_time(acc.device)
         exp = self.score(rollout)
+        if self.precision_plugin is not None and not self.precision_plugin.calibration_done:
+            self._calibrate_precision(exp)
         t2 = _sync_time(acc.device)
         if self.memory_callback is not None:  # rollout -> training: release the generation/scoring blocks
             self.memory_callback.phase_boundary("rollout", "train", step=update)
