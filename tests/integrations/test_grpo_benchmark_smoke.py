@@ -1,0 +1,67 @@
+"""benchmarks/grpo/run.py --smoke: stock, rapidfire and rapidfire_lowmem GRPO run on CPU and are reported."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo" / "run.py"
+
+
+def load_run():
+    spec = importlib.util.spec_from_file_location("grpo_bench_run", RUN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_variants_flag_parses_and_rejects_unknown_names():
+    module = load_run()
+    assert module.parse_variants("stock, rapidfire_lowmem,stock") == ["stock", "rapidfire_lowmem"]
+    with pytest.raises(Exception, match="unknown variant"):
+        module.parse_variants("stock,lowmem")
+    # every setting of the lowmem variant says where it comes from: stock TRL or rapidfire_hf
+    settings = module.lowmem_settings("bitsandbytes is not installed", keep_rollout_cache=False)
+    assert all(s["source"].startswith(("stock TRL", "rapidfire_hf")) for s in settings)
+    assert settings[0]["setting"] == 'GRPOConfig(optim="adamw_torch")' and settings[0]["fallback"]
+    assert module.lowmem_settings(None, False)[0]["setting"] == 'GRPOConfig(optim="adamw_8bit")'
+
+
+@pytest.mark.slow  # three child processes, each importing torch, transformers and trl and training 2 steps
+def test_smoke_writes_rows_for_all_three_variants(tmp_path):
+    load_run().main(["--out", str(tmp_path), "--smoke"])
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "benchmarks/grpo/run.py" in results["command"] and results["date"]
+    runs = results["runs"]
+    assert list(runs) == ["stock", "rapidfire", "rapidfire_lowmem"]
+    assert list(results["variants"]) == list(runs)
+    for name, run in runs.items():
+        assert run["variant"] == name and run["steps"] == 2 and len(run["loss"]) == 2
+        assert all(math.isfinite(x) for x in [*run["loss"], *run["reward"], *run["step_s"]])
+        assert run["tokens_per_sec"] > 0 and run["tokens"] > 0
+    # fp32 on the CPU, same weights, data and seed: the first loss agrees across variants
+    assert runs["rapidfire_lowmem"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
+    assert set(results["ratios_by_variant"]) == {"rapidfire", "rapidfire_lowmem"}
+    assert results["ratios"] == results["ratios_by_variant"]["rapidfire"]
+
+    low = runs["rapidfire_lowmem"]
+    assert any("RapidFireOptimizer" in part for part in low["installed"])
+    assert any("MemoryCompactionCallback (aggressive)" in part for part in low["installed"])
+    info = low["lowmem"]
+    assert (
+        info["rollback"] == "off" and info["gradient_pipeline"] and info["gradient_accumulation_steps"] == 1
+    )
+    assert info["checkpointing_applied"] == "full" and info["checkpointing_on_after_training"]
+    assert info["rollout_cache_released_after_each_rollout"] is True
+    if importlib.util.find_spec("bitsandbytes") is None:  # the CPU smoke falls back and says so
+        assert info["optim"] == "adamw_torch" and info["inner_optimizer"] == "torch.optim.adamw.AdamW"
+        assert info["optimizer_fallback"] == "bitsandbytes is not installed"
+    settings = results["variants"]["rapidfire_lowmem"]["settings"]
+    assert settings[0]["fallback"] == info["optimizer_fallback"]
+    assert {s["source"].split(" ")[0] for s in settings} == {"stock", "rapidfire_hf"}
+    assert (tmp_path / "chart.png").stat().st_size > 0
