@@ -3,9 +3,10 @@
     # on the GPU machine, with trl 1.12.0 installed in its own directory (never beside trl 1.16):
     TRL112_PATH=/tmp/site112 python benchmarks/ppo_vs_trl/run.py --out benchmarks/ppo_vs_trl/results
     python benchmarks/ppo_vs_trl/run.py --out /tmp/ppo_smoke --smoke      # tiny shape on CPU
+    TRL112_PATH=/tmp/site112 python benchmarks/ppo_vs_trl/run.py --out DIR --part size7b   # 7B part
 
-Two parts, each configuration in its own subprocess (clean peak-memory numbers; an OOM ends only that
-configuration):
+Three parts (`--part`, default "throughput,learning"; size7b runs only when asked for), each
+configuration in its own subprocess (clean peak-memory numbers; an OOM ends only that configuration):
 
 * throughput: the 1.1B Llama shape of DESIGN.md (hidden 2048, 22 layers, 32 heads, 4 KV heads, vocab
   32000), 128 prompt + 384 response tokens, 1 PPO epoch, separate policy / reference / value / reward
@@ -14,6 +15,13 @@ configuration):
 * learning: a smaller shape on a rule-based reward (the share of response tokens from a target set,
   computed by a reward "model" both trainers call the same way), the same number of updates for stock
   TRL, ours with a separate value model and ours with the fused value head: reward per update.
+* size7b: the 7B Llama shape (Llama-2-7B: hidden 4096, 32 layers, 32 heads, 32 KV heads, intermediate
+  11008, vocab 32000), rollout batch 8, 128 prompt + 128 response tokens, 2 updates (the second timed),
+  built directly on the GPU in bf16. For stock TRL, ours with a separate value model and ours with the
+  fused value head, each with full fine-tuning and with LoRA (r=16, alpha 32, q/k/v/o projections of the
+  policy, through each trainer's `peft_config`; the reference is then the adapter-disabled base, and a
+  separate value model is still trained in full, as both trainers ship): status ok / oom / error, peak
+  GPU memory, s/update, tokens/s. What fits on one GPU is the finding; an OOM row is a result.
 
 Writes results.json (GPU, versions, date, command, one row per configuration), results.csv and
 ppo_vs_trl.png into --out.
@@ -56,6 +64,14 @@ SHAPES = {
         intermediate_size=512,
         vocab_size=512,
     ),
+    "llama-7b": dict(  # Llama-2-7B
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+    ),
     "smoke": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -65,6 +81,10 @@ SHAPES = {
         vocab_size=512,
     ),
 }
+
+
+PARTS = ("throughput", "learning", "size7b")
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 def run_one(cfg: dict, out_dir: Path, timeout: int) -> dict:
@@ -91,6 +111,7 @@ def run_one(cfg: dict, out_dir: Path, timeout: int) -> dict:
 
 def configs(args) -> list[dict]:
     rows = []
+    parts = set(args.part)
     common = dict(
         shape=args.shape,
         prompt_len=args.prompt_len,
@@ -100,6 +121,8 @@ def configs(args) -> list[dict]:
         part="throughput",
     )
     for system, batches in (("trl", args.trl_batches), ("rapidfire", args.our_batches)):
+        if "throughput" not in parts:
+            break
         for b in batches:
             rows.append(
                 {
@@ -110,7 +133,7 @@ def configs(args) -> list[dict]:
                     "name": f"tp_{system}_b{b}",
                 }
             )
-    for b in args.fused_batches:
+    for b in args.fused_batches if "throughput" in parts else []:
         rows.append(
             {**common, "system": "rapidfire", "value_mode": "fused", "batch": b, "name": f"tp_fused_b{b}"}
         )
@@ -124,9 +147,36 @@ def configs(args) -> list[dict]:
         part="learning",
         lr=args.learn_lr,
     )
-    if args.learn_updates > 0:
+    if args.learn_updates > 0 and "learning" in parts:
         for system, mode in (("trl", "separate"), ("rapidfire", "separate"), ("rapidfire", "fused")):
             rows.append({**learn, "system": system, "value_mode": mode, "name": f"learn_{system}_{mode}"})
+    size = dict(
+        shape=args.size_shape,
+        prompt_len=args.size_prompt_len,
+        response_len=args.size_response_len,
+        updates=args.size_updates,
+        micro=args.size_micro,
+        batch=args.size_batch,
+        part="size7b",
+        timeout=args.size_timeout,
+    )
+    if "size7b" in parts:
+        for system, mode, tag in (
+            ("trl", "separate", "trl"),
+            ("rapidfire", "separate", "rapidfire"),
+            ("rapidfire", "fused", "fused"),
+        ):
+            for peft in (None, "lora"):
+                rows.append(
+                    {
+                        **size,
+                        "system": system,
+                        "value_mode": mode,
+                        "peft": peft,
+                        **({"lora": LORA} if peft else {}),
+                        "name": f"s7_{tag}_{peft or 'full'}",
+                    }
+                )
     return rows
 
 
@@ -152,7 +202,8 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    size = [r for r in rows if r.get("part") == "size7b"]
+    fig, axes = plt.subplots(1, 4 if size else 3, figsize=(21 if size else 16, 4.2))
     tp = [r for r in rows if r["part"] == "throughput"]
     for label, keep in (
         ("stock TRL 1.12", lambda r: r["system"] == "trl"),
@@ -170,10 +221,17 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[1].plot([r["batch"] for r in ok], [r["peak_gib"] for r in ok], marker="o", label=label)
         for r in failed:
             axes[0].annotate(r.get("status", "?").upper(), (r["batch"], 0), color=line[0].get_color())
+    log = any(r.get("status") == "ok" for r in tp)  # log axes need data
     axes[0].set(
-        xscale="log", yscale="log", xlabel="rollout batch", ylabel="tokens / s", title="PPO throughput"
+        xscale="log" if log else "linear",
+        yscale="log" if log else "linear",
+        xlabel="rollout batch",
+        ylabel="tokens / s",
+        title="PPO throughput",
     )
-    axes[1].set(xscale="log", xlabel="rollout batch", ylabel="peak GiB", title="peak GPU memory")
+    axes[1].set(
+        xscale="log" if log else "linear", xlabel="rollout batch", ylabel="peak GiB", title="peak GPU memory"
+    )
     learning = [r for r in rows if r["part"] == "learning" and r.get("status") == "ok"]
     shape = learning[-1]["shape"] if learning else None
     for r in (r for r in learning if r["shape"] == shape):
@@ -186,12 +244,34 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[2].set(
         xlabel="update", ylabel="mean reward (5-update moving avg)", title=f"learning, {shape}, rule reward"
     )
+    if size:
+        plot_size(axes[3], size)
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_size(ax, rows: list[dict]) -> None:
+    """size7b: peak memory per configuration, coloured by status, labelled with tokens/s or the status."""
+    colors = {"ok": "tab:green", "oom": "tab:red"}
+    names = [r["name"].removeprefix("s7_") for r in rows]
+    peaks = [r.get("peak_gib") or 0.0 for r in rows]
+    ax.bar(names, peaks, color=[colors.get(r.get("status"), "tab:gray") for r in rows])
+    for i, r in enumerate(rows):
+        label = f"{r['tokens_per_s']:,.0f} tok/s" if r.get("status") == "ok" else str(r.get("status")).upper()
+        ax.annotate(label, (i, peaks[i]), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+    total = next((r["gpu_total_gib"] for r in rows if r.get("gpu_total_gib")), None)
+    if total:
+        ax.axhline(total, color="black", linestyle="--", linewidth=0.8)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+    shape = rows[0].get("shape")
+    ax.set(
+        ylabel="peak GiB (at the end or at the OOM)", title=f"{shape}: what fits (batch {rows[0]['batch']})"
+    )
 
 
 def write_outputs(out: Path, rows: list[dict], env: dict) -> None:
@@ -204,12 +284,15 @@ def write_outputs(out: Path, rows: list[dict], env: dict) -> None:
         "shape",
         "system",
         "value_mode",
+        "peft",
         "batch",
         "status",
         "s_per_update",
         "gen_share",
         "peak_gib",
         "tokens_per_s",
+        "trainable_params",
+        "build_s",
         "reward_first",
         "reward_last",
         "run_command",
@@ -264,17 +347,34 @@ def main() -> None:
     p.add_argument("--learn-lr", type=float, default=2e-5)
     p.add_argument("--learn-prompt-len", type=int, default=32)
     p.add_argument("--learn-response-len", type=int, default=32)
+    p.add_argument(
+        "--part",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["throughput", "learning"],
+        help=f"comma-separated parts to run, of {', '.join(PARTS)} (size7b only when named)",
+    )
+    p.add_argument("--size-shape", default="llama-7b", choices=SHAPES)
+    p.add_argument("--size-batch", type=int, default=8)
+    p.add_argument("--size-micro", type=int, default=8)
+    p.add_argument("--size-updates", type=int, default=2, help="updates per size7b config (first is warm-up)")
+    p.add_argument("--size-prompt-len", type=int, default=128)
+    p.add_argument("--size-response-len", type=int, default=128)
+    p.add_argument("--size-timeout", type=int, default=300, help="seconds per size7b configuration")
     p.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
     p.add_argument("--only", default=None, help="run only configurations whose name starts with this prefix")
     p.add_argument(
         "--rollout-backend", default="auto", choices=["auto", "static", "hf"], help="our rollout engine"
     )
     args = p.parse_args()
+    unknown = set(args.part) - set(PARTS)
+    if unknown:
+        p.error(f"unknown --part {sorted(unknown)}; choose from {', '.join(PARTS)}")
     if args.smoke:
         args.shape = args.learn_shape = "smoke"
         args.prompt_len, args.response_len, args.updates, args.micro = 8, 8, 2, 4
         args.trl_batches, args.our_batches, args.fused_batches = [8], [8], [8]
         args.learn_updates, args.learn_batch, args.learn_prompt_len, args.learn_response_len = 3, 8, 8, 8
+        args.size_shape, args.size_prompt_len, args.size_response_len, args.size_micro = "smoke", 8, 8, 4
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -283,11 +383,12 @@ def main() -> None:
             continue
         cfg["shape_kwargs"] = SHAPES[cfg["shape"]]
         cfg["rollout_backend"] = args.rollout_backend
-        row = run_one(cfg, out, args.timeout)
+        row = run_one(cfg, out, cfg.pop("timeout", args.timeout))
         rows.append(row)
-        brief = {
-            k: row.get(k) for k in ("name", "status", "s_per_update", "gen_share", "peak_gib", "tokens_per_s")
-        }
+        keys = ("name", "status", "s_per_update", "gen_share", "peak_gib", "tokens_per_s")
+        brief = {k: row.get(k) for k in keys}
+        if row.get("status") not in ("ok", None):
+            brief["error"] = str(row.get("error", ""))[-200:]
         print(json.dumps(brief), flush=True)
         write_outputs(out, rows, environment())
 

@@ -3,6 +3,11 @@
 For system "trl" the caller puts trl 1.12.0 first on PYTHONPATH. Both systems get the same models
 (random init, bf16, on the GPU), the same prompts, the same reward module and the same PPO settings;
 each trainer keeps its own defaults otherwise (stock TRL: gradient checkpointing on, as it ships).
+
+Part "size7b" builds the models directly in bf16 on the GPU (no fp32 copy first) and only those the
+configuration uses: no reference copy with LoRA (both trainers then use the adapter-disabled base) and
+no value model with the fused value head. A failure (OOM included) is written as a row with its status,
+the peak memory so far and the error, so the runner records it instead of stopping.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from types import SimpleNamespace
 
 import torch
@@ -61,6 +67,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_models(cfg: dict, device: str):
+    """policy, ref, value, reward; in part "size7b", ref/value are None where the config does not use them."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -73,6 +80,18 @@ def build_models(cfg: dict, device: str):
         num_labels=1,
     )
     torch.manual_seed(0)
+    if cfg["part"] == "size7b":
+        with torch.device(device):  # straight into the target dtype on the device: no fp32 7B copy
+            policy = LlamaForCausalLM._from_config(conf, dtype=dtype)
+            ref = None
+            if not cfg.get("peft"):
+                ref = LlamaForCausalLM._from_config(conf, dtype=dtype)
+                ref.load_state_dict(policy.state_dict())
+            value = None
+            if cfg["value_mode"] != "fused":
+                value = LlamaForSequenceClassification._from_config(conf, dtype=dtype)
+        reward = RuleReward(cfg["prompt_len"], cfg["response_len"]).to(device)
+        return policy, ref, value, reward
     with torch.device(device):
         policy = LlamaForCausalLM(conf).to(dtype)
         ref = LlamaForCausalLM(conf).to(dtype)
@@ -88,6 +107,24 @@ def dataset(cfg: dict, n: int):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(4, cfg["shape_kwargs"]["vocab_size"], (n, cfg["prompt_len"]), generator=g)
     return Dataset.from_dict({"input_ids": ids.tolist()})
+
+
+def peft_config(cfg: dict):
+    """The LoRA config of the policy (the same for both trainers), or None for full fine-tuning."""
+    if not cfg.get("peft"):
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", bias="none", **cfg["lora"])
+
+
+def count_trainable(module) -> int:
+    seen, n = set(), 0
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n
 
 
 def common_args(cfg: dict, device: str) -> dict:
@@ -147,7 +184,11 @@ def run_trl(cfg: dict, device: str) -> dict:
                 rewards.append(logs["objective/scores"])
 
     tok = build_tokenizer(cfg["shape_kwargs"]["vocab_size"])
+    _sync()
+    t0 = time.perf_counter()
     policy, ref, value, reward = build_models(cfg, device)
+    _sync()
+    build_s = time.perf_counter() - t0
     ds = dataset(cfg, cfg["batch"] * cfg["updates"])
     args = PPOConfig(
         **{k: v for k, v in common_args(cfg, device).items() if k != "use_cpu"},
@@ -164,7 +205,10 @@ def run_trl(cfg: dict, device: str) -> dict:
         train_dataset=ds,
         eval_dataset=ds.select(range(2)),
         callbacks=[Clock()],
+        **({"peft_config": peft_config(cfg)} if cfg.get("peft") else {}),
     )
+    del policy, ref, value
+    trainable = count_trainable(trainer.model)
     _sync()
     stamps.append(time.perf_counter())
     trainer.train()
@@ -173,6 +217,8 @@ def run_trl(cfg: dict, device: str) -> dict:
         "gen_times": gen_times,
         "rewards": rewards,
         "trl_version": trl.__version__,
+        "trainable_params": trainable,
+        "build_s": build_s,
     }
 
 
@@ -181,7 +227,11 @@ def build_ours(cfg: dict, device: str):
     from rapidfire_hf import PPOConfig, PPOTrainer
 
     tok = build_tokenizer(cfg["shape_kwargs"]["vocab_size"])
+    _sync()
+    t0 = time.perf_counter()
     policy, ref, value, reward = build_models(cfg, device)
+    _sync()
+    build_s = time.perf_counter() - t0
     fused = cfg["value_mode"] == "fused"
     ds = dataset(cfg, cfg["batch"] * cfg["updates"])
     args = PPOConfig(
@@ -199,8 +249,10 @@ def build_ours(cfg: dict, device: str):
         reward_model=reward,
         value_model=None if fused else value,
         train_dataset=ds,
+        peft_config=peft_config(cfg),
     )
     trainer.remove_progress_callbacks()
+    trainer.build_s = build_s
     return trainer
 
 
@@ -208,6 +260,7 @@ def run_ours(cfg: dict, device: str) -> dict:
     import rapidfire_hf
 
     trainer = build_ours(cfg, device)
+    trainable = sum(p.numel() for p in trainer._trainable)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "time/update" in h]
     return {
@@ -218,6 +271,9 @@ def run_ours(cfg: dict, device: str) -> dict:
         "train_times": [h["time/training"] for h in logs],
         "rapidfire_version": rapidfire_hf.__version__,
         "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
+        "trainable_params": trainable,
+        "build_s": trainer.build_s,
+        "oom_splits": trainer._oom_splits,
     }
 
 
@@ -226,7 +282,24 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    out = run_trl(cfg, device) if cfg["system"] == "trl" else run_ours(cfg, device)
+    try:
+        out = run_trl(cfg, device) if cfg["system"] == "trl" else run_ours(cfg, device)
+    except Exception as e:  # written as a row (OOM included), so the runner records it and goes on
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        row = {
+            **cfg,
+            "status": "oom" if oom else "error",
+            "error": f"{type(e).__name__}: {e}"[:600],
+            "traceback": traceback.format_exc()[-2500:],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        }
+        if device == "cuda":
+            row["gpu_total_gib"] = torch.cuda.mem_get_info()[1] / 2**30
+        row.pop("shape_kwargs", None)
+        with open(result_path, "w") as f:
+            json.dump(row, f)
+        traceback.print_exc()
+        sys.exit(1)
     timed = out["update_times"][1:] or out["update_times"]  # the first update includes warm-up/compilation
     gens = out["gen_times"][1:] or out["gen_times"]
     s = statistics.median(timed)
@@ -238,6 +311,7 @@ def main() -> None:
         "gen_share": statistics.median(gens) / s if gens else None,
         "tokens_per_s": cfg["batch"] * (cfg["prompt_len"] + cfg["response_len"]) / s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        **({"gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30} if device == "cuda" else {}),
         "reward_first": out["rewards"][0] if out["rewards"] else None,
         "reward_last": out["rewards"][-1] if out["rewards"] else None,
     }
