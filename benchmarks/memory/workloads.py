@@ -13,24 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
+
 SIZES = {
-    # the 1.1B Llama shape of DESIGN.md
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    ),
-    "smoke": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-    ),
+    "1b": LLAMA_SHAPES["llama-1.1b"],  # the 1.1B Llama shape of DESIGN.md
+    "smoke": llama_shape("smoke", vocab_size=64),
 }
 
 

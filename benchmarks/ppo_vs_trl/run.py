@@ -38,49 +38,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rapidfire_hf.demo.shapes import LLAMA_SHAPES
+
 HERE = Path(__file__).resolve().parent
-SHAPES = {
-    "llama-1.1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        intermediate_size=5632,
-        vocab_size=32000,
-    ),
-    "llama-160m": dict(
-        hidden_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        intermediate_size=2048,
-        vocab_size=32000,
-    ),
-    "llama-tiny": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=512,
-        vocab_size=512,
-    ),
-    "llama-7b": dict(  # Llama-2-7B
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        intermediate_size=11008,
-        vocab_size=32000,
-    ),
-    "smoke": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-    ),
-}
+SHAPES = LLAMA_SHAPES  # rapidfire_hf.demo.shapes
 
 
 PARTS = ("throughput", "learning", "size7b")

@@ -42,43 +42,17 @@ import torch
 from transformers import TrainerCallback
 
 from rapidfire_hf import PPOConfig, PPOTrainer
+from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
 from rapidfire_hf.precision import AdaptivePrecisionPlugin, Precision, logprob_path
 from rapidfire_hf.precision.schedule import set_layer_precision
 
 MODES = ("bf16", "adaptive", "fp32")
 TARGET_MOD = 16  # a response token scores when its id is a multiple of 16 (1/16 of the vocabulary)
 SHAPES = {
-    "llama-1.1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        intermediate_size=5632,
-        vocab_size=32000,
-    ),
-    "llama-160m": dict(  # the llama-160m shape (162M parameters with its untied 32000-token head)
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        intermediate_size=3072,
-        vocab_size=32000,
-    ),
-    "llama-tiny": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=512,
-        vocab_size=512,
-    ),
-    "smoke": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
+    **{k: LLAMA_SHAPES[k] for k in ("llama-1.1b", "llama-tiny", "smoke")},
+    # 162M parameters with its untied 32000-token head (MHA, unlike the benchmarks' GQA llama-160m)
+    "llama-160m": llama_shape(
+        "llama-160m", num_hidden_layers=12, num_key_value_heads=12, intermediate_size=3072
     ),
 }
 

@@ -20,28 +20,13 @@ from pathlib import Path
 
 import torch
 
+from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import correctness, time_config  # noqa: E402
 
 # the 1.1B Llama shape of DESIGN.md's numbers; the smoke shape runs on a CPU in seconds
-SHAPES = {
-    "llama-1.1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        intermediate_size=5632,
-    ),
-    "smoke": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        intermediate_size=128,
-    ),
-}
+SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke", vocab_size=128)}
 # in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode attention
 SYSTEMS = (
     "ours_cuda_graph",

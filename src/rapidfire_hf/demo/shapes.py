@@ -1,0 +1,34 @@
+"""Llama model shapes shared by the benchmarks and demos (``LlamaConfig`` keyword arguments, random init).
+
+``llama-1.1b`` is the shape the project's baseline numbers use (DESIGN.md); ``llama-7b`` is Llama-2-7B's;
+``llama-160m`` is a small GQA shape for learning runs; ``llama-tiny`` and ``smoke`` are for CPU checks.
+"""
+
+from __future__ import annotations
+
+
+def _shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> dict:
+    return dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+    )
+
+
+LLAMA_SHAPES: dict[str, dict] = {
+    "llama-7b": _shape(4096, 32, 32, 32, 11008, 32000),
+    "llama-1.1b": _shape(2048, 22, 32, 4, 5632, 32000),
+    "llama-160m": _shape(768, 8, 12, 4, 2048, 32000),
+    "llama-tiny": _shape(256, 4, 8, 4, 512, 512),
+    "smoke": _shape(64, 2, 4, 2, 128, 512),
+}
+
+
+def llama_shape(name: str, **overrides) -> dict:
+    """A copy of ``LLAMA_SHAPES[name]`` with ``overrides`` applied; a clear error for an unknown name."""
+    if name not in LLAMA_SHAPES:
+        raise KeyError(f"unknown shape {name!r}; known: {', '.join(LLAMA_SHAPES)}")
+    return {**LLAMA_SHAPES[name], **overrides}
