@@ -27,12 +27,9 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import datetime
 import gc
 import json
 import math
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -45,6 +42,9 @@ from rapidfire_hf import PPOConfig, PPOTrainer
 from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
 from rapidfire_hf.precision import AdaptivePrecisionPlugin, Precision, logprob_path
 from rapidfire_hf.precision.schedule import set_layer_precision
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _env import environment  # noqa: E402
 
 MODES = ("bf16", "adaptive", "fp32")
 TARGET_MOD = 16  # a response token scores when its id is a multiple of 16 (1/16 of the vocabulary)
@@ -515,22 +515,7 @@ def _summary(rows: list[dict]) -> dict:
 
 # ----------------------------------------------------------------------------------------- outputs
 def _environment(device: torch.device) -> dict:
-    import accelerate
-    import transformers
-
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {
-        "gpu": gpu,
-        "capability": list(torch.cuda.get_device_capability(device)) if gpu else None,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
-        "python": platform.python_version(),
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-    }
+    return environment(device)
 
 
 def _chart(results: dict, path: Path) -> None:

@@ -10,11 +10,8 @@ Writes ``results.json`` (GPU, versions, date, command, numbers) and ``precision.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -24,24 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_fp8  # noqa: E402
 import bench_overflow  # noqa: E402
+from _env import environment  # noqa: E402
 
 
 def _environment(device: torch.device) -> dict:
-    import accelerate
-    import transformers
-
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {
-        "gpu": gpu,
-        "capability": list(torch.cuda.get_device_capability(device)) if gpu else None,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-    }
+    return environment(device)
 
 
 def _chart(results: dict, path: Path) -> None:
