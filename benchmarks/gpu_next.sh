@@ -9,7 +9,7 @@
 #      GPU 1: our PPO on the 7B shape (full and LoRA, separate and fused), then fused PPO at batch 256
 #             with the compiled decode step
 # Carry: .whl .whl-ds .whl-trl112. Results come back as one tarball plus the engine summary.
-# A second call should run: benchmarks/optimizer/run.py (peak memory after the lifetime fix),
+# A second call should run:
 # benchmarks/memory/run.py (interleaved time cost), benchmarks/precision/run.py (FP8 after its fixes),
 # benchmarks/precision/ppo_ratio.py --modes fp32, and the stock-TRL side of --part size7b.
 set -u
@@ -21,12 +21,12 @@ timeout -k 5 200 bash benchmarks/distributed/gpu_engines_quick.sh > $R/engines.l
 cp $OUT/engines.json $OUT/engines_errors.txt $R/ 2>/dev/null
 (
   export CUDA_VISIBLE_DEVICES=0
-  timeout -k 5 300 python3 benchmarks/grpo/run.py --out $R/grpo --variants stock,rapidfire_lowmem > $R/grpo.log 2>&1; echo "grpo rc=$?"
-  timeout -k 5 120 python3 benchmarks/rollout/run.py --out $R/rollout256 --batches 256 --systems ours_compile,ours_cuda_graph --budget-s 100 > $R/rollout.log 2>&1; echo "rollout rc=$?"
+  timeout -k 5 280 python3 benchmarks/grpo/run.py --out $R/grpo --variants stock,rapidfire_lowmem > $R/grpo.log 2>&1; echo "grpo rc=$?"
+  timeout -k 5 100 python3 benchmarks/rollout/run.py --out $R/rollout256 --batches 256 --systems ours_compile,ours_cuda_graph --budget-s 80 > $R/rollout.log 2>&1; echo "rollout rc=$?"
 ) > $R/lane0.txt 2>&1 &
 (
   export CUDA_VISIBLE_DEVICES=1
-  timeout -k 5 330 python3 benchmarks/ppo_vs_trl/run.py --out $R/s7 --part size7b --only s7_ --size-timeout 150 > $R/s7.log 2>&1; echo "size7b rc=$?"
+  timeout -k 5 300 python3 benchmarks/ppo_vs_trl/run.py --out $R/s7 --part size7b --only s7_ --size-timeout 150 > $R/s7.log 2>&1; echo "size7b rc=$?"
   timeout -k 5 90 python3 benchmarks/ppo_vs_trl/run.py --out $R/fused256 --trl-batches "" --our-batches "" --fused-batches 256 --learn-updates 0 --timeout 85 > $R/fused256.log 2>&1; echo "fused256 rc=$?"
 ) > $R/lane1.txt 2>&1 &
 wait
