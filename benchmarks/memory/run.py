@@ -12,10 +12,18 @@ order, jittered):
 
 Each group runs in its own process, since the allocator is configured when CUDA initialises.
 
+Time cost of the callback: within an allocator group, one untimed warm-up pass of the whole schedule runs
+first; then ``--rounds`` rounds, each running every variant once (a 24-step window, all steps timed) in an
+order that changes from round to round (Williams Latin square). Every window starts from the same state
+(optimizer state cleared, allocator cache emptied, peak counters reset), so its memory numbers are its own.
+The summary gives each variant's median step time and median round total, and per callback variant the
+median of the paired per-round differences (callback minus no callback, same round) with min and max, in
+seconds and relative to that round's no-callback total. On CPU (``--smoke``) the times are noise.
+
 Usage::
 
-    python benchmarks/memory/run.py --out benchmarks/memory/results/h200     # GPU, < 3 minutes
-    python benchmarks/memory/run.py --out /tmp/mem-smoke --smoke             # CPU, seconds
+    python benchmarks/memory/run.py --out benchmarks/memory/results/h200     # GPU, about 5-7 minutes
+    python benchmarks/memory/run.py --out /tmp/mem-smoke --smoke             # CPU, under a minute
 
 Writes ``results.json`` (with GPU name, versions, date) and ``memory.png`` into ``--out``.
 """
@@ -46,22 +54,27 @@ GROUPS = {
 }
 
 
-def run_group(name: str, out: Path, smoke: bool, inline: bool) -> dict:
+CPU_NOTE = "CPU smoke run: a tiny model on the CPU; every time here is noise, only the plumbing is checked"
+
+
+def run_group(name: str, out: Path, smoke: bool, inline: bool, rounds: int) -> dict:
     scenario, alloc = GROUPS[name]
     path = out / f"{name.replace('/', '_')}.json"
     if inline:  # smoke on CPU: no allocator to configure, skip the process start
         cfg = workloads.setting(smoke)
         cfg["out_dir"] = str(out)
+        cfg["rounds"] = rounds
         return workloads.SCENARIOS[scenario](cfg)
     env = {k: v for k, v in os.environ.items() if k not in ALLOC_VARS}
     if alloc:
         env.update(dict.fromkeys(ALLOC_VARS, alloc))
-    cmd = [sys.executable, str(HERE / "workloads.py"), scenario, str(path)] + (["--smoke"] if smoke else [])
+    cmd = [sys.executable, str(HERE / "workloads.py"), scenario, str(path), "--rounds", str(rounds)]
+    cmd += ["--smoke"] if smoke else []
     subprocess.run(cmd, env=env, check=True)
     return json.loads(path.read_text())
 
 
-def meta(smoke: bool) -> dict:
+def meta(smoke: bool, rounds: int) -> dict:
     import torch
     import transformers
 
@@ -73,31 +86,65 @@ def meta(smoke: bool) -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "smoke": smoke,
-        "setting": workloads.setting(smoke),
+        "setting": {**workloads.setting(smoke), "rounds": rounds},
+        "timing_method": "warm-up pass, then interleaved rounds; paired per-round differences",
         "command": " ".join(sys.argv),
     }
 
 
+VARIANTS = ("no_callback", "callback_t1.0", "callback_t0.3", "callback_t0.15")
+
+
 def summarize(results: dict) -> dict:
-    """The headline numbers: overhead of the callback, peak reserved by variant, what each level buys."""
+    """The headline numbers: time cost of the callback, peak reserved by variant, what each level buys.
+
+    Memory numbers are from each variant's first timed window (``*_rounds`` lists every window's); times
+    are medians over the rounds, and ``time_cost`` is the paired per-round difference against no callback.
+    """
     out = {}
+    if results["meta"]["smoke"]:
+        out["note"] = CPU_NOTE
     for group in ("allocator/native", "allocator/expandable"):
         g = results[group]
-        base = g["no_callback"]["total_s"]
-        out[group] = {
-            name: {
+        out[group] = {"rounds": g["rounds"], "orders": g["orders"]}
+        for name in VARIANTS:
+            v = g[name]
+            out[group][name] = {
                 "max_reserved_gib": v["max_reserved"] / 2**30 if v["max_reserved"] else None,
+                "max_reserved_gib_rounds": [
+                    w["max_reserved"] / 2**30 if w["max_reserved"] else None for w in v["rounds"]
+                ],
                 "mean_fragmentation": v["mean_fragmentation"],
                 "compactions": v["compactions"],
+                "compactions_rounds": [w["compactions"] for w in v["rounds"]],
                 "alloc_retries": v["alloc_retries"],
-                "time_vs_no_callback": v["total_s"] / base - 1 if base else None,
+                "step_s_median": v["step_s_median"],
+                "round_total_s_median": v["total_s_median"],
+                "callback_s_median": v["callback_s_median"],
             }
-            for name, v in g.items()
-            if isinstance(v, dict)
-        }
+            if name in g["time_cost"]:
+                out[group][name]["time_cost"] = g["time_cost"][name]
         out[group]["largest_micro_batch"] = g["largest_micro_batch"]
     out["checkpointing"] = results["checkpointing"]
     return out
+
+
+def time_cost_lines(summary: dict) -> list[str]:
+    """One readable line per callback variant: median paired difference [min, max]."""
+    lines = []
+    for group in ("allocator/native", "allocator/expandable"):
+        g = summary[group]
+        for name in VARIANTS[1:]:
+            c = g[name]["time_cost"]
+            d, r = c["diff_s"], c["rel"]
+            rel = f" = {r['median']:+.1%} [{r['min']:+.1%}, {r['max']:+.1%}]" if r else ""
+            lines.append(
+                f"{group:22s} {name:15s} vs no_callback: {d['median']:+.3f} s per round "
+                f"[{d['min']:+.3f}, {d['max']:+.3f}]{rel} over {g['rounds']} rounds; "
+                f"median step {g[name]['step_s_median'] * 1e3:.1f} ms "
+                f"(no callback {g['no_callback']['step_s_median'] * 1e3:.1f} ms)"
+            )
+    return lines
 
 
 def chart(results: dict, path: Path) -> None:
@@ -152,20 +199,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json and memory.png")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, in seconds")
     parser.add_argument("--isolate", action="store_true", help="one process per group even in --smoke")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds of all allocator variants (default: 4 on the GPU, 2 with --smoke)",
+    )
     args = parser.parse_args(argv)
+    rounds = args.rounds if args.rounds is not None else workloads.setting(args.smoke)["rounds"]
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (use --smoke on a CPU)")
     inline = args.smoke and not args.isolate
-    results = {"meta": meta(args.smoke)}
+    results = {"meta": meta(args.smoke, rounds)}
     for group in GROUPS:
-        results[group] = run_group(group, args.out, args.smoke, inline)
+        results[group] = run_group(group, args.out, args.smoke, inline, rounds)
     results["summary"] = summarize(results)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     chart(results, args.out / "memory.png")
     print(json.dumps(results["summary"], indent=1))
+    print("\ntime cost of the callback (paired per-round differences, median [min, max]):")
+    for line in time_cost_lines(results["summary"]):
+        print("  " + line)
+    if args.smoke:
+        print("NOTE: " + CPU_NOTE)
     return 0
 
 
