@@ -91,6 +91,18 @@ PRESETS = {"full": FULL, "smoke": SMOKE, "cpu_small": CPU_SMALL}
 DEFAULT_BUCKETS = (0.0, 32.0, 128.0)
 
 
+BINDING_CLIP = 1e-3  # max_grad_norm of the clipping variants: below any gradient norm of the workload
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """The reference for the clipping variants: ``clip_grad_norm_`` then AdamW, as a trainer does."""
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, BINDING_CLIP)
+        return super().step(closure)
+
+
 def variants(device: str, accum: int, buckets=DEFAULT_BUCKETS) -> dict[str, tuple]:
     """name -> (optimizer factory(params), micro-batches per step, observe_loss?)."""
     fused = {"fused": True} if device == "cuda" else {"foreach": True}
@@ -119,6 +131,29 @@ def variants(device: str, accum: int, buckets=DEFAULT_BUCKETS) -> dict[str, tupl
             True,
         ),
         "rf_verify_only": (lambda ps: RapidFireOptimizer(ps, lr=1e-5, rollback="auto"), 1, True),
+        # clipping that binds at every step (max_grad_norm far below the norm): the exact mode defers
+        # every window to step(); the scale mode pipelines them with a predicted coefficient
+        "torch_adamw_clip": (lambda ps: ClippedAdamW(ps, lr=1e-5, **fused), 1, False),
+        "rf_clip_exact": (
+            lambda ps: RapidFireOptimizer(
+                ps, lr=1e-5, gradient_pipeline=True, rollback="auto", max_grad_norm=BINDING_CLIP
+            ),
+            1,
+            True,
+        ),
+        "rf_clip_scale": (
+            lambda ps: RapidFireOptimizer(
+                ps,
+                lr=1e-5,
+                gradient_pipeline=True,
+                rollback="auto",
+                max_grad_norm=BINDING_CLIP,
+                clip_prediction="scale",
+                clip_tolerance=0.5,
+            ),
+            1,
+            True,
+        ),
         "torch_adamw_accum": (lambda ps: torch.optim.AdamW(ps, lr=1e-5, **fused), accum, False),
         "rf_pipeline_on_accum": (
             lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, accumulation_steps=accum),

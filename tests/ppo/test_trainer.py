@@ -323,3 +323,17 @@ def test_adaptive_precision_without_fp32_weights_skips_the_pass(tmp_path, tokeni
         trainer.train()
     assert not trainer.precision_plugin.calibration_done
     assert "no precision sensitivity pass" in caplog.text
+
+
+def test_clip_prediction_scale_pipelines_binding_windows(tmp_path, tokenizer):
+    """gradient.clip_prediction 'scale' with a clip that always binds: windows are stepped in the pipeline
+    with a predicted coefficient (misses are rolled back and replayed), training stays finite."""
+    cfg = {"gradient": {"pipeline": True, "clip_prediction": "scale", "clip_tolerance": 0.5}}
+    trainer = _trainer(tmp_path, tokenizer, rapidfire_config=cfg, max_grad_norm=1e-3, max_steps=3)
+    opt = trainer._rf_opt
+    assert opt.clip_prediction == "scale" and opt.clip_tolerance == 0.5
+    trainer.train()
+    stats = opt.stats()
+    assert stats["pipelined_steps"] > 0 and stats["clip_checks"] == stats["pipelined_steps"]
+    assert stats["clip_coef_predicted"] is not None and stats["clip_coef_predicted"] < 1.0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -21,6 +21,13 @@ from rapidfire_hf.config.errors import ConfigError, invalid_value, unknown_key
 from rapidfire_hf.config.rules import FallbackRule
 
 
+class ClipPrediction(str, Enum):
+    """What the gradient pipeline does in windows where gradient clipping may bind."""
+
+    EXACT = "exact"
+    SCALE = "scale"
+
+
 class MemoryLevel(str, Enum):
     """How hard memory management works (compaction, activation-checkpointing budget)."""
 
@@ -176,6 +183,19 @@ class GradientConfig(_Section):
         "gradients complete, into buckets of about this size, each stepped with one optimizer call "
         "(0: each parameter on its own).",
         Float(0.0, 65536.0),
+    )
+    clip_prediction: ClipPrediction = _field(
+        ClipPrediction.EXACT,
+        "Windows where max_grad_norm may bind: 'exact' steps them after backward with the exact clip "
+        "coefficient; 'scale' steps them in the pipeline with the coefficient predicted from the last "
+        "window, rolling back (PPO: replaying) a window whose prediction misses by more than clip_tolerance.",
+        Choice(ClipPrediction),
+    )
+    clip_tolerance: float = _field(
+        0.05,
+        "Largest accepted relative difference between the predicted and the true clip coefficient "
+        "(clip_prediction 'scale').",
+        Float(0.001, 0.999),
     )
 
 

@@ -62,7 +62,11 @@ def install_optimizer(trainer, optimizer_kwargs: dict[str, Any] | None = None) -
     create_optimizer = trainer.create_optimizer
 
     kwargs = dict(optimizer_kwargs or {})
-    kwargs.setdefault("pipeline_bucket_mb", rf_state.config.gradient.bucket_mb)
+    grad_cfg = rf_state.config.gradient
+    kwargs.setdefault("pipeline_bucket_mb", grad_cfg.bucket_mb)
+    kwargs.setdefault("clip_tolerance", grad_cfg.clip_tolerance)
+    if args.max_grad_norm and args.max_grad_norm > 0 and kwargs.get("rollback", "auto") == "auto":
+        kwargs.setdefault("clip_prediction", grad_cfg.clip_prediction.value)  # needs clipping and rollback
 
     def ensure_wrapped():
         if trainer.optimizer is not None and find_rapidfire_optimizer(trainer.optimizer) is None:

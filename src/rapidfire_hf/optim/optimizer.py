@@ -23,6 +23,7 @@ from rapidfire_hf.optim.snapshot import Snapshot
 from rapidfire_hf.optim.verification import CLIP_EPS, VerificationMixin
 
 ROLLBACK = ("off", "auto")
+CLIP_PREDICTION = ("exact", "scale")
 
 
 class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
@@ -62,8 +63,17 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         grad_z_threshold: largest healthy z-score of the gradient norm.
         loss_z_threshold: largest healthy z-score of the observed loss (see :meth:`observe_loss`).
         warmup_steps: verified steps before the z-score rules apply.
-        clip_headroom: the pipeline steps in the hooks only when ``headroom * max(recent norms)`` stays
-            below ``max_grad_norm``.
+        clip_headroom: the pipeline steps in the hooks with coefficient 1 only when
+            ``headroom * max(recent norms)`` stays below ``max_grad_norm``.
+        clip_prediction: what the pipeline does in windows where clipping may bind. ``"exact"`` defers
+            them to ``step()`` (the update is exactly ``clip_grad_norm_``'s). ``"scale"`` steps them in
+            the hooks too, with the coefficient predicted from the last window's true norm
+            (``max_grad_norm / last_norm``), and checks after backward that it lies within
+            ``clip_tolerance`` (relative) of the true coefficient; a miss is rolled back and the window
+            skipped (PPOTrainer replays it). The accepted update then differs from exact clipping by at
+            most that tolerance in scale, which Adam-type optimizers largely absorb (their step is
+            nearly invariant to the gradient's scale). Needs ``max_grad_norm`` and ``rollback="auto"``.
+        clip_tolerance: largest accepted ``|predicted - true| / true`` clip coefficient (``"scale"``).
         enable_fused_kernels: True forces the fused kernel, False the single-tensor loop, None picks.
         precision: not handled here; passing it raises (use accelerate's ``mixed_precision`` or
             ``AdaptivePrecisionPlugin``).
@@ -98,6 +108,8 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         loss_z_threshold: float = 6.0,
         warmup_steps: int = 10,
         clip_headroom: float = 2.0,
+        clip_prediction: str = "exact",
+        clip_tolerance: float = 0.05,
         enable_fused_kernels: bool | None = None,
         precision: str | None = None,
         **inner_kwargs: Any,
@@ -118,6 +130,16 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 or None (no clipping)")
         if not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(f"snapshot_interval={snapshot_interval!r}: must be an int >= 1")
+        if clip_prediction not in CLIP_PREDICTION:
+            raise ValueError(f"clip_prediction={clip_prediction!r}: choose one of {CLIP_PREDICTION}")
+        if not 0.0 < clip_tolerance < 1.0:
+            raise ValueError(f"clip_tolerance={clip_tolerance!r}: must be in (0, 1), e.g. 0.05 for 5%")
+        if clip_prediction == "scale" and (max_grad_norm is None or rollback != "auto"):
+            raise ValueError(
+                "clip_prediction='scale' needs max_grad_norm (there is nothing to predict without "
+                "clipping) and rollback='auto' (a missed prediction must be undone); got "
+                f"max_grad_norm={max_grad_norm!r}, rollback={rollback!r}."
+            )
         self.pipeline_bucket_mb = check_bucket_mb(pipeline_bucket_mb)
         self._spec = optimizer
         self._inner_kwargs = dict(inner_kwargs)
@@ -140,6 +162,9 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         self.rollback = rollback
         self.snapshot_interval = snapshot_interval
         self.clip_headroom = clip_headroom
+        self.clip_prediction = clip_prediction
+        self.clip_tolerance = clip_tolerance
+        self._coef_pred = 1.0  # clip coefficient the hooks apply in the current pipelined window
         self._health = HealthMonitor(grad_z_threshold, loss_z_threshold, warmup_steps)
         self._snapshot = Snapshot(snapshot)
         self._inner: torch.optim.Optimizer | None = None
@@ -369,8 +394,13 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
         flags = {}
         if self.max_grad_norm is not None and total is not None:
-            # the hooks applied coefficient 1: right iff clip_grad_norm_ would not have scaled
-            flags["clip_prediction"] = total + CLIP_EPS <= self.max_grad_norm
+            if self.clip_prediction == "scale":
+                # the hooks applied the predicted coefficient: within tolerance of clip_grad_norm_'s?
+                true = torch.clamp(self.max_grad_norm / (total + CLIP_EPS), max=1.0)
+                flags["clip_prediction"] = (self._coef_pred - true).abs() <= self.clip_tolerance * true
+            else:
+                # the hooks applied coefficient 1: right iff clip_grad_norm_ would not have scaled
+                flags["clip_prediction"] = total + CLIP_EPS <= self.max_grad_norm
             self._counters["clip_checks"] += 1
         metrics, failed, host = self._verify(total, flags, read=bool(flags) or self.rollback == "auto")
         if not failed:

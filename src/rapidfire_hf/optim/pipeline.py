@@ -115,6 +115,7 @@ class GradientPipeline:
         self.plan_window = plan_window
         self.accumulation_steps = accumulation_steps
         self.need_norms = need_norms
+        self.grad_scale = 1.0  # gradients are multiplied by this before each bucket steps (clip prediction)
         self.bucket_bytes = check_bucket_mb(bucket_mb) * MIB
         self.enabled = True
         self.hook_seconds = 0.0
@@ -211,10 +212,13 @@ class GradientPipeline:
         params = [p for p in (bucket.params if params is None else params) if p.grad is not None]
         if not params:
             return
+        grads = [p.grad for p in params]
         if self.need_norms:
-            norms = torch._foreach_norm([p.grad for p in params])
+            norms = torch._foreach_norm(grads)
             for p, norm in zip(params, norms):
                 self.norms[self._order[p]] = norm
+        if self.grad_scale != 1.0:  # the predicted clip coefficient (clip_prediction="scale")
+            torch._foreach_mul_(grads, self.grad_scale)
         bucket.stepper.step(params)
         for p in params:
             p.grad = None
@@ -246,6 +250,7 @@ class GradientPipeline:
         return [self.norms[i] for i in sorted(self.norms)]
 
     def reset_window(self) -> None:
+        self.grad_scale = 1.0
         self._counts.clear()
         self._plan = None
         self.stepped.clear()

@@ -32,7 +32,8 @@ class VerificationMixin:
         failed, host = read_verdict(flags, [total] if total is not None else [])
         self._seconds["verify"] += time.perf_counter() - start
         if host and self.max_grad_norm is not None:
-            predicted = 1.0 if self._pipeline is not None and self._pipeline.window_pipelined else None
+            pipelined = self._pipeline is not None and self._pipeline.window_pipelined
+            predicted = self._coef_pred if pipelined else None
             self._last_coef = (predicted, min(1.0, self.max_grad_norm / (host[0] + CLIP_EPS)))
         return metrics, failed, host
 
@@ -83,17 +84,32 @@ class VerificationMixin:
             not self._snapshot.taken or self._applied_since_snapshot >= self.snapshot_interval
         ):
             reason = "no_snapshot"
-        elif self.max_grad_norm is not None and (
-            not self._norm_history
-            or self.clip_headroom * max(self._norm_history) + CLIP_EPS > self.max_grad_norm
-        ):
-            reason = "clip_may_bind"
+        coef = 1.0
+        if reason is None and self.max_grad_norm is not None:
+            coef = self._predict_clip_coef()
+            if coef is None:
+                reason = "clip_may_bind"
         if reason is not None:
             self._deferred[reason] += 1
             return False
         self._snapshot.wait()
         self._counters["pipelined_steps"] += 1
+        self._coef_pred = self._pipeline.grad_scale = coef
         return True
+
+    def _predict_clip_coef(self) -> float | None:
+        """Clip coefficient for the hooks of this window, or None to defer the window to ``step()``.
+
+        1.0 when the norm history says clipping cannot bind (``clip_headroom`` margin); with
+        ``clip_prediction="scale"``, otherwise ``max_grad_norm / last true norm`` (capped at 1).
+        """
+        if not self._norm_history:
+            return None
+        if self.clip_headroom * max(self._norm_history) + CLIP_EPS <= self.max_grad_norm:
+            return 1.0
+        if self.clip_prediction != "scale":
+            return None
+        return min(1.0, self.max_grad_norm / (self._norm_history[-1] + CLIP_EPS))
 
     def stats(self) -> dict[str, Any]:
         """Counters for logging (plain Python numbers; reading them never syncs the device)."""

@@ -414,7 +414,8 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         """A RapidFireOptimizer with the trainer's hyper-parameters and the rapidfire config's pipeline."""
         from rapidfire_hf.optim import RapidFireOptimizer
 
-        args = self.args
+        args, grad_cfg = self.args, self.rf_config.gradient
+        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         return RapidFireOptimizer(
             params,
             optimizer="adamw",
@@ -424,8 +425,11 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             weight_decay=args.weight_decay,
             gradient_pipeline=bool(self.rf_config.gradient.pipeline),
             pipeline_bucket_mb=self.rf_config.gradient.bucket_mb,
-            max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
+            max_grad_norm=clip,
             rollback="auto",
+            # predicting needs a clip to predict; without max_grad_norm the exact mode is the same
+            clip_prediction=grad_cfg.clip_prediction.value if clip is not None else "exact",
+            clip_tolerance=grad_cfg.clip_tolerance,
         )
 
     # ------------------------------------------------------------------ public controls

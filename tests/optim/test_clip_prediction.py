@@ -1,0 +1,115 @@
+"""clip_prediction="scale": windows where clipping binds are stepped in the hooks with a predicted coefficient.
+
+The reference is the inner optimizer alone on the same gradients multiplied by the coefficient the
+optimizer reports as predicted (bit-exact on CPU fp32); the first window (no norm history) is clipped
+exactly, as ``clip_grad_norm_`` does. A prediction outside ``clip_tolerance`` is rolled back exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rapidfire_hf.optim import RapidFireOptimizer
+from tests.optim.helpers import assert_same_params, loss_of, make_model
+
+MAX_NORM = 0.05  # far below this model's gradient norms (~1): clipping binds at every step
+STEPS = 6
+
+
+def _scaled_run(tolerance: float, scale_of_step=lambda step: 1.0):
+    model = make_model()
+    opt = RapidFireOptimizer(
+        model.parameters(),
+        lr=1e-2,
+        gradient_pipeline=True,
+        pipeline_bucket_mb=0.0005,  # several buckets
+        max_grad_norm=MAX_NORM,
+        rollback="auto",
+        clip_prediction="scale",
+        clip_tolerance=tolerance,
+    )
+    records = []
+    for step in range(STEPS):
+        before = copy.deepcopy(model)
+        loss = loss_of(model, step) * scale_of_step(step)
+        opt.observe_loss(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = opt.stats()
+        records.append((before, stats["clip_coef_predicted"], stats["clip_coef_true"], opt.last_step_skipped))
+    return model, opt, records
+
+
+def test_predicted_coefficient_is_applied_in_the_hooks():
+    model, opt, records = _scaled_run(tolerance=0.5)
+    stats = opt.stats()
+    assert stats["pipelined_steps"] == STEPS - 1  # all but the first window (no norm history yet)
+    accepted = sum(1 for r in records[1:] if not r[3])
+    assert accepted >= 3 and stats["rollbacks"] == stats["clip_misses"] == STEPS - 1 - accepted
+
+    ref = make_model()
+    inner = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+    true_norms = []
+    for step, (_, predicted, true, skipped) in enumerate(records):
+        loss_of(ref, step).backward()
+        grads = [p.grad for p in ref.parameters()]
+        norm = torch.nn.utils.get_total_norm(grads)
+        true_norms.append(float(norm))
+        if step == 0:
+            assert predicted is None  # deferred: exact clipping in step()
+            torch.nn.utils.clip_grads_with_norm_(list(ref.parameters()), MAX_NORM, norm)
+        else:
+            # predicted from the previous window's true norm
+            assert predicted == pytest.approx(MAX_NORM / (true_norms[step - 1] + 1e-6), rel=1e-6)
+            assert true == pytest.approx(MAX_NORM / (true_norms[step] + 1e-6), rel=1e-6)
+            assert skipped == (abs(predicted - true) > 0.5 * true)
+            torch._foreach_mul_(grads, predicted)
+        if not skipped:  # a missed window is undone: no update, the next prediction uses its norm
+            inner.step()
+        inner.zero_grad()
+    assert_same_params(model, ref)
+
+
+def test_prediction_outside_tolerance_is_rolled_back_exactly():
+    # the loss grows 3x per step, so the gradient norm (and the true coefficient) jumps each window
+    model, opt, records = _scaled_run(tolerance=0.01, scale_of_step=lambda step: 3.0**step)
+    stats = opt.stats()
+    assert stats["clip_misses"] >= 1 and stats["rollbacks"] == stats["clip_misses"]
+    for step, (before, predicted, true, skipped) in enumerate(records):
+        if skipped:  # the window's update was undone: parameters as before it, bit for bit
+            assert abs(predicted - true) > 0.01 * true
+            after = records[step + 1][0] if step + 1 < len(records) else model
+            assert_same_params(after, before)
+    assert any(event.kind == "rollback" and "clip_prediction" in event.reasons for event in opt.events)
+
+
+def test_exact_mode_still_defers_binding_windows():
+    model = make_model()
+    opt = RapidFireOptimizer(
+        model.parameters(), lr=1e-2, gradient_pipeline=True, max_grad_norm=MAX_NORM, rollback="auto"
+    )
+    for step in range(4):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.stats()["pipelined_steps"] == 0
+    assert opt.stats()["deferred_steps"]["clip_may_bind"] >= 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"clip_prediction": "guess", "max_grad_norm": 1.0, "rollback": "auto"}, "clip_prediction='guess'"),
+        ({"clip_prediction": "scale", "rollback": "auto"}, "needs max_grad_norm"),
+        ({"clip_prediction": "scale", "max_grad_norm": 1.0}, "rollback='auto'"),
+        ({"clip_tolerance": 0.0}, r"clip_tolerance=0.0: must be in \(0, 1\)"),
+        ({"clip_tolerance": 1.5}, "clip_tolerance=1.5"),
+    ],
+)
+def test_bad_clip_prediction_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RapidFireOptimizer(make_model().parameters(), lr=1e-2, gradient_pipeline=True, **kwargs)
