@@ -68,17 +68,12 @@ def build_tokenizer(vocab_size: int):
 
 def build_models(cfg: dict, device: str):
     """policy, ref, value, reward; in part "size7b", ref/value are None where the config does not use them."""
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    from rapidfire_hf.demo.shapes import llama_config
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    conf = LlamaConfig(
-        **cfg["shape_kwargs"],
-        max_position_embeddings=cfg["prompt_len"] + cfg["response_len"] + 8,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        num_labels=1,
-    )
+    conf = llama_config(cfg["shape_kwargs"], cfg["prompt_len"] + cfg["response_len"] + 8)
     torch.manual_seed(0)
     if cfg["part"] == "size7b":
         with torch.device(device):  # straight into the target dtype on the device: no fp32 7B copy

@@ -39,7 +39,7 @@ import torch
 from transformers import TrainerCallback
 
 from rapidfire_hf import PPOConfig, PPOTrainer
-from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
+from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_config, llama_shape
 from rapidfire_hf.precision import AdaptivePrecisionPlugin, Precision, logprob_path
 from rapidfire_hf.precision.schedule import set_layer_precision
 
@@ -298,16 +298,9 @@ def _tokenizer(vocab_size: int):
 
 def _models(cfg: dict, device: torch.device):
     """fp32 policy, reference (a copy) and value model, the same for every mode (seeded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
-    conf = LlamaConfig(
-        **SHAPES[cfg["shape"]],
-        max_position_embeddings=cfg["prompt_len"] + cfg["response_len"] + 8,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        num_labels=1,
-    )
+    conf = llama_config(SHAPES[cfg["shape"]], cfg["prompt_len"] + cfg["response_len"] + 8)
     torch.manual_seed(cfg["seed"])
     with torch.device(device):
         policy = LlamaForCausalLM(conf)

@@ -32,3 +32,19 @@ def llama_shape(name: str, **overrides) -> dict:
     if name not in LLAMA_SHAPES:
         raise KeyError(f"unknown shape {name!r}; known: {', '.join(LLAMA_SHAPES)}")
     return {**LLAMA_SHAPES[name], **overrides}
+
+
+def llama_config(shape: dict, max_position_embeddings: int, **extra):
+    """A ``LlamaConfig`` of ``shape`` with the demos' special tokens (pad 0, bos 1, eos 2) and one label
+    (so the same config builds a causal LM and a sequence-classification value/reward model)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **shape,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_labels=1,
+        **extra,
+    )
