@@ -107,6 +107,17 @@ class PPOConfig(TrainingArguments):
             "policy's last hidden state, so one forward gives log-probs and values."
         },
     )
+    ref_model_quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hold the frozen reference policy in '8bit' or '4bit' (bitsandbytes NF4); None keeps it as "
+            "given. Not with LoRA (the reference is then the adapter-disabled policy itself)."
+        },
+    )
+    reward_model_quantization: str | None = field(
+        default=None,
+        metadata={"help": "Hold the frozen reward model in '8bit' or '4bit' (bitsandbytes); None keeps it."},
+    )
     rollout_backend: str = field(
         default="auto",
         metadata={"help": "'auto' (fast engine on GPU, model.generate elsewhere), 'static' or 'hf'."},
@@ -134,6 +145,10 @@ class PPOConfig(TrainingArguments):
             errors.append(f"value_mode={self.value_mode!r}: allowed 'separate' or 'fused'")
         if self.rollout_backend not in ("auto", "static", "hf"):
             errors.append(f"rollout_backend={self.rollout_backend!r}: allowed 'auto', 'static' or 'hf'")
+        for name in ("ref_model_quantization", "reward_model_quantization"):
+            value = getattr(self, name)
+            if value is not None and value not in ("8bit", "4bit"):
+                errors.append(f"{name}={value!r}: allowed None, '8bit' or '4bit'")
         if self.rollout_decode_mode not in ("auto", "compile", "cuda_graph", "eager"):
             errors.append(
                 f"rollout_decode_mode={self.rollout_decode_mode!r}: allowed 'auto', 'compile', 'cuda_graph' or 'eager'"

@@ -45,6 +45,7 @@ from rapidfire_hf.ppo.modeling import (
     sequence_inputs,
     value_positions,
 )
+from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
 from rapidfire_hf.ppo.recovery import OOMRecoveryMixin
 from rapidfire_hf.ppo.reporting import ReportingMixin
 
@@ -148,7 +149,9 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         policy = self._apply_peft(model, peft_config)
         self.is_peft = hasattr(policy, "peft_config")
         self.ref_model = self._make_reference(policy, ref_model)
-        self.reward_model = reward_model
+        self.reward_model = self._maybe_quantize(
+            reward_model, args.reward_model_quantization, "reward_model_quantization"
+        )
         self.reward_funcs = self._as_list(reward_funcs)
         if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
             raise ValueError(
@@ -207,8 +210,9 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         self.model, self.optimizer = acc.prepare(module, self.optimizer)
         for name in ("ref_model", "reward_model"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).to(acc.device).eval())
+            frozen = getattr(self, name)
+            if frozen is not None:  # bitsandbytes models are placed at load time and refuse .to()
+                setattr(self, name, (frozen if is_quantized(frozen) else frozen.to(acc.device)).eval())
 
         self.precision_plugin = self._make_precision_plugin()
         self.state = PPOTrainerState(
@@ -359,14 +363,41 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         return get_peft_model(model, peft_config)
 
     def _make_reference(self, policy, ref_model):
+        bits = self.args.ref_model_quantization
+        if self.is_peft:
+            if bits is not None:
+                raise ValueError(
+                    f"ref_model_quantization={bits!r} with LoRA: the reference is the adapter-disabled policy "
+                    "itself, not a separate model. Quantize the base model when loading it (QLoRA) instead."
+                )
+            if ref_model is None:
+                return None  # the adapter-disabled policy is the reference
         if ref_model is not None:
             ref_model.requires_grad_(False)
-            return ref_model
-        if self.is_peft:
-            return None  # the adapter-disabled policy is the reference
+            return self._maybe_quantize(ref_model, bits, "ref_model_quantization")
+        if bits is not None:  # a quantized frozen copy, without a full-precision one on the way
+            return self._maybe_quantize(policy, bits, "ref_model_quantization")
         ref = copy.deepcopy(policy)
         ref.requires_grad_(False)
         return ref
+
+    def _maybe_quantize(self, model, bits: str | None, option: str):
+        """``model`` as given, or a frozen 8-bit/4-bit copy of it (see :mod:`rapidfire_hf.ppo.quantized`)."""
+        if model is None:
+            if bits is not None:
+                raise ValueError(
+                    f"{option}={bits!r} but there is no such model (reward_funcs score instead?)"
+                )
+            return None
+        if bits is None or is_quantized(model):
+            return model
+        if not hasattr(model, "save_pretrained"):
+            raise TypeError(
+                f"{option}={bits!r} needs a transformers model (save_pretrained/from_pretrained); got "
+                f"{type(model).__name__}. Load it quantized yourself or drop the option."
+            )
+        logger.info("rapidfire: holding the frozen %s in %s (%s)", type(model).__name__, bits, option)
+        return quantized_copy(model, bits, device=self.accelerator.device)
 
     def _make_optimizer(self, module, optimizer, optimizers):
         args = self.args
