@@ -11,10 +11,11 @@ from rapidfire_hf.demo import (
     build_tiny_value_model,
     make_prompt_dataset,
 )
-from rapidfire_hf.ppo import PPOConfig, PPOTrainer, load_quantized
+from rapidfire_hf.ppo import PPOTrainer, load_quantized
 from rapidfire_hf.ppo.modeling import policy_logprobs
 from rapidfire_hf.ppo.quantized import is_quantized
 from rapidfire_hf.utils.imports import is_available
+from tests.ppo.helpers import ppo_args
 
 needs_bnb = pytest.mark.skipif(not is_available("bitsandbytes"), reason="bitsandbytes not installed")
 
@@ -25,23 +26,20 @@ def tok():
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        num_mini_batches=1,
-        num_ppo_epochs=1,
-        response_length=6,
-        stop_token="eos",
-        learning_rate=1e-3,
-        max_steps=2,
-        logging_steps=1,
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-        seed=3,
+    return ppo_args(tmp_path, gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=1, **kw)
+
+
+def _rule_trainer(tmp_path, tok, peft_config=None, **args_kw):
+    """A trainer scored by a rule (no reward model), to check construction-time errors."""
+    return PPOTrainer(
+        args=_args(tmp_path, **args_kw),
+        processing_class=tok,
+        model=build_tiny_llama(tok),
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        value_model=build_tiny_value_model(tok),
+        train_dataset=make_prompt_dataset(8),
+        peft_config=peft_config,
     )
-    return PPOConfig(**{**base, **kw})
 
 
 def _linear_kinds(model) -> set[str]:
@@ -94,25 +92,12 @@ def test_quantization_option_errors(tmp_path, tok):
     with pytest.raises(ValueError, match="ref_model_quantization='int4'"):
         _args(tmp_path, ref_model_quantization="int4")
     with pytest.raises(ValueError, match="reward_model_quantization='8bit' but there is no such model"):
-        PPOTrainer(
-            args=_args(tmp_path, reward_model_quantization="8bit"),
-            processing_class=tok,
-            model=build_tiny_llama(tok),
-            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            value_model=build_tiny_value_model(tok),
-            train_dataset=make_prompt_dataset(8),
-        )
+        _rule_trainer(tmp_path, tok, reward_model_quantization="8bit")
     from peft import LoraConfig
 
     with pytest.raises(ValueError, match="with LoRA: the reference is the adapter-disabled policy"):
-        PPOTrainer(
-            args=_args(tmp_path, ref_model_quantization="8bit"),
-            processing_class=tok,
-            model=build_tiny_llama(tok),
-            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            value_model=build_tiny_value_model(tok),
-            train_dataset=make_prompt_dataset(8),
-            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+        _rule_trainer(
+            tmp_path, tok, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), ref_model_quantization="8bit"
         )
 
 
@@ -122,11 +107,4 @@ def test_missing_bitsandbytes_names_the_extra(tmp_path, tok, monkeypatch):
     original = imports.is_available
     monkeypatch.setattr(imports, "is_available", lambda name: name != "bitsandbytes" and original(name))
     with pytest.raises(ImportError, match=r"frozen model in 8bit.*rapidfire_hf\[bnb\]"):
-        PPOTrainer(
-            args=_args(tmp_path, ref_model_quantization="8bit"),
-            processing_class=tok,
-            model=build_tiny_llama(tok),
-            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            value_model=build_tiny_value_model(tok),
-            train_dataset=make_prompt_dataset(8),
-        )
+        _rule_trainer(tmp_path, tok, ref_model_quantization="8bit")

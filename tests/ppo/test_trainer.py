@@ -13,29 +13,10 @@ from rapidfire_hf.demo import (
     make_prompt_dataset,
     vowel_reward,
 )
-from rapidfire_hf.ppo import PPOConfig, PPOTrainer
+from rapidfire_hf.ppo import PPOTrainer
+from tests.ppo.helpers import ppo_args
 
-
-def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_mini_batches=2,
-        num_ppo_epochs=2,
-        response_length=6,
-        stop_token="eos",
-        learning_rate=1e-3,
-        max_steps=2,
-        logging_steps=1,
-        report_to=[],
-        disable_tqdm=True,
-        temperature=1.0,
-        use_cpu=True,
-        seed=3,
-    )
-    base.update(kw)
-    return PPOConfig(**base)
+_args = ppo_args
 
 
 def _trainer(tmp_path, tok, policy=None, value=None, **kw):
