@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from rapidfire_hf.demo import build_tiny_llama, build_tiny_value_model, make_prompt_dataset, vowel_reward
-from rapidfire_hf.ppo import PPOConfig, PPOTrainer
+from rapidfire_hf.ppo import PPOTrainer
 from rapidfire_hf.ppo.modeling import causal_lm_parts
+from tests.ppo.helpers import ppo_args
 
 
 def _train(tmp_path, tokenizer, max_rows=None, **kw):
@@ -26,21 +27,8 @@ def _train(tmp_path, tokenizer, max_rows=None, **kw):
                 raise torch.OutOfMemoryError(f"simulated: {rows} rows > {max_rows}")
 
         causal_lm_parts(policy)[0].register_forward_pre_hook(fake_oom, with_kwargs=True)
-    args = PPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_ppo_epochs=1,
-        response_length=6,
-        stop_token="eos",
-        max_steps=2,
-        report_to=[],
-        disable_tqdm=True,
-        temperature=1.0,
-        use_cpu=True,
-        seed=5,
-        logging_steps=1,
-        **kw,
+    args = ppo_args(
+        tmp_path, **{"num_ppo_epochs": 1, "num_mini_batches": 1, "learning_rate": 3e-6, "seed": 5, **kw}
     )
     # SGD, not Adam: Adam divides by sqrt(v), which turns summation-order rounding in a near-zero
     # gradient into a visible parameter difference; SGD keeps the comparison at rounding level.
