@@ -44,3 +44,19 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     build_tiny_llama(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture()
+def single_thread():
+    """One intra-op thread: tiny models are ~10x faster that way on the shared 2-core machines."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture()
+def no_rapidfire_env(monkeypatch):
+    """No RAPIDFIRE_* variables from the calling shell (they override config values)."""
+    for name in [n for n in os.environ if n.startswith("RAPIDFIRE_")]:
+        monkeypatch.delenv(name)

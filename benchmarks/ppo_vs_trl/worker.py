@@ -122,6 +122,16 @@ def count_trainable(module) -> int:
     return n
 
 
+def build_inputs(cfg: dict, device: str):
+    """Tokenizer, the four models (built and timed: ``build_s``) and the prompt dataset of one run."""
+    tok = build_tokenizer(cfg["shape_kwargs"]["vocab_size"])
+    _sync()
+    t0 = time.perf_counter()
+    models = build_models(cfg, device)
+    _sync()
+    return tok, models, time.perf_counter() - t0, dataset(cfg, cfg["batch"] * cfg["updates"])
+
+
 def common_args(cfg: dict, device: str) -> dict:
     learning = cfg["part"] == "learning"
     return dict(
@@ -178,13 +188,7 @@ def run_trl(cfg: dict, device: str) -> dict:
             if logs and "objective/scores" in logs:
                 rewards.append(logs["objective/scores"])
 
-    tok = build_tokenizer(cfg["shape_kwargs"]["vocab_size"])
-    _sync()
-    t0 = time.perf_counter()
-    policy, ref, value, reward = build_models(cfg, device)
-    _sync()
-    build_s = time.perf_counter() - t0
-    ds = dataset(cfg, cfg["batch"] * cfg["updates"])
+    tok, (policy, ref, value, reward), build_s, ds = build_inputs(cfg, device)
     args = PPOConfig(
         **{k: v for k, v in common_args(cfg, device).items() if k != "use_cpu"},
         num_sample_generations=0,
@@ -221,14 +225,8 @@ def build_ours(cfg: dict, device: str):
     """Our PPOTrainer on the benchmark's models and data (also used by profile_ours.py)."""
     from rapidfire_hf import PPOConfig, PPOTrainer
 
-    tok = build_tokenizer(cfg["shape_kwargs"]["vocab_size"])
-    _sync()
-    t0 = time.perf_counter()
-    policy, ref, value, reward = build_models(cfg, device)
-    _sync()
-    build_s = time.perf_counter() - t0
+    tok, (policy, ref, value, reward), build_s, ds = build_inputs(cfg, device)
     fused = cfg["value_mode"] == "fused"
-    ds = dataset(cfg, cfg["batch"] * cfg["updates"])
     args = PPOConfig(
         **common_args(cfg, device),
         value_mode=cfg["value_mode"],

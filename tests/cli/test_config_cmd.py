@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,9 +18,8 @@ ADVANCED = REPO / "config" / "advanced.yaml"
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in [n for n in os.environ if n.startswith("RAPIDFIRE_")]:
-        monkeypatch.delenv(name)
+def clean_env(no_rapidfire_env):
+    """Tests start without RAPIDFIRE_* variables from the calling shell."""
 
 
 @pytest.fixture()

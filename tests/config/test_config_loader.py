@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -22,10 +21,8 @@ ADVANCED = REPO / "config" / "advanced.yaml"
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
+def clean_env(no_rapidfire_env):
     """Tests start without RAPIDFIRE_* variables from the calling shell."""
-    for name in [n for n in os.environ if n.startswith("RAPIDFIRE_")]:
-        monkeypatch.delenv(name)
 
 
 def test_advanced_yaml_values():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 PROMPTS = ["task: abc ->", "task: zq ->", "hello there, world ->", "x", "task: mnopq ->"]
 
@@ -16,9 +15,5 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these tiny models are ~10x faster that way on the shared 2-core machines."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread):
+    """Every test here runs single-threaded (``single_thread`` in tests/conftest.py)."""

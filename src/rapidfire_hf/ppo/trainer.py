@@ -333,10 +333,11 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         ``torch.autograd.grad`` only: no ``.grad`` is written, so no optimizer hook fires.
         """
         plugin, args = self.precision_plugin, self.args
+        if getattr(self, "_calibration_skipped", False):
+            return
         if any(p.dtype != torch.float32 for p in plugin.model.parameters()):
-            if not getattr(self, "_calibration_skipped", False):
-                logger.info("rapidfire: no precision sensitivity pass (the model's weights are not fp32)")
-                self._calibration_skipped = True
+            logger.info("rapidfire: no precision sensitivity pass (the model's weights are not fp32)")
+            self._calibration_skipped = True
             return
         ctx = exp.rollout.queries.shape[1]
 

@@ -212,10 +212,8 @@ class StaticEngine:
             buf.sin.copy_(sin)
         buf.key_valid.zero_()
         buf.key_valid[:, :p] = attention_mask.bool()
-        stops = torch.tensor(self.stop_token_ids or [-1], dtype=torch.long, device=device)
-        if buf.stops is None or not torch.equal(buf.stops.cpu(), stops.cpu()):
-            buf.stops = stops
-            self._reset_graphs()
+        if buf.stops is None:  # the engine's stop ids are fixed: set once per buffer (no host round trip)
+            buf.stops = torch.tensor(self.stop_token_ids or [-1], dtype=torch.long, device=device)
         buf.tokens.fill_(self.pad_token_id)
         buf.logprobs.zero_()
         return buf
