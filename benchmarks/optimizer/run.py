@@ -15,6 +15,15 @@ saves is then easiest to read, one gradient = 2 bytes/param), sequence 512, on o
 * ``rf_verify_only``: pipeline off + verification (verify-then-apply needs no snapshot)
 * ``*_accum``: 8 micro-batches per optimizer step instead of 1 (2 with ``--smoke``)
 * ``bnb_adamw8bit`` / ``rf_adamw8bit_pipeline``: bitsandbytes 8-bit inner (when installed)
+* ``rf_pipeline_overlap`` / ``rf_rollback_overlap``: ``pipeline_overlap=1``, the bucket steps (and the
+  device snapshot) on a side CUDA stream next to backward (and the next forward)
+* ``*_ckpt``: the model with activation checkpointing (``gradient_checkpointing_enable()``), the
+  regime where a full gradient buffer, not the activations, sets the peak: what the pipeline frees
+  shows up in ``peak_gib`` there; without checkpointing the peak is at the start of backward, when
+  no gradient exists yet in either loop
+
+``held_at_step_gib`` is the memory allocated just before ``step()``: parameters + optimizer state +
+the gradients still held (all of them for a plain loop, none for a pipelined window).
 
 plus the time of one snapshot (device, host) and one rollback (restore). Each variant reports the
 median/min/max step time and, on CUDA, the peak allocated memory over the timed steps
@@ -56,7 +65,7 @@ FULL = {
     "batch": 4,
     "dtype": torch.bfloat16,
     "warmup": 2,
-    "steps": 5,
+    "steps": 8,
     "accum": 8,
 }
 SMOKE = {
@@ -154,6 +163,26 @@ def variants(device: str, accum: int, buckets=DEFAULT_BUCKETS) -> dict[str, tupl
             1,
             True,
         ),
+        "rf_pipeline_overlap": (
+            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, pipeline_overlap=1.0),
+            1,
+            False,
+        ),
+        "rf_rollback_overlap": (
+            lambda ps: RapidFireOptimizer(
+                ps, lr=1e-5, gradient_pipeline=True, rollback="auto", pipeline_overlap=1.0
+            ),
+            1,
+            True,
+        ),
+        # activation checkpointing: the peak is the optimizer step's (gradients + state), not backward's
+        "torch_adamw_ckpt": (lambda ps: torch.optim.AdamW(ps, lr=1e-5, **fused), 1, False, True),
+        "rf_pipeline_ckpt": (
+            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True), 1, False, True
+        ),
+        "rf_rollback_ckpt": (
+            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, rollback="auto"), 1, True, True
+        ),
         "torch_adamw_accum": (lambda ps: torch.optim.AdamW(ps, lr=1e-5, **fused), accum, False),
         "rf_pipeline_on_accum": (
             lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, accumulation_steps=accum),
@@ -196,11 +225,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool) -> dict:
+def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool, ckpt: bool = False) -> dict:
     model = build_model(shape, device)
+    if ckpt:
+        model.gradient_checkpointing_enable()
+        model.train()
     opt = make_opt(model.parameters())
     ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
-    times, opt_times = [], []
+    times, opt_times, held = [], [], []
     for i in range(shape["warmup"] + shape["steps"]):
         if i == shape["warmup"] and device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -213,6 +245,8 @@ def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool) -
                 opt.observe_loss(loss)
             (loss / micro).backward()
         step_start = time.perf_counter()
+        if device == "cuda":  # an allocator counter: no sync
+            held.append(torch.cuda.memory_allocated() / 2**30)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(device)
@@ -225,6 +259,7 @@ def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool) -
         "times_ms": [1e3 * t for t in times[shape["warmup"] :]],
         "opt_ms": [1e3 * t for t in opt_times[shape["warmup"] :]],
         "micro_batches": micro,
+        "held_at_step_gib": statistics.median(held[shape["warmup"] :]) if held else None,
     }
     # peak allocated over the timed steps (reset after warm-up); not measured on the CPU
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
@@ -253,10 +288,42 @@ def merge_rounds(rounds: list[dict]) -> dict:
         "opt_ms_p50": statistics.median(t for r in rounds for t in r["opt_ms"]),
         "micro_batches": rounds[0]["micro_batches"],
         "peak_gib": max(peaks) if peaks else None,
+        "held_at_step_gib": max((r["held_at_step_gib"] for r in rounds if r["held_at_step_gib"]), default=None),
+        # per-round medians, for paired comparisons across variants that ran in the same round
+        "round_ms_p50": [statistics.median(r["times_ms"]) for r in rounds],
     }
     if "stats" in rounds[-1]:
         result["stats"] = rounds[-1]["stats"]
     return result
+
+
+def reference_of(name: str) -> str:
+    """The plain torch loop a variant is compared with: same micro-batches, same checkpointing."""
+    if name.endswith("_accum"):
+        return "torch_adamw_accum"
+    if name.endswith("_ckpt"):
+        return "torch_adamw_ckpt"
+    if name.startswith("rf_clip"):
+        return "torch_adamw_clip"
+    if "8bit" in name:
+        return "bnb_adamw8bit"
+    return "torch_adamw"
+
+
+def add_paired_ratios(variants: dict) -> None:
+    """``vs_reference``: step time / its reference's, per round (both ran in the same round, minutes
+    apart at most), as median/min/max over rounds. A ratio under 1 is faster than the reference."""
+    for name, r in variants.items():
+        ref = variants.get(reference_of(name))
+        if ref is None or ref is r:
+            continue
+        ratios = [a / b for a, b in zip(r["round_ms_p50"], ref["round_ms_p50"])]
+        r["vs_reference"] = {
+            "reference": reference_of(name),
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        }
 
 
 def snapshot_costs(shape: dict, device: str) -> dict:
@@ -288,13 +355,18 @@ def snapshot_costs(shape: dict, device: str) -> dict:
 def summary(variants: dict) -> str:
     """A plain-text table: step time, optimizer work (step() + bucket steps in the hooks), peak memory,
     bucket count."""
-    lines = [f"{'variant':28s} {'p50 ms':>9s} {'min ms':>9s} {'opt ms':>9s} {'peak GiB':>9s} {'buckets':>8s}"]
+    lines = [
+        f"{'variant':28s} {'p50 ms':>9s} {'min ms':>9s} {'opt ms':>9s} {'peak GiB':>9s} {'held GiB':>9s} "
+        f"{'vs torch':>9s} {'buckets':>8s}"
+    ]
     for name, r in variants.items():
         peak = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
+        held = "-" if r.get("held_at_step_gib") is None else f"{r['held_at_step_gib']:.2f}"
+        ratio = "-" if r.get("vs_reference") is None else f"{r['vs_reference']['median']:.3f}"
         buckets = r.get("stats", {}).get("pipeline_buckets") or "-"
         lines.append(
             f"{name:28s} {r['step_ms_p50']:9.1f} {r['step_ms_min']:9.1f} {r['opt_ms_p50']:9.2f} {peak:>9s} "
-            f"{buckets!s:>8s}"
+            f"{held:>9s} {ratio:>9s} {buckets!s:>8s}"
         )
     return "\n".join(lines)
 
@@ -306,13 +378,18 @@ def chart(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results["variants"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    axes[0].barh(names, [results["variants"][n]["step_ms_p50"] for n in names])
+    v = results["variants"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 6))
+    axes[0].barh(names, [v[n]["step_ms_p50"] for n in names])
     axes[0].set_xlabel("step time, ms (median)")
-    if all(results["variants"][n].get("peak_gib") is not None for n in names):
-        axes[1].barh(names, [results["variants"][n]["peak_gib"] for n in names])
-        axes[1].set_xlabel("peak allocated, GiB")
-    axes[1].set_yticks([])
+    for ax, key, label in (
+        (axes[1], "peak_gib", "peak allocated, GiB"),
+        (axes[2], "held_at_step_gib", "allocated just before step(), GiB"),
+    ):
+        if all(v[n].get(key) is not None for n in names):
+            ax.barh(names, [v[n][key] for n in names])
+            ax.set_xlabel(label)
+        ax.set_yticks([])
     fig.suptitle(f"RapidFireOptimizer vs torch AdamW — {results['device_name']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -383,10 +460,12 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = {n: v for n, v in table.items() if not args.only or n in args.only}
     rounds: dict[str, list[dict]] = {n: [] for n in chosen}
     for _ in range(max(1, args.rounds)):
-        for name, (make_opt, micro, observe) in chosen.items():
-            rounds[name].append(run_variant(shape, device, make_opt, micro, observe))
+        for name, (make_opt, micro, observe, *ckpt) in chosen.items():
+            rounds[name].append(run_variant(shape, device, make_opt, micro, observe, *ckpt))
     for name in chosen:
         results["variants"][name] = merge_rounds(rounds[name])
+    add_paired_ratios(results["variants"])
+    for name in chosen:
         print(
             name, json.dumps({k: v for k, v in results["variants"][name].items() if k != "stats"}), flush=True
         )

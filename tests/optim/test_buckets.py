@@ -387,3 +387,43 @@ def test_bucket_mb_is_kept_when_the_pipeline_is_enabled_later():
     assert opt.stats()["pipeline_buckets"] == 0
     opt.enable_pipeline()
     assert opt.stats()["pipeline_buckets"] == 1
+
+
+@pytest.mark.parametrize("value", ["yes", 1.5, -0.1, None])
+def test_invalid_pipeline_overlap_is_a_clear_value_error(value):
+    with pytest.raises(ValueError, match=r"pipeline_overlap=.*must be a number from 0"):
+        RapidFireOptimizer(lr=1e-3, gradient_pipeline=True, pipeline_overlap=value)
+
+
+def test_pipeline_overlap_is_the_same_arithmetic_on_cpu():
+    """Off CUDA there is no side stream: overlap=True steps exactly like the inner AdamW alone."""
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True), list(range(STEPS)))
+    model = make_model()
+    opt = RapidFireOptimizer(
+        model.parameters(), lr=1e-2, gradient_pipeline=True, pipeline_bucket_mb=TINY, pipeline_overlap=True
+    )
+    train(model, opt, list(range(STEPS)))
+    assert_same_params(model, ref)
+    assert all(b.side for b in opt._pipeline.buckets)
+    assert not opt._pipeline._streams  # no stream was made for CPU tensors
+    assert opt.stats()["pipelined_steps"] == STEPS
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_pipeline_overlap_share_picks_the_first_buckets_of_backward(share):
+    model = make_model()
+    opt = RapidFireOptimizer(
+        model.parameters(), lr=1e-2, gradient_pipeline=True, pipeline_bucket_mb=TINY, pipeline_overlap=share
+    )
+    train(model, opt, [0])  # the first window teaches the bucket order
+    buckets = opt._pipeline.buckets
+    sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in buckets]
+    side = [b.side for b in buckets]
+    assert side == sorted(side, reverse=True)  # a prefix of the gradient order
+    on_side = sum(s for s, flag in zip(sizes, side) if flag)
+    assert on_side <= share * sum(sizes) + 0.5
+    if share == 1.0:
+        assert all(side)
+    if share == 0.0:
+        assert not any(side)

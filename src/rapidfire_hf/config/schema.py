@@ -169,7 +169,9 @@ class GradientConfig(_Section):
     )
     overlap_factor: float = _field(
         0.5,
-        "Share of the optimizer step allowed to overlap backward (0: none, 1: all of it).",
+        "Share of the optimizer step allowed to overlap backward on CUDA (0: none, 1: all of it): the "
+        "gradient pipeline steps that share of the gradient bytes, first buckets of backward first, "
+        "on a side stream next to the rest of backward (RapidFireOptimizer's pipeline_overlap).",
         Float(0.0, 1.0),
     )
     sync_interval: int = _field(

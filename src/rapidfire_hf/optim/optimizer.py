@@ -18,7 +18,7 @@ from rapidfire_hf.optim.inner import (
     normalize_param_groups,
     resolve_inner_class,
 )
-from rapidfire_hf.optim.pipeline import GradientPipeline, check_bucket_mb
+from rapidfire_hf.optim.pipeline import GradientPipeline, check_bucket_mb, check_overlap
 from rapidfire_hf.optim.snapshot import Snapshot
 from rapidfire_hf.optim.verification import CLIP_EPS, VerificationMixin
 
@@ -48,6 +48,11 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             each stepped with one inner ``step()`` call (one multi-tensor kernel for foreach/fused
             AdamW). Larger buckets mean fewer calls but gradients held a little longer; ``0`` steps each
             parameter on its own. The result is the same for any size.
+        pipeline_overlap: on CUDA, the share (0 to 1; True = 1) of the gradient bytes, in the order
+            gradients complete, whose bucket steps run on a side stream next to the rest of backward
+            instead of after it in the same stream; above 0 a device snapshot is copied on that
+            stream too, next to the following forward. ``step()`` joins the streams. The arithmetic
+            is the same, so is the result. No effect on the CPU.
         accumulation_steps: backwards per window when not under accelerate (default: 1, or accelerate's
             ``sync_gradients`` when an ``Accelerator`` exists).
         max_grad_norm: clip the global L2 gradient norm to this value (like ``clip_grad_norm_``).
@@ -99,6 +104,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         optimizer: str | type | torch.optim.Optimizer = "adamw",
         gradient_pipeline: bool = False,
         pipeline_bucket_mb: float = 64.0,
+        pipeline_overlap: float = 0.0,
         accumulation_steps: int | None = None,
         max_grad_norm: float | None = None,
         rollback: str = "off",
@@ -141,6 +147,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
                 f"max_grad_norm={max_grad_norm!r}, rollback={rollback!r}."
             )
         self.pipeline_bucket_mb = check_bucket_mb(pipeline_bucket_mb)
+        self.pipeline_overlap = check_overlap(pipeline_overlap)
         self._spec = optimizer
         self._inner_kwargs = dict(inner_kwargs)
         self._fused = enable_fused_kernels
@@ -260,7 +267,13 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             self._pipeline.attach(self.inner)
         self._applied_since_snapshot = self.snapshot_interval  # the snapshot lacks the new parameters
 
+    def _join(self) -> None:
+        """Wait (on the device) for bucket steps still queued on the pipeline's side stream."""
+        if self._pipeline is not None:
+            self._pipeline.join()
+
     def state_dict(self) -> dict[str, Any]:
+        self._join()
         sd = self.inner.state_dict()
         sd["rapidfire"] = {
             "health": self._health.state_dict(),
@@ -270,6 +283,8 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._join()
+        self._snapshot.wait()  # a snapshot copy may still be reading what is about to be overwritten
         state_dict = dict(state_dict)
         extra = state_dict.pop("rapidfire", None)
         self.inner.load_state_dict(state_dict)
@@ -300,9 +315,16 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         if self._pipeline is None:
             need_norms = self.max_grad_norm is not None or self.rollback == "auto"
             self._pipeline = GradientPipeline(
-                self._plan_window, self.accumulation_steps, need_norms, self.pipeline_bucket_mb
+                self._plan_window,
+                self.accumulation_steps,
+                need_norms,
+                self.pipeline_bucket_mb,
+                overlap=self.pipeline_overlap,
             )
             self._pipeline.attach(self._inner)
+            devices = {p.device for p in self._params if p.is_cuda}
+            if self.pipeline_overlap > 0 and len(devices) == 1:
+                self._snapshot.shared_stream = self._pipeline.stream_for(devices.pop())
         self._pipeline.enabled = True
         self._maybe_snapshot()
 
@@ -357,6 +379,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         if closure is not None:
             raise RuntimeError("RapidFireOptimizer does not support closures: call backward() before step().")
         inner = self.inner
+        self._join()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         self.last_step_skipped = False
@@ -390,6 +413,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
     def _finish_pipelined(self, inner: torch.optim.Optimizer) -> None:
         """Pipelined window: step parameters whose hooks did not fire, then verify what was applied."""
         self._pipeline.step_leftovers(self._params)
+        self._pipeline.join()
         norms = self._pipeline.ordered_norms()
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
         flags = {}

@@ -32,6 +32,7 @@ Which backward closes a window:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
@@ -74,12 +75,25 @@ def check_bucket_mb(value) -> float:
     return float(value)
 
 
+def check_overlap(value) -> float:
+    """``pipeline_overlap`` as a float in [0, 1] (True = 1, False = 0), or a ValueError."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"pipeline_overlap={value!r}: must be a number from 0 (every bucket step on the backward "
+            "stream) to 1 (every bucket step on a side CUDA stream), or True/False."
+        )
+    return float(value)
+
+
 class Bucket:
     """Parameters of one param group (and device) stepped together: one inner call, one norm call."""
 
-    __slots__ = ("index", "group_index", "params", "stepper", "hooked")
+    __slots__ = ("index", "group_index", "params", "stepper", "hooked", "side")
 
     def __init__(self, index: int, group_index: int, stepper: BucketStepper, hooked: int):
+        self.side = False  # stepped on the side stream (GradientPipeline overlap)
         self.index = index
         self.group_index = group_index
         self.stepper = stepper
@@ -102,6 +116,15 @@ class GradientPipeline:
             and health rules).
         bucket_mb: MiB of gradient per bucket (0: one parameter per bucket).
         learn_order: re-cut the buckets once from the hook order of the first closing window.
+        overlap: share (0 to 1) of the gradient bytes, counted over the buckets in the order their
+            gradients complete, whose bucket steps run on a CUDA side stream, so that the
+            (memory-bound) optimizer kernels can run next to the (compute-bound) rest of backward
+            instead of after it in the same stream; the last buckets of backward have little left to
+            overlap with and stay on the backward stream below 1. The side stream waits for everything the backward stream enqueued before the
+            bucket's last gradient, and :meth:`join` makes the backward stream wait for the side stream
+            (``RapidFireOptimizer.step()`` joins before it reads norms or the next forward can start).
+            Freed gradients are recorded on the side stream so the allocator does not hand their memory
+            to the backward stream before the step that reads them ran. No effect on the CPU.
     """
 
     def __init__(
@@ -111,7 +134,11 @@ class GradientPipeline:
         need_norms: bool,
         bucket_mb: float = 64.0,
         learn_order: bool = True,
+        overlap: float = 0.0,
     ):
+        self.overlap = check_overlap(overlap)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pending: set[torch.device] = set()
         self.plan_window = plan_window
         self.accumulation_steps = accumulation_steps
         self.need_norms = need_norms
@@ -163,6 +190,11 @@ class GradientPipeline:
         for gi, params in plan_buckets(optimizer, segments, self.bucket_bytes, self._hooked.__contains__):
             stepper = BucketStepper(optimizer, optimizer.param_groups[gi], params)
             buckets.append(Bucket(len(buckets), gi, stepper, sum(p in self._hooked for p in params)))
+        total = sum(p.numel() * p.element_size() for b in buckets for p in b.params)
+        done = 0
+        for b in buckets:  # the first `overlap` share of the bytes, in gradient order, on the side stream
+            done += sum(p.numel() * p.element_size() for p in b.params)
+            b.side = self.overlap > 0 and done <= self.overlap * total + 0.5
         self.buckets = buckets
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._fired.clear()
@@ -213,18 +245,43 @@ class GradientPipeline:
         if not params:
             return
         grads = [p.grad for p in params]
-        if self.need_norms:
-            norms = torch._foreach_norm(grads)
-            for p, norm in zip(params, norms):
-                self.norms[self._order[p]] = norm
-        if self.grad_scale != 1.0:  # the predicted clip coefficient (clip_prediction="scale")
-            torch._foreach_mul_(grads, self.grad_scale)
-        bucket.stepper.step(params)
+        stream = self.stream_for(params[0].device) if bucket.side else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(params[0].device))
+            with self._lock:
+                self._pending.add(params[0].device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if self.need_norms:
+                norms = torch._foreach_norm(grads)
+                for p, norm in zip(params, norms):
+                    self.norms[self._order[p]] = norm
+            if self.grad_scale != 1.0:  # the predicted clip coefficient (clip_prediction="scale")
+                torch._foreach_mul_(grads, self.grad_scale)
+            bucket.stepper.step(params)
         for p in params:
+            if stream is not None:
+                p.grad.record_stream(stream)
             p.grad = None
         with self._lock:
             self.stepped.update(params)
             self.bucket_steps += 1
+
+    def stream_for(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The side stream of ``device`` (created once), or None off CUDA."""
+        if device.type != "cuda":
+            return None
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def join(self) -> None:
+        """Make each device's current stream wait for the bucket steps queued on its side stream."""
+        with self._lock:
+            pending, self._pending = self._pending, set()
+        for device in pending:
+            torch.cuda.current_stream(device).wait_stream(self._streams[device])
 
     def step_param(self, p: torch.Tensor) -> None:
         """Step ``p`` alone with the inner optimizer and free its gradient."""
