@@ -2,7 +2,7 @@
 
     python benchmarks/ppo_vs_trl/summarize.py [--results benchmarks/ppo_vs_trl/results]
 
-Reads the row files that run.py wrote (results.json, trl_large_batches.json, ours_compiled_decode.json,
+Reads the row files that run.py wrote (results.json, trl_large_batches.json, ours_compiled_decode.json, fused_b256_compiled.json,
 any other *.json with "rows"), keeps the throughput rows, and writes summary.csv and summary.png:
 tokens/s against rollout batch per system, each row labelled with the run it came from.
 """
@@ -27,7 +27,8 @@ def load_rows(folder: Path) -> list[dict]:
         data = json.loads(path.read_text())
         for row in data.get("rows", []) if isinstance(data, dict) else []:
             if row.get("part") == "throughput" and row.get("status") == "ok":
-                decode = "compiled decode" if path.stem == "ours_compiled_decode" else None
+                # runs with the compiled decode step (decode_mode "auto" on GPU) are stored as *compiled*.json
+                decode = "compiled decode" if "compiled" in path.stem else None
                 if row["system"] == "rapidfire" and decode is None:
                     decode = "CUDA-graph decode"
                 rows.append({**row, "source": path.name, "decode": decode})

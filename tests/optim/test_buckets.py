@@ -427,3 +427,9 @@ def test_pipeline_overlap_share_picks_the_first_buckets_of_backward(share):
         assert all(side)
     if share == 0.0:
         assert not any(side)
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "4", True])
+def test_invalid_pipeline_depth_is_a_clear_value_error(value):
+    with pytest.raises(ValueError, match=r"pipeline_depth=.*must be an int >= 1"):
+        RapidFireOptimizer(lr=1e-3, gradient_pipeline=True, pipeline_depth=value)

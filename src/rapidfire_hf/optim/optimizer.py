@@ -53,6 +53,8 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             instead of after it in the same stream; above 0 a device snapshot is copied on that
             stream too, next to the following forward. ``step()`` joins the streams. The arithmetic
             is the same, so is the result. No effect on the CPU.
+        pipeline_depth: with ``pipeline_overlap``, bucket steps that may be queued on the side stream
+            before backward waits for them on the device (None: until ``step()``).
         accumulation_steps: backwards per window when not under accelerate (default: 1, or accelerate's
             ``sync_gradients`` when an ``Accelerator`` exists).
         max_grad_norm: clip the global L2 gradient norm to this value (like ``clip_grad_norm_``).
@@ -105,6 +107,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         gradient_pipeline: bool = False,
         pipeline_bucket_mb: float = 64.0,
         pipeline_overlap: float = 0.0,
+        pipeline_depth: int | None = None,
         accumulation_steps: int | None = None,
         max_grad_norm: float | None = None,
         rollback: str = "off",
@@ -148,6 +151,11 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             )
         self.pipeline_bucket_mb = check_bucket_mb(pipeline_bucket_mb)
         self.pipeline_overlap = check_overlap(pipeline_overlap)
+        if pipeline_depth is not None and (
+            isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int) or pipeline_depth < 1
+        ):
+            raise ValueError(f"pipeline_depth={pipeline_depth!r}: must be an int >= 1 or None (no limit)")
+        self.pipeline_depth = pipeline_depth
         self._spec = optimizer
         self._inner_kwargs = dict(inner_kwargs)
         self._fused = enable_fused_kernels
@@ -320,6 +328,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
                 need_norms,
                 self.pipeline_bucket_mb,
                 overlap=self.pipeline_overlap,
+                max_in_flight=self.pipeline_depth,
             )
             self._pipeline.attach(self._inner)
             devices = {p.device for p in self._params if p.is_cuda}

@@ -125,6 +125,9 @@ class GradientPipeline:
             (``RapidFireOptimizer.step()`` joins before it reads norms or the next forward can start).
             Freed gradients are recorded on the side stream so the allocator does not hand their memory
             to the backward stream before the step that reads them ran. No effect on the CPU.
+        max_in_flight: with ``overlap``, bucket steps that may be queued on the side stream before the
+            backward stream waits for them (a device-side wait, no host sync); bounds the gradient
+            memory still held for queued steps. None: no limit until ``join()``.
     """
 
     def __init__(
@@ -135,8 +138,13 @@ class GradientPipeline:
         bucket_mb: float = 64.0,
         learn_order: bool = True,
         overlap: float = 0.0,
+        max_in_flight: int | None = None,
     ):
         self.overlap = check_overlap(overlap)
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"pipeline_depth={max_in_flight!r}: must be an int >= 1 or None (no limit)")
+        self.max_in_flight = max_in_flight
+        self._in_flight = 0
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: set[torch.device] = set()
         self.plan_window = plan_window
@@ -247,9 +255,16 @@ class GradientPipeline:
         grads = [p.grad for p in params]
         stream = self.stream_for(params[0].device) if bucket.side else None
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(params[0].device))
+            current = torch.cuda.current_stream(params[0].device)
+            stream.wait_stream(current)
             with self._lock:
                 self._pending.add(params[0].device)
+                self._in_flight += 1
+                full = self.max_in_flight is not None and self._in_flight > self.max_in_flight
+                if full:
+                    self._in_flight = 1
+            if full:  # the backward stream catches up with all but this step
+                current.wait_stream(stream)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if self.need_norms:
                 norms = torch._foreach_norm(grads)
@@ -280,6 +295,7 @@ class GradientPipeline:
         """Make each device's current stream wait for the bucket steps queued on its side stream."""
         with self._lock:
             pending, self._pending = self._pending, set()
+            self._in_flight = 0
         for device in pending:
             torch.cuda.current_stream(device).wait_stream(self._streams[device])
 

@@ -458,6 +458,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             gradient_pipeline=bool(self.rf_config.gradient.pipeline),
             pipeline_bucket_mb=self.rf_config.gradient.bucket_mb,
             pipeline_overlap=self.rf_config.gradient.overlap_factor,
+            pipeline_depth=self.rf_config.gradient.pipeline_depth,
             max_grad_norm=clip,
             rollback="auto",
             # predicting needs a clip to predict; without max_grad_norm the exact mode is the same
