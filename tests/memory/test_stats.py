@@ -69,3 +69,35 @@ def test_cpu_sample_has_rss_and_holdings():
     assert s.holdings["parameters"] == 20 * 4
     d = s.to_dict()
     assert d["fragmentation"] is None and d["holdings"]["parameters"] == 80
+
+
+def test_pressure_condition_holds_back_compaction_until_reserved_is_high():
+    frag = cuda_sample(100 * MiB, 1000 * MiB)  # 90% fragmented, 900 MiB cached
+    assert compaction_reason(frag, 0.3, None, 1, min_reserved_bytes=2000 * MiB) is None
+    assert compaction_reason(frag, 0.3, None, 1, min_reserved_bytes=1000 * MiB) is not None
+    assert compaction_reason(frag, 0.3, None, 1, min_reserved_bytes=None) is not None
+
+
+def test_expandable_segments_detected_from_the_environment(monkeypatch):
+    from rapidfire_hf.memory import allocator
+
+    for name in allocator.ALLOC_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(allocator, "_RUNTIME_EXPANDABLE", False)
+    assert not allocator.expandable_segments_active()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
+    assert allocator.expandable_segments_active()
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # read first, as torch does
+    assert not allocator.expandable_segments_active()
+
+
+def test_callback_pressure_fraction_is_validated_and_off_the_gpu_adds_no_condition():
+    import pytest
+
+    from rapidfire_hf.memory import MemoryCompactionCallback
+
+    with pytest.raises(ValueError, match="pressure_fraction"):
+        MemoryCompactionCallback(pressure_fraction=1.5, telemetry=False, expandable_segments=False)
+    cb = MemoryCompactionCallback(pressure_fraction=0.5, telemetry=False, expandable_segments=False)
+    if not torch.cuda.is_available():
+        assert cb.min_reserved_bytes() is None

@@ -23,6 +23,18 @@ ALLOC_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_
 EXPANDABLE = "expandable_segments:True"
 
 
+_RUNTIME_EXPANDABLE = False  # set_allocator turned expandable segments on after CUDA initialised
+
+
+def expandable_segments_active() -> bool:
+    """Whether the allocator configuration (environment, or our run-time switch) asks for expandable
+    segments."""
+    if _RUNTIME_EXPANDABLE:
+        return True
+    conf = user_allocator_config()
+    return conf is not None and "expandable_segments:true" in conf[1].replace(" ", "").lower()
+
+
 def user_allocator_config() -> tuple[str, str] | None:
     """The ``(variable, value)`` of an allocator configuration already set in the environment, if any."""
     for name in ALLOC_ENV_VARS:
@@ -68,6 +80,8 @@ def setup_allocator(expandable_segments: bool = True) -> str:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
         return "env"
     if _set_at_runtime(EXPANDABLE):
+        global _RUNTIME_EXPANDABLE
+        _RUNTIME_EXPANDABLE = True
         logger.warning(
             "rapidfire: CUDA was already initialised, so expandable_segments applies only to memory "
             "reserved from now on. Create MemoryCompactionCallback (or call setup_allocator) before the "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from transformers import TrainerCallback
 
-from rapidfire_hf.memory.allocator import setup_allocator
+from rapidfire_hf.memory.allocator import expandable_segments_active, setup_allocator
 from rapidfire_hf.memory.stats import (
     MemorySample,
     MiB,
@@ -26,6 +28,8 @@ LEVELS = ("conservative", "balanced", "aggressive")
 MIN_INTERVAL_STEPS = {"conservative": 50, "balanced": 20, "aggressive": 5}
 # Phase changes after which the cache is always released: generation leaves KV-cache blocks whose sizes
 # training never asks for again.
+# Under expandable segments, threshold compactions only once the allocator holds this share of the GPU.
+EXPANDABLE_PRESSURE = 0.85
 COMPACT_ON = {("rollout", "train"), ("rollout", "training")}
 
 
@@ -74,6 +78,7 @@ class MemoryCompactionCallback(TrainerCallback):
         telemetry: TelemetryWriter | bool | None = None,
         telemetry_dir: str | None = None,
         expandable_segments: bool = True,
+        pressure_fraction: float | None = None,
     ):
         config = getattr(config, "memory", config)
         threshold = (
@@ -96,6 +101,10 @@ class MemoryCompactionCallback(TrainerCallback):
             min_interval_steps if min_interval_steps is not None else MIN_INTERVAL_STEPS[level]
         )
         self.min_release_bytes = min_release_bytes
+        if pressure_fraction is not None and not 0.0 <= pressure_fraction <= 1.0:
+            raise ValueError(f"pressure_fraction={pressure_fraction!r}: expected a number in [0, 1]")
+        self.pressure_fraction = pressure_fraction
+        self._min_reserved: int | None | bool = False  # False: not computed yet
         self.sample_every = sample_every
         self.telemetry = get_telemetry() if telemetry is None or telemetry is True else telemetry or None
         self.telemetry_dir = telemetry_dir
@@ -157,9 +166,31 @@ class MemoryCompactionCallback(TrainerCallback):
         step = self._step if step is None else step
         since = None if self._last_compaction_step is None else step - self._last_compaction_step
         reason = compaction_reason(
-            sample, self.compaction_threshold, since, self.min_interval_steps, self.min_release_bytes
+            sample,
+            self.compaction_threshold,
+            since,
+            self.min_interval_steps,
+            self.min_release_bytes,
+            self.min_reserved_bytes(),
         )
         return self.compact(reason, step) if reason else 0
+
+    def min_reserved_bytes(self) -> int | None:
+        """Reserved bytes below which threshold compactions are skipped (memory pressure), or None.
+
+        ``pressure_fraction`` of the device's memory; by default ``EXPANDABLE_PRESSURE`` when the
+        allocator uses expandable segments (there a compaction returned no peak memory and cost 12% of
+        the step time on an H200, benchmarks/memory/results/h200) and no condition otherwise.
+        """
+        if self._min_reserved is False:
+            fraction = self.pressure_fraction
+            if fraction is None and expandable_segments_active():
+                fraction = EXPANDABLE_PRESSURE
+            if fraction is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+                return None  # decided again once CUDA is up
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            self._min_reserved = int(fraction * total)
+        return self._min_reserved
 
     def phase_boundary(self, previous: str, next_phase: str, step: int | None = None) -> int:
         """Called by a trainer between phases, e.g. ``phase_boundary("rollout", "train")``.

@@ -176,6 +176,7 @@ def compaction_reason(
     steps_since_last: int | None,
     min_interval_steps: int,
     min_release_bytes: int = 64 * MiB,
+    min_reserved_bytes: int | None = None,
 ) -> str | None:
     """Decide whether to release cached blocks now. A pure function of its arguments.
 
@@ -189,6 +190,10 @@ def compaction_reason(
         steps_since_last: Steps since the last compaction, ``None`` when there was none.
         min_interval_steps: Fewest steps between two threshold compactions.
         min_release_bytes: Smallest amount of cached free memory worth a compaction.
+        min_reserved_bytes: (4) compact only when the allocator holds at least this much (memory
+            pressure); None: no such condition. The callback sets it under expandable segments, where
+            a compaction measured on an H200 lowered no peak and cost 12% of the step time
+            (benchmarks/memory/results/h200).
 
     Returns:
         A human-readable reason to compact, or ``None`` to leave the cache alone.
@@ -199,6 +204,8 @@ def compaction_reason(
     if steps_since_last is not None and steps_since_last < min_interval_steps:
         return None
     if (sample.cached_free_bytes or 0) < min_release_bytes:
+        return None
+    if min_reserved_bytes is not None and (sample.reserved or 0) < min_reserved_bytes:
         return None
     return f"fragmentation {frag:.2f} > threshold {threshold:.2f}"
 
