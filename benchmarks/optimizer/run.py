@@ -178,16 +178,36 @@ def variants(device: str, accum: int, buckets=DEFAULT_BUCKETS) -> dict[str, tupl
         # activation checkpointing: the peak is the optimizer step's (gradients + state), not backward's
         "torch_adamw_ckpt": (lambda ps: torch.optim.AdamW(ps, lr=1e-5, **fused), 1, False, True),
         "rf_pipeline_ckpt": (
-            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True), 1, False, True
+            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True),
+            1,
+            False,
+            True,
         ),
         "rf_rollback_ckpt": (
-            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, rollback="auto"), 1, True, True
+            lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, rollback="auto"),
+            1,
+            True,
+            True,
         ),
         "torch_adamw_accum": (lambda ps: torch.optim.AdamW(ps, lr=1e-5, **fused), accum, False),
         "rf_pipeline_on_accum": (
             lambda ps: RapidFireOptimizer(ps, lr=1e-5, gradient_pipeline=True, accumulation_steps=accum),
             accum,
             False,
+        ),
+        # the verification and rollback machinery on a longer optimizer step (8 micro-batches): the
+        # snapshot and the verdict are per step, so their share shrinks as the step grows
+        "rf_verify_accum": (
+            lambda ps: RapidFireOptimizer(ps, lr=1e-5, rollback="auto", accumulation_steps=accum),
+            accum,
+            True,
+        ),
+        "rf_rollback_accum": (
+            lambda ps: RapidFireOptimizer(
+                ps, lr=1e-5, gradient_pipeline=True, rollback="auto", accumulation_steps=accum
+            ),
+            accum,
+            True,
         ),
     }
     if device == "cuda" and is_available("bitsandbytes"):
@@ -288,7 +308,9 @@ def merge_rounds(rounds: list[dict]) -> dict:
         "opt_ms_p50": statistics.median(t for r in rounds for t in r["opt_ms"]),
         "micro_batches": rounds[0]["micro_batches"],
         "peak_gib": max(peaks) if peaks else None,
-        "held_at_step_gib": max((r["held_at_step_gib"] for r in rounds if r["held_at_step_gib"]), default=None),
+        "held_at_step_gib": max(
+            (r["held_at_step_gib"] for r in rounds if r["held_at_step_gib"]), default=None
+        ),
         # per-round medians, for paired comparisons across variants that ran in the same round
         "round_ms_p50": [statistics.median(r["times_ms"]) for r in rounds],
     }

@@ -104,7 +104,12 @@ def test_overlap_on_a_wide_model_matches_one_stream():
     for overlap, depth in ((False, None), (True, None), (True, 2)):
         got = run(
             lambda ps, o=overlap, d=depth: RapidFireOptimizer(
-                ps, lr=1e-3, gradient_pipeline=True, pipeline_bucket_mb=8, pipeline_overlap=o, pipeline_depth=d
+                ps,
+                lr=1e-3,
+                gradient_pipeline=True,
+                pipeline_bucket_mb=8,
+                pipeline_overlap=o,
+                pipeline_depth=d,
             )
         )
         for a, b in zip(got, ref):

@@ -1,0 +1,57 @@
+"""benchmarks/optimizer/run.py --smoke: runs on CPU end to end and pairs each variant with the plain torch
+loop it is compared with (same micro-batches, same checkpointing), per round."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[2] / "benchmarks" / "optimizer" / "run.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("optimizer_bench", HERE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_references_pair_like_with_like():
+    bench = load()
+    assert bench.reference_of("rf_rollback_accum") == "torch_adamw_accum"
+    assert bench.reference_of("rf_pipeline_ckpt") == "torch_adamw_ckpt"
+    assert bench.reference_of("rf_clip_scale") == "torch_adamw_clip"
+    assert bench.reference_of("rf_adamw8bit_pipeline") == "bnb_adamw8bit"
+    assert bench.reference_of("rf_pipeline_overlap") == "torch_adamw"
+    names = set(bench.variants("cpu", 2))
+    assert {bench.reference_of(n) for n in names} <= names  # every reference exists
+
+
+def test_smoke_run_writes_paired_ratios(tmp_path):
+    bench = load()
+    only = [
+        "torch_adamw",
+        "rf_pipeline_on",
+        "torch_adamw_accum",
+        "rf_rollback_accum",
+        "torch_adamw_ckpt",
+        "rf_pipeline_ckpt",
+    ]
+    results = bench.main(
+        ["--out", str(tmp_path), "--smoke", "--rounds", "2", "--no-snapshot", "--only", *only]
+    )
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(saved["variants"]) == set(only) and (tmp_path / "results.png").is_file()
+    for name in only:
+        v = results["variants"][name]
+        assert len(v["round_ms_p50"]) == 2 and v["timed_steps"] == 2 * 2
+        assert v["held_at_step_gib"] is None  # a CUDA allocator counter: not on the CPU
+        if name.startswith("torch"):
+            assert "vs_reference" not in v
+        else:
+            ref = results["variants"][bench.reference_of(name)]
+            expected = sorted(a / b for a, b in zip(v["round_ms_p50"], ref["round_ms_p50"]))
+            assert v["vs_reference"]["min"] == expected[0] and v["vs_reference"]["max"] == expected[-1]
+    assert results["variants"]["rf_rollback_accum"]["micro_batches"] == 2
+    assert results["variants"]["rf_pipeline_on"]["stats"]["pipelined_steps"] > 0
