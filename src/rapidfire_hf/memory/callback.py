@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from transformers import TrainerCallback
 
 from rapidfire_hf.memory.allocator import expandable_segments_active, setup_allocator
