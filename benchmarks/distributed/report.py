@@ -3,7 +3,10 @@
 Reads from OUT_DIR: ``steps.jsonl`` (one line per step of run.sh: name, exit code, seconds),
 ``tput_<n>.json`` (ppo_throughput.py), ``smoke_<engine>/ppo_rank<r>.pt`` (ppo_ranks.py).
 
-Usage: ``python benchmarks/distributed/report.py OUT_DIR``
+``--sft ROOT`` instead summarises ``tests/distributed/scripts/sft_ranks.py`` runs (SFTTrainer with
+``enable_rapidfire``), one ``ROOT/sft_<engine>`` folder each, into ``ROOT/sft_engines.json``.
+
+Usage: ``python benchmarks/distributed/report.py OUT_DIR`` or ``report.py --sft ROOT``
 """
 
 from __future__ import annotations
@@ -39,6 +42,65 @@ def smoke_result(folder: Path) -> dict:
         },
         "features": ranks[0]["engine"]["features"],
     }
+
+
+def sft_result(folder: Path) -> dict:
+    """Did SFTTrainer + enable_rapidfire train on every rank: finite losses and parameters, what the
+    engine kept of rapidfire, and (on failure) where and why it broke."""
+    ranks = sorted(
+        (torch.load(p, weights_only=False) for p in folder.glob("sft_rank*.pt")), key=lambda r: r["rank"]
+    )
+    if not ranks:
+        return {"status": "missing", "finished": False}
+    first = ranks[0]
+    failed = [r for r in ranks if r["status"] != "ok"]
+    params = [r["params"] for r in ranks if r["params"].numel()]
+    world = first.get("world_size") or len(ranks)
+    out = {
+        "status": failed[0]["status"] if failed else "ok",
+        "finished": not failed and len(ranks) == world,
+        "ranks_written": len(ranks),
+        "world_size": first.get("world_size"),
+        "engine": (first.get("engine") or {}).get("engine"),
+        "losses": first.get("losses"),
+        "losses_finite": first.get("losses_finite"),
+        "params_finite": all(bool(torch.isfinite(p).all()) for p in params) if params else None,
+        "local_params_finite": [r.get("local_params_finite") for r in ranks],
+        # sharded engines hand the full state dict to rank 0 only: nothing to compare there
+        "params_equal_across_ranks": all(torch.equal(params[0], p) for p in params[1:])
+        if len(params) > 1
+        else None,
+        "optimizer": first.get("optimizer"),
+        "optimizer_stats": first.get("optimizer_stats"),
+        "installed": first.get("installed"),
+        "skipped": first.get("skipped"),
+        "features": {k: v["status"] for k, v in ((first.get("engine") or {}).get("features") or {}).items()},
+        "train_seconds": first.get("train_seconds"),
+    }
+    if failed:
+        out.update(
+            failed_phase=failed[0].get("phase"),
+            error=failed[0].get("error"),
+            traceback_tail=failed[0].get("traceback"),
+        )
+    return out
+
+
+def sft_summary(root: Path) -> dict:
+    """``{engine: sft_result}`` over ``root/sft_<engine>`` folders, with launcher exit codes from rc.jsonl."""
+    rcs = {}
+    if (root / "rc.jsonl").exists():
+        for line in (root / "rc.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            rcs[entry["run"]] = entry["rc"]
+    results = {}
+    for folder in sorted(p for p in root.glob("sft_*") if p.is_dir()):
+        name = folder.name.removeprefix("sft_")
+        results[name] = {"rc": rcs.get(name), **sft_result(folder)}
+    summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": results}
+    (root / "sft_engines.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(json.dumps({k: (v["status"], v.get("engine"), v.get("failed_phase")) for k, v in results.items()}))
+    return summary
 
 
 def collect(out: Path) -> dict:
@@ -128,4 +190,7 @@ def main(out: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[1] == "--sft":
+        sft_summary(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]))
