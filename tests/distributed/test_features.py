@@ -79,7 +79,7 @@ def test_gathered_for_generation_is_reentrant(monkeypatch):
     events = []
 
     @contextmanager
-    def fake_gather(model):
+    def fake_gather(model, submodule=None):
         events.append("enter")
         yield
         events.append("exit")
@@ -105,3 +105,33 @@ def test_gathered_for_generation_is_reentrant(monkeypatch):
     with generation.gathered_for_generation(Acc(), model):
         pass
     assert len(events) == 4
+
+
+def test_gathered_for_generation_passes_the_submodule_to_gather(monkeypatch):
+    """PPO's rollout gathers the policy alone: the engine's gather receives it."""
+    from contextlib import contextmanager
+
+    import torch
+
+    from rapidfire_hf.distributed import features, generation
+
+    seen = []
+
+    @contextmanager
+    def fake_gather(model, submodule=None):
+        seen.append(submodule)
+        yield
+
+    class Acc:
+        @staticmethod
+        def unwrap_model(model):
+            return model
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    monkeypatch.setattr(features, "detect_engine", lambda acc: features.Engine.ZERO3)
+    monkeypatch.setattr(generation, "_zero3_gathered", fake_gather)
+    with generation.gathered_for_generation(Acc(), model, model[0]):
+        pass
+    with generation.gathered_for_generation(Acc(), model):
+        pass
+    assert seen[0] is model[0] and seen[1] is None

@@ -60,6 +60,8 @@ def test_both_ranks_trained_with_rapidfire_under_ddp(runs):
         # every window deferred to step(): the hooks would fire before DDP's all-reduce
         assert res["optimizer_stats"]["steps"] == 4
         assert res["optimizer_stats"]["deferred_steps"] == {"distributed": 4}
+        # every window is verified before its update under DDP: no rollback snapshot is ever taken
+        assert res["optimizer_stats"]["snapshots"] == 0 and res["optimizer_stats"]["snapshot_bytes"] == 0
     assert "rapidfire/optim/steps" in ddp[0]["rapidfire_logged"]  # the metrics reach the main process's logs
     engine = ddp[0]["engine"]
     assert engine["engine"] == "ddp" and engine["world_size"] == 2

@@ -137,3 +137,23 @@ def test_state_dict_round_trip_resumes_identically(pipeline):
     train(resumed, opt2, list(range(6, 12)), sched=sched2)
     assert_same_params(resumed, whole)
     assert opt2.stats()["steps"] == 12  # the counters travel with the state dict
+
+
+def test_parameters_swapped_into_the_groups_are_the_ones_checked():
+    """accelerate.prepare under FSDP2 puts new (sharded) tensors into the optimizer's groups after the
+    optimizer was bound: verification and clipping must see those, not the tensors from binding."""
+    model = make_model()
+    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, rollback="auto", max_grad_norm=1.0)
+    new = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    opt.param_groups[0]["params"] = new  # what a sharding prepare does to the groups
+    for p in new:
+        p.grad = torch.full_like(p, 1e-3)
+    new[0].grad[0] = float("nan")
+    before = [p.detach().clone() for p in new]
+    opt.step()
+    assert opt.last_step_skipped and opt.events[-1].reasons == ["finite_grads"]
+    assert all(torch.equal(a, b) for a, b in zip(before, new))  # nothing applied
+    for p in new:
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    assert not opt.last_step_skipped and not torch.equal(before[1], new[1])

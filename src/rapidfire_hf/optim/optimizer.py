@@ -184,7 +184,6 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         self._snapshot = Snapshot(snapshot)
         self._inner: torch.optim.Optimizer | None = None
         self._pipeline: GradientPipeline | None = None
-        self._params: list[torch.Tensor] = []
         self._norm_history: list[float] = []
         self._applied_since_snapshot = 0
         self._counters: Counter = Counter()
@@ -222,9 +221,17 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
 
     def _attach(self, inner: torch.optim.Optimizer) -> None:
         self._inner = inner
-        self._params = [p for g in inner.param_groups for p in g["params"]]
         if self._want_pipeline:
             self.enable_pipeline()
+
+    @property
+    def _params(self) -> list[torch.Tensor]:
+        """The parameters of the inner optimizer's groups, read afresh: ``accelerator.prepare`` under
+        FSDP2 (and DeepSpeed) puts new (sharded) tensors into the groups after the optimizer was
+        bound, and a list kept from binding would check, clip and snapshot the old ones."""
+        if self._inner is None:
+            return []
+        return [p for g in self._inner.param_groups for p in g["params"]]
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -270,7 +277,6 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.inner.add_param_group(param_group)
-        self._params = [p for g in self.inner.param_groups for p in g["params"]]
         if self._pipeline is not None:
             self._pipeline.attach(self.inner)
         self._applied_since_snapshot = self.snapshot_interval  # the snapshot lacks the new parameters

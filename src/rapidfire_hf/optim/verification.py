@@ -18,6 +18,14 @@ CLIP_HISTORY = 8  # windows of gradient norms the clip prediction looks at
 CLIP_EPS = 1e-6  # the epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
 
 
+def _multi_process() -> bool:
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+
+
 class VerificationMixin:
     """Verification, rollback bookkeeping and the pipelined-or-deferred decision of each window."""
 
@@ -58,7 +66,9 @@ class VerificationMixin:
         self._maybe_snapshot()
 
     def _needs_snapshots(self) -> bool:
-        return self.rollback == "auto" and self.pipeline_enabled
+        # under several processes every window is deferred to step() (see _plan_window), where the
+        # verdict comes before the update: a snapshot would never be restored
+        return self.rollback == "auto" and self.pipeline_enabled and not _multi_process()
 
     def _maybe_snapshot(self) -> None:
         """Snapshot the current (verified) state when the pipeline will need one to undo the next step."""
@@ -72,11 +82,7 @@ class VerificationMixin:
     def _plan_window(self) -> bool:
         """Called at the first closing hook: step in the hooks this window, or defer to ``step()``?"""
         reason = None
-        if (
-            torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1
-        ):
+        if _multi_process():
             reason = "distributed"  # hooks fire before the gradient all-reduce has finished
         elif accelerate_flag("_mixed_precision", "AcceleratorState") == "fp16":
             reason = "fp16_loss_scaling"  # gradients are still scaled when the hooks fire

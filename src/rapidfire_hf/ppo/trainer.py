@@ -528,7 +528,8 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             top_p=args.top_p,
             do_sample=True,
         )
-        with torch.no_grad(), gathered_for_generation(self.accelerator, self.model):
+        # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
+        with torch.no_grad(), gathered_for_generation(self.accelerator, self.model, self.policy):
             out = self._rollout_engine.generate(queries, queries != self.pad_token_id, params)
         extra = {k: v for k, v in batch.items() if k != "input_ids"}
         return Rollout(queries=queries, responses=out.responses, logprobs=out.logprobs.float(), extra=extra)
