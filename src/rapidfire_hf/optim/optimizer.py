@@ -26,6 +26,12 @@ ROLLBACK = ("off", "auto")
 CLIP_PREDICTION = ("exact", "scale")
 
 
+def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's global value as a plain tensor (a collective, no host sync); other tensors as they are."""
+    to_full = getattr(t, "full_tensor", None)
+    return to_full() if callable(to_full) else t
+
+
 class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that wraps an inner optimizer and adds the gradient pipeline, predicted
     clipping, health verification and bit-exact rollback.
@@ -415,7 +421,11 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         keep_history = self._pipeline is not None and self.max_grad_norm is not None
         need_norm = grads and (self.max_grad_norm is not None or self.rollback == "auto")
         total = get_total_norm(grads) if need_norm else None
-        metrics, failed, host = self._verify(total, {}, read=self.rollback == "auto" or keep_history)
+        # under FSDP2 the gradients are DTensor shards and so is their norm: verify the global norm (one
+        # all-reduce), clip with the DTensor as clip_grads_with_norm_ expects
+        metrics, failed, host = self._verify(
+            full_tensor(total), {}, read=self.rollback == "auto" or keep_history
+        )
         if failed:
             self._skip("skip", failed, metrics, host)
             return

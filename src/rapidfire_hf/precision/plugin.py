@@ -353,6 +353,8 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
         logger.warning("precision: %s", action)
 
     # -- calibration ---------------------------------------------------------------------------------------
+    calibration_skipped = None  # why the sensitivity pass will not run, once known (not a dataclass field)
+
     def calibrate(self, batch, loss_fn=None) -> dict[str, str] | None:
         """Run the sensitivity pass on ``batch`` (first ``sensitivity_batches`` calls; later calls are no-ops).
 
@@ -364,6 +366,15 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
             ``{layer: precision}`` once the pass is complete, else None.
         """
         if self.mode is PrecisionMode.STATIC or self.initial is Precision.FP32 or self.calibration_done:
+            return None
+        if self.calibration_skipped is not None:
+            return None
+        sharded = sharded_parameters_reason(self.model)
+        if sharded is not None:
+            # a layer run on its own cannot gather sharded weights (FSDP2 DTensors, ZeRO-3 partitions):
+            # seen on 2x H200 as "aten.mul.Tensor got mixed torch.Tensor and DTensor"
+            self.calibration_skipped = sharded
+            logger.info("rapidfire: no precision sensitivity pass (%s); the schedule stays as configured", sharded)
             return None
         for module in self.layers.values():  # the fp32 reference run must not pass through wrappers
             set_layer_precision(module, None, cast_back=False)
@@ -452,3 +463,14 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
             if self.mode is PrecisionMode.ADAPTIVE:
                 actions += self._evaluate(s, values)
         return actions
+
+
+def sharded_parameters_reason(model) -> str | None:
+    """Why ``model``'s parameters cannot be run layer by layer here, or None: FSDP2 shards them as
+    DTensors, DeepSpeed ZeRO-3 partitions them (``ds_id``)."""
+    for p in model.parameters():
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            return "parameters are FSDP2 DTensor shards"
+        if hasattr(p, "ds_id"):
+            return "parameters are partitioned by DeepSpeed ZeRO-3"
+    return None
