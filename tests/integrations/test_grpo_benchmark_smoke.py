@@ -1,4 +1,5 @@
-"""benchmarks/grpo/run.py --smoke: stock, rapidfire and rapidfire_lowmem GRPO run on CPU and are reported."""
+"""benchmarks/grpo/run.py --smoke: stock, rapidfire, rapidfire_lowmem and rapidfire_lowmem2 GRPO run on CPU
+and are reported."""
 
 from __future__ import annotations
 
@@ -31,23 +32,43 @@ def test_variants_flag_parses_and_rejects_unknown_names():
     assert module.lowmem_settings(None, False)[0]["setting"] == 'GRPOConfig(optim="adamw_8bit")'
 
 
-@pytest.mark.slow  # three child processes, each importing torch, transformers and trl and training 2 steps
-def test_smoke_writes_rows_for_all_three_variants(tmp_path):
+@pytest.mark.slow  # four child processes, each importing torch, transformers and trl and training 2 steps
+def test_smoke_writes_rows_for_all_variants(tmp_path):
     load_run().main(["--out", str(tmp_path), "--smoke"])
 
     results = json.loads((tmp_path / "results.json").read_text())
     assert "benchmarks/grpo/run.py" in results["command"] and results["date"]
     runs = results["runs"]
-    assert list(runs) == ["stock", "rapidfire", "rapidfire_lowmem"]
+    assert list(runs) == ["stock", "rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2"]
     assert list(results["variants"]) == list(runs)
     for name, run in runs.items():
         assert run["variant"] == name and run["steps"] == 2 and len(run["loss"]) == 2
         assert all(math.isfinite(x) for x in [*run["loss"], *run["reward"], *run["step_s"]])
         assert run["tokens_per_sec"] > 0 and run["tokens"] > 0
+        # speed over all steps and over steps 2.., labelled; the first step's time on its own
+        speed = run["speed"]
+        assert speed["all_steps"]["steps"] == 2 and speed["steady_state_steps_2_on"]["steps"] == 1
+        assert speed["all_steps"]["tokens"] == run["tokens"] == sum(run["step_tokens"])
+        assert speed["first_step_s"] == run["step_s"][0]
+        # memory by phase: on the CPU only the calls are counted (one rollout, forward, backward a step)
+        phases = run["memory_by_phase"]
+        assert phases["peak_allocated_gib"] is None
+        assert {
+            k: phases["calls"][k] for k in ("generation", "loss_forward", "backward", "optimizer_step")
+        } == {
+            "generation": 2,
+            "loss_forward": 2,
+            "backward": 2,
+            "optimizer_step": 2,
+        }
     # fp32 on the CPU, same weights, data and seed: the first loss agrees across variants
     assert runs["rapidfire_lowmem"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
-    assert set(results["ratios_by_variant"]) == {"rapidfire", "rapidfire_lowmem"}
+    assert runs["rapidfire_lowmem2"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
+    assert set(results["ratios_by_variant"]) == {"rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2"}
     assert results["ratios"] == results["ratios_by_variant"]["rapidfire"]
+    ratios = results["ratios_by_variant"]["rapidfire_lowmem2"]
+    assert {"tokens_per_sec_all_steps", "tokens_per_sec_steady_state_steps_2_on", "target_met"} <= set(ratios)
+    assert any(line.startswith("rapidfire_lowmem2:") for line in results["summary"])
 
     low = runs["rapidfire_lowmem"]
     assert any("RapidFireOptimizer" in part for part in low["installed"])
@@ -64,4 +85,17 @@ def test_smoke_writes_rows_for_all_three_variants(tmp_path):
     settings = results["variants"]["rapidfire_lowmem"]["settings"]
     assert settings[0]["fallback"] == info["optimizer_fallback"]
     assert {s["source"].split(" ")[0] for s in settings} == {"stock", "rapidfire_hf"}
+    # with clipping on and rollback off, every window of the old variant was deferred (gradients held)
+    assert info["optimizer_stats"]["pipelined_steps"] == 0
+    assert info["optimizer_stats"]["deferred_steps"] == {"clip_may_bind": 2}
+
+    low2 = runs["rapidfire_lowmem2"]["lowmem"]
+    assert low2["max_grad_norm"] == 0.0 and low2["rollback"] == "off"
+    assert low2["optimizer_stats"]["pipelined_steps"] == 2 and not low2["optimizer_stats"]["deferred_steps"]
+    assert low2["checkpointing_applied"].startswith("chunked") and not low2["checkpointing_on_after_training"]
+    assert low2["activation_offload"]["tensors_saved"] == 2 * 3  # 2 layers + final norm, 2 steps
+    assert low2["optimizer_state_offload"]["rollouts"] == 2
+    assert low2["rollout_cache_released_after_each_rollout"] is True
+    settings2 = results["variants"]["rapidfire_lowmem2"]["settings"]
+    assert {s["source"].split(" ")[0] for s in settings2} == {"stock", "rapidfire_hf"}
     assert (tmp_path / "chart.png").stat().st_size > 0

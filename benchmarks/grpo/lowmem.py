@@ -1,0 +1,439 @@
+"""Chunked, host-offloaded activation checkpointing of decoder layers (the ``rapidfire_lowmem2`` variant).
+
+Why: with full checkpointing (TRL's ``gradient_checkpointing=True``, or rapidfire_hf's
+``apply_selective_checkpointing(model, "aggressive")``), a GRPO step on the 1.1B Llama shape at 64
+sequences x 384 tokens keeps every decoder layer's input on the GPU until backward (22 x 64 x 384 x
+2048 x 2 bytes = 2.06 GiB) and recomputes one whole layer for all 24576 tokens at once in backward
+(~2-2.5 GiB of saved activations plus their gradients, the MLP's 5632-wide intermediates dominating).
+Together they are about half of the step's peak (see README.md, "Where the peak comes from").
+
+What this does, per wrapped module (each decoder layer, and the final norm):
+
+- forward: runs the module under ``no_grad`` in chunks of ``rows`` sequences (rows of the batch are
+  independent in a decoder layer: attention never mixes sequences), and keeps only its input, in
+  pinned host memory (copied on a side stream, next to the compute) or on the device (``offload=False``).
+- backward: brings the input back a chunk at a time (each chunk copied on the side stream while the
+  chunk before it runs), recomputes the module on that chunk with autograd on, and backpropagates it
+  with ``torch.autograd.grad``; the input gradient is written per chunk, the parameter gradients are
+  summed over the chunks (in fp32 for bf16/fp16 gradients, rounded once at the end) and returned
+  once. Parameters are inputs of the autograd function, so each parameter's ``.grad`` is
+  written exactly once per backward and ``register_post_accumulate_grad_hook`` (RapidFireOptimizer's
+  gradient pipeline) fires once per parameter, as with plain autograd.
+
+The arithmetic of each chunk is the module's own forward and backward on fewer rows; the only
+difference to unchunked backward is in the parameter gradients: each chunk's weight-gradient GEMM
+rounds its partial sum to the gradient dtype (in bf16 that is one bf16 rounding per chunk, about what
+gradient accumulation over that many micro-batches costs; the partials are then added in fp32), and in
+fp32 the summation order. ``tests/integrations/test_grpo_lowmem.py`` checks TRL's GRPO loss and every
+gradient against no checkpointing at all (fp32, CPU; on CUDA too when a GPU is present).
+
+Limits: no RNG state is replayed in the recompute (fine for Llama, whose attention dropout is 0 and
+TRL disables dropout); keyword tensors whose first dimension equals the batch (attention masks,
+per-row position ids) are sliced per chunk, others are passed whole; the module must return a tensor
+(or a tuple whose first element is the tensor and whose other elements are not tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+GIB = 2.0**30
+
+
+@dataclass
+class OffloadStats:
+    """What the offloader moved (bytes per direction, summed over the run)."""
+
+    to_host_bytes: int = 0
+    to_device_bytes: int = 0
+    saved: int = 0
+    prefetched: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "to_host_gib": self.to_host_bytes / GIB,
+            "to_device_gib": self.to_device_bytes / GIB,
+            "tensors_saved": self.saved,
+            "prefetched": self.prefetched,
+        }
+
+
+class _Saved:
+    """One saved module input (on the host when offloaded, else the device tensor itself), in chunks."""
+
+    __slots__ = ("host", "device_tensor", "device", "shape", "dtype", "chunks", "fetched", "prev", "done")
+    __slots__ += ("__weakref__",)
+
+    def __init__(self, t: torch.Tensor, chunks: list[slice]):
+        self.host = self.device_tensor = self.prev = None
+        self.device, self.shape, self.dtype, self.chunks = t.device, t.shape, t.dtype, chunks
+        self.fetched: dict[int, tuple] = {}  # chunk index -> (device tensor, event) copied ahead
+        self.done = False  # every chunk was handed to backward: nothing left to fetch
+
+
+@dataclass
+class HostOffloader:
+    """Moves checkpointed module inputs to pinned host memory in forward and back, chunk by chunk, in backward.
+
+    On CUDA the copies run on one side stream: device -> host next to the module's own forward, and
+    host -> device one chunk ahead of backward: while backward works on a chunk, the next chunk it
+    will need (of the same module, or the first chunk of the module that backward reaches next) is
+    copied in. Only two chunks of an offloaded input are ever on the device. Elsewhere (CPU) nothing
+    is copied: the input is kept as it is. On the ``meta`` device (memory models) only the shape is
+    kept and chunks come back as fresh tensors, as if offloaded.
+
+    Args:
+        enabled: offload at all (False: keep inputs on the device, like plain checkpointing).
+    """
+
+    enabled: bool = True
+    stats: OffloadStats = field(default_factory=OffloadStats)
+    _stream: object = None
+    _last: weakref.ref | None = None
+
+    def _copy_stream(self, device):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def save(self, t: torch.Tensor, chunks: list[slice]) -> _Saved:
+        """Keep ``t`` (the input of a module call) for backward, which will read it in ``chunks``."""
+        s = _Saved(t, chunks)
+        self.stats.saved += 1
+        if not self.enabled or t.device.type == "cpu":
+            s.device_tensor = t.detach()
+        elif t.device.type == "meta":
+            pass  # a memory model: nothing to copy, the device bytes are gone as if offloaded
+        else:
+            stream = self._copy_stream(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete before it is read
+            s.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                s.host.copy_(t.detach(), non_blocking=True)
+            t.record_stream(stream)  # its block is not reused before the copy has read it
+            self.stats.to_host_bytes += t.numel() * t.element_size()
+        # backward visits modules in reverse: each saved input knows the one saved before it, weakly
+        # (a forward whose backward never runs does not keep its inputs alive)
+        last = self._last() if self._last is not None else None
+        s.prev = weakref.ref(last) if last is not None and not last.done else None
+        self._last = weakref.ref(s)
+        return s
+
+    def _fetch(self, s: _Saved, i: int) -> None:
+        """Start the host -> device copy of chunk ``i`` of ``s`` on the side stream (no wait)."""
+        if s.done or i in s.fetched or s.device_tensor is not None:
+            return
+        sl = s.chunks[i]
+        shape = (sl.stop - sl.start, *s.shape[1:])
+        if s.device.type == "meta":
+            s.fetched[i] = (torch.empty(shape, dtype=s.dtype, device=s.device), None)
+            return
+        stream = self._copy_stream(s.device)
+        dev = torch.empty(shape, dtype=s.dtype, device=s.device)  # allocated in the compute stream
+        stream.wait_stream(torch.cuda.current_stream(s.device))  # its block may still be in use there
+        with torch.cuda.stream(stream):
+            dev.copy_(s.host[sl], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        s.fetched[i] = (dev, event)
+        self.stats.to_device_bytes += dev.numel() * dev.element_size()
+
+    def load(self, s: _Saved, i: int) -> torch.Tensor:
+        """Chunk ``i`` of the saved input on its device; starts copying the chunk backward needs next."""
+        if s.device_tensor is not None:
+            t = s.device_tensor[s.chunks[i]]
+        else:
+            self._fetch(s, i)
+            t, event = s.fetched.pop(i)
+            if event is not None:
+                torch.cuda.current_stream(s.device).wait_event(event)
+        last = i == len(s.chunks) - 1
+        following = (s, i + 1) if not last else ((s.prev() if s.prev is not None else None), 0)
+        if following[0] is not None and following[0].device_tensor is None and not following[0].done:
+            self._fetch(*following)
+            self.stats.prefetched += 1
+        if last:
+            s.host = s.device_tensor = s.prev = None  # drop every reference
+            s.fetched.clear()
+            s.done = True
+        return t
+
+
+def _split_kwargs(kwargs: dict, batch: int, rows: slice) -> dict:
+    """``kwargs`` with every tensor whose first dimension is the batch sliced to ``rows``."""
+
+    def cut(v):
+        if isinstance(v, torch.Tensor) and batch > 1 and v.dim() >= 2 and v.shape[0] == batch:
+            return v[rows]
+        if isinstance(v, tuple):
+            return tuple(cut(x) for x in v)
+        return v
+
+    return {k: cut(v) for k, v in kwargs.items()}
+
+
+def _first(out):
+    """The output tensor of a module call, and the rest of its return value (``None``: a bare tensor)."""
+    if isinstance(out, torch.Tensor):
+        return out, None
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        if any(isinstance(x, torch.Tensor) for x in out[1:]):
+            raise TypeError("chunked checkpointing: the module returned more than one tensor")
+        return out[0], out[1:]
+    raise TypeError(f"chunked checkpointing: unsupported module output {type(out).__name__}")
+
+
+class _ChunkedCheckpoint(torch.autograd.Function):
+    """``run(hidden, **kwargs)`` with its input saved by ``offloader`` and backward recomputed by chunks.
+
+    The module's parameters are inputs (``*params``), so their gradients are outputs of this function.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, run, kwargs, rows, offloader, *params):
+        batch = hidden.shape[0]
+        chunks = [slice(i, min(i + rows, batch)) for i in range(0, batch, rows)]
+        ctx.saved = offloader.save(hidden, chunks)  # first: the copy to the host runs next to the compute
+        out = None
+        for sl in chunks:
+            y = _first(run(hidden[sl], **_split_kwargs(kwargs, batch, sl)))[0]
+            if len(chunks) == 1:
+                out = y
+            else:
+                if out is None:
+                    out = y.new_empty((batch, *y.shape[1:]))
+                out[sl] = y
+            del y
+        ctx.run, ctx.kwargs, ctx.chunks, ctx.offloader = run, kwargs, chunks, offloader
+        ctx.batch, ctx.params = batch, params
+        ctx.autocast = _autocast_state(hidden.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        need_hidden = ctx.needs_input_grad[0]
+        need = ctx.needs_input_grad[5:]
+        want = [p for p, n in zip(ctx.params, need) if n]
+        grad_hidden = None
+        sums: list[torch.Tensor | None] = [None] * len(want)
+        for i, sl in enumerate(ctx.chunks):
+            h = ctx.offloader.load(ctx.saved, i).detach().requires_grad_(need_hidden)
+            with torch.enable_grad(), _autocast(ctx.autocast):
+                y = _first(ctx.run(h, **_split_kwargs(ctx.kwargs, ctx.batch, sl)))[0]
+            grads = torch.autograd.grad(
+                y, ([h] if need_hidden else []) + want, grad_out[sl], allow_unused=True
+            )
+            del y, h
+            if need_hidden:
+                if grad_hidden is None:
+                    grad_hidden = grads[0].new_empty((ctx.batch, *grads[0].shape[1:]))
+                grad_hidden[sl] = grads[0]
+                grads = grads[1:]
+            for j, g in enumerate(grads):
+                if g is None:
+                    continue
+                if sums[j] is None:
+                    # more than one chunk of a bf16/fp16 gradient: sum in fp32, round once at the end
+                    wide = len(ctx.chunks) > 1 and g.dtype in (torch.bfloat16, torch.float16)
+                    sums[j] = g.float() if wide else g
+                else:
+                    sums[j].add_(g)
+            del grads
+        ctx.run = ctx.kwargs = ctx.saved = None
+        it = iter(sums)
+        param_grads = []
+        for p, n in zip(ctx.params, need):
+            g = next(it) if n else None
+            param_grads.append(g.to(p.dtype) if g is not None and g.dtype != p.dtype else g)
+        ctx.params = None
+        return (grad_hidden, None, None, None, None, *param_grads)
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    return (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
+
+def _autocast(state: tuple):
+    kind, enabled, dtype = state
+    return torch.autocast(kind, dtype=dtype) if enabled else contextlib.nullcontext()
+
+
+class _Runner:
+    """Calls a module's original forward (the autograd context holds this, not the wrapper) and
+    remembers the non-tensor rest of its return value, so the wrapper returns the same structure."""
+
+    __slots__ = ("fn", "rest")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.rest = None
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        self.rest = _first(out)[1]
+        return out
+
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _wrap(module: torch.nn.Module, rows: int, offloader: HostOffloader) -> None:
+    original = module.forward
+    run = _Runner(original)
+
+    @functools.wraps(original)
+    def forward(hidden_states, *args, **kwargs):
+        if args or not (torch.is_grad_enabled() and module.training and hidden_states.dim() >= 2):
+            return original(hidden_states, *args, **kwargs)  # generation, eval, or an unknown call form
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params and not hidden_states.requires_grad:
+            return original(hidden_states, **kwargs)
+        # as HF's own checkpointing does: no KV cache while training (the recompute would write it again)
+        kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        out = _ChunkedCheckpoint.apply(hidden_states, run, kwargs, rows, offloader, *params)
+        return out if run.rest is None else (out, *run.rest)  # e.g. (hidden, None) from older layers
+
+    module.forward = forward
+    module._rapidfire_chunked_checkpoint = (rows, offloader)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of an HF causal LM (``model.model.layers``; PEFT through its base model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(base, base.base_model_prefix, None) if hasattr(base, "base_model_prefix") else None
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(base).__name__}: no decoder layers found at .{base.base_model_prefix}.layers")
+    return list(layers)
+
+
+def apply_chunked_checkpointing(
+    model, rows: int = 8, offload: bool = True, include_final_norm: bool = True
+) -> HostOffloader:
+    """Checkpoint every decoder layer (and the final norm) of ``model`` chunk by chunk, inputs offloaded.
+
+    Leave HF's own gradient checkpointing off (``GRPOConfig(gradient_checkpointing=False)``): this
+    replaces it. Generation, evaluation and ``no_grad`` calls run the original forward untouched.
+
+    Args:
+        model: HF causal LM (Llama family: ``model.model.layers`` and ``model.model.norm``).
+        rows: sequences per chunk in backward (and forward); the batch is split along its first dim.
+        offload: keep the checkpointed inputs in pinned host memory (CUDA) instead of on the device.
+        include_final_norm: also checkpoint the final norm (its fp32 intermediates would otherwise
+            stay saved for the whole backward).
+
+    Returns:
+        The offloader (its ``stats`` say how many bytes moved).
+    """
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows={rows!r}: sequences per chunk, an int >= 1")
+    offloader = HostOffloader(enabled=offload)
+    for layer in decoder_layers(model):
+        if hasattr(layer, "_rapidfire_chunked_checkpoint"):
+            raise RuntimeError("apply_chunked_checkpointing was already applied to this model")
+        _wrap(layer, rows, offloader)
+    if include_final_norm:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        norm = getattr(getattr(base, base.base_model_prefix), "norm", None)
+        if norm is not None:
+            _wrap(norm, rows, offloader)
+    return offloader
+
+
+class OptimizerStateOffload:
+    """Moves an optimizer's state tensors to (pinned) host memory and back, keeping every tensor object.
+
+    Each state storage is copied to the host and resized to 0 bytes, then later resized back and
+    copied in: the tensors in ``optimizer.state`` stay the same Python objects (what bitsandbytes and
+    RapidFireOptimizer's bucket steppers hold), only their memory is away in between. Meant for the
+    rollout, when the state is not read: ``offload()`` before it, ``restore()`` after it, and
+    ``wait()`` before the next optimizer step (the gradient pipeline steps during backward).
+
+    ``offload()`` copies on the current stream, so the freed memory is reused only after the copy,
+    in stream order, without a host sync. ``restore()`` on CUDA allocates in the current stream and
+    copies on a side stream, so the copy runs next to whatever comes before ``wait()`` (the loss
+    forward); ``wait()`` makes the current stream wait for it (again no host sync).
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (or wrapper exposing ``.state``).
+        include_cpu: also move state that lives on the CPU (to another host buffer: for tests only).
+    """
+
+    def __init__(self, optimizer, include_cpu: bool = False):
+        self.optimizer = optimizer
+        self.include_cpu = include_cpu
+        self._away: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self._stream = None
+        self._event = None
+        self._device = None
+        self.offloads = 0
+        self.skipped = 0  # storages left on the device because they cannot be resized
+        self.bytes = 0  # of the last offload
+
+    def _storages(self) -> list[torch.UntypedStorage]:
+        seen: dict[int, torch.UntypedStorage] = {}
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                    st = value.untyped_storage()
+                    if st.nbytes() and st.data_ptr() not in seen:
+                        seen[st.data_ptr()] = st  # shared storages (e.g. bitsandbytes' qmaps) once
+        return list(seen.values())
+
+    def offload(self) -> int:
+        """Copy the state to the host and free its device memory; returns the bytes moved."""
+        if self._away:
+            raise RuntimeError("optimizer state is already offloaded")
+        self.wait()
+        moved = 0
+        for st in self._storages():
+            if st.device.type == "cpu" and not self.include_cpu:
+                continue
+            n = st.nbytes()
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available()).untyped_storage()
+            host.copy_(st, non_blocking=True)
+            try:
+                st.resize_(0)
+            except RuntimeError:  # a storage that cannot be resized (e.g. paged optimizer state) stays
+                self.skipped += 1
+                continue
+            self._away.append((st, host))
+            moved += n
+        self.bytes = moved
+        self.offloads += 1 if moved else 0
+        return moved
+
+    def restore(self) -> None:
+        """Bring the state back (same tensor objects, new device memory); see ``wait()``."""
+        away, self._away = self._away, []
+        cuda = [(st, host) for st, host in away if st.device.type == "cuda"]
+        for st, host in away:
+            st.resize_(host.nbytes())  # allocated in the current stream
+            if st.device.type != "cuda":
+                st.copy_(host)
+        if not cuda:
+            return
+        device = self._device = cuda[0][0].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        self._stream.wait_stream(current)  # the new blocks may still be in use by earlier kernels there
+        with torch.cuda.stream(self._stream):
+            for st, host in cuda:
+                st.copy_(host, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+
+    def wait(self) -> None:
+        """Make the current stream wait for the last ``restore()``'s copies (no host sync)."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+            self._event = None

@@ -1,0 +1,413 @@
+"""benchmarks/grpo/lowmem.py (the rapidfire_lowmem2 variant) against stock TRL GRPO, and its memory model.
+
+Correctness claim checked here: on a tiny Llama in fp32 on the CPU, TRL 1.16's own GRPO loss
+(``GRPOTrainer._compute_loss``) and every parameter gradient are the same with the chunked, offloaded
+checkpointing as without any checkpointing, within rtol 1e-5 / atol 1e-7 (fp32 round-off: the chunks
+sum the parameter gradients in a different order). The CUDA test repeats it with the host offload and
+prefetch actually copying (skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo"
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def load(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # run.py and memory_model.py import lowmem by name
+    if name == "lowmem":
+        import lowmem
+
+        return lowmem
+    spec = importlib.util.spec_from_file_location(f"grpo_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def lowmem():
+    return load("lowmem")
+
+
+def grpo_trainer(tokenizer, tmp_path, device="cpu"):
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        report_to=[],
+        use_cpu=device == "cpu",
+        beta=0.0,
+        seed=0,
+        gradient_checkpointing=False,  # as rapidfire_lowmem2; the reference then has no recompute at all
+        bf16=False,  # no bf16 autocast: compare at fp32 round-off
+    )
+    model = build_tiny_llama(tokenizer, layers=3).to(device)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=vowel_reward,
+        args=args,
+        train_dataset=make_prompt_dataset(16),
+        processing_class=tokenizer,
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what the training loop sets before compute_loss
+    return trainer
+
+
+def grpo_inputs(vocab: int, device="cpu", b=8, p=6, c=8):
+    """A GRPO micro-batch as ``_generate_and_score_completions`` hands it to ``compute_loss``: a
+    left-padded prompt and a completion that stopped early, so the attention mask is not all ones."""
+    g = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(3, vocab, (b, p), generator=g)
+    prompt_mask = torch.ones(b, p, dtype=torch.long)
+    prompt_ids[0, :2], prompt_mask[0, :2] = 0, 0
+    completion_ids = torch.randint(3, vocab, (b, c), generator=g)
+    completion_mask = torch.ones(b, c, dtype=torch.long)
+    completion_ids[1, 3:], completion_mask[1, 3:] = 0, 0
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(b, generator=g),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def loss_and_grads(trainer, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_same(reference, candidate):
+    (loss0, g0), (loss1, g1) = reference, candidate
+    torch.testing.assert_close(loss1, loss0, rtol=RTOL, atol=ATOL)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])  # one row per chunk, a ragged last chunk, one chunk
+def test_grpo_loss_and_gradients_match_stock(lowmem, tokenizer, tmp_path, single_thread, rows):
+    trainer = grpo_trainer(tokenizer, tmp_path)
+    inputs = grpo_inputs(len(tokenizer))
+    stock = loss_and_grads(trainer, inputs)  # TRL's GRPO loss, no checkpointing
+
+    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=rows, offload=True)
+    fired = []
+    for p in trainer.model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    assert_same(stock, loss_and_grads(trainer, inputs))
+    # 3 layers + the final norm keep one input each; every parameter's .grad is written exactly once
+    # (the gradient pipeline steps a parameter when its hook fires)
+    assert offloader.stats.saved == 4
+    params = list(trainer.model.parameters())
+    assert len(fired) == len(params) and {id(p) for p in fired} == {id(p) for p in params}
+    # a second step reuses the same wrapping (the saved-input chain restarts)
+    assert_same(stock, loss_and_grads(trainer, inputs))
+    assert offloader.stats.saved == 8
+
+
+def test_bf16_gradients_are_as_close_to_fp32_as_stocks(lowmem, tokenizer, tmp_path, single_thread):
+    """bf16 weights, as on the GPU: each chunk's weight-gradient GEMM rounds to bf16 (the partials are
+    summed in fp32), so the gradient is not bit-equal to stock's; it is as far from the fp32 gradient
+    as stock's own bf16 gradient is (within 25%; measured: 1% apart)."""
+
+    def rel(a, b):
+        return max(((a[n].float() - b[n].float()).norm() / b[n].float().norm()).item() for n in b)
+
+    inputs = grpo_inputs(len(tokenizer), b=16, p=8, c=16)
+    fp32 = grpo_trainer(tokenizer, tmp_path / "a")
+    _, truth = loss_and_grads(fp32, inputs)
+    stock = grpo_trainer(tokenizer, tmp_path / "b")
+    stock.model.to(torch.bfloat16)
+    _, stock_grads = loss_and_grads(stock, inputs)
+    chunked = grpo_trainer(tokenizer, tmp_path / "c")
+    chunked.model.to(torch.bfloat16)
+    lowmem.apply_chunked_checkpointing(chunked.model, rows=2)
+    _, chunked_grads = loss_and_grads(chunked, inputs)
+    assert all(g.dtype == torch.bfloat16 for g in chunked_grads.values())
+    assert 0 < rel(chunked_grads, truth) <= 1.25 * rel(stock_grads, truth)
+
+
+def test_generation_and_no_grad_calls_run_the_original_forward(lowmem, tokenizer, tmp_path, single_thread):
+    trainer = grpo_trainer(tokenizer, tmp_path)
+    model = trainer.model
+    ids = grpo_inputs(len(tokenizer))["prompt_ids"]
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    offloader = lowmem.apply_chunked_checkpointing(model, rows=2)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)  # uses the KV cache
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert out.shape == (ids.shape[0], ids.shape[1] + 3)
+    assert offloader.stats.saved == 0
+    with pytest.raises(RuntimeError, match="already applied"):
+        lowmem.apply_chunked_checkpointing(model)
+    with pytest.raises(ValueError, match="rows"):
+        lowmem.apply_chunked_checkpointing(grpo_trainer(tokenizer, tmp_path / "b").model, rows=0)
+
+
+def test_a_module_returning_a_tuple_gets_the_same_structure_back(lowmem, single_thread):
+    class Layer(torch.nn.Module):  # older transformers decoder layers return (hidden_states, None)
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+
+        def forward(self, hidden_states, attention_mask=None):
+            return (torch.tanh(self.lin(hidden_states)) * attention_mask, None)
+
+    torch.manual_seed(0)
+    layer = Layer()
+    x = torch.randn(5, 3, 6, requires_grad=True)
+    mask = torch.rand(5, 3, 1)
+    layer(x, attention_mask=mask)[0].sum().backward()
+    reference = [layer.lin.weight.grad.clone(), x.grad.clone()]
+    layer.zero_grad()
+    x.grad = None
+    lowmem._wrap(layer, 2, lowmem.HostOffloader())
+    out = layer(x, attention_mask=mask)  # the mask's rows are cut with the batch
+    assert isinstance(out, tuple) and out[1] is None
+    out[0].sum().backward()
+    for got, want in zip([layer.lin.weight.grad, x.grad], reference):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-6)
+
+
+def _trained_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_optimizer_state_offload_round_trip_keeps_tensor_objects_and_the_next_step(lowmem):
+    model, opt = _trained_optimizer()
+    twin, twin_opt = _trained_optimizer()
+    state = {id(p): dict(s) for p, s in opt.state.items()}
+    values = {(id(p), k): v.clone() for p, s in opt.state.items() for k, v in s.items()}
+    off = lowmem.OptimizerStateOffload(opt, include_cpu=True)
+    moved = off.offload()
+    assert moved == sum(v.numel() * v.element_size() for v in values.values())
+    assert all(v.untyped_storage().nbytes() == 0 for s in opt.state.values() for v in s.values())
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        off.offload()
+    off.restore()
+    off.wait()
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            assert v is state[id(p)][k]  # the same tensor object the optimizer (or a bucket view) holds
+            assert torch.equal(v, values[(id(p), k)])
+    for m, o in ((model, opt), (twin, twin_opt)):  # the next step is the one without offloading
+        o.zero_grad()
+        m(torch.ones(4, 8)).sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    # CPU state is left alone unless asked (the benchmark moves GPU state only)
+    assert lowmem.OptimizerStateOffload(opt).offload() == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_optimizer_state_offload_with_bitsandbytes_8bit_state(lowmem, single_thread):
+    import bitsandbytes as bnb
+
+    def trained(offload: bool):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64, 128))  # >= 4096 elements: 8-bit state (uint8 + absmax + qmap)
+        opt = bnb.optim.AdamW([w], lr=1e-2, optim_bits=8)
+        for step in range(3):
+            w.grad = torch.randn(64, 128, generator=torch.Generator().manual_seed(step))
+            opt.step()
+            if offload:
+                off = lowmem.OptimizerStateOffload(opt, include_cpu=True)
+                assert off.offload() > 0 and opt.state[w]["state1"].untyped_storage().nbytes() == 0
+                off.restore()
+        return w, opt
+
+    (w0, opt0), (w1, opt1) = trained(False), trained(True)
+    assert opt1.state[w1]["state1"].dtype == torch.uint8
+    assert torch.equal(w0, w1)
+    for k, v in opt0.state[w0].items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, opt1.state[w1][k]), k
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(lowmem, tokenizer, tmp_path, single_thread):
+    """The rapidfire_lowmem2 stack as run.py builds it, with bitsandbytes' 8-bit AdamW (it runs on the CPU
+    too): every window stepped in backward, embedding state 32-bit and the rest 8-bit as transformers
+    sets it up, the state moved out and back around each rollout."""
+    import tempfile
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rapidfire_hf import enable_rapidfire
+    from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
+    from rapidfire_hf.integrations.parts import find_rapidfire_optimizer
+
+    run = load("run")
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(dir=tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        beta=0.0,
+        seed=0,
+        max_steps=3,
+        optim="adamw_8bit",
+        max_grad_norm=0.0,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+    trainer = GRPOTrainer(
+        model=build_tiny_llama(tokenizer, hidden=128),
+        reward_funcs=vowel_reward,
+        args=args,
+        train_dataset=make_prompt_dataset(32),
+        processing_class=tokenizer,
+    )
+    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=3)
+    trainer = enable_rapidfire(
+        trainer,
+        config={"memory": {"optimization": "aggressive"}},
+        optimizer_kwargs={"rollback": "off", "pipeline_bucket_mb": 0.05},  # several buckets at this size
+    )
+    state_offload = run._LazyStateOffload(trainer, lowmem.OptimizerStateOffload, include_cpu=True)
+    state_offload.install_wait(trainer.accelerator)
+    assert run.release_rollout_cache_after_each_rollout(trainer, state_offload=state_offload)
+    trainer.train()
+
+    opt = find_rapidfire_optimizer(trainer.optimizer)
+    stats = opt.stats()
+    assert stats["pipelined_steps"] == 3 and not stats["deferred_steps"] and stats["pipeline_buckets"] > 3
+    bits = {n: opt.state[p]["state1"].dtype for n, p in trainer.model.named_parameters()}
+    assert bits["model.embed_tokens.weight"] == torch.float32
+    assert bits["lm_head.weight"] == bits["model.layers.1.mlp.down_proj.weight"] == torch.uint8
+    moved = state_offload.stats()["gib_per_rollout"]
+    assert len(moved) == 3 and moved[0] == 0 and moved[1] > 0  # no state before the first step
+    assert offloader.stats.saved == 3 * 3
+    assert all(s["loss"] == s["loss"] for s in trainer.state.log_history if "loss" in s)  # finite
+
+
+def test_optimizer_state_offload_moves_a_shared_storage_once(lowmem):
+    p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    shared = torch.arange(16, dtype=torch.float32)  # like bitsandbytes' qmap, shared by every parameter
+    opt = torch.optim.SGD([p, q], lr=0.1)
+    opt.state[p] = {"qmap": shared, "m": torch.ones(4)}
+    opt.state[q] = {"qmap": shared, "m": torch.ones(4)}
+    off = lowmem.OptimizerStateOffload(opt, include_cpu=True)
+    assert off.offload() == 16 * 4 + 2 * 4 * 4
+    off.restore()
+    assert torch.equal(opt.state[p]["qmap"], torch.arange(16, dtype=torch.float32))
+    assert opt.state[q]["qmap"] is shared
+
+
+@pytest.mark.gpu
+def test_cuda_offload_and_prefetch_match_stock(lowmem, tokenizer, tmp_path):
+    trainer = grpo_trainer(tokenizer, tmp_path, device="cuda")
+    inputs = grpo_inputs(len(tokenizer), device="cuda")
+    stock = loss_and_grads(trainer, inputs)
+    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=3, offload=True)
+    for _ in range(2):
+        assert_same(stock, loss_and_grads(trainer, inputs))
+    stats = offloader.stats
+    assert stats.saved == 8 and stats.to_host_bytes > 0 and stats.to_device_bytes == stats.to_host_bytes
+    assert stats.prefetched == 2 * 3  # every input but the first layer's, one step ahead of backward
+
+    opt = torch.optim.AdamW(trainer.model.parameters())
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    opt.step()
+    values = {(id(p), k): v.clone() for p, s in opt.state.items() for k, v in s.items() if torch.is_tensor(v)}
+    off = lowmem.OptimizerStateOffload(opt)
+    assert off.offload() > 0
+    torch.cuda.synchronize()
+    off.restore()
+    off.wait()
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            if torch.is_tensor(v):
+                assert torch.equal(v, values[(id(p), k)])
+
+
+def test_memory_model_orders_the_variants(single_thread):
+    mm = load("memory_model")
+    shape = dict(
+        hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=512,
+        prompt_len=16, completion_len=16, batch=16,
+    )  # fmt: skip
+    est = {v: mm.estimate(v, shape, rows=4, lm_head_chunk=256) for v in mm.VARIANTS}
+    params = sum(p.numel() for p in mm.build_meta_model(shape).parameters())
+    assert est["stock"]["static_gib"]["weights"] == pytest.approx(2 * params / mm.GIB)
+    assert est["stock"]["static_gib"]["optimizer_state"] == pytest.approx(4 * params / mm.GIB)
+    assert (
+        est["rapidfire_lowmem"]["static_gib"]["optimizer_state"]
+        < est["stock"]["static_gib"]["optimizer_state"]
+    )
+    # stock and lowmem keep every gradient after backward; lowmem2's pipeline frees them
+    assert est["stock"]["gradients_left_after_backward_gib"] == pytest.approx(2 * params / mm.GIB)
+    assert est["rapidfire_lowmem2"]["gradients_left_after_backward_gib"] == 0
+    back = {v: e["dynamic_peak_gib"]["backward"] for v, e in est.items()}
+    assert back["rapidfire_lowmem2"] < back["rapidfire_lowmem"] == pytest.approx(back["stock"])
+    padded = mm.estimate("stock", shape, rows=4, lm_head_chunk=256, padded=True)
+    assert padded["dynamic_peak_gib"]["backward"] > back["stock"]  # k/v repeated to all heads
+
+
+def test_run_helpers_speed_ratios_and_settings():
+    run = load("run")
+    sp = run.speed([10.0, 2.0, 3.0, 2.0], [100, 100, 120, 100])
+    assert sp["all_steps"]["tokens_per_sec"] == pytest.approx(420 / 17)
+    assert sp["steady_state_steps_2_on"]["tokens_per_sec"] == pytest.approx(320 / 7)
+    assert sp["first_step_s"] == 10.0 and sp["median_step_s_steps_2_on"] == 2.0
+    assert sp["first_step_excess_s"] == pytest.approx(8.0)
+    assert run.speed([5.0], [10])["steady_state_steps_2_on"] is None
+
+    def fake(step_s, peak):
+        return {
+            "tokens_per_sec": 1.0,
+            "tokens_per_sec_after_first_step": 1.0,
+            "speed": run.speed(step_s, [100] * len(step_s)),
+            "peak_allocated_gib": peak,
+        }
+
+    r = run.ratios_to_stock(fake([20.0, 1.0, 1.0], 5.0), fake([20.0, 6.0, 6.0], 11.0))
+    assert r["tokens_per_sec_steady_state_steps_2_on"] == pytest.approx(6.0)
+    assert r["tokens_per_sec_all_steps"] == pytest.approx(32 / 22)
+    assert r["target_met"] == {
+        "speed_steady_state_ge_3x": True,
+        "speed_all_steps_ge_3x": False,
+        "peak_allocated_le_half": True,
+    }
+    settings = run.lowmem2_settings(None, rows=4, lm_head_chunk=4096, keep_rollout_cache=False)
+    assert all(s["source"].startswith(("stock TRL", "rapidfire_hf")) for s in settings)
+    text = " ".join(s["setting"] for s in settings)
+    assert "max_grad_norm=0.0" in text and "apply_chunked_checkpointing(model, rows=4" in text
+    assert "apply_selective_checkpointing" not in text  # replaced by the chunked checkpointing
+    assert run.parse_variants("stock,rapidfire_lowmem2") == ["stock", "rapidfire_lowmem2"]
