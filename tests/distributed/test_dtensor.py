@@ -1,7 +1,8 @@
 """FSDP2 hands the optimizer DTensor parameters and gradients. On a one-rank gloo mesh on the CPU
 (a subprocess, so that its process group does not leak into other tests): verification reads the
-global gradient norm and skips a non-finite step without touching a parameter, and the precision
-sensitivity pass declines sharded weights instead of failing (both failed on 2x H200 under FSDP2)."""
+global gradient norm and skips a non-finite step without touching a parameter, the precision plugin's
+metric queue takes a DTensor norm, and the precision sensitivity pass declines sharded weights instead
+of failing (all three failed enable_rapidfire on 2x H200 under FSDP2)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ SCRIPT = textwrap.dedent(
         moved.append([not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, params)])
     assert moved == [[True] * 3, [False] * 3, [True] * 3], moved
     assert [(e.kind, e.reasons) for e in opt.events] == [("skip", ["finite_grads"])], opt.events
+
+    from rapidfire_hf.precision.metrics import AsyncMetrics
+    queue = AsyncMetrics()  # the precision plugin's metric queue, fed FSDP2's DTensor gradient norm
+    queue.submit(1, {"grad_norm": shard(torch.full((2,), 3.0)).norm(), "loss": 1.5})
+    ((step, values),) = queue.ready(wait=True)
+    assert step == 1 and values["loss"] == 1.5 and abs(values["grad_norm"] - 18 ** 0.5) < 1e-5, values
 
     model = torch.nn.Linear(3, 4)
     assert sharded_parameters_reason(model) is None

@@ -40,6 +40,9 @@ class AsyncMetrics:
         names, tensors = [], []
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor):
+                to_full = getattr(value, "full_tensor", None)
+                if callable(to_full):  # a DTensor (FSDP2's gradient norm): its global value
+                    value = to_full()
                 if value.device.type == "cpu":
                     host[key] = float(value.detach().float().reshape(-1)[0])
                 else:
