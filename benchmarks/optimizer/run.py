@@ -481,8 +481,16 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown variants {unknown}; choose from {sorted(table)}")
     chosen = {n: v for n, v in table.items() if not args.only or n in args.only}
     rounds: dict[str, list[dict]] = {n: [] for n in chosen}
-    for _ in range(max(1, args.rounds)):
-        for name, (make_opt, micro, observe, *ckpt) in chosen.items():
+    names = list(chosen)
+    results["orders"] = []
+    for r in range(max(1, args.rounds)):
+        # rotate the order each round: a variant's position (what ran before it, allocator and clock
+        # state) is then not tied to the variant; the runs of 2026-11-30 used one fixed order
+        k = (r * max(1, len(names) // max(1, args.rounds))) % len(names)
+        order = names[k:] + names[:k]
+        results["orders"].append(order)
+        for name in order:
+            make_opt, micro, observe, *ckpt = chosen[name]
             rounds[name].append(run_variant(shape, device, make_opt, micro, observe, *ckpt))
     for name in chosen:
         results["variants"][name] = merge_rounds(rounds[name])

@@ -43,6 +43,8 @@ def test_smoke_run_writes_paired_ratios(tmp_path):
     )
     saved = json.loads((tmp_path / "results.json").read_text())
     assert set(saved["variants"]) == set(only) and (tmp_path / "results.png").is_file()
+    first, second = saved["orders"]  # the order rotates between rounds
+    assert sorted(first) == sorted(second) == sorted(only) and first[0] != second[0]
     for name in only:
         v = results["variants"][name]
         assert len(v["round_ms_p50"]) == 2 and v["timed_steps"] == 2 * 2
