@@ -51,7 +51,10 @@ FEATURES: dict[str, dict[Engine, tuple[Status, str]]] = {
         Engine.ZERO2: (Status.FALLS_BACK, "loss and user rules only: gradients live in DeepSpeed's buckets"),
         Engine.ZERO3: (Status.FALLS_BACK, "loss and user rules only: gradients live in DeepSpeed's buckets"),
         Engine.FSDP1: (Status.HOLDS, "verdict MIN-all-reduced; gradient norms are of the local shard"),
-        Engine.FSDP2: (Status.HOLDS, "verdict MIN-all-reduced; gradient norms are of the local shard"),
+        Engine.FSDP2: (
+            Status.HOLDS,
+            "verdict MIN-all-reduced; the gradient norm is the global one (DTensor full_tensor)",
+        ),
     },
     "predicted_clipping": {
         Engine.DDP: (Status.FALLS_BACK, "exact clipping in step() (the pipeline is off)"),
@@ -65,10 +68,13 @@ FEATURES: dict[str, dict[Engine, tuple[Status, str]]] = {
     "adaptive_precision": {
         Engine.ZERO1: (Status.FALLS_BACK, "DeepSpeed casts the whole model to its bf16/fp16 setting"),
         Engine.ZERO2: (Status.FALLS_BACK, "DeepSpeed casts the whole model to its bf16/fp16 setting"),
-        Engine.ZERO3: (Status.FALLS_BACK, "DeepSpeed casts the whole model to its bf16/fp16 setting"),
+        Engine.ZERO3: (
+            Status.FALLS_BACK,
+            "DeepSpeed casts the whole model to its bf16/fp16 setting; no sensitivity pass on partitioned weights",
+        ),
         Engine.FSDP2: (
             Status.FALLS_BACK,
-            "FSDP2 MixedPrecisionPolicy applies one dtype per fully_shard unit",
+            "FSDP2 MixedPrecisionPolicy applies one dtype per fully_shard unit; no sensitivity pass on DTensor weights",
         ),
     },
     "fast_rollout": {

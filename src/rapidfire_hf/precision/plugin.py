@@ -374,7 +374,9 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
             # a layer run on its own cannot gather sharded weights (FSDP2 DTensors, ZeRO-3 partitions):
             # seen on 2x H200 as "aten.mul.Tensor got mixed torch.Tensor and DTensor"
             self.calibration_skipped = sharded
-            logger.info("rapidfire: no precision sensitivity pass (%s); the schedule stays as configured", sharded)
+            logger.info(
+                "rapidfire: no precision sensitivity pass (%s); the schedule stays as configured", sharded
+            )
             return None
         for module in self.layers.values():  # the fp32 reference run must not pass through wrappers
             set_layer_precision(module, None, cast_back=False)
