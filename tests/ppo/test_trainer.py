@@ -320,3 +320,27 @@ def test_clip_prediction_scale_pipelines_binding_windows(tmp_path, tokenizer):
     assert stats["pipelined_steps"] > 0 and stats["clip_checks"] == stats["pipelined_steps"]
     assert stats["clip_coef_predicted"] is not None and stats["clip_coef_predicted"] < 1.0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("value_mode", ["separate", "fused"])
+def test_rollout_and_scoring_gather_only_what_they_run(tmp_path, tokenizer, monkeypatch, value_mode):
+    """Under ZeRO-3 / FSDP2 a gather holds whole weights on every GPU: generation runs the policy alone,
+    scoring with a separate reference model the value model alone (the fused head needs the policy)."""
+    from contextlib import contextmanager
+
+    from rapidfire_hf.ppo import trainer as trainer_module
+
+    seen = []
+
+    @contextmanager
+    def recording_gather(accelerator, model, submodule=None):
+        seen.append(submodule)
+        yield accelerator.unwrap_model(model)
+
+    monkeypatch.setattr(trainer_module, "gathered_for_generation", recording_gather)
+    trainer = _trainer(tmp_path, tokenizer, value_mode=value_mode, max_steps=1)
+    trainer.train()
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    assert trainer.ref_model is not None and len(seen) >= 2
+    assert seen[0] is unwrapped.policy  # rollout
+    assert seen[1] is (unwrapped.value_model if value_mode == "separate" else None)  # scoring

@@ -553,8 +553,12 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         unwrapped = self.accelerator.unwrap_model(self.model)
         ref_lp, values, scores = [], [], []
         step = args.local_rollout_forward_batch_size
+        # what scoring runs of the trained module: with a separate reference model, only the value model
+        # (a separate 7B policy then stays sharded under ZeRO-3 / FSDP2); the policy too when it is its
+        # own reference (LoRA) or carries the value head
+        needed = unwrapped.value_model if not unwrapped.fused and self.ref_model is not None else None
         with (
-            gathered_for_generation(self.accelerator, self.model),
+            gathered_for_generation(self.accelerator, self.model, needed),
             self._reference_context() as ref,
             self.accelerator.autocast(),
         ):
