@@ -27,9 +27,9 @@ LEVELS = ("conservative", "balanced", "aggressive")
 MIN_INTERVAL_STEPS = {"conservative": 50, "balanced": 20, "aggressive": 5}
 # Phase changes after which the cache is always released: generation leaves KV-cache blocks whose sizes
 # training never asks for again.
+COMPACT_ON = {("rollout", "train"), ("rollout", "training")}
 # Under expandable segments, threshold compactions only once the allocator holds this share of the GPU.
 EXPANDABLE_PRESSURE = 0.85
-COMPACT_ON = {("rollout", "train"), ("rollout", "training")}
 
 
 def _plain(value):
