@@ -120,8 +120,9 @@ class GradientPipeline:
             gradients complete, whose bucket steps run on a CUDA side stream, so that the
             (memory-bound) optimizer kernels can run next to the (compute-bound) rest of backward
             instead of after it in the same stream; the last buckets of backward have little left to
-            overlap with and stay on the backward stream below 1. The side stream waits for everything the backward stream enqueued before the
-            bucket's last gradient, and :meth:`join` makes the backward stream wait for the side stream
+            overlap with and stay on the backward stream below 1. The side stream waits for everything
+            the backward stream enqueued before the bucket's last gradient, and :meth:`join` makes the
+            backward stream wait for the side stream
             (``RapidFireOptimizer.step()`` joins before it reads norms or the next forward can start).
             Freed gradients are recorded on the side stream so the allocator does not hand their memory
             to the backward stream before the step that reads them ran. No effect on the CPU.
