@@ -4,7 +4,6 @@ value, both optimizers) runs end to end and its report reads what the runs wrote
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_loader import load_benchmark
+
 ROOT = Path(__file__).parents[2]
 BENCH = ROOT / "benchmarks/distributed"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"distributed_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(f"distributed/{name}.py")
 
 
 @pytest.fixture(scope="module")

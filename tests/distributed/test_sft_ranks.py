@@ -4,7 +4,6 @@ round-off; and identical parameters on both ranks."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_loader import load_benchmark
 from tests.distributed.launch import SCRIPTS
 
 ROOT = Path(__file__).parents[2]
@@ -85,11 +85,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(runs):
 
 
 def test_report_summarises_the_runs(runs):
-    spec = importlib.util.spec_from_file_location(
-        "distributed_report", ROOT / "benchmarks/distributed/report.py"
-    )
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load_benchmark("distributed/report.py")
     _, _, root = runs
     summary = report.sft_summary(root)["runs"]
     assert set(summary) == {"ddp", "single"}

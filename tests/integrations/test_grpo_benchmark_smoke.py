@@ -6,18 +6,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo" / "run.py"
+from tests.bench_loader import load_benchmark
 
 
 def load_run():
-    spec = importlib.util.spec_from_file_location("grpo_bench_run", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("grpo/run.py", keep_on_path=True)  # run.py imports lowmem at call time
 
 
 def test_variants_flag_parses_and_rejects_unknown_names():

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_loader import load_benchmark
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo"
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -27,11 +29,7 @@ def load(name: str):
         import lowmem
 
         return lowmem
-    spec = importlib.util.spec_from_file_location(f"grpo_bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(f"grpo/{name}.py", keep_on_path=True)
 
 
 @pytest.fixture(scope="module")

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_trainers" / "run.py"
+from tests.bench_loader import load_benchmark
 
 
 @pytest.mark.slow  # four child processes, each importing torch, transformers and trl (~15 s apiece on 2 cores)
 def test_smoke_writes_rows_for_both_trainers_and_systems(tmp_path):
-    spec = importlib.util.spec_from_file_location("trl_trainers_bench_run", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("trl_trainers/run.py")
     # the batch search is on with a cap of 4 rows: one try for SFT (batch 2 -> 4), none for DPO (2 pairs = 4 rows)
     argv = [
         "--out",

@@ -3,27 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parents[2] / "benchmarks" / "memory"
+from tests.bench_loader import load_benchmark
+
 VARIANTS = ("no_callback", "callback_t1.0", "callback_t0.3", "callback_t0.15")
 
 
 def load(name: str):
-    sys.path.insert(0, str(HERE))
-    try:
-        spec = importlib.util.spec_from_file_location(f"memory_bench_{name}", HERE / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(HERE))
+    return load_benchmark(f"memory/{name}.py")
 
 
 def test_round_orders_are_a_balanced_latin_square():

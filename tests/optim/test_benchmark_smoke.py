@@ -3,18 +3,13 @@ loop it is compared with (same micro-batches, same checkpointing), per round."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[2] / "benchmarks" / "optimizer" / "run.py"
+from tests.bench_loader import load_benchmark
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("optimizer_bench", HERE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("optimizer/run.py")
 
 
 def test_references_pair_like_with_like():

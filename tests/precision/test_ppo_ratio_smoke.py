@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "precision" / "ppo_ratio.py"
+from tests.bench_loader import load_benchmark
 
 
 def test_ppo_ratio_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("precision_ppo_ratio", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("precision/ppo_ratio.py")
     module.main(["--out", str(tmp_path), "--smoke"])
 
     results = json.loads((tmp_path / "results.json").read_text())

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
-RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "precision" / "run.py"
+from tests.bench_loader import load_benchmark
 
 
 def test_benchmark_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("precision_bench_run", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("precision/run.py")
     module.main(["--out", str(tmp_path), "--smoke"])
 
     results = json.loads((tmp_path / "results.json").read_text())
