@@ -178,15 +178,9 @@ def gpu_kernels_standins(padded: bool = False):
 def build_meta_model(shape: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=1024,
-    )
+    from rapidfire_hf.demo.shapes import config_kwargs
+
+    config = LlamaConfig(**config_kwargs(shape), max_position_embeddings=1024)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

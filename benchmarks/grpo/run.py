@@ -141,13 +141,10 @@ def build_model(shape: dict, tok, device: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from rapidfire_hf.demo.shapes import config_kwargs
+
     config = LlamaConfig(
-        vocab_size=shape["vocab"] or len(tok),
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
+        **{**config_kwargs(shape), "vocab_size": shape["vocab"] or len(tok)},
         max_position_embeddings=1024,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,

@@ -60,7 +60,7 @@ FULL = {
     "heads": 32,
     "kv_heads": 4,
     "vocab": 32000,
-    "inter": 5632,
+    "intermediate": 5632,
     "seq": 512,
     "batch": 4,
     "dtype": torch.bfloat16,
@@ -74,7 +74,7 @@ SMOKE = {
     "heads": 4,
     "kv_heads": 2,
     "vocab": 128,
-    "inter": 128,
+    "intermediate": 128,
     "seq": 32,
     "batch": 2,
     "dtype": torch.float32,
@@ -88,7 +88,7 @@ CPU_SMALL = {
     "heads": 4,
     "kv_heads": 2,
     "vocab": 2048,
-    "inter": 688,
+    "intermediate": 688,
     "seq": 64,
     "batch": 2,
     "dtype": torch.float32,
@@ -225,13 +225,10 @@ def variants(device: str, accum: int, buckets=DEFAULT_BUCKETS) -> dict[str, tupl
 def build_model(shape: dict, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from rapidfire_hf.demo.shapes import config_kwargs
+
     config = LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["inter"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
+        **config_kwargs(shape),
         max_position_embeddings=max(shape["seq"], 64),
         tie_word_embeddings=False,
     )

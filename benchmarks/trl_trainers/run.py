@@ -117,13 +117,10 @@ def build_model(shape: dict, device: str, seed: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from rapidfire_hf.demo.shapes import config_kwargs
+
     config = LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
+        **config_kwargs(shape),
         max_position_embeddings=shape["seq"],
         pad_token_id=0,
         bos_token_id=1,

@@ -34,6 +34,23 @@ def llama_shape(name: str, **overrides) -> dict:
     return {**LLAMA_SHAPES[name], **overrides}
 
 
+# the short keys the benchmarks' own shape tables use -> LlamaConfig's keyword arguments
+SHORT_KEYS = {
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+}
+
+
+def config_kwargs(short: dict) -> dict:
+    """``LlamaConfig`` keyword arguments of a shape written with :data:`SHORT_KEYS` (other keys of
+    ``short``, such as a sequence length, are left out)."""
+    return {name: short[key] for key, name in SHORT_KEYS.items()}
+
+
 def llama_config(shape: dict, max_position_embeddings: int, **extra):
     """A ``LlamaConfig`` of ``shape`` with the demos' special tokens (pad 0, bos 1, eos 2) and one label
     (so the same config builds a causal LM and a sequence-classification value/reward model)."""
