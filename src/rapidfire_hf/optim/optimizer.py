@@ -417,7 +417,8 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
 
     def _step_in_place(self, inner: torch.optim.Optimizer) -> None:
         """Non-pipelined window: every gradient is here, so verify first and apply only a healthy update."""
-        grads = [p.grad for p in self._params if p.grad is not None]
+        params = self._params  # read once: a property that walks the groups
+        grads = [p.grad for p in params if p.grad is not None]
         keep_history = self._pipeline is not None and self.max_grad_norm is not None
         need_norm = grads and (self.max_grad_norm is not None or self.rollback == "auto")
         total = get_total_norm(grads) if need_norm else None
@@ -430,7 +431,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             self._skip("skip", failed, metrics, host)
             return
         if self.max_grad_norm is not None and total is not None:
-            clip_grads_with_norm_(self._params, self.max_grad_norm, total)
+            clip_grads_with_norm_(params, self.max_grad_norm, total)
         self._snapshot.wait()
         inner.step()
         self._after_healthy(metrics, host)

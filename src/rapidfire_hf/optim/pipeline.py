@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from rapidfire_hf.optim.inner import BucketStepper, plan_buckets
+from rapidfire_hf.optim.inner import BucketStepper, grad_nbytes, plan_buckets
 
 MIB = 2**20
 
@@ -199,10 +199,10 @@ class GradientPipeline:
         for gi, params in plan_buckets(optimizer, segments, self.bucket_bytes, self._hooked.__contains__):
             stepper = BucketStepper(optimizer, optimizer.param_groups[gi], params)
             buckets.append(Bucket(len(buckets), gi, stepper, sum(p in self._hooked for p in params)))
-        total = sum(p.numel() * p.element_size() for b in buckets for p in b.params)
+        total = sum(grad_nbytes(p) for b in buckets for p in b.params)
         done = 0
         for b in buckets:  # the first `overlap` share of the bytes, in gradient order, on the side stream
-            done += sum(p.numel() * p.element_size() for p in b.params)
+            done += sum(grad_nbytes(p) for p in b.params)
             b.side = self.overlap > 0 and done <= self.overlap * total + 0.5
         self.buckets = buckets
         self._bucket_of = {p: b for b in buckets for p in b.params}

@@ -333,11 +333,13 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         ``torch.autograd.grad`` only: no ``.grad`` is written, so no optimizer hook fires.
         """
         plugin, args = self.precision_plugin, self.args
-        if getattr(self, "_calibration_skipped", False):
+        if plugin.calibration_skipped is not None:
             return
         if any(p.dtype != torch.float32 for p in plugin.model.parameters()):
-            logger.info("rapidfire: no precision sensitivity pass (the model's weights are not fp32)")
-            self._calibration_skipped = True
+            plugin.calibration_skipped = (
+                "the model's weights are not fp32"  # the plugin's own flag: one place
+            )
+            logger.info("rapidfire: no precision sensitivity pass (%s)", plugin.calibration_skipped)
             return
         ctx = exp.rollout.queries.shape[1]
 
