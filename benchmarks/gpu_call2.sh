@@ -7,9 +7,7 @@
 #          benchmark (interleaved callback time cost, sequences 512/2048/4096)
 # Carry: .whl .whl-ds .whl-trl112. Results come back as one tarball.
 set -u
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site
+source benchmarks/gpu_env.sh  # carried wheels -> /tmp/site, PYTHONPATH
 R=/tmp/call2; mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $R/gpus.csv 2>&1
 (

@@ -7,9 +7,7 @@
 #     it next to a compiling neighbour on shared cores: its step times were noisy)
 # Carry: .whl .whl-ds. Results come back as one tarball.
 set -u
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site
+source benchmarks/gpu_env.sh  # carried wheels -> /tmp/site, PYTHONPATH
 R=/tmp/call4; mkdir -p $R
 pin() { local cores=$1; shift; if command -v taskset > /dev/null; then taskset -c "$cores" "$@"; else "$@"; fi; }
 ( timeout -k 5 90 accelerate launch --main_process_port 29731 --config_file accelerate_configs/fsdp2.yaml \

@@ -13,9 +13,7 @@
 # benchmarks/memory/run.py (interleaved time cost), benchmarks/precision/run.py (FP8 after its fixes),
 # benchmarks/precision/ppo_ratio.py --modes fp32, and the stock-TRL side of --part size7b.
 set -u
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site
+source benchmarks/gpu_env.sh  # carried wheels -> /tmp/site, PYTHONPATH
 R=/tmp/next; mkdir -p $R
 timeout -k 5 200 bash benchmarks/distributed/gpu_engines_quick.sh > $R/engines.log 2>&1 || true
 cp $OUT/engines.json $OUT/engines_errors.txt $R/ 2>/dev/null

@@ -7,9 +7,7 @@
 #      GPU 1: SFT/DPO vs stock at sequence 2048, then PPO precision (bf16 vs adaptive vs fp32) ratio/KL
 # Everything is copied to $OUT (8 files at most).
 set -u
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site
+source benchmarks/gpu_env.sh  # carried wheels -> /tmp/site, PYTHONPATH
 R=/tmp/r5; mkdir -p $R/engines
 T0=$(date +%s)
 # ---- A: sharded engines

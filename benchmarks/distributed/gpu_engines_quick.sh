@@ -2,9 +2,7 @@
 # Short 2-GPU call: PPOTrainer smoke under ZeRO-2, ZeRO-3 and FSDP2 at once (tiny model, distinct ports),
 # first traceback of a failed run kept; then the optimizer benchmark on GPU 0 for what time is left.
 set -u
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site
+source benchmarks/gpu_env.sh  # carried wheels -> /tmp/site, PYTHONPATH
 R=/tmp/q; mkdir -p $R; port=29710
 for engine in zero2 zero3 fsdp2; do
   case $engine in

@@ -11,9 +11,7 @@ set -u
 T0=$(date +%s)
 TOTAL_S=${TOTAL_S:-540}
 OUT=${OUT:?set OUT to the folder that comes back}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site
+source benchmarks/gpu_env.sh  # carried wheels -> /tmp/site, PYTHONPATH
 R=/tmp/issue8; rm -rf $R; mkdir -p $R/sft $R/largest
 elapsed() { echo $(($(date +%s) - T0)); }
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv > $R/gpus.txt 2>&1
