@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from rapidfire_hf.optim import RapidFireOptimizer, Snapshot
 from rapidfire_hf.utils.imports import is_available
@@ -242,36 +243,60 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class VariantLoop:
+    """One variant's model, optimizer and batch; ``step()`` runs one timed optimizer step (all its
+    micro-batches, ``step()``, ``zero_grad()``) between two device synchronisations."""
+
+    def __init__(self, shape: dict, device: str, make_opt, micro: int, observe: bool, ckpt: bool = False):
+        self.shape, self.device, self.micro, self.observe = shape, device, micro, observe
+        self.model = build_model(shape, device)
+        if ckpt:
+            self.model.gradient_checkpointing_enable()
+            self.model.train()
+        self.opt = make_opt(self.model.parameters())
+        self.ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
+
+    def step(self) -> tuple[float, float, float | None]:
+        """-> (seconds of the whole step, seconds of optimizer work, GiB allocated just before step())."""
+        hooks_before = hook_seconds(self.opt)
+        sync(self.device)
+        start = time.perf_counter()
+        for _ in range(self.micro):
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+            if self.observe:
+                self.opt.observe_loss(loss)
+            (loss / self.micro).backward()
+        step_start = time.perf_counter()
+        # an allocator counter: no sync
+        held = torch.cuda.memory_allocated() / 2**30 if self.device == "cuda" else None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sync(self.device)
+        end = time.perf_counter()
+        # optimizer work: the step() call plus the time the pipeline's hooks spent stepping buckets
+        # (host time; on CUDA the kernels launched in the hooks may still run after they return)
+        return end - start, end - step_start + hook_seconds(self.opt) - hooks_before, held
+
+    def close(self) -> dict | None:
+        stats = self.opt.stats() if isinstance(self.opt, RapidFireOptimizer) else None
+        del self.model, self.opt, self.ids
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        return stats
+
+
 def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool, ckpt: bool = False) -> dict:
-    model = build_model(shape, device)
-    if ckpt:
-        model.gradient_checkpointing_enable()
-        model.train()
-    opt = make_opt(model.parameters())
-    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
+    loop = VariantLoop(shape, device, make_opt, micro, observe, ckpt)
     times, opt_times, held = [], [], []
     for i in range(shape["warmup"] + shape["steps"]):
         if i == shape["warmup"] and device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        hooks_before = hook_seconds(opt)
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(micro):
-            loss = model(input_ids=ids, labels=ids).loss
-            if observe:
-                opt.observe_loss(loss)
-            (loss / micro).backward()
-        step_start = time.perf_counter()
-        if device == "cuda":  # an allocator counter: no sync
-            held.append(torch.cuda.memory_allocated() / 2**30)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        end = time.perf_counter()
-        times.append(end - start)
-        # optimizer work: the step() call plus the time the pipeline's hooks spent stepping buckets
-        # (host time; on CUDA the kernels launched in the hooks may still run after they return)
-        opt_times.append(end - step_start + hook_seconds(opt) - hooks_before)
+        t, o, h = loop.step()
+        times.append(t)
+        opt_times.append(o)
+        if h is not None:
+            held.append(h)
     result = {
         "times_ms": [1e3 * t for t in times[shape["warmup"] :]],
         "opt_ms": [1e3 * t for t in opt_times[shape["warmup"] :]],
@@ -280,13 +305,72 @@ def run_variant(shape: dict, device: str, make_opt, micro: int, observe: bool, c
     }
     # peak allocated over the timed steps (reset after warm-up); not measured on the CPU
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    if isinstance(opt, RapidFireOptimizer):
-        result["stats"] = opt.stats()
-    del model, opt
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    stats = loop.close()
+    if stats is not None:
+        result["stats"] = stats
     return result
+
+
+def run_interleaved(shape: dict, device: str, chosen: dict, steps: int) -> dict:
+    """Step-level interleaving: every chosen variant's model and optimizer stay resident (built from the
+    same seed), and each of ``steps`` rounds runs ONE step of every variant, in an order that rotates
+    by one each round. A variant and its reference then run seconds apart under the same clocks, host
+    load and GPU temperature, so the per-step paired ratio removes the drift that made the round-level
+    runs of 2026-11-30 spread from 60 to 89 ms for one variant. Step times only: memory peaks of
+    variants that share the GPU cannot be told apart (``peak_gib`` and ``held_at_step_gib`` come from
+    the sequential rounds)."""
+    loops = {name: VariantLoop(shape, device, *spec) for name, spec in chosen.items()}
+    names = list(loops)
+    for _ in range(shape["warmup"]):
+        for name in names:
+            loops[name].step()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    opt_times: dict[str, list[float]] = {n: [] for n in names}
+    for i in tqdm(range(steps), desc="interleaved steps", disable=None):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            t, o, _ = loops[name].step()
+            times[name].append(1e3 * t)
+            opt_times[name].append(1e3 * o)
+    out = {}
+    for name in names:
+        out[name] = {
+            "step_ms_p50": statistics.median(times[name]),
+            "step_ms_min": min(times[name]),
+            "step_ms_max": max(times[name]),
+            "opt_ms_p50": statistics.median(opt_times[name]),
+            "times_ms": times[name],
+            "micro_batches": chosen[name][1],
+        }
+    for name in names:
+        ref = out.get(reference_of(name))
+        if ref is None or ref is out[name]:
+            continue
+        ratios = sorted(a / b for a, b in zip(out[name]["times_ms"], ref["times_ms"]))
+        out[name]["vs_reference"] = {
+            "reference": reference_of(name),
+            "pairs": len(ratios),
+            "median": statistics.median(ratios),
+            # the middle half of the per-step ratios, and a 95% interval of the median (order statistics)
+            "q25": ratios[len(ratios) // 4],
+            "q75": ratios[(3 * len(ratios)) // 4],
+            "median_ci95": median_ci(ratios),
+        }
+    for name in names:
+        stats = loops[name].close()
+        if stats is not None:
+            out[name]["stats"] = stats
+    return out
+
+
+def median_ci(sorted_values: list[float]) -> list[float]:
+    """Distribution-free 95% confidence interval of the median: the order statistics at
+    n/2 -+ 0.98 sqrt(n) (normal approximation to the binomial), clamped to the sample."""
+    n = len(sorted_values)
+    half = 0.98 * n**0.5
+    lo = max(0, int(n / 2 - half))
+    hi = min(n - 1, int(n / 2 + half + 0.5))
+    return [sorted_values[lo], sorted_values[hi]]
 
 
 def hook_seconds(opt) -> float:
@@ -390,6 +474,21 @@ def summary(variants: dict) -> str:
     return "\n".join(lines)
 
 
+def interleaved_summary(variants: dict) -> str:
+    lines = [
+        "interleaved (every variant resident, one step each per round, rotating order):",
+        f"{'variant':28s} {'p50 ms':>9s} {'opt ms':>9s} {'vs ref':>8s} {'ci95 of the median':>20s} {'middle half':>16s}",
+    ]
+    for name, r in variants.items():
+        ref = r.get("vs_reference")
+        tail = "" if ref is None else (
+            f"{ref['median']:8.3f} {ref['median_ci95'][0]:9.3f}-{ref['median_ci95'][1]:.3f} "
+            f"{ref['q25']:9.3f}-{ref['q75']:.3f}  vs {ref['reference']}"
+        )
+        lines.append(f"{name:28s} {r['step_ms_p50']:9.1f} {r['opt_ms_p50']:9.2f} {tail}")
+    return "\n".join(lines)
+
+
 def chart(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -398,9 +497,11 @@ def chart(results: dict, path: Path) -> None:
 
     names = list(results["variants"])
     v = results["variants"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 6))
+    inter = results.get("interleaved") or {}
+    paired = [n for n in names if "vs_reference" in inter.get(n, {})]
+    fig, axes = plt.subplots(1, 4 if paired else 3, figsize=(21 if paired else 16, 6))
     axes[0].barh(names, [v[n]["step_ms_p50"] for n in names])
-    axes[0].set_xlabel("step time, ms (median)")
+    axes[0].set_xlabel("step time, ms (median, sequential rounds)")
     for ax, key, label in (
         (axes[1], "peak_gib", "peak allocated, GiB"),
         (axes[2], "held_at_step_gib", "allocated just before step(), GiB"),
@@ -409,6 +510,19 @@ def chart(results: dict, path: Path) -> None:
             ax.barh(names, [v[n][key] for n in names])
             ax.set_xlabel(label)
         ax.set_yticks([])
+    if paired:
+        ax = axes[3]
+        med = [inter[n]["vs_reference"]["median"] for n in paired]
+        lo = [m - inter[n]["vs_reference"]["median_ci95"][0] for m, n in zip(med, paired)]
+        hi = [inter[n]["vs_reference"]["median_ci95"][1] - m for m, n in zip(med, paired)]
+        ax.errorbar(med, range(len(paired)), xerr=[lo, hi], fmt="o", capsize=4)
+        ax.set_yticks(range(len(paired)), [f"{n} / {inter[n]['vs_reference']['reference']}" for n in paired])
+        ax.yaxis.tick_right()
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="black", lw=1)
+        ax.axvline(1.03, color="tab:red", lw=1, ls="--", label="+3%")
+        ax.set_xlabel("step time / reference's, interleaved steps (median, 95% CI)")
+        ax.legend(loc="lower right")
     fig.suptitle(f"RapidFireOptimizer vs torch AdamW — {results['device_name']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -447,6 +561,14 @@ def main(argv: list[str] | None = None) -> dict:
         "shared CPU)",
     )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU runs)")
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the rounds, keep every chosen variant resident and run STEPS rounds of one step each, "
+        "in rotating order: per-step paired ratios to the reference (results['interleaved'])",
+    )
     args = parser.parse_args(argv)
     preset = "smoke" if args.smoke else args.preset or "full"
     if args.threads:
@@ -497,6 +619,9 @@ def main(argv: list[str] | None = None) -> dict:
             name, json.dumps({k: v for k, v in results["variants"][name].items() if k != "stats"}), flush=True
         )
     print(summary(results["variants"]), flush=True)
+    if args.interleave > 0:
+        results["interleaved"] = run_interleaved(shape, device, chosen, args.interleave)
+        print(interleaved_summary(results["interleaved"]), flush=True)
     if not args.no_snapshot:
         results["snapshot"] = snapshot_costs(shape, device)
         print("snapshot", json.dumps(results["snapshot"]), flush=True)

@@ -52,3 +52,23 @@ def test_smoke_run_writes_paired_ratios(tmp_path):
             assert v["vs_reference"]["min"] == expected[0] and v["vs_reference"]["max"] == expected[-1]
     assert results["variants"]["rf_rollback_accum"]["micro_batches"] == 2
     assert results["variants"]["rf_pipeline_on"]["stats"]["pipelined_steps"] > 0
+
+
+def test_interleaved_steps_pair_each_step_with_its_reference(tmp_path):
+    bench = load()
+    only = ["torch_adamw", "rf_pipeline_on", "rf_pipeline_rollback"]
+    results = bench.main(
+        ["--out", str(tmp_path), "--smoke", "--no-snapshot", "--only", *only, "--interleave", "5"]
+    )
+    inter = results["interleaved"]
+    assert set(inter) == set(only)
+    for name in only:
+        assert len(inter[name]["times_ms"]) == 5
+    for name in only[1:]:
+        ref = inter[name]["vs_reference"]
+        ratios = sorted(a / b for a, b in zip(inter[name]["times_ms"], inter["torch_adamw"]["times_ms"]))
+        assert ref["pairs"] == 5 and ref["median"] == ratios[2]
+        assert ratios[0] <= ref["median_ci95"][0] <= ref["median"] <= ref["median_ci95"][1] <= ratios[-1]
+    assert inter["rf_pipeline_on"]["stats"]["pipelined_steps"] >= 5 + 1  # warm-up step + 5 timed
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["interleaved"]["rf_pipeline_rollback"]["vs_reference"]["reference"] == "torch_adamw"
