@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from rapidfire_hf.precision import Float8Linear, enable_fp8, fp8_candidates, fp8_support
+from rapidfire_hf.precision import (
+    Float8Linear,
+    convert_linears_to_fp8,
+    enable_fp8,
+    fp8_candidates,
+    fp8_support,
+    resolve_fp8_backend,
+)
 from rapidfire_hf.precision import fp8 as fp8_module
+from rapidfire_hf.utils import imports
 from rapidfire_hf.utils.imports import is_available
+
+HAS_TORCHAO = is_available("torchao")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,10 +67,101 @@ def test_candidates_and_refusal_on_cpu():
         enable_fp8(model)
 
 
-@pytest.mark.skipif(is_available("torchao"), reason="torchao is installed")
-def test_torchao_backend_names_the_missing_package():
-    with pytest.raises(ImportError, match="pip install torchao"):
-        enable_fp8(nn.Sequential(nn.Linear(2048, 2048)), backend="torchao")
+# -- backend selection (torchao's presence is what it depends on: both cases are set up explicitly) ----------
+
+
+@pytest.fixture
+def without_torchao(monkeypatch):
+    real = imports.is_available
+    monkeypatch.setattr(imports, "is_available", lambda name: name != "torchao" and real(name))
+
+
+@pytest.fixture
+def with_torchao(monkeypatch):
+    # the selection only asks whether torchao is there; importing it is convert_linears_to_fp8's business
+    real_available, real_require = imports.is_available, imports.require
+    monkeypatch.setattr(imports, "is_available", lambda name: name == "torchao" or real_available(name))
+    monkeypatch.setattr(
+        imports,
+        "require",
+        lambda name, feature=None: None if name == "torchao" else real_require(name, feature),
+    )
+
+
+@pytest.mark.parametrize(
+    "backend,recipe,expected",
+    [("auto", "tensorwise", "scaled_mm"), ("scaled_mm", "tensorwise", "scaled_mm")],
+)
+def test_resolve_backend_without_torchao(without_torchao, backend, recipe, expected):
+    assert resolve_fp8_backend(backend, recipe) == expected
+
+
+@pytest.mark.parametrize(
+    "backend,recipe,expected",
+    [
+        ("auto", "tensorwise", "torchao"),
+        ("auto", "rowwise", "torchao"),
+        ("torchao", "rowwise_with_gw_hp", "torchao"),
+        ("scaled_mm", "tensorwise", "scaled_mm"),  # an explicit choice of our own layer is kept
+    ],
+)
+def test_resolve_backend_with_torchao(with_torchao, backend, recipe, expected):
+    assert resolve_fp8_backend(backend, recipe) == expected
+
+
+@pytest.mark.parametrize("backend,recipe", [("torchao", "tensorwise"), ("auto", "rowwise")])
+def test_torchao_needed_and_missing_names_the_extra(without_torchao, backend, recipe):
+    with pytest.raises(ImportError, match=r"pip install 'rapidfire_hf\[fp8\]'"):
+        resolve_fp8_backend(backend, recipe)
+    # enable_fp8 says so before it looks at the hardware (on CPU that would be the other error)
+    with pytest.raises(ImportError, match="torchao"):
+        enable_fp8(nn.Sequential(nn.Linear(2048, 2048)), backend=backend, recipe=recipe)
+
+
+@pytest.mark.parametrize(
+    "backend,recipe,match",
+    [
+        ("scaled_mm", "rowwise", "per tensor only"),
+        ("cublas", "tensorwise", "backend must be one of"),
+        ("auto", "blockwise", "recipe must be one of"),
+    ],
+)
+def test_bad_backend_or_recipe_is_a_value_error(backend, recipe, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_fp8_backend(backend, recipe)
+    with pytest.raises(ValueError, match=match):
+        enable_fp8(nn.Sequential(nn.Linear(2048, 2048)), backend=backend, recipe=recipe)
+
+
+def test_enable_fp8_auto_without_torchao_uses_our_layer(without_torchao, monkeypatch):
+    monkeypatch.setattr(fp8_module, "fp8_support", lambda device=None: (True, ""))
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 64))
+    assert enable_fp8(model) == ["0"]
+    assert type(model[0]) is Float8Linear and type(model[1]) is nn.Linear
+
+
+def test_convert_rejects_unresolved_backend():
+    with pytest.raises(ValueError, match="resolve 'auto' first"):
+        convert_linears_to_fp8(nn.Sequential(nn.Linear(32, 32)), ["0"], backend="auto")
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install 'rapidfire_hf[fp8]')")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchao_backend_matches_linear_on_cpu(recipe):
+    # torchao's float8 layers run on CPU too (torch._scaled_mm): numerics against the bf16 layer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.GELU(), nn.Linear(64, 48, bias=False)).bfloat16()
+    ref = copy.deepcopy(model)
+    weight = model[0].weight
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    assert convert_linears_to_fp8(model, ["0", "2"], backend="torchao", recipe=recipe) == ["0", "2"]
+    assert type(model[0]) is not nn.Linear and model[0].weight is weight  # same Parameter
+    y, y_ref = model(x), ref(x)
+    y.float().pow(2).mean().backward()
+    y_ref.float().pow(2).mean().backward()
+    # two FP8 layers in a row, each a few percent off (e4m3: 3 mantissa bits), as our own layer's test
+    assert 0 < _rel(y, y_ref) < 0.08
+    assert _rel(model[0].weight.grad, ref[0].weight.grad) < 0.12
 
 
 @pytest.mark.gpu
@@ -188,3 +290,22 @@ def test_enable_fp8_passes_cache_weights(monkeypatch):
     monkeypatch.setattr(fp8_module, "fp8_support", lambda device=None: (True, ""))
     assert enable_fp8(model, backend="scaled_mm", cache_weights=True) == ["0"]
     assert isinstance(model[0], Float8Linear) and model[0].cache_weight
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install 'rapidfire_hf[fp8]')")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_enable_fp8_torchao_on_gpu(recipe):
+    ok, why = fp8_support("cuda")
+    if not ok:
+        pytest.skip(why)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 2048)).cuda().bfloat16()
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    ref = model(x).detach()
+    weight = model[0].weight
+    assert enable_fp8(model, backend="torchao", recipe=recipe) == ["0", "2"]
+    assert type(model[0]) is not nn.Linear and model[0].weight is weight
+    out = model(x)
+    out.float().pow(2).mean().backward()
+    assert 0 < _rel(out, ref) < 0.1 and torch.isfinite(weight.grad).all()

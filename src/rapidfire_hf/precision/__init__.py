@@ -7,7 +7,14 @@ Example:
 """
 
 from rapidfire_hf.precision.actions import PrecisionAction
-from rapidfire_hf.precision.fp8 import Float8Linear, enable_fp8, fp8_candidates, fp8_support
+from rapidfire_hf.precision.fp8 import (
+    Float8Linear,
+    convert_linears_to_fp8,
+    enable_fp8,
+    fp8_candidates,
+    fp8_support,
+    resolve_fp8_backend,
+)
 from rapidfire_hf.precision.metrics import AsyncMetrics, GradientMonitor, OutputProbe
 from rapidfire_hf.precision.plugin import AdaptivePrecisionPlugin, PrecisionMode
 from rapidfire_hf.precision.scaler import PerGroupGradScaler
@@ -32,12 +39,14 @@ __all__ = [
     "Precision",
     "PrecisionAction",
     "PrecisionMode",
+    "convert_linears_to_fp8",
     "enable_fp8",
     "find_layers",
     "fp8_candidates",
     "fp8_support",
     "logprob_path",
     "measure_sensitivity",
+    "resolve_fp8_backend",
     "sensitivity_table",
     "set_layer_precision",
 ]

@@ -1,18 +1,23 @@
 """FP8 (e4m3 forward, e5m2 gradients) for large Linear layers, on GPUs that have FP8 tensor cores.
 
-Two backends:
+Two backends, chosen by :func:`enable_fp8` (``backend=``, see :func:`resolve_fp8_backend`):
 
-* ``torchao``: ``torchao.float8.convert_to_float8_training`` when torchao is installed (fused casts under
-  ``torch.compile``; the faster one where available).
+* ``torchao``: ``torchao.float8.convert_to_float8_training`` (the optional extra
+  ``pip install 'rapidfire_hf[fp8]'``), with its ``recipe``: ``tensorwise`` (one dynamic scale per
+  tensor), ``rowwise`` (one per row, more accurate) or ``rowwise_with_gw_hp`` (rowwise, weight gradient
+  in high precision). Its casts are fused, and its speed comes, under ``torch.compile``.
 * ``scaled_mm``: :class:`Float8Linear`, this module's own layer on ``torch._scaled_mm`` with dynamic
-  per-tensor scales, needing nothing beyond torch.
+  per-tensor scales (``tensorwise`` only), needing nothing beyond torch; it runs eagerly and can keep the
+  FP8 weights between optimizer steps (``cache_weights``).
 
 Parameters stay in their dtype and keep their identity (the optimizer is not touched); only the three
 matmuls of each converted layer (output, input gradient, weight gradient) run in FP8.
+``benchmarks/precision`` measures both backends against bf16 (speed, output error, training loss).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -23,6 +28,10 @@ E4M3 = torch.float8_e4m3fn  # activations and weights: more mantissa
 E5M2 = torch.float8_e5m2  # gradients: more range
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores
 _TINY = 1e-30  # amax floor: an all-zero tensor gets a finite scale (2**-100 * fmax away from overflow)
+BACKENDS = ("auto", "torchao", "scaled_mm")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
+
+logger = logging.getLogger("rapidfire_hf.precision")
 
 
 def fp8_support(device: torch.device | str | None = None) -> tuple[bool, str]:
@@ -206,10 +215,91 @@ def fp8_candidates(
     return out
 
 
+def resolve_fp8_backend(backend: str = "auto", recipe: str = "tensorwise") -> str:
+    """The backend :func:`enable_fp8` uses for ``backend`` and ``recipe``: ``"torchao"`` or ``"scaled_mm"``.
+
+    ``"auto"`` is torchao when it is installed, else ``scaled_mm`` (tensorwise only: a rowwise recipe
+    without torchao is an ImportError naming the extra).
+
+    Raises:
+        ValueError: an unknown backend or recipe, or a rowwise recipe with ``backend="scaled_mm"``.
+        ImportError: torchao is needed (``backend="torchao"`` or a rowwise recipe) and not installed.
+    """
+    from rapidfire_hf.utils import imports
+
+    if backend not in BACKENDS:
+        raise ValueError(f"FP8 backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if recipe not in RECIPES:
+        raise ValueError(f"FP8 recipe must be one of {', '.join(map(repr, RECIPES))}, got {recipe!r}")
+    if backend == "scaled_mm":
+        if recipe != "tensorwise":
+            raise ValueError(
+                f"the scaled_mm backend scales per tensor only; recipe {recipe!r} needs backend='torchao' "
+                "(pip install 'rapidfire_hf[fp8]')"
+            )
+        return "scaled_mm"
+    if backend == "torchao" or recipe != "tensorwise":
+        imports.require("torchao", f"FP8 training with the torchao backend (recipe {recipe!r})")
+        return "torchao"
+    return "torchao" if imports.is_available("torchao") else "scaled_mm"
+
+
+def _torchao_float8():
+    """torchao's ``Float8LinearConfig`` and ``convert_to_float8_training``, or an ImportError that says why."""
+    from rapidfire_hf.utils.imports import require
+
+    torchao = require("torchao", "FP8 training with the torchao backend")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:  # a torchao built for another torch
+        raise ImportError(
+            f"torchao {getattr(torchao, '__version__', '?')} cannot load its float8 module with torch "
+            f"{torch.__version__} ({e}); install the torchao release built for this torch, or use "
+            "backend='scaled_mm'"
+        ) from e
+    return Float8LinearConfig, convert_to_float8_training
+
+
+def convert_linears_to_fp8(
+    model: nn.Module,
+    names: list[str],
+    *,
+    backend: str,
+    recipe: str = "tensorwise",
+    cache_weights: bool = False,
+) -> list[str]:
+    """Replace the Linear layers ``names`` of ``model`` by FP8 ones of ``backend`` (``"torchao"`` or
+    ``"scaled_mm"``), without :func:`enable_fp8`'s hardware check and layer selection (both backends also
+    run on CPU, slowly: the benchmarks' smoke modes use that). Returns ``names``."""
+    if backend not in ("torchao", "scaled_mm"):
+        raise ValueError(f"backend must be 'torchao' or 'scaled_mm' (resolve 'auto' first), got {backend!r}")
+    if backend == "torchao":
+        config_cls, convert = _torchao_float8()
+        wanted = set(names)
+        convert(
+            model,
+            config=config_cls.from_recipe_name(recipe),
+            module_filter_fn=lambda module, fqn: fqn in wanted,
+        )
+        return names
+    if recipe != "tensorwise":
+        raise ValueError(f"the scaled_mm backend scales per tensor only, not {recipe!r}")
+    modules = dict(model.named_modules())
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        setattr(
+            modules[parent_name] if parent_name else model,
+            child,
+            Float8Linear.from_linear(modules[name], cache_weight=cache_weights),
+        )
+    return names
+
+
 def enable_fp8(
     model: nn.Module,
     *,
     backend: str = "auto",
+    recipe: str = "tensorwise",
     min_features: int = 1024,
     skip: tuple[str, ...] = ("lm_head",),
     plugin=None,
@@ -219,7 +309,10 @@ def enable_fp8(
 
     Args:
         model: The model, already on the GPU.
-        backend: ``"torchao"``, ``"scaled_mm"`` or ``"auto"`` (torchao when installed).
+        backend: ``"torchao"``, ``"scaled_mm"`` or ``"auto"`` (torchao when installed; see
+            :func:`resolve_fp8_backend`). torchao's layers are fast under ``torch.compile``.
+        recipe: torchao's scaling recipe: ``"tensorwise"`` (both backends), ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"`` (torchao only).
         min_features: Smallest ``min(in_features, out_features)`` converted; small matmuls lose to the casts.
         skip: Module names (or suffixes) never converted; the LM head by default (log-probs are sensitive).
         plugin: An attached :class:`~rapidfire_hf.precision.AdaptivePrecisionPlugin`: layers it runs above
@@ -231,33 +324,17 @@ def enable_fp8(
         Names of the converted layers.
 
     Raises:
+        ValueError: an unknown backend or recipe, or a rowwise recipe with ``backend="scaled_mm"``.
+        ImportError: torchao is needed and not installed (the message names the ``fp8`` extra).
         RuntimeError: on CPU, on GPUs without FP8 (compute capability < 8.9), naming the GPU.
-        ImportError: for ``backend="torchao"`` when torchao is not installed.
     """
-    if backend not in ("auto", "torchao", "scaled_mm"):
-        raise ValueError(f"backend must be 'auto', 'torchao' or 'scaled_mm', got {backend!r}")
-    from rapidfire_hf.utils.imports import is_available, require
-
-    if backend == "torchao":
-        require("torchao", "FP8 training with the torchao backend")
+    chosen = resolve_fp8_backend(backend, recipe)
     ok, why = fp8_support(next(model.parameters()).device)
     if not ok:
         raise RuntimeError(why)
     names = fp8_candidates(model, min_features, skip)
     if plugin is not None:
         names = [n for n in names if not any(n == k or n.startswith(k + ".") for k in plugin.overrides)]
-    if backend == "torchao" or (backend == "auto" and is_available("torchao")):
-        from torchao.float8 import convert_to_float8_training
-
-        wanted = set(names)
-        convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in wanted)
-        return names
-    modules = dict(model.named_modules())
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        setattr(
-            modules[parent_name] if parent_name else model,
-            child,
-            Float8Linear.from_linear(modules[name], cache_weight=cache_weights),
-        )
+    convert_linears_to_fp8(model, names, backend=chosen, recipe=recipe, cache_weights=cache_weights)
+    logger.info("FP8 (%s, %s) for %d linear layers", chosen, recipe, len(names))
     return names

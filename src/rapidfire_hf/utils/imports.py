@@ -13,6 +13,7 @@ OPTIONAL = {
     "deepspeed": ("deepspeed", "DeepSpeed ZeRO"),
     "liger_kernel": ("liger", "Liger fused kernels"),
     "pynvml": ("nvml", "per-process GPU memory in `rapidfire monitor`"),
+    "torchao": ("fp8", "FP8 training with torchao"),
     "triton": (None, "Triton kernels (ships with CUDA builds of torch)"),
     "vllm": (None, "the optional vLLM rollout backend"),
 }
