@@ -1,6 +1,8 @@
 # Sourced by the device scripts (run from the repository root on the GPU machine): installs the carried
-# wheels (.whl: trl, datasets, bitsandbytes, liger, ...; .whl-ds: DeepSpeed and its dependencies) into
-# /tmp/site, which that machine lacks, and puts the checkout and /tmp/site on PYTHONPATH.
+# wheels (.whl: trl, datasets, bitsandbytes, liger, ...; .whl-ds: DeepSpeed and its dependencies; .whl-ao,
+# when carried: torchao 0.17.0, the release built for torch 2.11, for the FP8 benchmark) into /tmp/site,
+# which that machine lacks, and puts the checkout and /tmp/site on PYTHONPATH.
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl 2>&1 | tail -2
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl \
+  $(ls .whl-ao/*.whl 2>/dev/null) 2>&1 | tail -2
 export PYTHONPATH=$PWD/src:$PWD:/tmp/site

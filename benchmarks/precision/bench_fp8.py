@@ -1,15 +1,29 @@
-"""FP8 vs bf16 forward+backward time of the linear layers of the 1.1B Llama shape.
+"""FP8 vs bf16: speed of the linear layers of the 1.1B and 7B Llama shapes, and a short training-loss run.
 
-22 layers, hidden 2048, 32 heads / 4 KV heads (k, v project to 256), MLP 5632; 16 x 512 tokens. Only the
-linears, an RMS norm before each block (as in Llama) and the element-wise glue between them run (no
-attention kernel), so the time is mostly that of what FP8 changes. Without the norms the stack is not a
-model: the MLP is quadratic in its input, activations grow ~x100 per layer and overflow bf16 by layer 5
-(which made the H200 run of 2026-11-30 report a NaN error). FP8 layers: those ``enable_fp8`` selects
-(min(in, out) >= 1024: q, o, gate, up, down).
+Speed (:func:`run_speed`): per shape, a stack of the shape's linears (q, k, v, o, gate, up, down) with an
+RMS norm before each block and the element-wise glue between them (no attention kernel), so the time is
+mostly that of what FP8 changes; 16 x 512 = 8,192 tokens; median forward+backward time of each variant:
 
-Two FP8 timings: ``fp8_ms`` re-quantises every weight in every call (each step of training without
-gradient accumulation), ``fp8_cached_ms`` keeps the FP8 weights between calls (``cache_weights=True``;
-the weights do not change between the timed iterations, as within a gradient-accumulation window).
+* ``bf16`` (eager; the reference of the speed-ups and errors), ``bf16_compiled`` (each layer compiled:
+  the fair reference of the compiled FP8 variants, whose norms and glue inductor also fuses);
+* ``scaled_mm`` (our ``Float8Linear``, eager), ``scaled_mm_cached`` (FP8 weights kept between calls, as
+  within a gradient-accumulation window), ``scaled_mm_compiled``;
+* ``torchao_tensorwise`` / ``torchao_rowwise`` (``enable_fp8(backend="torchao", recipe=...)``), eager or
+  ``_compiled`` (torchao's intended use: its casts fuse under ``torch.compile``).
+
+FP8 layers are those ``enable_fp8`` selects (min(in, out) >= 1024: q, o, gate, up, down of the 1.1B; all
+seven of the 7B). Without the norms the stack is not a model: the MLP is quadratic in its input and
+activations overflow bf16 by layer 5. The 7B stack has 8 of its 32 layers by default (every layer is the
+same, so the time per layer and the speed-up do not depend on the count; ``layers`` in the results).
+
+Errors against ``bf16`` (same weights and input): ``output_rel_error`` (stack output), ``layer0_rel_error``
+(first layer's output alone), ``grad_rel_error`` (first layer's ``down`` weight gradient).
+
+Loss (:func:`run_loss`): a ``LlamaForCausalLM`` of the 1.1B shape (fp32 master weights, bf16 autocast,
+AdamW) trained for 40 steps on a learnable token stream, once per variant, same seed and data.
+
+Each variant runs in a ``try``: an error is recorded in its entry and the next one runs. A time budget
+skips the variants left once it is spent (recorded as skipped).
 """
 
 from __future__ import annotations
@@ -21,7 +35,63 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidfire_hf.precision import Float8Linear, enable_fp8, fp8_support
+from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_config, llama_shape
+from rapidfire_hf.precision import convert_linears_to_fp8, enable_fp8, fp8_candidates, fp8_support
+from rapidfire_hf.utils.imports import is_available
+
+# name -> (FP8 backend or None for bf16, recipe, compiled, cached FP8 weights)
+VARIANTS: dict[str, tuple[str | None, str | None, bool, bool]] = {
+    "bf16": (None, None, False, False),
+    "bf16_compiled": (None, None, True, False),
+    "scaled_mm": ("scaled_mm", "tensorwise", False, False),
+    "scaled_mm_cached": ("scaled_mm", "tensorwise", False, True),
+    "scaled_mm_compiled": ("scaled_mm", "tensorwise", True, False),
+    "torchao_tensorwise": ("torchao", "tensorwise", False, False),
+    "torchao_tensorwise_compiled": ("torchao", "tensorwise", True, False),
+    "torchao_rowwise": ("torchao", "rowwise", False, False),
+    "torchao_rowwise_compiled": ("torchao", "rowwise", True, False),
+}
+SPEED_VARIANTS = (
+    "bf16",
+    "bf16_compiled",
+    "scaled_mm",
+    "scaled_mm_cached",
+    "torchao_tensorwise_compiled",
+    "torchao_rowwise_compiled",
+)
+LOSS_VARIANTS = ("bf16", "scaled_mm", "torchao_tensorwise", "torchao_rowwise")
+SPEED_SHAPES = ("llama-1.1b", "llama-7b")
+DEFAULT_LAYERS = {"llama-1.1b": 22, "llama-7b": 8}
+TOKENS = 16 * 512
+SMOKE_SPEED_SHAPE = dict(hidden=64, kv=16, mlp=128, layers=2, tokens=32)
+SMOKE_MIN_FEATURES = 16  # the smoke shapes are tiny: convert every linear whose dims allow it
+
+
+class Budget:
+    """Wall-clock budget shared by the parts of one benchmark run (None: no limit)."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def spent(self) -> bool:
+        return self.seconds is not None and time.perf_counter() - self.start > self.seconds
+
+    def skipped(self) -> dict:
+        return {"skipped": f"time budget of {self.seconds:.0f} s spent"}
+
+
+def stack_shape(name: str, layers: int | None = None) -> dict:
+    """The speed stack's shape for ``LLAMA_SHAPES[name]``: hidden, k/v width, MLP width, layers, tokens."""
+    s = llama_shape(name)
+    hidden, heads = s["hidden_size"], s["num_attention_heads"]
+    return dict(
+        hidden=hidden,
+        kv=hidden // heads * s["num_key_value_heads"],
+        mlp=s["intermediate_size"],
+        layers=layers or DEFAULT_LAYERS.get(name, s["num_hidden_layers"]),
+        layers_in_model=s["num_hidden_layers"],
+        tokens=TOKENS,
+    )
 
 
 class _Layer(nn.Module):
@@ -39,7 +109,7 @@ class _Layer(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-def _stack(shape: dict, device) -> nn.Module:
+def _stack(shape: dict, device) -> nn.Sequential:
     torch.manual_seed(0)
     with torch.device(device):
         layers = [_Layer(shape["hidden"], shape["kv"], shape["mlp"]) for _ in range(shape["layers"])]
@@ -49,30 +119,66 @@ def _stack(shape: dict, device) -> nn.Module:
     return model
 
 
-def _time(model, x, iters: int, warmup: int) -> tuple[float, float]:
-    times, out = [], None
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(model, x, iters: int, warmup: int) -> tuple[float, float, torch.Tensor]:
+    """(median ms, first call's seconds (compilation included), last output); the last call's gradients
+    stay on the parameters."""
+    times, out, first_s = [], None, 0.0
     for i in range(warmup + iters):
-        if x.is_cuda:
-            torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        _sync(x.device)
         t0 = time.perf_counter()
         out = model(x)
         out.float().pow(2).mean().backward()
-        if x.is_cuda:
-            torch.cuda.synchronize()
+        _sync(x.device)
+        dt = time.perf_counter() - t0
+        if i == 0:
+            first_s = dt
         if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times), out.detach()
+            times.append(dt * 1e3)
+    return statistics.median(times), first_s, out.detach()
 
 
-def _convert(model: nn.Module, ok: bool, cache: bool) -> int:
-    if ok:
-        return len(enable_fp8(model, backend="scaled_mm", cache_weights=cache))
-    # smoke on CPU: exercise the FP8 layer (torch._scaled_mm runs there), timing is meaningless
-    for layer in model:
-        for name in ("q", "o", "gate", "up", "down"):
-            setattr(layer, name, Float8Linear.from_linear(getattr(layer, name), cache_weight=cache))
-    return 5 * len(model)
+def _convert(model: nn.Module, variant: str, fp8_ok: bool, smoke: bool) -> list[str]:
+    backend, recipe, _, cache = VARIANTS[variant]
+    if backend is None:
+        return []
+    if fp8_ok:
+        return enable_fp8(model, backend=backend, recipe=recipe, cache_weights=cache)
+    # CPU smoke: the FP8 layers run there too (slowly); enable_fp8 refuses a CPU model
+    names = fp8_candidates(model, min_features=SMOKE_MIN_FEATURES if smoke else 1024)
+    return convert_linears_to_fp8(model, names, backend=backend, recipe=recipe, cache_weights=cache)
+
+
+def _compile(layers, smoke: bool) -> None:
+    # one compiled region per layer (the layers share the compiled code: one compilation per variant);
+    # the CPU smoke only traces (backend "eager"), inductor's C++ build would take minutes there
+    torch._dynamo.reset()
+    for layer in layers:
+        layer.compile(backend="eager" if smoke else "inductor")
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def unavailable(variant: str, fp8_ok: bool, why: str, smoke: bool) -> str | None:
+    """Why ``variant`` cannot run here (None: it can)."""
+    backend = VARIANTS[variant][0]
+    if backend is None:
+        return None
+    if not fp8_ok and not smoke:
+        return why
+    if backend == "torchao" and not is_available("torchao"):
+        return "torchao is not installed (pip install 'rapidfire_hf[fp8]')"
+    return None
 
 
 def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -80,34 +186,202 @@ def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def run(smoke: bool, device: torch.device) -> dict:
-    """Median ms per forward+backward for bf16 and FP8 (or why FP8 was not measured)."""
-    if smoke:
-        shape = dict(hidden=64, kv=16, mlp=128, layers=2, tokens=32)
-        iters, warmup = 1, 0
-    else:
-        shape = dict(hidden=2048, kv=256, mlp=5632, layers=22, tokens=16 * 512)
-        iters, warmup = 20, 5
-    ok, why = fp8_support(device)
-    result = {"shape": shape, "fp8_available": ok, "fp8_unavailable_reason": why or None}
-    if not ok and not smoke:
-        model = _stack(shape, device)
-        x = torch.randn(shape["tokens"], shape["hidden"], device=device, dtype=torch.bfloat16)
-        result["bf16_ms"], _ = _time(model, x, iters, warmup)
-        return result
-    x = torch.randn(shape["tokens"], shape["hidden"], device=device, dtype=torch.bfloat16)
-    model = _stack(shape, device)
-    result["bf16_ms"], ref = _time(model, x, iters, warmup)
-    result["bf16_output_finite"] = bool(torch.isfinite(ref).all())
-    for key, cache in (("fp8", False), ("fp8_cached", True)):
-        model = _stack(shape, device)  # same seed: the same weights as the bf16 run
-        result["fp8_layers"] = _convert(model, ok, cache)
-        result[f"{key}_ms"], out = _time(model, x, iters, warmup)
-        result[f"{key}_output_finite"] = bool(torch.isfinite(out).all())
-        if key == "fp8":
-            result["speedup"] = result["bf16_ms"] / result["fp8_ms"]
-            result["output_rel_error_vs_bf16"] = _rel_error(out, ref)
-        else:
-            result["speedup_cached"] = result["bf16_ms"] / result["fp8_cached_ms"]
-        del model
+def _speed_variant(variant, shape, x, ref, fp8_ok, smoke, iters, warmup, device) -> dict:
+    _, _, compiled, _ = VARIANTS[variant]
+    model = _stack(shape, device)  # same seed: the same weights in every variant
+    layers = list(model)
+    grad_param = layers[0].down.weight  # the Parameter survives the conversion
+    entry = {"fp8_layers": len(_convert(model, variant, fp8_ok, smoke)), "compiled": compiled}
+    if compiled:
+        _compile(layers, smoke)
+        warmup = max(warmup, 3)
+        graphs = _unique_graphs()
+    entry["ms"], entry["first_call_s"], out = _time(model, x, iters, warmup)
+    entry["output_finite"] = bool(torch.isfinite(out).all())
+    grad = grad_param.grad.detach().clone()
+    layer0 = layers[0](x).detach()  # grad mode and input as in training: a compiled layer is not recompiled
+    if ref is not None:
+        entry["output_rel_error"] = _rel_error(out, ref["out"])
+        entry["layer0_rel_error"] = _rel_error(layer0, ref["layer0"])
+        entry["grad_rel_error"] = _rel_error(grad, ref["grad"])
+    entry["_ref"] = {"out": out, "layer0": layer0, "grad": grad}
+    if compiled:
+        entry["compiled_graphs"] = _unique_graphs() - graphs  # 1 (or a few, with graph breaks) expected
+        torch._dynamo.reset()
+    return entry
+
+
+def run_speed(
+    smoke: bool,
+    device: torch.device,
+    shapes=SPEED_SHAPES,
+    variants=SPEED_VARIANTS,
+    layers: int | None = None,
+    budget: Budget | None = None,
+) -> dict:
+    """Median ms per forward+backward of each variant on each shape, with speed-ups and errors vs bf16."""
+    budget = budget or Budget(None)
+    variants = ["bf16"] + [v for v in variants if v != "bf16"]  # the reference first
+    fp8_ok, why = fp8_support(device)
+    iters, warmup = (1, 0) if smoke else (20, 5)
+    result = {
+        "fp8_available": fp8_ok,
+        "fp8_unavailable_reason": why or None,
+        "tokens": SMOKE_SPEED_SHAPE["tokens"] if smoke else TOKENS,
+        "iters": iters,
+        "warmup": warmup,
+        "shapes": {},
+    }
+    for name in shapes:
+        shape = dict(SMOKE_SPEED_SHAPE) if smoke else stack_shape(name, layers)
+        out = {"shape": shape, "variants": {}}
+        result["shapes"][name] = out
+        # requires grad, like the input of every later layer: one compiled graph serves all the layers
+        x = torch.randn(
+            shape["tokens"], shape["hidden"], device=device, dtype=torch.bfloat16
+        ).requires_grad_()
+        ref = None
+        for variant in variants:
+            if budget.spent():
+                out["variants"][variant] = budget.skipped()
+                continue
+            reason = unavailable(variant, fp8_ok, why, smoke)
+            if reason:
+                out["variants"][variant] = {"skipped": reason}
+                continue
+            t0 = time.perf_counter()
+            try:
+                entry = _speed_variant(variant, shape, x, ref, fp8_ok, smoke, iters, warmup, device)
+            except Exception as e:  # recorded; the other variants still run
+                entry = {"error": f"{type(e).__name__}: {e}"[:600]}
+                torch._dynamo.reset()
+            entry["seconds"] = time.perf_counter() - t0
+            if variant == "bf16" and "_ref" in entry:
+                ref = entry["_ref"]
+            entry.pop("_ref", None)
+            out["variants"][variant] = entry
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"fp8 speed {name:11s} {variant:28s} {_brief(entry)}", flush=True)
+        base = out["variants"].get("bf16", {}).get("ms")
+        base_c = out["variants"].get("bf16_compiled", {}).get("ms")
+        for entry in out["variants"].values():
+            if "ms" in entry and base:
+                entry["speedup_vs_bf16"] = base / entry["ms"]
+                if entry["compiled"] and base_c:
+                    entry["speedup_vs_bf16_compiled"] = base_c / entry["ms"]
+    return result
+
+
+def _brief(entry: dict) -> str:
+    if "ms" not in entry:
+        return entry.get("error") or entry.get("skipped", "")
+    err = entry.get("output_rel_error")
+    return f"{entry['ms']:8.2f} ms" + (f"  rel err {err:.4f}" if err is not None else "")
+
+
+# -- the training-loss comparison ---------------------------------------------------------------------------
+
+
+def _token_batches(steps: int, batch: int, seq: int, vocab: int, device, seed: int = 1):
+    """A learnable stream: each sequence counts up by a random stride from a random start (mod vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        start = torch.randint(4, vocab, (batch, 1), generator=g)
+        stride = torch.randint(1, 4, (batch, 1), generator=g)
+        yield (4 + (start + stride * torch.arange(seq)) % (vocab - 4)).to(device)
+
+
+def _loss_variant(variant, shape_name, steps, batch, seq, lr, fp8_ok, smoke, device) -> dict:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(llama_config(llama_shape(shape_name), max_position_embeddings=seq))
+    names = _convert(model, variant, fp8_ok, smoke)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warm = max(1, steps // 8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    losses, times = [], []
+    vocab = model.config.vocab_size
+    for ids in _token_batches(steps, batch, seq, vocab, device):
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    return {
+        "fp8_layers": len(names),
+        "loss": losses,
+        "final_loss_mean_last5": statistics.fmean(losses[-5:]),
+        "nonfinite_steps": sum(not torch.isfinite(torch.tensor(v)).item() for v in losses),
+        "median_step_ms": statistics.median(times[1:] or times) * 1e3,
+    }
+
+
+def run_loss(
+    smoke: bool,
+    device: torch.device,
+    variants=LOSS_VARIANTS,
+    steps: int | None = None,
+    shape_name: str | None = None,
+    budget: Budget | None = None,
+) -> dict:
+    """Per-step training losses of each variant (same seed, init and data); differences to bf16."""
+    budget = budget or Budget(None)
+    variants = ["bf16"] + [v for v in variants if v != "bf16"]
+    fp8_ok, why = fp8_support(device)
+    shape_name = shape_name or ("smoke" if smoke else "llama-1.1b")
+    if shape_name not in LLAMA_SHAPES:
+        raise ValueError(f"unknown loss shape {shape_name!r}; known: {', '.join(LLAMA_SHAPES)}")
+    steps = steps or (4 if smoke else 40)
+    batch, seq, lr = (2, 32, 1e-3) if smoke else (8, 512, 3e-4)
+    result = {
+        "shape": shape_name,
+        "steps": steps,
+        "batch": batch,
+        "seq": seq,
+        "lr": lr,
+        "setup": "LlamaForCausalLM, fp32 master weights, bf16 autocast, AdamW (warm-up over steps/8, "
+        "grad-norm clip 1.0), a stream counting up by a random stride (mod vocab); same seed and data",
+        "fp8_available": fp8_ok,
+        "fp8_unavailable_reason": why or None,
+        "variants": {},
+    }
+    for variant in variants:
+        if budget.spent():
+            result["variants"][variant] = budget.skipped()
+            continue
+        reason = unavailable(variant, fp8_ok, why, smoke)
+        if reason:
+            result["variants"][variant] = {"skipped": reason}
+            continue
+        t0 = time.perf_counter()
+        try:
+            entry = _loss_variant(variant, shape_name, steps, batch, seq, lr, fp8_ok, smoke, device)
+        except Exception as e:
+            entry = {"error": f"{type(e).__name__}: {e}"[:600]}
+        entry["seconds"] = time.perf_counter() - t0
+        result["variants"][variant] = entry
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        tail = (
+            f"final {entry['final_loss_mean_last5']:.4f}  {entry['median_step_ms']:.1f} ms/step"
+            if "loss" in entry
+            else entry.get("error", "")
+        )
+        print(f"fp8 loss  {shape_name} {variant:20s} {tail}", flush=True)
+    ref = result["variants"].get("bf16", {}).get("loss")
+    for entry in result["variants"].values():
+        if ref and "loss" in entry:
+            diffs = [abs(a - b) for a, b in zip(entry["loss"], ref)]
+            entry["max_abs_diff_vs_bf16"] = max(diffs)
+            entry["mean_abs_diff_vs_bf16"] = statistics.fmean(diffs)
+            entry["final_diff_vs_bf16"] = entry["final_loss_mean_last5"] - statistics.fmean(ref[-5:])
     return result

@@ -1,8 +1,10 @@
-"""Adaptive-precision benchmark: (a) static fp16 vs adaptive on an fp16 overflow, (b) FP8 vs bf16 linears.
+"""Adaptive-precision benchmark: (a) static fp16 vs adaptive on an fp16 overflow, (b) FP8 vs bf16 speed of
+the linears of the 1.1B and 7B shapes, per backend, (c) FP8 vs bf16 training loss (1.1B, 40 steps).
 
 Usage:
-    python benchmarks/precision/run.py --out benchmarks/precision/results          # GPU, < 3 minutes
-    python benchmarks/precision/run.py --out /tmp/precision_smoke --smoke          # CPU, seconds
+    python benchmarks/precision/run.py --out benchmarks/precision/results/h200   # one H200, ~3 minutes
+    python benchmarks/precision/run.py --out /tmp/precision_smoke --smoke        # CPU, tiny shapes
+    python benchmarks/precision/run.py --out DIR --parts fp8_speed --fp8-shapes llama-7b
 
 Writes ``results.json`` (GPU, versions, date, command, numbers) and ``precision.png`` to ``--out``.
 """
@@ -13,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,9 +26,73 @@ import bench_fp8  # noqa: E402
 import bench_overflow  # noqa: E402
 from _env import environment  # noqa: E402
 
+PARTS = ("overflow", "fp8_speed", "fp8_loss")
 
-def _environment(device: torch.device) -> dict:
-    return environment(device)
+
+def _csv(text: str, allowed, what: str) -> list[str]:
+    items = [t for t in text.split(",") if t]
+    unknown = [t for t in items if t not in allowed]
+    if unknown or not items:
+        raise SystemExit(f"--{what}: unknown or empty {unknown or text!r}; allowed: {', '.join(allowed)}")
+    return items
+
+
+def _overflow_panel(ax, overflow: dict) -> None:
+    runs = overflow["runs"]
+    for mode, run in runs.items():
+        loss = [v if math.isfinite(v) else float("nan") for v in run["loss"]]
+        label = f"{mode} (non-finite steps: {run['nonfinite_loss_steps']}, switches: {len(run.get('switches', []))})"
+        line = ax.plot(range(1, len(loss) + 1), loss, label=label)[0]
+        bad = [i + 1 for i, v in enumerate(run["loss"]) if not math.isfinite(v)]
+        if bad:  # NaN/inf losses cannot be drawn as a line: mark those steps along the top
+            top = max((v for r in runs.values() for v in r["loss"] if math.isfinite(v)), default=1.0)
+            ax.scatter(bad, [top] * len(bad), marker="x", color=line.get_color(), s=12)
+    ax.set(xlabel="step", ylabel="training loss", title="fp16 overflow in one layer (constructed)")
+    ax.legend(fontsize=8)
+
+
+def _speed_panel(ax, speed: dict, gpu: str) -> None:
+    shapes = list(speed["shapes"])
+    variants = list(dict.fromkeys(v for s in speed["shapes"].values() for v in s["variants"]))
+    width = 0.8 / max(1, len(shapes))
+    for i, name in enumerate(shapes):
+        entries = speed["shapes"][name]["variants"]
+        values = [entries.get(v, {}).get("speedup_vs_bf16", 0.0) for v in variants]
+        layers = speed["shapes"][name]["shape"]["layers"]
+        bars = ax.bar(
+            [j + i * width for j in range(len(variants))], values, width, label=f"{name} ({layers} layers)"
+        )
+        for bar, v in zip(bars, variants):
+            e = entries.get(v, {})
+            text = f"{e['ms']:.0f}" if "ms" in e else ("err" if "error" in e else "n/a")
+            ax.text(
+                bar.get_x() + bar.get_width() / 2,
+                bar.get_height(),
+                text,
+                ha="center",
+                va="bottom",
+                fontsize=6,
+            )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + width * (len(shapes) - 1) / 2 for j in range(len(variants))])
+    ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=7)
+    ax.set(ylabel="speed-up vs bf16 eager (labels: ms)", title=f"FP8 linears, fwd+bwd ({gpu or 'CPU'})")
+    if not speed["fp8_available"]:
+        ax.text(0.5, 0.5, speed["fp8_unavailable_reason"], transform=ax.transAxes, ha="center", wrap=True)
+    ax.legend(fontsize=7)
+
+
+def _loss_panel(ax, loss: dict) -> None:
+    for variant, entry in loss["variants"].items():
+        if "loss" in entry:
+            values = [v if math.isfinite(v) else float("nan") for v in entry["loss"]]
+            ax.plot(
+                range(1, len(values) + 1),
+                values,
+                label=f"{variant} (last 5: {entry['final_loss_mean_last5']:.3f})",
+            )
+    ax.set(xlabel="step", ylabel="training loss", title=f"FP8 vs bf16 training, {loss['shape']}")
+    ax.legend(fontsize=7)
 
 
 def _chart(results: dict, path: Path) -> None:
@@ -34,56 +101,91 @@ def _chart(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    runs = results["overflow"]["runs"]
-    for mode, run in runs.items():
-        loss = [v if math.isfinite(v) else float("nan") for v in run["loss"]]
-        label = f"{mode} (non-finite steps: {run['nonfinite_loss_steps']}, switches: {len(run.get('switches', []))})"
-        line = ax1.plot(range(1, len(loss) + 1), loss, label=label)[0]
-        bad = [i + 1 for i, v in enumerate(run["loss"]) if not math.isfinite(v)]
-        if bad:  # NaN/inf losses cannot be drawn as a line: mark those steps along the top
-            top = max((v for r in runs.values() for v in r["loss"] if math.isfinite(v)), default=1.0)
-            ax1.scatter(bad, [top] * len(bad), marker="x", color=line.get_color(), s=12)
-    ax1.set(xlabel="step", ylabel="training loss", title="fp16 overflow in one layer (constructed)")
-    ax1.legend(fontsize=8)
-    fp8 = results["fp8"]
-    names, values = ["bf16"], [fp8["bf16_ms"]]
-    if "fp8_ms" in fp8:
-        names.append("fp8 (scaled_mm)")
-        values.append(fp8["fp8_ms"])
-    if "fp8_cached_ms" in fp8:
-        names.append("fp8, cached weights")
-        values.append(fp8["fp8_cached_ms"])
-    ax2.bar(names, values, color=["tab:blue", "tab:orange", "tab:green"][: len(values)])
-    ax2.set(
-        ylabel="ms per forward+backward",
-        title=f"linears of the 1.1B shape ({results['env']['gpu'] or 'CPU'})",
-    )
-    if "fp8_ms" not in fp8:
-        ax2.text(0.5, 0.5, fp8["fp8_unavailable_reason"], transform=ax2.transAxes, ha="center", wrap=True)
+    panels = [p for p in PARTS if p in results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, part in zip(axes[0], panels):
+        if part == "overflow":
+            _overflow_panel(ax, results[part])
+        elif part == "fp8_speed":
+            _speed_panel(ax, results[part], results["env"]["gpu"])
+        else:
+            _loss_panel(ax, results[part])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for results.json and precision.png")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, a few seconds")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, seconds")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS)
+    )
+    parser.add_argument("--fp8-shapes", default=",".join(bench_fp8.SPEED_SHAPES), help="speed: Llama shapes")
+    parser.add_argument(
+        "--fp8-variants",
+        default=",".join(bench_fp8.SPEED_VARIANTS),
+        help="speed: variants (bf16 always runs first); all: " + ",".join(bench_fp8.VARIANTS),
+    )
+    parser.add_argument(
+        "--fp8-layers", type=int, default=None, help="speed: layers of every stack (default: 1.1B 22, 7B 8)"
+    )
+    parser.add_argument("--fp8-loss-variants", default=",".join(bench_fp8.LOSS_VARIANTS))
+    parser.add_argument("--fp8-loss-steps", type=int, default=None, help="loss: steps (default 40)")
+    parser.add_argument("--fp8-loss-shape", default=None, help="loss: Llama shape (default llama-1.1b)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="skip the variants left once this many seconds have passed (recorded as skipped)",
+    )
     args = parser.parse_args(argv)
+    parts = _csv(args.parts, PARTS, "parts")
+    shapes = _csv(args.fp8_shapes, bench_fp8.LLAMA_SHAPES, "fp8-shapes")
+    variants = _csv(args.fp8_variants, bench_fp8.VARIANTS, "fp8-variants")
+    loss_variants = _csv(args.fp8_loss_variants, bench_fp8.VARIANTS, "fp8-loss-variants")
+    if any(bench_fp8.VARIANTS[v][2] for v in loss_variants):
+        raise SystemExit("--fp8-loss-variants: the loss run is eager; drop the _compiled variants")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"env": _environment(device), "smoke": args.smoke}
-    results["overflow"] = bench_overflow.run(args.smoke, device)
-    results["fp8"] = bench_fp8.run(args.smoke, device)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    budget = bench_fp8.Budget(args.budget_s)
+    results = {"env": _environment(device), "smoke": args.smoke, "seconds": {}}
+
+    def write() -> None:  # after each part: a later failure keeps the finished ones
+        (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+    for part in parts:
+        t0 = time.perf_counter()
+        if part == "overflow":
+            results[part] = bench_overflow.run(args.smoke, device)
+        elif part == "fp8_speed":
+            results[part] = bench_fp8.run_speed(args.smoke, device, shapes, variants, args.fp8_layers, budget)
+        else:
+            results[part] = bench_fp8.run_loss(
+                args.smoke, device, loss_variants, args.fp8_loss_steps, args.fp8_loss_shape, budget
+            )
+        results["seconds"][part] = time.perf_counter() - t0
+        write()
     _chart(results, args.out / "precision.png")
-    for mode, run in results["overflow"]["runs"].items():
+    for mode, run in results.get("overflow", {}).get("runs", {}).items():
         print(
             f"{mode:14s} final loss {run['final_loss']:.4f}  non-finite steps {run['nonfinite_loss_steps']}"
             f"  skipped updates {run['skipped_updates']}  {run['seconds']:.1f}s"
         )
-    print(json.dumps({k: v for k, v in results["fp8"].items() if k != "shape"}))
+    print("seconds per part:", {k: round(v, 1) for k, v in results["seconds"].items()})
     return results
+
+
+def _environment(device: torch.device) -> dict:
+    env = environment(device)
+    try:
+        import torchao
+
+        env["torchao"] = torchao.__version__
+    except Exception as e:  # not installed, or not loadable with this torch
+        env["torchao"] = f"unavailable ({type(e).__name__})"
+    return env
 
 
 if __name__ == "__main__":
