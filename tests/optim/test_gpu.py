@@ -154,3 +154,42 @@ def test_rollback_on_cuda_is_exact(where, overlap):
     assert [e.kind for e in opt.events] == ["rollback"]
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("share", [0.6, 1e-12], ids=["fits", "does-not-fit"])
+def test_auto_snapshot_on_cuda(monkeypatch, share):
+    """snapshot='auto': a snapshot that fits stays on the device (rollback from it); one that does not
+    (the share made tiny) turns the pipeline off, and the NaN step is skipped before it is applied.
+    Either way the run equals fused AdamW that never saw the bad batch."""
+    from rapidfire_hf.optim import verification
+
+    monkeypatch.setattr(verification, "SNAPSHOT_DEVICE_SHARE", share)
+    k = 4
+
+    def run(make_opt, skip_k, inject):
+        model = make_model().cuda()
+        opt = make_opt(model.parameters())
+        for i in range(8):
+            if skip_k and i == k:
+                continue
+            g = torch.Generator(device="cuda").manual_seed(i)
+            x, y = torch.randn(8, 6, device="cuda", generator=g), torch.randn(8, 3, device="cuda", generator=g)
+            loss = (model(x) - y).pow(2).mean() * (float("nan") if inject and i == k else 1.0)
+            if isinstance(opt, RapidFireOptimizer):
+                opt.observe_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    ref, _ = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), True, False)
+    model, opt = run(lambda ps: RapidFireOptimizer(ps, lr=1e-2, gradient_pipeline=True, rollback="auto"), False, True)
+    stats = opt.stats()
+    if share == 0.6:
+        assert [e.kind for e in opt.events] == ["rollback"] and stats["pipeline_enabled"]
+        assert stats["snapshot_bytes"] > 0 and stats["snapshot_fallbacks"] == 0
+    else:
+        assert [e.kind for e in opt.events] == ["snapshot_auto_pipeline_off", "skip"]
+        assert not stats["pipeline_enabled"] and stats["snapshot_bytes"] == 0 and stats["snapshot_fallbacks"] == 1
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

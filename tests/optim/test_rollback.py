@@ -136,3 +136,25 @@ def test_rollback_off_checks_nothing():
     assert opt.events == [] and torch.isnan(next(model.parameters())).all()
     with pytest.raises(ValueError, match="rollback='auto'"):
         opt.add_rule("x", lambda m: True)
+
+
+def test_snapshot_bytes_estimate_matches_the_snapshot():
+    """snapshot='auto' sizes the device snapshot before the first step (parameters + the two AdamW moments,
+    counted twice: the snapshot's copy and the live state still to be allocated) and after it (what the
+    snapshot really holds)."""
+    from rapidfire_hf.optim import Snapshot
+    from rapidfire_hf.optim.verification import snapshot_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    pbytes = sum(p.numel() * p.element_size() for p in params)
+    assert snapshot_bytes(params, opt) == pbytes + 2 * 2 * pbytes
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    snap = Snapshot("device")
+    snap.capture(params, opt, 1)
+    assert snapshot_bytes(params, opt) == snap.nbytes
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    assert snapshot_bytes(params, sgd) == pbytes + 2 * pbytes
+    assert snapshot_bytes(params, torch.optim.SGD(params, lr=0.1)) == pbytes

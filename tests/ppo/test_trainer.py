@@ -344,3 +344,22 @@ def test_rollout_and_scoring_gather_only_what_they_run(tmp_path, tokenizer, monk
     assert trainer.ref_model is not None and len(seen) >= 2
     assert seen[0] is unwrapped.policy  # rollout
     assert seen[1] is (unwrapped.value_model if value_mode == "separate" else None)  # scoring
+
+
+def _inner_torch_optimizer(trainer):
+    opt = trainer.optimizer
+    return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps it
+
+
+def test_default_optimizer_kernel_cpu(tmp_path, tokenizer):
+    """On CPU the default AdamW keeps torch's default kernel (fused is a CUDA-only default here)."""
+    inner = _inner_torch_optimizer(_trainer(tmp_path, tokenizer))
+    assert isinstance(inner, torch.optim.AdamW) and not inner.defaults.get("fused")
+
+
+@pytest.mark.gpu
+def test_default_optimizer_is_fused_on_one_gpu(tmp_path, tokenizer):
+    """On one GPU the default AdamW is the fused kernel: no foreach temporaries of the optimizer state."""
+    inner = _inner_torch_optimizer(_trainer(tmp_path, tokenizer, use_cpu=False, max_steps=1))
+    assert inner.defaults["fused"] is True
+    assert all(p.is_cuda for g in inner.param_groups for p in g["params"])

@@ -19,6 +19,7 @@ from rapidfire_hf.optim.inner import (
     resolve_inner_class,
 )
 from rapidfire_hf.optim.pipeline import GradientPipeline, check_bucket_mb, check_overlap
+from rapidfire_hf.optim.snapshot import WHERE as SNAPSHOT_WHERE
 from rapidfire_hf.optim.snapshot import Snapshot
 from rapidfire_hf.optim.verification import CLIP_EPS, VerificationMixin
 
@@ -70,7 +71,11 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         rollback: ``"auto"`` checks every step (finite loss and gradients, gradient-norm and loss
             z-scores, user rules) and skips unhealthy batches, restoring a snapshot when the update was
             already applied by the pipeline; ``"off"`` checks nothing.
-        snapshot: where the rollback snapshot lives, ``"device"`` or ``"host"`` (pinned memory).
+        snapshot: where the rollback snapshot lives: ``"device"``, ``"host"`` (pinned memory) or
+            ``"auto"`` (the default: the device when the snapshot and the optimizer state still to be
+            allocated fit in 60% of the free GPU memory; otherwise the gradient pipeline is turned off,
+            with a warning and a ``snapshot_auto_pipeline_off`` event, since rollback then needs no
+            snapshot: each update is verified before it is applied).
         snapshot_interval: verified steps between snapshots; above 1 a rollback also undoes the good
             steps since the last snapshot (reported in the event as ``steps_lost``).
         grad_z_threshold: largest healthy z-score of the gradient norm.
@@ -117,7 +122,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         accumulation_steps: int | None = None,
         max_grad_norm: float | None = None,
         rollback: str = "off",
-        snapshot: str = "device",
+        snapshot: str = "auto",
         snapshot_interval: int = 1,
         grad_z_threshold: float = 6.0,
         loss_z_threshold: float = 6.0,
@@ -187,7 +192,10 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         self.clip_tolerance = clip_tolerance
         self._coef_pred = 1.0  # clip coefficient the hooks apply in the current pipelined window
         self._health = HealthMonitor(grad_z_threshold, loss_z_threshold, warmup_steps)
-        self._snapshot = Snapshot(snapshot)
+        if snapshot not in ("auto", *SNAPSHOT_WHERE):
+            raise ValueError(f"snapshot={snapshot!r}: choose one of {('auto', *SNAPSHOT_WHERE)}")
+        self._snapshot_auto = snapshot == "auto"
+        self._snapshot = Snapshot("device" if self._snapshot_auto else snapshot)
         self._inner: torch.optim.Optimizer | None = None
         self._pipeline: GradientPipeline | None = None
         self._norm_history: list[float] = []
