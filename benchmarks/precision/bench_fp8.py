@@ -124,6 +124,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def _time(model, x, iters: int, warmup: int) -> tuple[float, float, torch.Tensor]:
     """(median ms, first call's seconds (compilation included), last output); the last call's gradients
     stay on the parameters."""
@@ -250,12 +259,14 @@ def run_speed(
                 out["variants"][variant] = {"skipped": reason}
                 continue
             t0 = time.perf_counter()
+            _reset_peak(device)
             try:
                 entry = _speed_variant(variant, shape, x, ref, fp8_ok, smoke, iters, warmup, device)
             except Exception as e:  # recorded; the other variants still run
                 entry = {"error": f"{type(e).__name__}: {e}"[:600]}
                 torch._dynamo.reset()
             entry["seconds"] = time.perf_counter() - t0
+            entry["peak_gib"] = _peak_gib(device)
             if variant == "bf16" and "_ref" in entry:
                 ref = entry["_ref"]
             entry.pop("_ref", None)
@@ -363,11 +374,13 @@ def run_loss(
             result["variants"][variant] = {"skipped": reason}
             continue
         t0 = time.perf_counter()
+        _reset_peak(device)
         try:
             entry = _loss_variant(variant, shape_name, steps, batch, seq, lr, fp8_ok, smoke, device)
         except Exception as e:
             entry = {"error": f"{type(e).__name__}: {e}"[:600]}
         entry["seconds"] = time.perf_counter() - t0
+        entry["peak_gib"] = _peak_gib(device)
         result["variants"][variant] = entry
         if device.type == "cuda":
             torch.cuda.empty_cache()
