@@ -4,6 +4,21 @@
 #
 #   benchmarks/distributed/largest_model.sh OUT_DIR            # GPUs: ZeRO-3 x2, FSDP2 x2, 1 GPU, 1 GPU + RapidFireOptimizer
 #   benchmarks/distributed/largest_model.sh OUT_DIR --smoke    # CPU: 2 gloo processes and 1 process, smoke shape
+#   SET=bf16 benchmarks/distributed/largest_model.sh OUT_DIR [--smoke]   # a model 2 GPUs train and 1 does not
+#
+# SET=bf16 (benchmarks/distributed/gpu_largest2.sh runs it): pure bf16 on both sides (weights, fused
+# value head, gradients, AdamW state; ppo_throughput.py --precision bf16, accelerate's mixed precision
+# off so that FSDP2 keeps bf16 shards instead of fp32 masters), fused value head, frozen reference copy:
+#   1. FSDP2 x2, llama-15b (15.5B): per GPU 29 GiB reference (PPOTrainer's own copy, not sharded) +
+#      14.5 weight shard + 29 AdamW moments + 14.5 gradient shard (training) or 29 unsharded policy
+#      (rollout, scoring) + 14.5 AdamW foreach temporary (the step): ~100-105 GiB peak of 139.8
+#   2. 1 GPU, llama-15b, the same run: 29 reference + 29 weights + 29 gradients + 58 AdamW = 145 GiB
+#      > 139.8: out of memory at the first AdamW step (train, update 1)  } at once, one GPU each
+#   3. 1 GPU, llama-7b, the same run: ~75 GiB (12 bytes/param), what one GPU trains  }
+#   4. ZeRO-3 x2, llama-7b, separate value model, bf16 mixed precision: the run of the default set
+#      (scoring now gathers only the value model: ~126 GiB expected)
+# --smoke stands in on the CPU: FSDP2 x2 through accelerate (ppo_throughput.py --cpu-fsdp2), two
+# single processes at once, DDP x2 for ZeRO-3.
 #
 # Every run is one ppo_throughput.py call with its own time limit (cut to what BUDGET_S has left; default
 # 300 s in all; a run is skipped when less than its minimum is left) and a --deadline 12 s shorter, so
@@ -27,6 +42,8 @@ export PYTHONPATH="$ROOT/src:$ROOT:${PYTHONPATH:-}"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 BUDGET_S=${BUDGET_S:-300}
 OPT=${OPT:-adamw}
+SET=${SET:-7b}
+case $SET in 7b|bf16) ;; *) echo "SET=$SET: use 7b or bf16" >&2; exit 2 ;; esac
 START=$(date +%s)
 : > "$OUT/steps.jsonl"
 
@@ -73,9 +90,42 @@ run() {
     leftovers "$name"
 }
 
+# gpu I CMD...: CMD with only GPU I visible (the one-GPU runs of SET=bf16 run at once, one GPU each)
+gpu() {
+    local i=$1; shift
+    CUDA_VISIBLE_DEVICES=$i "$@"
+}
+
 CFG=accelerate_configs
 PPO=benchmarks/distributed/ppo_throughput.py
-if [ "$MODE" = "--smoke" ]; then
+PURE="--value-mode fused --precision bf16 --optimizer adamw"
+if [ "$SET" = "bf16" ] && [ "$MODE" = "--smoke" ]; then
+    export OMP_NUM_THREADS=1
+    SIZE="--tiny --reward rule --per-device-batch 2 --accumulation 2 --prompt-length 8 --response-length 8 --updates 2"
+    SIZE="$SIZE --rollout-backend hf --max-oom-splits 0"
+    run fsdp2_fused_bf16 150 20 accelerate launch --mixed_precision no --main_process_port 29821 \
+        --config_file $CFG/fsdp2.yaml $PPO $SIZE --shape smoke $PURE --cpu-fsdp2
+    run single_fused_bf16 120 20 python3 $PPO $SIZE --shape smoke $PURE &
+    run single_fused_bf16_tiny 120 20 python3 $PPO $SIZE --shape llama-tiny $PURE &
+    wait
+    run ddp2_separate 120 20 python3 -m torch.distributed.run --standalone --nproc_per_node 2 $PPO $SIZE \
+        --shape smoke --value-mode separate --optimizer "$OPT"
+elif [ "$SET" = "bf16" ]; then
+    export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
+    SIZE="--reward rule --per-device-batch 2 --accumulation 2 --prompt-length 128 --response-length 64 --updates 2"
+    SIZE="$SIZE --rollout-backend hf --max-oom-splits 0"
+    # 1. FSDP2 on 2 GPUs, 15.5B, pure bf16 (--mixed_precision no: the launcher's environment agrees)
+    run fsdp2_fused_15b 130 80 accelerate launch --mixed_precision no --main_process_port 29821 \
+        --config_file $CFG/fsdp2.yaml $PPO $SIZE --shape llama-15b $PURE
+    # 2.+3. one GPU each, at once: the same 15.5B run (an OOM row is the result) and the 7B one. Plain
+    # python3: single_gpu.yaml's gpu_ids would put both on GPU 0
+    gpu 0 run single_fused_15b 80 40 python3 $PPO $SIZE --shape llama-15b $PURE &
+    gpu 1 run single_fused_7b 80 40 python3 $PPO $SIZE --shape llama-7b $PURE &
+    wait
+    # 4. ZeRO-3 on 2 GPUs, the default set's 7B run again
+    run zero3_separate 130 70 accelerate launch --main_process_port 29811 \
+        --config_file $CFG/deepspeed_zero3.yaml $PPO $SIZE --shape llama-7b --value-mode separate --optimizer "$OPT"
+elif [ "$MODE" = "--smoke" ]; then
     export OMP_NUM_THREADS=1
     TWO="python3 -m torch.distributed.run --standalone --nproc_per_node 2 $PPO"
     ONE="python3 $PPO"

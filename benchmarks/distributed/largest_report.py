@@ -5,6 +5,8 @@ and each run's ``<name>.json`` / ``<name>.ranks/rank<r>.json`` (ppo_throughput.p
 ``load_run``). One row per run: status (ok / oom / error / timeout / missing / skipped), the peak GiB of
 every GPU, where a failure happened (phase, update, the allocation that failed), tokens/s when it ran.
 The chart shows the peak per GPU of each run, coloured by status, against the GPU's capacity.
+``comparisons``: per model, value mode and precision, which configurations train it and which run out of
+memory (the SET=bf16 runs: a model that 2 GPUs train and 1 GPU does not, under the same numerics).
 
 Usage: ``python benchmarks/distributed/largest_report.py OUT_DIR``
 """
@@ -62,7 +64,7 @@ def run_row(out: Path, step: dict) -> dict:
     ranks = row.get("ranks", [])
     keep = {
         "name": step["name"],
-        "label": label(step["name"], row.get("processes"), cpu=row.get("dtype") == "fp32"),
+        "label": label(step["name"], row.get("processes"), cpu=_on_cpu(row)),
         "status": row["status"],
         "rc": step.get("rc"),
         "seconds": step.get("seconds"),
@@ -73,6 +75,9 @@ def run_row(out: Path, step: dict) -> dict:
         "model": row.get("model"),
         "value_mode": row.get("value_mode"),
         "optimizer": row.get("optimizer"),
+        "precision": row.get("precision") or _precision(row),
+        "param_dtypes": row.get("param_dtypes"),
+        "optimizer_state_dtypes": row.get("optimizer_state_dtypes"),
         "reward": row.get("reward"),
         "rollout_batch_per_rank": row.get("rollout_batch_per_rank"),
         "prompt_length": row.get("prompt_length"),
@@ -107,9 +112,23 @@ def run_row(out: Path, step: dict) -> dict:
     return keep
 
 
+def _on_cpu(row: dict) -> bool:
+    if row.get("device_type"):
+        return row["device_type"] == "cpu"
+    return row.get("dtype") == "fp32"  # rows written before device_type existed
+
+
+def _precision(row: dict) -> str | None:
+    """Rows written before ``precision`` existed: bf16 weights on the GPU were bf16 mixed precision."""
+    dtype = row.get("dtype")
+    return {"bf16": "bf16-mixed", "fp32": "fp32"}.get(dtype) if dtype else None
+
+
 def verdict(row: dict) -> str:
     """One line: what the run shows about the largest model this engine trains."""
-    what = f"{row.get('model')} {row.get('value_mode')} full FT ({row.get('optimizer')})"
+    what = (
+        f"{row.get('model')} {row.get('value_mode')} full FT ({row.get('optimizer')}, {row.get('precision')})"
+    )
     status = row["status"]
     if status == "skipped":
         return f"{row['label']}: not run ({row.get('why')})"
@@ -135,12 +154,47 @@ def _where(row: dict) -> str:
     return f" in {row['failed_phase']}" + (f" (update {update})" if update else "")
 
 
+def _engine(row: dict) -> str:
+    """``FSDP2 x2`` / ``1 GPU``: the label without the run's own words."""
+    return row["label"].split(",")[0]
+
+
+def comparisons(rows: list[dict]) -> list[str]:
+    """Per model, value mode and precision (runs that differ only in the engine): which engines train it,
+    which run out of memory, in the order the runs came. One line per group that ran on more than one
+    engine, e.g. ``llama-15b fused bf16: trains on FSDP2 x2 (111.0 GiB/GPU); out of memory on 1 GPU
+    (train, update 1)``."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["status"] in ("skipped", "missing"):
+            continue
+        groups.setdefault((row.get("model"), row.get("value_mode"), row.get("precision")), []).append(row)
+    lines = []
+    for (model, value_mode, precision), members in groups.items():
+        if len({_engine(r) for r in members}) < 2:
+            continue
+        parts = []
+        for r in members:
+            peak = r.get("max_peak_gib")
+            at = f" ({peak:.1f} GiB/GPU)" if peak is not None and r["status"] == "ok" else ""
+            if r["status"] == "ok":
+                parts.append(f"trains on {_engine(r)}{at}")
+            else:
+                what = "out of memory" if r["status"] == "oom" else r["status"]
+                phase, update = r.get("failed_phase"), r.get("failed_update")
+                where = f" ({phase}" + (f", update {update}" if update else "") + ")" if phase else ""
+                parts.append(f"{what} on {_engine(r)}{where}")
+        lines.append(f"{model} {value_mode} {precision}: " + "; ".join(parts))
+    return lines
+
+
 def collect(out: Path) -> dict:
     rows = [run_row(out, s) for s in _steps(out)]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "runs": rows,
         "verdicts": [verdict(r) for r in rows],
+        "comparisons": comparisons(rows),
     }
 
 
@@ -191,11 +245,17 @@ def chart(results: dict, path: Path) -> bool:
         ax.text(i, height + top * 0.02, note, ha="center", va="bottom", fontsize=8, bbox=box)
     ax.set_ylim(0, top * 1.35)
     ax.set_xlim(-0.6, len(rows) - 0.4)
-    ax.set_xticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
+    models = {r.get("model") for r in rows}
+    ticks = [
+        r["label"] if len(models) == 1 else f"{r['label']}\n{r.get('model')}, {r.get('precision')}"
+        for r in rows
+    ]
+    ax.set_xticks(range(len(rows)), ticks, fontsize=8)
     ax.set_ylabel("peak allocated per GPU (GiB)")
     first = rows[0]
+    what = first.get("model") if len(models) == 1 else "model per bar"
     ax.set_title(
-        f"PPO full fine-tuning, {first.get('model')}, {first.get('rollout_batch_per_rank')} prompts/GPU, {first.get('prompt_length')}+{first.get('response_length')} tokens",
+        f"PPO full fine-tuning, {what}, {first.get('rollout_batch_per_rank')} prompts/GPU, {first.get('prompt_length')}+{first.get('response_length')} tokens",
         fontsize=9,
     )
     fig.tight_layout()
@@ -208,7 +268,7 @@ def main(out: Path) -> dict:
     results = collect(out)
     results["chart"] = "largest_model.png" if chart(results, out / "largest_model.png") else None
     (out / "largest_model.json").write_text(json.dumps(results, indent=2, default=str))
-    print("\n".join(results["verdicts"]))
+    print("\n".join(results["verdicts"] + results["comparisons"]))
     return results
 
 

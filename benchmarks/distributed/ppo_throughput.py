@@ -10,6 +10,15 @@ built directly on the GPU in bf16 (no fp32 copy: a 7B policy is 12.6 GiB per ran
 ``accelerator.prepare``). Under ZeRO-3 and FSDP2 the trainer gathers the weights once per rollout and
 scoring phase (``rapidfire_hf.distributed.gathered_for_generation``) and generates with the HF backend.
 
+``--precision`` (what the rows compare): ``auto`` is bf16 weights with accelerate's bf16 mixed precision
+on the GPU (autocast; ZeRO-3 and FSDP2 then keep fp32 master weights in their shards, so a sharded run
+holds more bytes per parameter than a one-GPU run) and fp32 on the CPU. ``bf16`` is pure bf16 on any
+device: weights, the fused value head, gradients and AdamW state all bf16, accelerate's mixed precision
+off (``PPOConfig(bf16=False)``), so FSDP2 keeps bf16 shards (its groups need one dtype: the value head is
+built in bf16 too) and one GPU and N GPUs run the same numerics. Launch FSDP2 with
+``accelerate launch --mixed_precision no`` to match. ``--cpu-fsdp2`` is for the CPU smoke only (see
+:func:`fsdp2_on_cpu`).
+
 Every rank writes ``<out stem>.ranks/rank<r>.json``: status (``ok``, ``oom``, ``error``, ``timeout``), the
 phase it was in (build, prepare, rollout, score, train), the peak of ``torch.cuda.max_memory_allocated``
 per phase and over the run (GiB) and, on failure, the error and the last lines of its traceback. Rank 0
@@ -24,6 +33,9 @@ Usage:
     accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml \
         benchmarks/distributed/ppo_throughput.py --out r/zero3.json --shape llama-7b --reward rule \
         --optimizer adamw --per-device-batch 2 --accumulation 2 --response-length 64 --updates 2
+    accelerate launch --mixed_precision no --config_file accelerate_configs/fsdp2.yaml \
+        benchmarks/distributed/ppo_throughput.py --out r/fsdp2_15b.json --shape llama-15b --value-mode fused \
+        --precision bf16 --reward rule --optimizer adamw --per-device-batch 2 --accumulation 2 --updates 2
     torchrun --standalone --nproc_per_node 2 benchmarks/distributed/ppo_throughput.py --tiny --out x.json
 """
 
@@ -290,6 +302,18 @@ def parse_args(argv=None):
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--optimizer", default="rapidfire", choices=["rapidfire", "adamw"])
     parser.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16"],
+        help="auto: bf16 weights + accelerate bf16 mixed precision on the GPU (fp32 masters under ZeRO-3/"
+        "FSDP2), fp32 on the CPU; bf16: pure bf16 weights, value head, gradients and AdamW state everywhere",
+    )
+    parser.add_argument(
+        "--cpu-fsdp2",
+        action="store_true",
+        help="CPU smoke only: run accelerate's FSDP2 engine on the gloo group (launch with the fsdp2 config)",
+    )
+    parser.add_argument(
         "--rollout-backend",
         default="auto",
         choices=["auto", "static", "hf"],
@@ -306,7 +330,49 @@ def parse_args(argv=None):
     )
     args = parser.parse_args(argv)
     args.shape = args.shape or (TINY_SHAPE if args.tiny else DEFAULT_SHAPE)
+    if args.cpu_fsdp2 and not args.tiny:
+        parser.error("--cpu-fsdp2 is a CPU smoke option: give --tiny as well")
     return args
+
+
+def precision_of(args, cuda: bool) -> tuple[torch.dtype, str]:
+    """The weights' dtype and the row's precision: ``bf16`` (pure), ``bf16-mixed`` (bf16 weights under
+    accelerate's bf16 autocast; fp32 masters under ZeRO-3/FSDP2) or ``fp32`` (the CPU smoke)."""
+    if args.precision == "bf16":
+        return torch.bfloat16, "bf16"
+    return (torch.bfloat16, "bf16-mixed") if cuda else (torch.float32, "fp32")
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Modules made inside (PPOTrainer's fused value head) get ``dtype``; the default is restored after."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def fsdp2_on_cpu() -> None:
+    """CPU smoke of the FSDP2 path: accelerate builds its FSDP plugin only for process groups of
+    accelerators (a gloo group on CPUs is MULTI_CPU and gets DDP), while torch's ``fully_shard`` runs on
+    CPUs. Telling accelerate's shared state that the group is multi-GPU makes the trainer's Accelerator
+    take the FSDP2 plugin from the launcher's environment (``accelerate launch --config_file
+    accelerate_configs/fsdp2.yaml``): sharding, the unsharded rollout and the DTensor optimizer step then
+    run as on the GPUs. Call it after ``PPOConfig`` (whose device setup resets that state)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true" or os.environ.get("FSDP_VERSION") != "2":
+        raise ValueError(
+            "--cpu-fsdp2 needs the FSDP2 launcher environment: accelerate launch --config_file "
+            "accelerate_configs/fsdp2.yaml --mixed_precision no ..."
+        )
+    state = PartialState(cpu=True)
+    if state.distributed_type != DistributedType.MULTI_CPU:
+        raise ValueError(f"--cpu-fsdp2 needs a multi-process CPU group, got {state.distributed_type}")
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
 
 
 def main(argv=None):
@@ -322,9 +388,11 @@ def main(argv=None):
         "value_mode": args.value_mode,
         "reward": args.reward,
         "optimizer": args.optimizer,
+        "precision": precision_of(args, cuda)[1],
+        "device_type": device.type,
         "rollout_backend_option": args.rollout_backend,
         "max_oom_splits": args.max_oom_splits,
-        "dtype": "bf16" if cuda else "fp32",
+        "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[precision_of(args, cuda)[0]],
         "prompt_length": args.prompt_length,
         "response_length": args.response_length,
         "rollout_batch_per_rank": local,
@@ -361,12 +429,13 @@ def run(args, device: torch.device, cuda: bool, local: int, recorder: RankRecord
     from rapidfire_hf.optim import RapidFireOptimizer
     from rapidfire_hf.ppo import PPOConfig, PPOTrainer
 
+    dtype, precision = precision_of(args, cuda)
     with recorder.phase("build"):
         t_build = time.perf_counter()
         policy, value, reward = build_models(
             shape,
             device,
-            torch.bfloat16 if cuda else torch.float32,
+            dtype,
             value_mode=args.value_mode,
             reward=args.reward,
             max_positions=max(1024, args.prompt_length + args.response_length + 8),
@@ -379,7 +448,7 @@ def run(args, device: torch.device, cuda: bool, local: int, recorder: RankRecord
     config = PPOConfig(
         output_dir=str(args.out.parent / "tput_run"),
         use_cpu=not cuda,
-        bf16=cuda,
+        bf16=precision == "bf16-mixed",  # pure bf16: accelerate's mixed precision off (no fp32 masters)
         seed=0,
         per_device_train_batch_size=args.per_device_batch,
         gradient_accumulation_steps=args.accumulation,
@@ -403,7 +472,12 @@ def run(args, device: torch.device, cuda: bool, local: int, recorder: RankRecord
         if args.optimizer == "rapidfire"
         else None  # PPOTrainer's own torch AdamW
     )
-    with recorder.phase("prepare"):
+    if args.cpu_fsdp2:
+        fsdp2_on_cpu()
+    with (
+        recorder.phase("prepare"),
+        default_dtype(dtype if precision == "bf16" else torch.get_default_dtype()),
+    ):
         trainer = phase_trainer(PPOTrainer, recorder)(
             args=config,
             processing_class=build_char_tokenizer(),
@@ -420,10 +494,20 @@ def run(args, device: torch.device, cuda: bool, local: int, recorder: RankRecord
     recorder.row["engine"] = support.engine.value
     # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its full size
     recorder.row["trainable_params"] = sum(getattr(p, "ds_numel", p.numel()) for p in trainer._trainable)
+    # what the engine holds: bf16 under --precision bf16 (FSDP2 shards included), fp32 masters otherwise
+    recorder.row["param_dtypes"] = _dtypes(trainer._trainable)
     trainer.train()
     acc = trainer.accelerator
     logs = [h for h in trainer.state.log_history if "tokens_per_second" in h]
     steady = logs[1:] or logs
+    state = getattr(trainer.optimizer, "state", None)
+    recorder.row["optimizer_state_dtypes"] = _dtypes(  # AdamW's moments (not its step counters)
+        v
+        for st in (state.values() if isinstance(state, dict) else [])
+        if isinstance(st, dict)
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     recorder.write(
         "ok",
         tokens_per_second=statistics.median(h["tokens_per_second"] for h in steady),
@@ -528,6 +612,10 @@ _PER_RANK = (
     "requested_gib",
     "traceback",
 )
+
+
+def _dtypes(tensors) -> list[str]:
+    return sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
 
 
 def _launcher() -> str:

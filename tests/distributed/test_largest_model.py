@@ -1,10 +1,12 @@
 """``benchmarks/distributed/largest_model.sh --smoke`` and the rows ppo_throughput.py writes when a run
 fails: the GPU script's CPU path (2 gloo processes and 1 process, the smoke shape, separate and fused
-value, both optimizers) runs end to end and its report reads what the runs wrote."""
+value, both optimizers) runs end to end and its report reads what the runs wrote; SET=bf16's pure-bf16
+pair (FSDP2 x2 on the CPU and one process) and the report's comparison of one model across engines."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -121,3 +123,80 @@ def test_out_of_memory_errors_are_classified():
     assert pt.requested_gib("Tried to allocate 512.00 MiB") == pytest.approx(0.5)
     assert pt.classify(RuntimeError("DeepSpeed: CUDA error: out of memory")) == "oom"
     assert pt.classify(KeyError("x")) == "error" and pt.requested_gib("no size here") is None
+
+
+@pytest.mark.slow  # ~50 s: three child processes (2 FSDP2 ranks, 1 single) importing torch and transformers
+def test_pure_bf16_fsdp2_on_cpu_matches_one_process_and_is_compared(tmp_path):
+    """SET=bf16's pair on the CPU: FSDP2 x2 through accelerate's real engine (--cpu-fsdp2) and one
+    process, both pure bf16 (weights, fused value head, gradients, AdamW moments: FSDP2 needs one dtype
+    per group, so an fp32 value head would fail its first forward); the report pairs the two runs."""
+    ppo, size = str(BENCH / "ppo_throughput.py"), ["--tiny", "--reward", "rule", "--per-device-batch", "2"]
+    size += ["--accumulation", "1", "--prompt-length", "8", "--response-length", "4", "--updates", "1"]
+    size += ["--rollout-backend", "hf", "--max-oom-splits", "0", "--value-mode", "fused"]
+    size += ["--precision", "bf16", "--optimizer", "adamw"]
+    launch = ["accelerate", "launch", "--mixed_precision", "no", "--main_process_port", "29867"]
+    launch += ["--config_file", str(ROOT / "accelerate_configs/fsdp2.yaml"), ppo]
+    cmds = {
+        "fsdp2_fused_bf16": launch + size + ["--cpu-fsdp2"],
+        "single_fused_bf16": [sys.executable, ppo] + size,
+    }
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    procs = {
+        k: subprocess.Popen(
+            c + ["--out", str(tmp_path / f"{k}.json")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k, c in cmds.items()
+    }
+    for name, p in procs.items():
+        output = p.communicate(timeout=200)[0]
+        assert p.returncode == 0, f"{name}: {output[-3000:]}"
+    (tmp_path / "steps.jsonl").write_text(
+        "".join(json.dumps({"name": k, "rc": 0, "seconds": 1}) + "\n" for k in cmds)
+    )
+    report = _load("largest_report")
+    results = report.collect(tmp_path)
+    fsdp2, single = results["runs"]
+    assert (fsdp2["status"], fsdp2["engine"], fsdp2["processes"]) == ("ok", "fsdp2", 2)
+    assert (single["status"], single["engine"], single["processes"]) == ("ok", "single", 1)
+    for row in (fsdp2, single):
+        assert row["precision"] == "bf16" and row["updates"] == 1
+        assert row["param_dtypes"] == row["optimizer_state_dtypes"] == ["bfloat16"]
+    assert fsdp2["trainable_params"] == single["trainable_params"]  # DTensor numel: the global size
+    assert fsdp2["label"] == "FSDP2 x2 (CPU), fused bf16" and single["label"] == "1 proc, fused bf16"
+    assert results["comparisons"] == ["smoke fused bf16: trains on FSDP2 x2 (CPU); trains on 1 proc"]
+
+
+def test_report_compares_one_model_across_engines():
+    """An OOM on one GPU beside a run that trains on two: the line the SET=bf16 call is for."""
+    report = _load("largest_report")
+    base = {"model": "llama-15b", "value_mode": "fused", "precision": "bf16"}
+    rows = [
+        {**base, "label": "FSDP2 x2, fused 15b", "status": "ok", "max_peak_gib": 101.25},
+        {**base, "label": "1 GPU, fused 15b", "status": "oom", "failed_phase": "train", "failed_update": 1},
+        {**base, "model": "llama-7b", "label": "1 GPU, fused 7b", "status": "ok", "max_peak_gib": 75.0},
+        {**base, "label": "ZeRO-3 x2, fused 15b", "status": "skipped"},
+    ]
+    assert report.comparisons(rows) == [
+        "llama-15b fused bf16: trains on FSDP2 x2 (101.2 GiB/GPU); out of memory on 1 GPU (train, update 1)"
+    ]
+
+
+def test_precision_options(monkeypatch):
+    pt = _load("ppo_throughput")
+    auto, pure = pt.parse_args(["--out", "x.json"]), pt.parse_args(["--out", "x.json", "--precision", "bf16"])
+    assert pt.precision_of(auto, cuda=True) == (torch.bfloat16, "bf16-mixed")
+    assert pt.precision_of(auto, cuda=False) == (torch.float32, "fp32")
+    assert pt.precision_of(pure, cuda=False) == pt.precision_of(pure, cuda=True) == (torch.bfloat16, "bf16")
+    with pt.default_dtype(torch.bfloat16):
+        assert torch.nn.Linear(2, 1).weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
+    with pytest.raises(SystemExit):
+        pt.parse_args(["--out", "x.json", "--cpu-fsdp2"])  # a CPU smoke option: needs --tiny
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    with pytest.raises(ValueError, match="fsdp2.yaml"):
+        pt.fsdp2_on_cpu()

@@ -1,7 +1,9 @@
 """Llama model shapes shared by the benchmarks and demos (``LlamaConfig`` keyword arguments, random init).
 
 ``llama-1.1b`` is the shape the project's baseline numbers use (DESIGN.md); ``llama-7b`` is Llama-2-7B's;
-``llama-160m`` is a small GQA shape for learning runs; ``llama-tiny`` and ``smoke`` are for CPU checks.
+``llama-15b`` (15.5B parameters: Llama-2-13B's width, 48 layers) is a policy too large to train with PPO on
+one 141 GB GPU even in pure bf16 (weights, gradients, AdamW state and a reference copy: ~10 bytes per
+parameter) that two GPUs train sharded (``benchmarks/distributed/gpu_largest2.sh``); ``llama-160m`` is a small GQA shape for learning runs; ``llama-tiny`` and ``smoke`` are for CPU checks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ def _shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: in
 
 
 LLAMA_SHAPES: dict[str, dict] = {
+    "llama-15b": _shape(5120, 48, 40, 40, 13824, 32000),
     "llama-7b": _shape(4096, 32, 32, 32, 11008, 32000),
     "llama-1.1b": _shape(2048, 22, 32, 4, 5632, 32000),
     "llama-160m": _shape(768, 8, 12, 4, 2048, 32000),
