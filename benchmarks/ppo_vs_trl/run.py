@@ -38,10 +38,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rapidfire_hf.demo.shapes import LLAMA_SHAPES
+from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
 
 HERE = Path(__file__).resolve().parent
-SHAPES = LLAMA_SHAPES  # rapidfire_hf.demo.shapes
+# rapidfire_hf.demo.shapes, plus the learning part's shapes: a 64-token vocabulary, so that each target
+# token is sampled often enough per rollout batch for PPO to learn the rule reward within tens of updates
+# (with 512 or 32000 tokens and 1/16 of them targets, no trainer moved off chance in 25-40 updates)
+SHAPES = {
+    **LLAMA_SHAPES,
+    "learn-tiny": llama_shape("smoke", vocab_size=64),  # hidden 64, 2 layers: the CPU run
+    "learn-small": llama_shape("llama-tiny", vocab_size=64),  # hidden 256, 4 layers: the GPU default
+}
 
 
 PARTS = ("throughput", "learning", "size7b")
@@ -107,10 +114,15 @@ def configs(args) -> list[dict]:
         batch=args.learn_batch,
         part="learning",
         lr=args.learn_lr,
+        kl_coef=args.learn_kl_coef,
+        target_mod=args.learn_target_mod,
+        temperature=args.learn_temperature,
     )
     if args.learn_updates > 0 and "learning" in parts:
-        for system, mode in (("trl", "separate"), ("rapidfire", "separate"), ("rapidfire", "fused")):
-            rows.append({**learn, "system": system, "value_mode": mode, "name": f"learn_{system}_{mode}"})
+        for seed in args.learn_seeds:
+            for system, mode in (("trl", "separate"), ("rapidfire", "separate"), ("rapidfire", "fused")):
+                name = f"learn_{system}_{mode}_s{seed}"
+                rows.append({**learn, "system": system, "value_mode": mode, "seed": seed, "name": name})
     size = dict(
         shape=args.size_shape,
         prompt_len=args.size_prompt_len,
@@ -151,6 +163,8 @@ def environment() -> dict:
         "python": sys.version.split()[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "trl112_path": os.environ.get("TRL112_PATH"),
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
@@ -193,18 +207,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[1].set(
         xscale="log" if log else "linear", xlabel="rollout batch", ylabel="peak GiB", title="peak GPU memory"
     )
-    learning = [r for r in rows if r["part"] == "learning" and r.get("status") == "ok"]
-    shape = learning[-1]["shape"] if learning else None
-    for r in (r for r in learning if r["shape"] == shape):
-        rewards = r["rewards"]
-        smooth = [
-            sum(rewards[max(0, i - 4) : i + 1]) / len(rewards[max(0, i - 4) : i + 1])
-            for i in range(len(rewards))
-        ]
-        axes[2].plot(range(1, len(rewards) + 1), smooth, label=f"{r['system']} ({r['value_mode']})")
-    axes[2].set(
-        xlabel="update", ylabel="mean reward (5-update moving avg)", title=f"learning, {shape}, rule reward"
-    )
+    plot_learning(axes[2], [r for r in rows if r["part"] == "learning" and r.get("status") == "ok"])
     if size:
         plot_size(axes[3], size)
     for ax in axes:
@@ -214,6 +217,63 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+LEARN_SYSTEMS = (("trl", "separate"), ("rapidfire", "separate"), ("rapidfire", "fused"))
+
+
+def learning_curves(rows: list[dict]) -> dict:
+    """Reward per update of each (system, value mode) of the last learning shape: the mean over its
+    seeds, with the per-seed minimum and maximum and first / last / max / mean-of-last-5 of the mean."""
+    shape = rows[-1]["shape"] if rows else None
+    curves = {}
+    for system, mode in LEARN_SYSTEMS:
+        runs = [
+            r["rewards"] for r in rows if (r["shape"], r["system"], r["value_mode"]) == (shape, system, mode)
+        ]
+        runs = [x for x in runs if x]
+        if not runs:
+            continue
+        n = min(len(x) for x in runs)
+        mean = [sum(x[i] for x in runs) / len(runs) for i in range(n)]
+        curves[f"{system}_{mode}"] = {
+            "shape": shape,
+            "seeds": len(runs),
+            "mean": mean,
+            "min": [min(x[i] for x in runs) for i in range(n)],
+            "max": [max(x[i] for x in runs) for i in range(n)],
+            "first": mean[0],
+            "last": mean[-1],
+            "best": max(mean),
+            "last5": sum(mean[-5:]) / len(mean[-5:]),
+        }
+    return curves
+
+
+def plot_learning(ax, rows: list[dict]) -> None:
+    """Reward per update of the three systems (mean over seeds, the band spans the seeds)."""
+    labels = {
+        "trl_separate": "stock TRL 1.12",
+        "rapidfire_separate": "rapidfire (separate value)",
+        "rapidfire_fused": "rapidfire (fused value)",
+    }
+    curves = learning_curves(rows)
+    for key, c in curves.items():
+        x = range(1, len(c["mean"]) + 1)
+        line = ax.plot(x, c["mean"], label=f"{labels[key]}, {c['seeds']} seed(s)")
+        if c["seeds"] > 1:
+            ax.fill_between(x, c["min"], c["max"], color=line[0].get_color(), alpha=0.15)
+    shape = next(iter(curves.values()))["shape"] if curves else None
+    chance = None
+    if rows and rows[-1].get("target_mod"):
+        chance = 1 / rows[-1]["target_mod"]
+        ax.axhline(chance, color="gray", linestyle=":", linewidth=0.8)
+    ax.set(
+        xlabel="PPO update",
+        ylabel="mean reward of the rollout batch",
+        title=f"learning, {shape}, rule reward"
+        + (f" (dotted: 1/{rows[-1]['target_mod']})" if chance else ""),
+    )
 
 
 def plot_size(ax, rows: list[dict]) -> None:
@@ -238,7 +298,14 @@ def plot_size(ax, rows: list[dict]) -> None:
 def write_outputs(out: Path, rows: list[dict], env: dict) -> None:
     import csv
 
-    (out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    data = {"environment": env, "rows": rows}
+    learning = learning_curves([r for r in rows if r.get("part") == "learning" and r.get("status") == "ok"])
+    if learning:  # first / last / best / mean of the last 5 updates of the seed-mean curve, per system
+        data["learning_summary"] = {
+            k: {m: c[m] for m in ("shape", "seeds", "first", "last", "best", "last5")}
+            for k, c in learning.items()
+        }
+    (out / "results.json").write_text(json.dumps(data, indent=1))
     keys = [
         "name",
         "part",
@@ -280,13 +347,11 @@ def merge(out: Path, files: list[str]) -> None:
                     "date": data["environment"].get("date"),
                 }
             )
+    out.mkdir(parents=True, exist_ok=True)
     write_outputs(out, rows, {"merged_from": envs, "gpu": envs[0].get("gpu")})
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "merge":  # run.py merge OUT results1.json results2.json ...
-        merge(Path(sys.argv[2]), sys.argv[3:])
-        return
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument(
@@ -302,12 +367,16 @@ def main() -> None:
         "--our-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32, 64, 256]
     )
     p.add_argument("--fused-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[64, 256])
-    p.add_argument("--learn-shape", default="llama-160m", choices=SHAPES)
-    p.add_argument("--learn-updates", type=int, default=25)
+    p.add_argument("--learn-shape", default="learn-small", choices=SHAPES)
+    p.add_argument("--learn-updates", type=int, default=30)
     p.add_argument("--learn-batch", type=int, default=32)
-    p.add_argument("--learn-lr", type=float, default=2e-5)
-    p.add_argument("--learn-prompt-len", type=int, default=32)
-    p.add_argument("--learn-response-len", type=int, default=32)
+    p.add_argument("--learn-lr", type=float, default=3e-3)
+    p.add_argument("--learn-kl-coef", type=float, default=0.01)
+    p.add_argument("--learn-target-mod", type=int, default=4, help="reward: share of response ids % N == 0")
+    p.add_argument("--learn-temperature", type=float, default=1.0)
+    p.add_argument("--learn-seeds", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 1])
+    p.add_argument("--learn-prompt-len", type=int, default=8)
+    p.add_argument("--learn-response-len", type=int, default=16)
     p.add_argument(
         "--part",
         type=lambda s: [x for x in s.split(",") if x],
@@ -326,16 +395,24 @@ def main() -> None:
     p.add_argument(
         "--rollout-backend", default="auto", choices=["auto", "static", "hf"], help="our rollout engine"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     unknown = set(args.part) - set(PARTS)
     if unknown:
         p.error(f"unknown --part {sorted(unknown)}; choose from {', '.join(PARTS)}")
     if args.smoke:
-        args.shape = args.learn_shape = "smoke"
+        args.shape, args.learn_shape = "smoke", "learn-tiny"
         args.prompt_len, args.response_len, args.updates, args.micro = 8, 8, 2, 4
         args.trl_batches, args.our_batches, args.fused_batches = [8], [8], [8]
         args.learn_updates, args.learn_batch, args.learn_prompt_len, args.learn_response_len = 3, 8, 8, 8
         args.size_shape, args.size_prompt_len, args.size_response_len, args.size_micro = "smoke", 8, 8, 4
+    return args
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "merge":  # run.py merge OUT results1.json results2.json ...
+        merge(Path(sys.argv[2]), sys.argv[3:])
+        return
+    args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -347,6 +424,8 @@ def main() -> None:
         row = run_one(cfg, out, cfg.pop("timeout", args.timeout))
         rows.append(row)
         keys = ("name", "status", "s_per_update", "gen_share", "peak_gib", "tokens_per_s")
+        if cfg["part"] == "learning":
+            keys += ("reward_first", "reward_max", "reward_last5")
         brief = {k: row.get(k) for k in keys}
         if row.get("status") not in ("ok", None):
             brief["error"] = str(row.get("error", ""))[-200:]

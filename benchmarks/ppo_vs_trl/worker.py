@@ -22,15 +22,15 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-TARGET_MOD = 16  # a response token scores when id % 16 == 0: 1/16 of the vocabulary
+TARGET_MOD = 16  # default: a response token scores when id % 16 == 0, 1/16 of the vocabulary
 
 
 class RuleRewardBackbone(nn.Module):
     """Per-position "hidden state" = share of target tokens among the response tokens so far."""
 
-    def __init__(self, prompt_len: int, response_len: int):
+    def __init__(self, prompt_len: int, response_len: int, target_mod: int = TARGET_MOD):
         super().__init__()
-        self.prompt_len, self.response_len = prompt_len, response_len
+        self.prompt_len, self.response_len, self.target_mod = prompt_len, response_len, target_mod
         self.register_buffer("anchor", torch.zeros(1), persistent=False)  # gives the module a device
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
@@ -40,7 +40,7 @@ class RuleRewardBackbone(nn.Module):
             else torch.ones_like(input_ids, dtype=torch.bool)
         )
         in_response = torch.arange(input_ids.shape[1], device=input_ids.device) >= self.prompt_len
-        hits = ((input_ids % TARGET_MOD) == 0) & mask & in_response
+        hits = ((input_ids % self.target_mod) == 0) & (input_ids >= 4) & mask & in_response  # no specials
         hidden = (hits.float().cumsum(1) / self.response_len).unsqueeze(-1)
         return SimpleNamespace(hidden_states=(hidden,), last_hidden_state=hidden)
 
@@ -50,9 +50,9 @@ class RuleReward(nn.Module):
 
     base_model_prefix = "model"
 
-    def __init__(self, prompt_len: int, response_len: int):
+    def __init__(self, prompt_len: int, response_len: int, target_mod: int = TARGET_MOD):
         super().__init__()
-        self.model = RuleRewardBackbone(prompt_len, response_len)
+        self.model = RuleRewardBackbone(prompt_len, response_len, target_mod)
         self.score = nn.Identity()
 
 
@@ -74,7 +74,7 @@ def build_models(cfg: dict, device: str):
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     conf = llama_config(cfg["shape_kwargs"], cfg["prompt_len"] + cfg["response_len"] + 8)
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.get("seed", 0))  # the model init; the learning part runs several seeds
     if cfg["part"] == "size7b":
         with torch.device(device):  # straight into the target dtype on the device: no fp32 7B copy
             policy = LlamaForCausalLM._from_config(conf, dtype=dtype)
@@ -85,14 +85,16 @@ def build_models(cfg: dict, device: str):
             value = None
             if cfg["value_mode"] != "fused":
                 value = LlamaForSequenceClassification._from_config(conf, dtype=dtype)
-        reward = RuleReward(cfg["prompt_len"], cfg["response_len"]).to(device)
+        reward = RuleReward(cfg["prompt_len"], cfg["response_len"], cfg.get("target_mod", TARGET_MOD)).to(
+            device
+        )
         return policy, ref, value, reward
     with torch.device(device):
         policy = LlamaForCausalLM(conf).to(dtype)
         ref = LlamaForCausalLM(conf).to(dtype)
         ref.load_state_dict(policy.state_dict())
         value = LlamaForSequenceClassification(conf).to(dtype)
-    reward = RuleReward(cfg["prompt_len"], cfg["response_len"]).to(device)
+    reward = RuleReward(cfg["prompt_len"], cfg["response_len"], cfg.get("target_mod", TARGET_MOD)).to(device)
     return policy, ref, value, reward
 
 
@@ -134,12 +136,16 @@ def build_inputs(cfg: dict, device: str):
 
 def common_args(cfg: dict, device: str) -> dict:
     learning = cfg["part"] == "learning"
+    # the learning part's PPO settings, the same for both trainers (TRL 1.12's defaults where not given)
+    learn = dict(kl_coef=cfg.get("kl_coef", 0.05))
     return dict(
         output_dir=f"/tmp/ppo_bench_{cfg['name']}",
         per_device_train_batch_size=cfg["micro"],
         gradient_accumulation_steps=cfg["batch"] // cfg["micro"],
         num_ppo_epochs=4 if learning else 1,
-        num_mini_batches=1,
+        num_mini_batches=1,  # one optimizer step per PPO epoch in both (TRL 1.12 steps once per
+        # gradient_accumulation_steps micro-batches, whatever num_mini_batches says; ours once per mini-batch)
+        **(learn if learning else {}),
         total_episodes=cfg["batch"] * cfg["updates"],
         response_length=cfg["response_len"],
         local_rollout_forward_batch_size=cfg["batch"],
@@ -148,8 +154,8 @@ def common_args(cfg: dict, device: str) -> dict:
         save_strategy="no",
         logging_steps=1,
         learning_rate=cfg.get("lr", 2e-5) if learning else 3e-6,
-        temperature=1.0 if learning else 0.7,
-        seed=0,
+        temperature=cfg.get("temperature", 1.0) if learning else 0.7,
+        seed=cfg.get("seed", 0),
         use_cpu=device == "cpu",
     )
 
@@ -307,6 +313,8 @@ def main() -> None:
         **({"gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30} if device == "cuda" else {}),
         "reward_first": out["rewards"][0] if out["rewards"] else None,
         "reward_last": out["rewards"][-1] if out["rewards"] else None,
+        "reward_max": max(out["rewards"]) if out["rewards"] else None,
+        "reward_last5": statistics.mean(out["rewards"][-5:]) if out["rewards"] else None,
     }
     row.pop("shape_kwargs", None)
     with open(result_path, "w") as f:
