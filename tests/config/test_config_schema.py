@@ -81,7 +81,7 @@ def test_bad_value_in_a_section_built_directly():
 def test_ints_are_accepted_for_floats_and_report_to_accepts_a_string():
     cfg = RapidFireConfig.from_dict({"gradient": {"overlap_factor": 1}, "logging": {"report_to": "wandb"}})
     assert cfg.gradient.overlap_factor == 1.0 and isinstance(cfg.gradient.overlap_factor, float)
-    assert RapidFireConfig().gradient.bucket_mb == 64.0
+    assert RapidFireConfig().gradient.bucket_mb == 256.0
     per_param = RapidFireConfig.from_dict({"gradient": {"bucket_mb": 0}})
     assert per_param.gradient.bucket_mb == 0.0 and isinstance(per_param.gradient.bucket_mb, float)
     assert cfg.logging.report_to == ["wandb"]

@@ -186,10 +186,12 @@ class GradientConfig(_Section):
         Int(min=1),
     )
     bucket_mb: float = _field(
-        64.0,
+        256.0,
         "MiB of gradient the pipeline updates at once: parameters are grouped, in the order their "
         "gradients complete, into buckets of about this size, each stepped with one optimizer call "
-        "(0: each parameter on its own).",
+        "(0: each parameter on its own). Fewer, larger buckets mean fewer optimizer calls in backward: "
+        "on an H200 (1.1B Llama, one micro-batch) 64 MiB ran at 1.06x fused AdamW's step time, 256 MiB "
+        "at 0.99x.",
         Float(0.0, 65536.0),
     )
     clip_prediction: ClipPrediction = _field(

@@ -116,7 +116,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         *,
         optimizer: str | type | torch.optim.Optimizer = "adamw",
         gradient_pipeline: bool = False,
-        pipeline_bucket_mb: float = 64.0,
+        pipeline_bucket_mb: float = 256.0,
         pipeline_overlap: float = 0.0,
         pipeline_depth: int | None = None,
         accumulation_steps: int | None = None,

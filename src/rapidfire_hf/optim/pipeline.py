@@ -136,7 +136,7 @@ class GradientPipeline:
         plan_window: Callable[[], bool],
         accumulation_steps: int | None,
         need_norms: bool,
-        bucket_mb: float = 64.0,
+        bucket_mb: float = 256.0,
         learn_order: bool = True,
         overlap: float = 0.0,
         max_in_flight: int | None = None,
