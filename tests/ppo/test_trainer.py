@@ -363,3 +363,19 @@ def test_default_optimizer_is_fused_on_one_gpu(tmp_path, tokenizer):
     inner = _inner_torch_optimizer(_trainer(tmp_path, tokenizer, use_cpu=False, max_steps=1))
     assert inner.defaults["fused"] is True
     assert all(p.is_cuda for g in inner.param_groups for p in g["params"])
+
+
+def test_fused_value_head_dtype(tmp_path, tokenizer):
+    """fp32 head, except under FSDP without mixed precision, where the root unit needs one dtype."""
+    from rapidfire_hf.ppo.modeling import value_head_dtype
+
+    policy = build_tiny_llama(tokenizer).to(torch.bfloat16)
+    assert value_head_dtype(policy, fsdp=True, mixed_precision="no") == torch.bfloat16
+    assert value_head_dtype(policy, fsdp=True, mixed_precision="bf16") == torch.float32
+    assert value_head_dtype(policy, fsdp=False, mixed_precision="no") == torch.float32
+    mixed = build_tiny_llama(tokenizer)
+    mixed.lm_head.to(torch.bfloat16)
+    assert value_head_dtype(mixed, fsdp=True, mixed_precision="no") == torch.float32
+    trainer = _trainer(tmp_path, tokenizer, policy=policy, value_mode="fused", max_steps=1)
+    head = trainer.accelerator.unwrap_model(trainer.model).value_head
+    assert head.summary.weight.dtype == torch.float32  # one process, no FSDP

@@ -92,6 +92,16 @@ class ValueHead(nn.Module):
         return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
 
 
+def value_head_dtype(policy: nn.Module, fsdp: bool, mixed_precision: str) -> torch.dtype:
+    """The fused value head's dtype: fp32, except under FSDP without mixed precision, where FSDP2 flattens
+    the root unit (embeddings, LM head, value head) into one dtype and refuses a mix ("FSDP expects
+    uniform original parameter dtype"): a policy held in one dtype (pure bf16) gets a head in it."""
+    dtypes = {p.dtype for p in policy.parameters()}
+    if fsdp and mixed_precision == "no" and len(dtypes) == 1:
+        return dtypes.pop()
+    return torch.float32
+
+
 def check_value_model(value_model: nn.Module, policy: nn.Module) -> None:
     """Raise a clear error when ``value_model`` cannot give one value per position."""
     prefix = getattr(value_model, "base_model_prefix", None)

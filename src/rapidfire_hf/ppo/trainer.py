@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import DistributedType, GradientAccumulationPlugin
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.optimization import get_scheduler
@@ -43,6 +43,7 @@ from rapidfire_hf.ppo.modeling import (
     policy_logprobs,
     reward_model_scores,
     sequence_inputs,
+    value_head_dtype,
     value_positions,
 )
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
@@ -162,9 +163,8 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             check_value_model(value_model, policy)
             module = PolicyAndValue(policy, value_model=value_model)
         elif args.value_mode == "fused":
-            module = PolicyAndValue(
-                policy, value_head=ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
-            )
+            head = ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
+            module = PolicyAndValue(policy, value_head=head.to(self._value_head_dtype(policy)))
         else:
             raise ValueError(
                 "value_model is None: pass a value model (e.g. AutoModelForSequenceClassification with num_labels=1) "
@@ -445,6 +445,10 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             )
         return optimizer, scheduler
 
+    def _value_head_dtype(self, policy) -> torch.dtype:
+        acc = self.accelerator
+        return value_head_dtype(policy, acc.distributed_type == DistributedType.FSDP, acc.mixed_precision)
+
     def _default_adamw_kernel(self) -> dict:
         """``fused=True`` for the default AdamW on one GPU or under DDP, as transformers' Trainer defaults
         to (``adamw_torch_fused``). torch's default there is the foreach kernel, whose temporaries (e.g.
@@ -452,8 +456,6 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         the 7B shape with a separate value model (13.3B trainable parameters, bf16) that was the
         difference between an OOM at 136.6 GiB and training (benchmarks/ppo_vs_trl, size7b). Sharded
         engines (DeepSpeed, FSDP) keep torch's default."""
-        from accelerate.utils import DistributedType
-
         acc = self.accelerator
         plain = acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
         return {"fused": True} if plain and acc.device.type == "cuda" else {}
