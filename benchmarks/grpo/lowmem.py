@@ -197,12 +197,15 @@ class _ChunkedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, run, kwargs, rows, offloader, *params):
         batch = hidden.shape[0]
+        rows, forward_rows = rows if isinstance(rows, tuple) else (rows, rows)
         chunks = [slice(i, min(i + rows, batch)) for i in range(0, batch, rows)]
         ctx.saved = offloader.save(hidden, chunks)  # first: the copy to the host runs next to the compute
         out = None
-        for sl in chunks:
+        # forward runs under no_grad (nothing is saved), so it may use wider chunks than backward
+        forward_chunks = [slice(i, min(i + forward_rows, batch)) for i in range(0, batch, forward_rows)]
+        for sl in forward_chunks:
             y = _first(run(hidden[sl], **_split_kwargs(kwargs, batch, sl)))[0]
-            if len(chunks) == 1:
+            if len(forward_chunks) == 1:
                 out = y
             else:
                 if out is None:
@@ -283,7 +286,7 @@ class _Runner:
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def _wrap(module: torch.nn.Module, rows: int, offloader: HostOffloader) -> None:
+def _wrap(module: torch.nn.Module, rows: int | tuple[int, int], offloader: HostOffloader) -> None:
     original = module.forward
     run = _Runner(original)
 
@@ -316,7 +319,11 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def apply_chunked_checkpointing(
-    model, rows: int = 8, offload: bool = True, include_final_norm: bool = True
+    model,
+    rows: int = 8,
+    offload: bool = True,
+    include_final_norm: bool = True,
+    forward_rows: int | None = None,
 ) -> HostOffloader:
     """Checkpoint every decoder layer (and the final norm) of ``model`` chunk by chunk, inputs offloaded.
 
@@ -329,22 +336,29 @@ def apply_chunked_checkpointing(
         offload: keep the checkpointed inputs in pinned host memory (CUDA) instead of on the device.
         include_final_norm: also checkpoint the final norm (its fp32 intermediates would otherwise
             stay saved for the whole backward).
+        forward_rows: sequences per chunk in the forward pass (default: ``rows``). The forward runs
+            under ``no_grad`` and saves nothing, so its transient is one layer's forward on that many
+            rows; wider forward chunks mean fewer (larger) kernels. Same arithmetic per row.
 
     Returns:
         The offloader (its ``stats`` say how many bytes moved).
     """
-    if not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows={rows!r}: sequences per chunk, an int >= 1")
+    for name, value in (("rows", rows), ("forward_rows", forward_rows)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r}: sequences per chunk, an int >= 1")
+    if rows is None:
+        raise ValueError("rows=None: sequences per chunk, an int >= 1")
+    chunking = rows if forward_rows is None or forward_rows == rows else (rows, forward_rows)
     offloader = HostOffloader(enabled=offload)
     for layer in decoder_layers(model):
         if hasattr(layer, "_rapidfire_chunked_checkpoint"):
             raise RuntimeError("apply_chunked_checkpointing was already applied to this model")
-        _wrap(layer, rows, offloader)
+        _wrap(layer, chunking, offloader)
     if include_final_norm:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         norm = getattr(getattr(base, base.base_model_prefix), "norm", None)
         if norm is not None:
-            _wrap(norm, rows, offloader)
+            _wrap(norm, chunking, offloader)
     return offloader
 
 
@@ -437,3 +451,63 @@ class OptimizerStateOffload:
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
             self._event = None
+
+
+def chunk_prefill(net, rows: int) -> None:
+    """Run the static rollout engine's prompt prefill ``rows`` prompts at a time (``rapidfire_lowmem3``).
+
+    ``net`` is the engine's ``StaticLlama`` (``RolloutEngine._static.net``). Its ``prefill`` treats rows
+    independently (per-row attention mask, per-row rotary tables, cache rows written in place), so each
+    chunk gets row slices of the inputs and views of the cache rows; the cache is filled exactly as by one
+    call and the last positions' hidden states are concatenated. The largest transient of a rollout (one
+    layer's MLP over every prompt token of the batch) shrinks ``batch / rows`` times; per row the same
+    arithmetic (cuBLAS may pick another kernel for fewer rows, so bits can differ as between batch sizes).
+    The decode step and its recorded graphs are untouched. Applied once per ``net`` (a second call raises).
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows={rows!r}: prompts per prefill chunk, an int >= 1")
+    if getattr(net, "_rapidfire_prefill_rows", None) is not None:
+        raise RuntimeError("chunk_prefill was already applied to this engine")
+    original = net.prefill
+
+    @functools.wraps(original)
+    def prefill(input_ids, attention_mask, cos, sin, k_cache, v_cache):
+        b = input_ids.shape[0]
+        if b <= rows:
+            return original(input_ids, attention_mask, cos, sin, k_cache, v_cache)
+        out = []
+        for start in range(0, b, rows):
+            sl = slice(start, min(start + rows, b))
+            out.append(
+                original(
+                    input_ids[sl],
+                    attention_mask[sl],
+                    cos[sl],
+                    sin[sl],
+                    [k[sl] for k in k_cache],  # views: the chunk writes its rows of the cache in place
+                    [v[sl] for v in v_cache],
+                )
+            )
+        return torch.cat(out)
+
+    net.prefill = prefill
+    net._rapidfire_prefill_rows = rows
+
+
+def clear_cublas_workspaces() -> bool:
+    """Free cuBLAS's per-(handle, stream) workspaces (CUDA only; False where torch has no such call).
+
+    Why (``rapidfire_lowmem3``): the static rollout engine warms every newly recorded decode graph up on
+    a fresh ``torch.cuda.Stream()``; cuBLAS allocates a workspace (32 MiB on Hopper) through the caching
+    allocator for each stream it runs a GEMM on, and torch keeps it until this call. With the engine
+    released after every rollout (graphs re-recorded each time) that is one more workspace per rollout,
+    up to the 32 streams of torch's stream pool: it matches the ~0.031 GiB per step by which the allocated
+    memory at the start of the generation phase grew in ``results/h200_lowmem2`` (and 0.28 GiB above
+    weights + state after the 6 steps of ``results/h200_lowmem``). Workspaces come back on the next GEMM
+    of each stream. Call only when no recorded CUDA graph uses them (after ``RolloutEngine.release()``).
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    clear()
+    return True

@@ -15,19 +15,28 @@ kernel-internal scratch. Three GPU-only kernels are stood in for by what they al
   ``addmm(out_dtype=float32)`` allocate nothing, so the torch fallbacks that stand in for them on other
   devices are replaced by no-ops here. The valid
   positions are gathered as TRL's compact (Triton) path does, assuming full-length completions.
-- the gradient pipeline (``rapidfire_lowmem2``): post-accumulate-grad hooks free gradients in buckets of
-  64 MiB (RapidFireOptimizer's default bucket size), in the order they complete.
+- the gradient pipeline (``rapidfire_lowmem2``, ``rapidfire_lowmem3``): post-accumulate-grad hooks free
+  gradients in buckets of 64 MiB (RapidFireOptimizer's default bucket size), in the order they complete.
 
 Weights and optimizer state are added from the parameter count (``static``): bf16 weights; stock's
 fused AdamW keeps two bf16 moments (4 bytes/parameter); bitsandbytes' 8-bit AdamW two uint8 moments
 (2 bytes/parameter) except ``nn.Embedding`` weights, which transformers keeps in 32 bits (8
-bytes/parameter); tensors under 4096 elements also stay 32-bit.
+bytes/parameter), plus one fp32 absmax per 256-element block of each 8-bit moment; tensors under 4096
+elements also stay 32-bit. ``rapidfire_lowmem3`` builds ``AdamW8bit`` without that embedding override
+(``adamw_8bit_all``: the embedding's state is 8-bit too).
+
+Not counted (add them when comparing with a measurement): cuBLAS keeps a workspace per stream it ran
+a GEMM on (32 MiB on Hopper), and in the stored H200 runs the rollout engine's warm-up streams added one
+per rollout (``lowmem.clear_cublas_workspaces``); about 0.03 GiB (training) to 0.1 GiB (rollout) when
+they are cleared after each rollout.
 
 Generation is estimated from shapes (rapidfire_hf's static rollout engine: KV cache of batch x (prompt
-+ completion) slots, prefill of the whole batch) and TRL's own buffers, and printed separately.
++ completion) slots, prefill of the whole batch or, for ``rapidfire_lowmem3``, of ``--prefill-rows``
+prompts at a time) and TRL's own buffers, and printed separately.
 
 Usage:
-    python benchmarks/grpo/memory_model.py                      # the three stored variants, full shape
+    python benchmarks/grpo/memory_model.py                      # the stored variants, full shape
+    python benchmarks/grpo/memory_model.py --variants rapidfire_lowmem3 --padded --breakdown
     python benchmarks/grpo/memory_model.py --rows 4 --json out.json
 """
 
@@ -191,9 +200,17 @@ def static_bytes(model, optimizer: str) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if optimizer == "adamw_torch_fused":
         state = sum(2 * p.numel() * p.element_size() for p in model.parameters())
-    elif optimizer == "adamw_8bit":
-        emb = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-        state = sum((8 if (id(p) in emb or p.numel() < 4096) else 2) * p.numel() for p in model.parameters())
+    elif optimizer in ("adamw_8bit", "adamw_8bit_all"):
+        emb = set()
+        if optimizer == "adamw_8bit":  # transformers' override: nn.Embedding state in 32 bits
+            emb = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+
+        def nbytes(p):
+            if id(p) in emb or p.numel() < 4096:
+                return 8 * p.numel()
+            return 2 * p.numel() + 2 * 4 * -(-p.numel() // 256)  # two uint8 moments + fp32 absmax each
+
+        state = sum(nbytes(p) for p in model.parameters())
     else:
         raise ValueError(optimizer)
     return {"weights": weights, "optimizer_state": state}
@@ -258,13 +275,14 @@ def grpo_step(
     return grads
 
 
-def generation_bytes(shape: dict) -> dict:
-    """Static rollout engine: KV cache + noise buffer + the prefill's largest transient (estimate)."""
+def generation_bytes(shape: dict, prefill_rows: int | None = None) -> dict:
+    """Static rollout engine: KV cache + noise buffer + the prefill's largest transient (estimate);
+    ``prefill_rows``: the prefill runs that many prompts at a time (``lowmem.chunk_prefill``)."""
     b, p, c, h = shape["batch"], shape["prompt_len"], shape["completion_len"], shape["hidden"]
     hd = h // shape["heads"]
     kv = shape["layers"] * 2 * b * shape["kv_heads"] * (p + c) * hd * 2
     noise = b * shape["vocab"] * 4
-    t = b * p
+    t = min(b, prefill_rows or b) * p
     # prefill of one layer: MLP gate/up/act/product (4 x [t, I]) + residual stream and norm + q and the
     # repeated k/v of the whole prompt (sdpa on the prompt with a mask) + the fp32 norm intermediate
     prefill = 4 * t * shape["intermediate"] * 2 + 3 * t * h * 2 + t * h * 4 + 3 * t * h * 2
@@ -276,19 +294,32 @@ VARIANTS = {
     "stock": ("hf_full", "adamw_torch_fused", False, False),
     "rapidfire_lowmem": ("hf_full", "adamw_8bit", False, False),  # every window deferred on the H200
     "rapidfire_lowmem2": ("chunked_offload", "adamw_8bit", True, True),
+    "rapidfire_lowmem3": ("chunked_offload", "adamw_8bit_all", True, False),
 }
+# rapidfire_lowmem3's defaults (run.py: LOWMEM3_ROWS, LOWMEM3_FORWARD_ROWS, LOWMEM3_PREFILL_ROWS)
+LOWMEM3 = dict(rows=16, forward_rows=32, prefill_rows=16)
 
 
 def estimate(
-    variant: str, shape: dict, rows: int, lm_head_chunk: int, breakdown: bool = False, padded: bool = False
+    variant: str,
+    shape: dict,
+    rows: int,
+    lm_head_chunk: int,
+    breakdown: bool = False,
+    padded: bool = False,
+    lowmem3: dict | None = None,
 ) -> dict:
+    """``rows`` is ``rapidfire_lowmem2``'s; ``lowmem3`` overrides ``LOWMEM3`` for ``rapidfire_lowmem3``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from lowmem import apply_chunked_checkpointing
 
     checkpointing, optimizer, pipeline, state_offload = VARIANTS[variant]
+    v3 = dict(LOWMEM3, **(lowmem3 or {})) if variant == "rapidfire_lowmem3" else None
     model = build_meta_model(shape)
     if checkpointing == "hf_full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif v3 is not None:
+        apply_chunked_checkpointing(model, rows=v3["rows"], forward_rows=v3["forward_rows"], offload=True)
     else:
         apply_chunked_checkpointing(model, rows=rows, offload=True)
     static = static_bytes(model, optimizer)
@@ -299,15 +330,16 @@ def estimate(
             model,
             shape,
             tracker,
-            lm_head_chunk if variant == "rapidfire_lowmem2" else 32768,
+            lm_head_chunk if variant in ("rapidfire_lowmem2", "rapidfire_lowmem3") else 32768,
             64.0 if pipeline else None,
             padded,
         )
-    gen = generation_bytes(shape)
+    gen = generation_bytes(shape, v3["prefill_rows"] if v3 else None)
     base = static["weights"] + static["optimizer_state"]
     phases = {k: v for k, v in tracker.peaks.items() if k != "other"}
     result = {
         "variant": variant,
+        "chunking": v3 if v3 else ({"rows": rows} if checkpointing != "hf_full" else None),
         "rows": "padded (attention mask, k/v repeated)"
         if padded
         else "unpadded (no mask, GQA in the kernel)",
@@ -335,7 +367,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--padded", action="store_true", help="some completions ended early: attention mask, k/v repeated"
     )
-    parser.add_argument("--lm-head-chunk", type=int, default=4096, help="rapidfire_lowmem2: TRL vocab tile")
+    parser.add_argument("--lm-head-chunk", type=int, default=4096, help="lowmem2/3: TRL vocab tile")
+    parser.add_argument("--lowmem3-rows", type=int, default=LOWMEM3["rows"], help="lowmem3: backward chunk")
+    parser.add_argument(
+        "--lowmem3-forward-rows", type=int, default=LOWMEM3["forward_rows"], help="lowmem3: forward chunk"
+    )
+    parser.add_argument(
+        "--prefill-rows", type=int, default=LOWMEM3["prefill_rows"], help="lowmem3: prompts per prefill chunk"
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--breakdown", action="store_true", help="print what is live at each phase's peak")
@@ -344,8 +383,9 @@ def main(argv: list[str] | None = None) -> None:
         hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, vocab=32000,
         prompt_len=128, completion_len=256, batch=args.batch,
     )  # fmt: skip
+    v3 = dict(rows=args.lowmem3_rows, forward_rows=args.lowmem3_forward_rows, prefill_rows=args.prefill_rows)
     out = [
-        estimate(v, shape, args.rows, args.lm_head_chunk, args.breakdown, args.padded)
+        estimate(v, shape, args.rows, args.lm_head_chunk, args.breakdown, args.padded, v3)
         for v in args.variants.split(",")
     ]
     for r in out:

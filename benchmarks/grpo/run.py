@@ -5,7 +5,7 @@ The workload of DESIGN.md: a random-init Llama of the 1.1B shape (hidden 2048, 2
 prompt, a rule-based reward (fraction of vowels), beta 0. Each variant runs in its own process (fresh
 CUDA allocator, its own peak), for ``--steps`` optimizer steps.
 
-Variants (``--variants``, comma-separated; default all four):
+Variants (``--variants``, comma-separated; default all five):
 
 - ``stock``: ``GRPOTrainer`` with TRL's defaults (``optim="adamw_torch_fused"``, ``gradient_checkpointing=True``).
 - ``rapidfire``: the same trainer through ``enable_rapidfire(trainer, optimizer_kwargs={"rollback": ...,
@@ -26,18 +26,27 @@ Variants (``--variants``, comma-separated; default all four):
   8) instead of full checkpointing, TRL's fused LM head with a narrower vocabulary tile
   (``--lowmem2-lm-head-chunk``, default 4096), and the optimizer state moved to the host during each
   rollout.
+- ``rapidfire_lowmem3``: ``rapidfire_lowmem2`` without the optimizer-state round trip (the 8-bit state stays
+  on the GPU, the embedding's in 8 bits too unless ``--lowmem3-embedding-32bit``), with the rollout's prompt
+  prefill run ``--lowmem3-prefill-rows`` prompts at a time so the rollout fits next to the state, cuBLAS
+  workspaces freed after each rollout (each re-recorded decode graph left one behind), and 4 backward / 2
+  forward checkpointing chunks (``--lowmem3-rows`` 16, ``--lowmem3-forward-rows`` 32) instead of 8 / 8.
 
 Reported per variant: tokens/s (prompt + completion tokens, TRL's ``num_input_tokens_seen``) over all
 steps and over steps 2.. (steady state), labelled, with the first step's time and its excess over the
 median later step stated separately (one-time work: compilation, CUDA-graph capture, allocator and
 optimizer-state warm-up); generated tokens/s; peak allocated and reserved GiB, overall and per phase of
 the step (generation, loss forward, backward, gradient clipping, optimizer step, other), read with
-``torch.cuda.max_memory_allocated`` and reset at each phase boundary; the loss and reward curves.
+``torch.cuda.max_memory_allocated`` and reset at each phase boundary; time per phase (``time_by_phase``:
+host seconds and, on CUDA, the current stream's seconds between the same boundaries, from events, no
+added sync); for the low-memory variants the host seconds of the rollout engine call and of what the
+benchmark does around it; the loss and reward curves.
 
 Usage:
     python benchmarks/grpo/run.py --out benchmarks/grpo/results/h200          # GPU, all four, ~5-6 minutes
     python benchmarks/grpo/run.py --out /tmp/grpo-smoke --smoke               # CPU, tiny model, ~2 minutes
     python benchmarks/grpo/run.py --out /tmp/g --variants stock,rapidfire_lowmem2   # GPU, ~3 minutes
+    python benchmarks/grpo/run.py --out /tmp/g3 --variants stock,rapidfire_lowmem,rapidfire_lowmem3  # ~3.5 min
 """
 
 from __future__ import annotations
@@ -53,8 +62,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-VARIANTS = ("stock", "rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2")
-LOWMEM = ("rapidfire_lowmem", "rapidfire_lowmem2")
+VARIANTS = ("stock", "rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2", "rapidfire_lowmem3")
+LOWMEM = ("rapidfire_lowmem", "rapidfire_lowmem2", "rapidfire_lowmem3")
 # what each variant changes, and whether it is an option of stock TRL/transformers or of rapidfire_hf
 # (written to results.json; the lowmem optimizer line is completed at run time, see lowmem_settings)
 DESCRIPTIONS = {
@@ -80,10 +89,23 @@ DESCRIPTIONS = {
         "tile, and the optimizer state in host memory during each rollout",
         "settings": [],  # filled by lowmem2_settings()
     },
+    "rapidfire_lowmem3": {
+        "description": "rapidfire_lowmem2 without the optimizer-state round trip: the 8-bit AdamW state stays on "
+        "the GPU (embedding state in 8 bits too), the rollout's prompt prefill runs in row chunks so the "
+        "rollout fits next to it, cuBLAS workspaces are freed after each rollout (they leaked one per "
+        "re-recorded decode graph), and the chunked checkpointing uses 4 backward / 2 forward chunks "
+        "instead of 8 / 8 (fewer, larger kernels)",
+        "settings": [],  # filled by lowmem3_settings()
+    },
 }
 # rapidfire_lowmem2 defaults (flags --lowmem2-rows, --lowmem2-lm-head-chunk)
 LOWMEM2_ROWS = 8
 LOWMEM2_LM_HEAD_CHUNK = 4096
+# rapidfire_lowmem3 defaults (flags --lowmem3-rows, --lowmem3-forward-rows, --lowmem3-prefill-rows); sized
+# with memory_model.py --variants rapidfire_lowmem3 (see README.md, "rapidfire_lowmem3")
+LOWMEM3_ROWS = 16
+LOWMEM3_FORWARD_ROWS = 32
+LOWMEM3_PREFILL_ROWS = 16
 FULL = dict(
     hidden=2048,
     layers=22,
@@ -286,34 +308,137 @@ def lowmem2_settings(
     ]
 
 
-def release_rollout_cache_after_each_rollout(trainer, state_offload=None) -> bool:
+def lowmem3_settings(
+    fallback: str | None,
+    rows: int,
+    forward_rows: int,
+    prefill_rows: int,
+    lm_head_chunk: int,
+    embedding_8bit: bool,
+    keep_rollout_cache: bool,
+) -> list[dict]:
+    """What ``rapidfire_lowmem3`` sets: ``rapidfire_lowmem2``'s settings without the optimizer-state offload,
+    with its checkpointing chunks changed, plus the chunked prefill, the workspace release and (default)
+    8-bit embedding state. Each says whether it changes the math relative to stock."""
+    settings = []
+    for s in lowmem2_settings(fallback, rows, lm_head_chunk, keep_rollout_cache):
+        if s["setting"].startswith("lowmem.OptimizerStateOffload"):
+            continue  # the state stays on the GPU: no host round trip of 2.4 GiB per rollout
+        s = dict(s)
+        if s["setting"].startswith("lowmem.apply_chunked_checkpointing"):
+            s["setting"] = (
+                f"lowmem.apply_chunked_checkpointing(model, rows={rows}, forward_rows={forward_rows}, "
+                "offload=True), called by this benchmark before enable_rapidfire"
+            )
+            s["effect"] += (
+                f"; the forward (no_grad, saves nothing) runs {forward_rows} sequences per chunk. Math: same "
+                "per-row arithmetic as full checkpointing; each chunk's bf16 weight-gradient partial is "
+                "rounded once and the partials are summed in fp32 (tests/integrations/test_grpo_lowmem.py)"
+            )
+        if s["setting"].startswith("GRPOConfig(optim=") and not fallback and embedding_8bit:
+            s["setting"] = "bitsandbytes.optim.AdamW8bit through Trainer(optimizer_cls_and_kwargs=...)"
+            s["source"] = (
+                "stock transformers/bitsandbytes (Trainer.optimizer_cls_and_kwargs, set by this benchmark)"
+            )
+            s["effect"] = (
+                "the same 8-bit AdamW as optim='adamw_8bit' with the trainer's own hyper-parameters and "
+                "param groups, but transformers' override that keeps nn.Embedding state in 32 bits is not "
+                "registered (it only fires for optim_bits=8 in the kwargs): embed_tokens' state is 8-bit too "
+                "(~0.37 GiB less). Math: differs from stock (bf16 AdamW state) as all 8-bit state does, and "
+                "from rapidfire_lowmem's for the embedding (its rows without gradient keep zero state)"
+            )
+        settings.append(s)
+    return settings + [
+        {
+            "setting": f"lowmem.chunk_prefill(engine net, rows={prefill_rows}), hooked in by this benchmark",
+            "source": "rapidfire_hf benchmark code (benchmarks/grpo/lowmem.py), applied here",
+            "effect": "the rollout's prompt prefill runs that many prompts at a time (its MLP transient over "
+            "64 x 128 tokens, ~0.5 GiB, shrinks 4x), so the rollout fits next to the resident 8-bit state. "
+            "Math: the same per-row computation (rows are independent); cuBLAS may choose other kernels for "
+            "fewer rows, so the prefill's bits can differ as between batch sizes",
+        },
+        {
+            "setting": "torch._C._cuda_clearCublasWorkspaces() after each RolloutEngine.release()",
+            "source": "rapidfire_hf benchmark code (lowmem.clear_cublas_workspaces), applied here",
+            "effect": "frees the cuBLAS workspace (32 MiB on Hopper) that each re-recorded decode graph's "
+            "warm-up stream left behind (+0.031 GiB per step in results/h200_lowmem2). No effect on the math",
+        },
+    ]
+
+
+def release_rollout_cache_after_each_rollout(
+    trainer, state_offload=None, prefill_rows: int | None = None, clear_workspaces: bool = False, timings=None
+) -> bool:
     """Make the installed rollout engine drop its KV cache, buffers and graphs after every rollout.
 
     With ``state_offload`` (an ``OptimizerStateOffload``, ``rapidfire_lowmem2``), the optimizer state is
-    also moved to the host before each rollout and back after it.
+    also moved to the host before each rollout and back after it. ``rapidfire_lowmem3``: ``prefill_rows``
+    chunks the engine's prompt prefill (``lowmem.chunk_prefill``) and ``clear_workspaces`` frees cuBLAS's
+    workspaces after each release. ``timings`` (a dict) collects per rollout the host seconds of the
+    engine call (it ends with a device sync: the completions are read on the host) and of the
+    offload / release / restore around it.
     """
     patch = trainer._rapidfire.parts.get("rollout")
     if patch is None:
         return False
     generate = patch._generate
+    times = timings if timings is not None else {}
+    for key in ("state_offload_s", "engine_s", "release_s", "state_restore_s", "prefill_chunked_rollouts"):
+        times.setdefault(key, [])
+
+    def chunk_prefill_once():
+        engine = patch._engine
+        net = getattr(getattr(engine, "_static", None), "net", None)
+        if prefill_rows is None or net is None:
+            return False
+        if getattr(net, "_rapidfire_prefill_rows", None) is None:
+            from lowmem import chunk_prefill
+
+            chunk_prefill(net, prefill_rows)
+        return True
+
+    if prefill_rows is not None:
+        engine_for = patch._engine_for
+
+        def engine_for_chunked(model):  # the engine is built at the first rollout: chunk it from there on
+            engine = engine_for(model)
+            chunk_prefill_once()
+            return engine
+
+        patch._engine_for = engine_for_chunked
 
     def generate_then_release(prompt_ids):
+        t0 = time.perf_counter()
         if state_offload is not None:
             state_offload.offload()
+        t1 = time.perf_counter()
         try:
             return generate(prompt_ids)
         finally:
+            t2 = time.perf_counter()
+            times["prefill_chunked_rollouts"].append(chunk_prefill_once())
             if patch._engine is not None:
                 patch._engine.release()
+            if clear_workspaces:
+                from lowmem import clear_cublas_workspaces
+
+                clear_cublas_workspaces()
+            t3 = time.perf_counter()
             if state_offload is not None:
                 state_offload.restore()
+            t4 = time.perf_counter()
+            for key, dt in zip(
+                ("state_offload_s", "engine_s", "release_s", "state_restore_s"),
+                (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
+            ):
+                times[key].append(dt)
 
     patch._generate = generate_then_release
     return True
 
 
 class PhaseMemory:
-    """Peak allocated (and reserved) GPU memory per phase of the training step.
+    """Peak allocated (and reserved) GPU memory, and time, per phase of the training step.
 
     Phases: ``generation`` (``_generate_and_score_completions``: rollout, rewards, advantages),
     ``loss_forward`` (``compute_loss``), ``backward`` (``accelerator.backward``; with the gradient
@@ -323,7 +448,14 @@ class PhaseMemory:
     (``torch.cuda.max_memory_allocated``) and charged to the phase that was running, then the peak is
     reset (``reset_peak_memory_stats``), so the largest phase peak is the process's peak. Side effect:
     anything else reading ``max_memory_allocated`` (``rapidfire/memory/max_allocated_gib``) sees the peak
-    since the last boundary only. On the CPU only the calls are counted.
+    since the last boundary only.
+
+    Time: at each boundary the host clock is read (``cpu_s``: host seconds spent in each phase, which
+    for asynchronous CUDA work is the time to enqueue it, plus any syncs) and, on CUDA, an event is
+    recorded on the current stream (``gpu_s``: the current stream's time between the boundaries, kernels
+    plus idle gaps, so the phases add up to the step as the device saw it). No sync is added: the events
+    are read at the end of each step, after the step timer's ``synchronize``. On the CPU, memory is not
+    measured and ``gpu_s`` is empty.
     """
 
     PHASES = ("generation", "loss_forward", "backward", "grad_clip", "optimizer_step", "other")
@@ -341,11 +473,27 @@ class PhaseMemory:
         self.calls = dict.fromkeys(self.PHASES, 0)
         self.step_peak: dict[str, int] = {}
         self.per_step: list[dict[str, float]] = []
+        self.t_last = None  # host clock at the last boundary
+        self.ev_last = None  # CUDA event at the last boundary
+        self.step_cpu: dict[str, float] = {}
+        self.step_events: list[tuple] = []  # (phase, start event, end event) of this step
+        self.per_step_time: list[dict] = []
 
     def _close(self) -> None:
+        import time as _time
+
+        now = _time.perf_counter()
+        if self.t_last is not None:
+            self.step_cpu[self.current] = self.step_cpu.get(self.current, 0.0) + now - self.t_last
+        self.t_last = now
         if not self.cuda:
             return
         cuda = self.torch.cuda
+        event = cuda.Event(enable_timing=True)
+        event.record()
+        if self.ev_last is not None:
+            self.step_events.append((self.current, self.ev_last, event))
+        self.ev_last = event
         peak, reserved = cuda.max_memory_allocated(), cuda.max_memory_reserved()
         name = self.current
         self.peak[name] = max(self.peak[name], peak)
@@ -367,9 +515,18 @@ class PhaseMemory:
 
     def end_step(self) -> None:
         self._close()
+        gpu: dict[str, float] = {}
         if self.cuda:
             self.per_step.append({k: v / GIB for k, v in self.step_peak.items()})
-        self.step_peak = {}
+            self.ev_last.synchronize()
+            for name, start, end in self.step_events:
+                gpu[name] = gpu.get(name, 0.0) + start.elapsed_time(end) / 1000.0
+        self.per_step_time.append({"cpu_s": self.step_cpu, "gpu_s": gpu})
+        self.step_peak, self.step_cpu, self.step_events = {}, {}, []
+
+    def start(self) -> None:
+        """Mark the start of training (the first boundary of the time accounting)."""
+        self._close()
 
     def wrap(self, owner, attr: str, phase: str) -> None:
         import functools
@@ -413,6 +570,25 @@ class PhaseMemory:
             return None
         self._close()
         return max(self.peak.values()), max(self.reserved.values())
+
+    def time_report(self) -> dict:
+        """Seconds per phase: per step, and the median over steps 2.. (steady state) of each phase."""
+        import statistics
+
+        steady = self.per_step_time[1:]
+
+        def median(kind: str) -> dict[str, float]:
+            names = dict.fromkeys(k for step in steady for k in step[kind])
+            return {k: statistics.median(step[kind].get(k, 0.0) for step in steady) for k in names}
+
+        return {
+            "per_step": self.per_step_time,
+            "median_steps_2_on": {"cpu_s": median("cpu_s"), "gpu_s": median("gpu_s")} if steady else None,
+            "note": "cpu_s: host seconds in each phase (enqueueing asynchronous work, plus syncs); gpu_s: "
+            "the current CUDA stream's time between the phase boundaries (kernels plus idle gaps; sums to "
+            "about the step). 'other' includes the dataloader, logging, zero_grad, the scheduler and the "
+            "time between steps (its first step also the time before the first boundary).",
+        }
 
     def report(self) -> dict:
         gib = (lambda d: {k: v / GIB for k, v in d.items()}) if self.cuda else (lambda d: None)
@@ -466,6 +642,7 @@ def run_variant(
     optimizer_kwargs: dict,
     keep_rollout_cache: bool = False,
     lowmem2: dict | None = None,
+    lowmem3: dict | None = None,
 ) -> dict:
     """Train one variant in this process and return its measurements."""
     import torch
@@ -474,12 +651,23 @@ def run_variant(
     from rapidfire_hf.demo import vowel_reward
 
     lowmem2 = dict(dict(rows=LOWMEM2_ROWS, lm_head_chunk=LOWMEM2_LM_HEAD_CHUNK), **(lowmem2 or {}))
+    lowmem3 = dict(
+        dict(
+            rows=LOWMEM3_ROWS,
+            forward_rows=LOWMEM3_FORWARD_ROWS,
+            prefill_rows=LOWMEM3_PREFILL_ROWS,
+            lm_head_chunk=LOWMEM2_LM_HEAD_CHUNK,
+            embedding_8bit=True,
+        ),
+        **(lowmem3 or {}),
+    )
     shape = dict(SMOKE if smoke else FULL, steps=steps)
     device = "cpu" if smoke else "cuda"
     tok = build_tokenizer(shape["vocab"])
     model = build_model(shape, tok, device)
     lowmem = variant in LOWMEM
     v2 = variant == "rapidfire_lowmem2"
+    v3 = variant == "rapidfire_lowmem3"
     fallback = bnb_unusable(device) if lowmem else None
     extra = {}
     if lowmem:
@@ -489,7 +677,7 @@ def run_variant(
             gradient_checkpointing=False,  # ours is applied below; the Trainer must not add its own
             gradient_checkpointing_kwargs={"use_reentrant": False},  # what TRL re-enables after a rollout
         )
-    if v2:
+    if v2 or v3:
         extra["max_grad_norm"] = 0.0  # see lowmem2_settings: clipping keeps the pipeline from freeing grads
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix=f"grpo-{variant}-"),  # nothing is saved; keep --out clean
@@ -515,7 +703,15 @@ def run_variant(
         train_dataset=prompts(shape["batch"] * steps, shape["prompt_len"]),
         processing_class=tok,
     )
+    embedding_8bit = None
+    if v3 and not fallback and lowmem3["embedding_8bit"]:
+        try:
+            embedding_8bit = use_8bit_embedding_state(trainer)
+        except Exception as exc:  # another transformers/bitsandbytes API: run on with the 32-bit override
+            embedding_8bit = {"error": repr(exc)}
+            print(f"rapidfire_lowmem3: 8-bit embedding state not set up ({exc!r})", file=sys.stderr)
     checkpointing = released = offloader = state_offload = None
+    rollout_times: dict = {}
     if variant == "rapidfire":
         from rapidfire_hf import enable_rapidfire
 
@@ -523,16 +719,27 @@ def run_variant(
     elif lowmem:
         from rapidfire_hf import enable_rapidfire
 
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # lowmem.py, also for the rollout hooks
         if v2:
             import trl.trainer.utils as trl_utils
-
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
             from lowmem import OptimizerStateOffload, apply_chunked_checkpointing
 
             # read by TRL's fused LM head at every call (the vocabulary width of one projection tile)
             trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = lowmem2["lm_head_chunk"]
             offloader = apply_chunked_checkpointing(trainer.model, rows=lowmem2["rows"], offload=True)
             checkpointing = f"chunked, {lowmem2['rows']} sequences per chunk, inputs offloaded to the host"
+        elif v3:
+            import trl.trainer.utils as trl_utils
+            from lowmem import apply_chunked_checkpointing
+
+            trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = lowmem3["lm_head_chunk"]
+            offloader = apply_chunked_checkpointing(
+                trainer.model, rows=lowmem3["rows"], forward_rows=lowmem3["forward_rows"], offload=True
+            )
+            checkpointing = (
+                f"chunked, {lowmem3['rows']} sequences per backward chunk, {lowmem3['forward_rows']} per "
+                "forward chunk, inputs offloaded to the host"
+            )
         else:
             from rapidfire_hf.memory import apply_selective_checkpointing
 
@@ -548,7 +755,13 @@ def run_variant(
         released = (
             False
             if keep_rollout_cache
-            else release_rollout_cache_after_each_rollout(trainer, state_offload=state_offload)
+            else release_rollout_cache_after_each_rollout(
+                trainer,
+                state_offload=state_offload,
+                prefill_rows=lowmem3["prefill_rows"] if v3 else None,
+                clear_workspaces=v3,
+                timings=rollout_times,
+            )
         )
     step_times: list[float] = []
     step_tokens: list[int] = []
@@ -572,6 +785,7 @@ def run_variant(
     phases.install(trainer)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    phases.start()
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -600,6 +814,7 @@ def run_variant(
         "peak_allocated_gib": peaks[0] / GIB if peaks else None,
         "peak_reserved_gib": peaks[1] / GIB if peaks else None,
         "memory_by_phase": phases.report(),
+        "time_by_phase": phases.time_report(),
     }
     if variant != "stock":
         state = trainer._rapidfire
@@ -633,6 +848,7 @@ def run_variant(
             if "rollout" in trainer._rapidfire.parts
             else None,
         }
+        result["lowmem"]["rollout_hook_seconds"] = rollout_times  # per rollout, host clock
         if v2:
             result["lowmem"].update(
                 chunk_rows=lowmem2["rows"],
@@ -640,7 +856,58 @@ def run_variant(
                 activation_offload=offloader.stats.as_dict(),
                 optimizer_state_offload=state_offload.stats() if state_offload is not None else None,
             )
+        if v3:
+            result["lowmem"].update(
+                chunk_rows=lowmem3["rows"],
+                forward_chunk_rows=lowmem3["forward_rows"],
+                prefill_rows=lowmem3["prefill_rows"],
+                lm_head_vocab_tile=lowmem3["lm_head_chunk"],
+                activation_offload=offloader.stats.as_dict(),
+                embedding_8bit_requested=lowmem3["embedding_8bit"],
+                embedding_8bit_optimizer=embedding_8bit,
+                optimizer_state_gib=state_gib(inner),
+                embedding_state_dtypes=embedding_state_dtypes(trainer.model, inner),
+            )
     return result
+
+
+def use_8bit_embedding_state(trainer) -> dict:
+    """Make ``trainer`` build bitsandbytes' ``AdamW8bit`` with its own ``optim="adamw_8bit"`` arguments,
+    without transformers' override that keeps ``nn.Embedding`` state in 32 bits.
+
+    ``Trainer.create_optimizer`` registers that override only when the optimizer kwargs hold
+    ``optim_bits=8``; ``AdamW8bit`` is 8-bit without the key. Param groups, lr, betas and eps stay the
+    trainer's (``Trainer.get_optimizer_cls_and_kwargs`` for the same args). Call before ``train()``.
+    """
+    import inspect
+
+    from bitsandbytes.optim import AdamW8bit
+
+    _, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+    if kwargs.get("optim_bits") != 8:
+        raise ValueError(f"use_8bit_embedding_state expects optim='adamw_8bit', got {trainer.args.optim!r}")
+    accepted = inspect.signature(AdamW8bit.__init__).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted and k != "optim_bits"}
+    trainer.optimizer_cls_and_kwargs = (AdamW8bit, kwargs)
+    return {"optimizer_cls": "bitsandbytes.optim.AdamW8bit", "kwargs": repr(kwargs)}
+
+
+def state_gib(optimizer) -> float:
+    """GiB of the optimizer's state tensors (each storage once)."""
+    seen = {}
+    for state in optimizer.state.values():
+        for v in state.values():
+            if hasattr(v, "untyped_storage") and v.device.type != "meta":
+                st = v.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values()) / GIB
+
+
+def embedding_state_dtypes(model, optimizer) -> dict:
+    """dtype of each state tensor of the input embedding's weight (uint8 moments: 8-bit state)."""
+    weight = model.get_input_embeddings().weight
+    state = optimizer.state.get(weight, {})
+    return {k: str(v.dtype).replace("torch.", "") for k, v in state.items() if hasattr(v, "dtype")}
 
 
 class _LazyStateOffload:
@@ -719,8 +986,9 @@ def plot(results: dict, path: Path) -> None:
         "rapidfire": "tab:red",
         "rapidfire_lowmem": "tab:blue",
         "rapidfire_lowmem2": "tab:purple",
+        "rapidfire_lowmem3": "tab:green",
     }
-    colors = [palette.get(n, "tab:green") for n in names]
+    colors = [palette.get(n, "tab:olive") for n in names]
     x = np.arange(len(names))
     spans = (("all_steps", "all steps", 0.55), ("steady_state_steps_2_on", "steps 2.. (steady state)", 1.0))
     for i, (key, label, alpha) in enumerate(spans):
@@ -811,6 +1079,13 @@ def summary_lines(runs: dict, by_variant: dict) -> list[str]:
                 else ""
             )
         )
+        times = (run.get("time_by_phase") or {}).get("median_steps_2_on")
+        if times:
+            kind = "gpu_s" if times["gpu_s"] else "cpu_s"
+            lines.append(
+                f"  median time per phase, steps 2.. ({'device stream' if kind == 'gpu_s' else 'host'} s): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in times[kind].items())
+            )
         phases = run["memory_by_phase"]["peak_allocated_gib"]
         if run["peak_allocated_gib"] is not None:
             lines.append(
@@ -834,6 +1109,20 @@ def summary_lines(runs: dict, by_variant: dict) -> list[str]:
                 + f"; target met: {r['target_met']}"
             )
     return lines
+
+
+def lowmem3_options(args) -> dict:
+    """The ``rapidfire_lowmem3`` settings from the command line (checked: chunk sizes are ints >= 1)."""
+    for flag in ("lowmem3_rows", "lowmem3_forward_rows", "lowmem3_prefill_rows"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    return dict(
+        rows=args.lowmem3_rows,
+        forward_rows=args.lowmem3_forward_rows,
+        prefill_rows=args.lowmem3_prefill_rows,
+        lm_head_chunk=args.lowmem2_lm_head_chunk,
+        embedding_8bit=not args.lowmem3_embedding_32bit,
+    )
 
 
 def parse_variants(text: str) -> list[str]:
@@ -882,6 +1171,29 @@ def main(argv: list[str] | None = None) -> None:
         default=LOWMEM2_LM_HEAD_CHUNK,
         help=f"rapidfire_lowmem2: vocabulary width of TRL's fused LM head tile (default {LOWMEM2_LM_HEAD_CHUNK})",
     )
+    parser.add_argument(
+        "--lowmem3-rows",
+        type=int,
+        default=LOWMEM3_ROWS,
+        help=f"rapidfire_lowmem3: sequences per backward checkpointing chunk (default {LOWMEM3_ROWS})",
+    )
+    parser.add_argument(
+        "--lowmem3-forward-rows",
+        type=int,
+        default=LOWMEM3_FORWARD_ROWS,
+        help=f"rapidfire_lowmem3: sequences per forward chunk (default {LOWMEM3_FORWARD_ROWS})",
+    )
+    parser.add_argument(
+        "--lowmem3-prefill-rows",
+        type=int,
+        default=LOWMEM3_PREFILL_ROWS,
+        help=f"rapidfire_lowmem3: prompts per rollout prefill chunk (default {LOWMEM3_PREFILL_ROWS})",
+    )
+    parser.add_argument(
+        "--lowmem3-embedding-32bit",
+        action="store_true",
+        help="rapidfire_lowmem3: keep transformers' 32-bit optimizer state for the embedding (default: 8-bit)",
+    )
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the child process's job
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
@@ -897,6 +1209,7 @@ def main(argv: list[str] | None = None) -> None:
             optimizer_kwargs,
             args.lowmem_keep_rollout_cache,
             dict(rows=args.lowmem2_rows, lm_head_chunk=args.lowmem2_lm_head_chunk),
+            lowmem3_options(args),
         )
         (args.out / f"{args.variant}.json").write_text(json.dumps(result, indent=2))
         return
@@ -919,7 +1232,14 @@ def main(argv: list[str] | None = None) -> None:
             str(args.lowmem2_rows),
             "--lowmem2-lm-head-chunk",
             str(args.lowmem2_lm_head_chunk),
+            "--lowmem3-rows",
+            str(args.lowmem3_rows),
+            "--lowmem3-forward-rows",
+            str(args.lowmem3_forward_rows),
+            "--lowmem3-prefill-rows",
+            str(args.lowmem3_prefill_rows),
         ]
+        cmd += ["--lowmem3-embedding-32bit"] if args.lowmem3_embedding_32bit else []
         cmd += ["--lowmem-keep-rollout-cache"] if args.lowmem_keep_rollout_cache else []
         subprocess.run(cmd + (["--smoke"] if args.smoke else []), check=True, env=os.environ.copy())
         runs[variant] = json.loads((args.out / f"{variant}.json").read_text())
@@ -943,6 +1263,17 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name]["lowmem"]["optimizer_fallback"],
                 args.lowmem2_rows,
                 args.lowmem2_lm_head_chunk,
+                args.lowmem_keep_rollout_cache,
+            )
+        elif name == "rapidfire_lowmem3":
+            o = lowmem3_options(args)
+            info["settings"] = lowmem3_settings(
+                runs[name]["lowmem"]["optimizer_fallback"],
+                o["rows"],
+                o["forward_rows"],
+                o["prefill_rows"],
+                o["lm_head_chunk"],
+                o["embedding_8bit"],
                 args.lowmem_keep_rollout_cache,
             )
         variants[name] = info

@@ -1,5 +1,5 @@
-"""benchmarks/grpo/run.py --smoke: stock, rapidfire, rapidfire_lowmem and rapidfire_lowmem2 GRPO run on CPU
-and are reported."""
+"""benchmarks/grpo/run.py --smoke: stock, rapidfire and the three rapidfire_lowmem variants of GRPO run on
+CPU and are reported."""
 
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ def test_variants_flag_parses_and_rejects_unknown_names():
     assert module.lowmem_settings(None, False)[0]["setting"] == 'GRPOConfig(optim="adamw_8bit")'
 
 
-@pytest.mark.slow  # four child processes, each importing torch, transformers and trl and training 2 steps
+@pytest.mark.slow  # five child processes, each importing torch, transformers and trl and training 2 steps
 def test_smoke_writes_rows_for_all_variants(tmp_path):
     load_run().main(["--out", str(tmp_path), "--smoke"])
 
     results = json.loads((tmp_path / "results.json").read_text())
     assert "benchmarks/grpo/run.py" in results["command"] and results["date"]
     runs = results["runs"]
-    assert list(runs) == ["stock", "rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2"]
+    assert list(runs) == ["stock", "rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2", "rapidfire_lowmem3"]
     assert list(results["variants"]) == list(runs)
     for name, run in runs.items():
         assert run["variant"] == name and run["steps"] == 2 and len(run["loss"]) == 2
@@ -57,10 +57,20 @@ def test_smoke_writes_rows_for_all_variants(tmp_path):
             "backward": 2,
             "optimizer_step": 2,
         }
+        # time by phase: host seconds per step for every phase the step went through (no CUDA here)
+        times = run["time_by_phase"]
+        assert len(times["per_step"]) == 2 and not times["per_step"][1]["gpu_s"]
+        assert {"generation", "loss_forward", "backward"} <= set(times["median_steps_2_on"]["cpu_s"])
     # fp32 on the CPU, same weights, data and seed: the first loss agrees across variants
     assert runs["rapidfire_lowmem"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
     assert runs["rapidfire_lowmem2"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
-    assert set(results["ratios_by_variant"]) == {"rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2"}
+    assert runs["rapidfire_lowmem3"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
+    assert set(results["ratios_by_variant"]) == {
+        "rapidfire",
+        "rapidfire_lowmem",
+        "rapidfire_lowmem2",
+        "rapidfire_lowmem3",
+    }
     assert results["ratios"] == results["ratios_by_variant"]["rapidfire"]
     ratios = results["ratios_by_variant"]["rapidfire_lowmem2"]
     assert {"tokens_per_sec_all_steps", "tokens_per_sec_steady_state_steps_2_on", "target_met"} <= set(ratios)
@@ -94,4 +104,13 @@ def test_smoke_writes_rows_for_all_variants(tmp_path):
     assert low2["rollout_cache_released_after_each_rollout"] is True
     settings2 = results["variants"]["rapidfire_lowmem2"]["settings"]
     assert {s["source"].split(" ")[0] for s in settings2} == {"stock", "rapidfire_hf"}
+    low3 = runs["rapidfire_lowmem3"]["lowmem"]
+    assert low3["max_grad_norm"] == 0.0 and low3["optimizer_stats"]["pipelined_steps"] == 2
+    assert low3["checkpointing_applied"].startswith("chunked, 16 sequences per backward chunk, 32")
+    assert "optimizer_state_offload" not in low3  # the state stays where it is
+    assert low3["activation_offload"]["tensors_saved"] == 2 * 3
+    assert len(low3["rollout_hook_seconds"]["engine_s"]) == 2
+    settings3 = results["variants"]["rapidfire_lowmem3"]["settings"]
+    assert any("chunk_prefill" in s["setting"] for s in settings3)
+    assert any(line.startswith("rapidfire_lowmem3:") for line in results["summary"])
     assert (tmp_path / "chart.png").stat().st_size > 0

@@ -412,3 +412,192 @@ def test_run_helpers_speed_ratios_and_settings():
     assert "max_grad_norm=0.0" in text and "apply_chunked_checkpointing(model, rows=4" in text
     assert "apply_selective_checkpointing" not in text  # replaced by the chunked checkpointing
     assert run.parse_variants("stock,rapidfire_lowmem2") == ["stock", "rapidfire_lowmem2"]
+
+
+# ---- rapidfire_lowmem3 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, forward_rows", [(3, 5), (8, 2)])  # wider and narrower forward chunks
+def test_forward_rows_apart_from_backward_rows_match_stock(
+    lowmem, tokenizer, tmp_path, single_thread, rows, forward_rows
+):
+    trainer = grpo_trainer(tokenizer, tmp_path)
+    inputs = grpo_inputs(len(tokenizer))
+    stock = loss_and_grads(trainer, inputs)
+    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=rows, forward_rows=forward_rows)
+    assert_same(stock, loss_and_grads(trainer, inputs))
+    assert offloader.stats.saved == 4
+    with pytest.raises(ValueError, match="forward_rows"):
+        lowmem.apply_chunked_checkpointing(grpo_trainer(tokenizer, tmp_path / "b").model, forward_rows=0)
+
+
+def test_chunk_prefill_fills_the_cache_and_samples_like_one_prefill(lowmem, tokenizer, single_thread):
+    """The static engine (on the CPU here, eager decode) with its prefill run 3 prompts at a time: the
+    same KV cache rows, the same last hidden states, the same sampled tokens as one prefill."""
+    from rapidfire_hf.demo import build_tiny_llama
+    from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+
+    model = build_tiny_llama(tokenizer, layers=2).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, len(tokenizer), (8, 7), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = tokenizer.pad_token_id, 0  # a left-padded prompt
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+
+    def rollout(rows):
+        engine = RolloutEngine(model, tokenizer.pad_token_id, [], backend="static", decode_mode="eager")
+        net = engine._static.net
+        if rows is not None:
+            lowmem.chunk_prefill(net, rows)
+        calls = []
+        prefill = net.prefill
+
+        def spy(input_ids, attention_mask, cos, sin, k_cache, v_cache):
+            out = prefill(input_ids, attention_mask, cos, sin, k_cache, v_cache)
+            calls.append((out.clone(), [k.clone() for k in k_cache], [v.clone() for v in v_cache]))
+            return out
+
+        net.prefill = spy
+        out = engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(0))
+        return out, calls[0]
+
+    (ref, (h0, k0, v0)), (got, (h1, k1, v1)) = rollout(None), rollout(3)
+    torch.testing.assert_close(h1, h0, rtol=RTOL, atol=1e-6)
+    for a, b in zip(k0 + v0, k1 + v1):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-6)
+    assert torch.equal(got.responses, ref.responses)
+    torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=RTOL, atol=1e-6)
+    with pytest.raises(RuntimeError, match="already"):
+        engine = RolloutEngine(model, tokenizer.pad_token_id, [], backend="static", decode_mode="eager")
+        lowmem.chunk_prefill(engine._static.net, 2)
+        lowmem.chunk_prefill(engine._static.net, 2)
+    with pytest.raises(ValueError, match="rows"):
+        lowmem.chunk_prefill(engine._static.net, 0)
+
+
+def test_clear_cublas_workspaces_is_a_no_op_without_cuda(lowmem):
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pytest.skip("CUDA is up: the call really clears (covered by the GPU run)")
+    assert lowmem.clear_cublas_workspaces() is False
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(tokenizer, tmp_path, single_thread):
+    """run.use_8bit_embedding_state: AdamW8bit with the trainer's own optim='adamw_8bit' arguments, and
+    the embedding's state 8-bit as well (transformers keeps it 32-bit for optim='adamw_8bit')."""
+    import bitsandbytes as bnb
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
+
+    run = load("run")
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+
+    def trainer_with_state(eight_bit_embedding: bool):
+        # bitsandbytes keeps overrides process-wide, keyed by (group, parameter) index: one trainer's
+        # 32-bit embedding override would apply to the next optimizer too (run.py: one process a variant)
+        manager.initialize()
+        args = GRPOConfig(
+            output_dir=str(tmp_path / f"o{eight_bit_embedding}"),
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=8,
+            report_to=[],
+            use_cpu=True,
+            learning_rate=3e-4,
+            adam_beta2=0.95,
+            optim="adamw_8bit",
+        )
+        trainer = GRPOTrainer(
+            model=build_tiny_llama(tokenizer, hidden=128),
+            reward_funcs=vowel_reward,
+            args=args,
+            train_dataset=make_prompt_dataset(16),
+            processing_class=tokenizer,
+        )
+        if eight_bit_embedding:
+            info = run.use_8bit_embedding_state(trainer)
+            assert "AdamW8bit" in info["optimizer_cls"] and "optim_bits" not in info["kwargs"]
+        opt = trainer.create_optimizer()
+        for p in trainer.model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return trainer, opt
+
+    plain, opt0 = trainer_with_state(False)
+    eight, opt1 = trainer_with_state(True)
+    manager.initialize()
+    emb0, emb1 = plain.model.get_input_embeddings().weight, eight.model.get_input_embeddings().weight
+    assert opt0.state[emb0]["state1"].dtype == torch.float32  # transformers' override
+    assert opt1.state[emb1]["state1"].dtype == torch.uint8
+    assert run.embedding_state_dtypes(eight.model, opt1)["state1"] == "uint8"
+    assert run.state_gib(opt1) < run.state_gib(opt0)
+    for g0, g1 in zip(opt0.param_groups, opt1.param_groups):  # same groups and hyper-parameters
+        assert [p.shape for p in g0["params"]] == [p.shape for p in g1["params"]]
+        assert (g0["lr"], g0["betas"], g0["eps"], g0["weight_decay"]) == (
+            g1["lr"],
+            g1["betas"],
+            g1["eps"],
+            g1["weight_decay"],
+        )
+    assert opt1.param_groups[0]["betas"] == (0.9, 0.95) and opt1.param_groups[0]["lr"] == 3e-4
+    lm0, lm1 = plain.model.lm_head.weight, eight.model.lm_head.weight
+    assert torch.equal(lm0, lm1)  # every non-embedding parameter: the same 8-bit update
+
+
+def test_phase_times_add_up_per_step_on_the_cpu():
+    run = load("run")
+    phases = run.PhaseMemory()
+    phases.start()
+    for _ in range(3):
+        phases.enter("generation")
+        phases.exit()
+        phases.enter("backward")
+        sum(range(20000))
+        phases.exit()
+        phases.end_step()
+    report = phases.time_report()
+    assert len(report["per_step"]) == 3
+    assert set(report["per_step"][1]["cpu_s"]) == {"generation", "backward", "other"}
+    assert all(v >= 0 for step in report["per_step"] for v in step["cpu_s"].values())
+    assert report["per_step"][1]["gpu_s"] == {}  # no CUDA here
+    assert set(report["median_steps_2_on"]["cpu_s"]) == {"generation", "backward", "other"}
+
+
+def test_memory_model_lowmem3_state_and_prefill(single_thread):
+    mm = load("memory_model")
+    shape = dict(
+        hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=4096,
+        prompt_len=16, completion_len=16, batch=16,
+    )  # fmt: skip
+    small = dict(rows=4, forward_rows=8, prefill_rows=4)
+    v2 = mm.estimate("rapidfire_lowmem2", shape, rows=4, lm_head_chunk=256)
+    v3 = mm.estimate("rapidfire_lowmem3", shape, rows=4, lm_head_chunk=256, lowmem3=small)
+    # the embedding's state in 8 bits: 6 bytes a parameter less than transformers' 32-bit override
+    emb = shape["vocab"] * shape["hidden"]
+    saved = v2["static_gib"]["optimizer_state"] - v3["static_gib"]["optimizer_state"]
+    assert saved == pytest.approx((6 * emb - 8 * -(-emb // 256)) / mm.GIB)
+    assert v3["generation_gib"]["prefill_transient"] == pytest.approx(
+        v2["generation_gib"]["prefill_transient"] / 4
+    )
+    assert v3["gradients_left_after_backward_gib"] == 0 and v3["chunking"] == small
+    # the same backward chunk as lowmem2's (4 rows): wider forward chunks do not raise the backward peak
+    assert 0 < v3["dynamic_peak_gib"]["backward"] <= v2["dynamic_peak_gib"]["backward"]
+
+
+def test_lowmem3_settings_say_where_each_comes_from_and_what_changes_the_math():
+    run = load("run")
+    settings = run.lowmem3_settings(None, 16, 32, 16, 4096, embedding_8bit=True, keep_rollout_cache=False)
+    text = " ".join(s["setting"] for s in settings)
+    assert "OptimizerStateOffload" not in text  # the state stays on the GPU
+    assert "forward_rows=32" in text and "chunk_prefill(engine net, rows=16)" in text
+    assert "AdamW8bit" in text and "_cuda_clearCublasWorkspaces" in text and "max_grad_norm=0.0" in text
+    assert all(s["source"].split(" ")[0] in ("stock", "rapidfire_hf") for s in settings)
+    assert all("Math" in s["effect"] or "math" in s["effect"] for s in settings if "lowmem." in s["setting"])
+    fallback = run.lowmem3_settings("no GPU", 16, 32, 16, 4096, embedding_8bit=True, keep_rollout_cache=False)
+    assert fallback[0]["setting"] == 'GRPOConfig(optim="adamw_torch")'
+    assert run.parse_variants("stock,rapidfire_lowmem,rapidfire_lowmem3") == [
+        "stock",
+        "rapidfire_lowmem",
+        "rapidfire_lowmem3",
+    ]
