@@ -366,16 +366,18 @@ def test_default_optimizer_is_fused_on_one_gpu(tmp_path, tokenizer):
 
 
 def test_fused_value_head_dtype(tmp_path, tokenizer):
-    """fp32 head, except under FSDP without mixed precision, where the root unit needs one dtype."""
+    """fp32 head under mixed precision; without it, the policy's one dtype (pure bf16: FSDP2's root unit
+    needs one dtype, and one GPU then trains the same numerics)."""
     from rapidfire_hf.ppo.modeling import value_head_dtype
 
     policy = build_tiny_llama(tokenizer).to(torch.bfloat16)
-    assert value_head_dtype(policy, fsdp=True, mixed_precision="no") == torch.bfloat16
-    assert value_head_dtype(policy, fsdp=True, mixed_precision="bf16") == torch.float32
-    assert value_head_dtype(policy, fsdp=False, mixed_precision="no") == torch.float32
+    assert value_head_dtype(policy, mixed_precision="no") == torch.bfloat16
+    assert value_head_dtype(policy, mixed_precision="bf16") == torch.float32
     mixed = build_tiny_llama(tokenizer)
     mixed.lm_head.to(torch.bfloat16)
-    assert value_head_dtype(mixed, fsdp=True, mixed_precision="no") == torch.float32
+    assert value_head_dtype(mixed, mixed_precision="no") == torch.float32
     trainer = _trainer(tmp_path, tokenizer, policy=policy, value_mode="fused", max_steps=1)
     head = trainer.accelerator.unwrap_model(trainer.model).value_head
-    assert head.summary.weight.dtype == torch.float32  # one process, no FSDP
+    assert trainer.accelerator.mixed_precision == "no" and head.summary.weight.dtype == torch.bfloat16
+    fp32 = _trainer(tmp_path, tokenizer, value_mode="fused", max_steps=1)
+    assert fp32.accelerator.unwrap_model(fp32.model).value_head.summary.weight.dtype == torch.float32

@@ -92,12 +92,14 @@ class ValueHead(nn.Module):
         return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
 
 
-def value_head_dtype(policy: nn.Module, fsdp: bool, mixed_precision: str) -> torch.dtype:
-    """The fused value head's dtype: fp32, except under FSDP without mixed precision, where FSDP2 flattens
-    the root unit (embeddings, LM head, value head) into one dtype and refuses a mix ("FSDP expects
-    uniform original parameter dtype"): a policy held in one dtype (pure bf16) gets a head in it."""
+def value_head_dtype(policy: nn.Module, mixed_precision: str) -> torch.dtype:
+    """The fused value head's dtype: fp32 under mixed precision (the policy's weights are then fp32 or
+    upcast); without mixed precision, a policy held in one dtype (pure bf16 training) gets a head in that
+    dtype. FSDP2 needs this: it flattens the root unit (embeddings, LM head, value head) into one dtype and
+    refuses a mix ("FSDP expects uniform original parameter dtype"), and one GPU then trains the same
+    numerics as the sharded run."""
     dtypes = {p.dtype for p in policy.parameters()}
-    if fsdp and mixed_precision == "no" and len(dtypes) == 1:
+    if mixed_precision == "no" and len(dtypes) == 1:
         return dtypes.pop()
     return torch.float32
 

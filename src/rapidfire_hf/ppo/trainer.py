@@ -164,7 +164,9 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             module = PolicyAndValue(policy, value_model=value_model)
         elif args.value_mode == "fused":
             head = ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
-            module = PolicyAndValue(policy, value_head=head.to(self._value_head_dtype(policy)))
+            module = PolicyAndValue(
+                policy, value_head=head.to(value_head_dtype(policy, self.accelerator.mixed_precision))
+            )
         else:
             raise ValueError(
                 "value_model is None: pass a value model (e.g. AutoModelForSequenceClassification with num_labels=1) "
@@ -444,10 +446,6 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
                 num_training_steps=self.num_updates,
             )
         return optimizer, scheduler
-
-    def _value_head_dtype(self, policy) -> torch.dtype:
-        acc = self.accelerator
-        return value_head_dtype(policy, acc.distributed_type == DistributedType.FSDP, acc.mixed_precision)
 
     def _default_adamw_kernel(self) -> dict:
         """``fused=True`` for the default AdamW on one GPU or under DDP, as transformers' Trainer defaults
