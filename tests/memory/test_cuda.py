@@ -14,12 +14,19 @@ pytestmark = pytest.mark.gpu
 
 
 def test_threshold_compaction_returns_cached_blocks(tmp_path):
+    """pressure_fraction=0: compact on fragmentation alone. The default waits for memory pressure (85% of
+    the GPU reserved), which 1 GiB is not."""
+    default = MemoryCompactionCallback(compaction_threshold=0.3, min_interval_steps=1, telemetry=False)
     cb = MemoryCompactionCallback(
-        compaction_threshold=0.3, min_interval_steps=1, telemetry=TelemetryWriter(tmp_path, register=False)
+        compaction_threshold=0.3,
+        min_interval_steps=1,
+        pressure_fraction=0.0,
+        telemetry=TelemetryWriter(tmp_path, register=False),
     )
     keep = torch.ones(64 * MiB, dtype=torch.uint8, device="cuda")
     scratch = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda")
     del scratch  # freed to the cache, still reserved
+    assert default.maybe_compact(default.sample("test", step=1), step=1) == 0 and default.compactions == []
     s = cb.sample("test", step=1)
     assert s.device.startswith("cuda") and s.reserved >= 1024 * MiB and s.fragmentation > 0.3
     assert cb.maybe_compact(s, step=1) >= 1024 * MiB

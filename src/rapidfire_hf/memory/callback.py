@@ -7,7 +7,7 @@ import logging
 import torch
 from transformers import TrainerCallback
 
-from rapidfire_hf.memory.allocator import expandable_segments_active, setup_allocator
+from rapidfire_hf.memory.allocator import setup_allocator
 from rapidfire_hf.memory.stats import (
     MemorySample,
     MiB,
@@ -28,8 +28,14 @@ MIN_INTERVAL_STEPS = {"conservative": 50, "balanced": 20, "aggressive": 5}
 # Phase changes after which the cache is always released: generation leaves KV-cache blocks whose sizes
 # training never asks for again.
 COMPACT_ON = {("rollout", "train"), ("rollout", "training")}
-# Under expandable segments, threshold compactions only once the allocator holds this share of the GPU.
-EXPANDABLE_PRESSURE = 0.85
+# Threshold compactions only once the allocator holds this share of the GPU (memory pressure). On an H200
+# (benchmarks/memory, 1.1B Llama, sequences of 512-4096) compacting on fragmentation alone cost +3.7% of the
+# step time at the default level with the native allocator (results/h200_defaults) and +11-12% under
+# expandable segments at the aggressive level (results/h200), and lowered the peak only with the native
+# allocator at the aggressive level; the caching allocator itself frees its cache and retries before an
+# OOM. Away from pressure, compacting only costs time.
+PRESSURE_FRACTION = 0.85
+EXPANDABLE_PRESSURE = PRESSURE_FRACTION  # the name of the first, expandable-segments-only rule
 
 
 def _plain(value):
@@ -58,6 +64,9 @@ class MemoryCompactionCallback(TrainerCallback):
         telemetry_dir: Directory of the stream (default ``$RAPIDFIRE_TELEMETRY_DIR`` or
             ``<output_dir>/telemetry``).
         expandable_segments: Turn on ``expandable_segments`` unless the user configured the allocator.
+        pressure_fraction: Threshold compactions only once the allocator holds this share of the GPU's
+            memory (default ``PRESSURE_FRACTION`` = 0.85; 0: whatever is reserved). The rollout→train
+            release does not wait for it.
 
     Example:
         >>> cb = MemoryCompactionCallback(compaction_threshold=0.3)        # before the model goes to the GPU
@@ -177,15 +186,12 @@ class MemoryCompactionCallback(TrainerCallback):
     def min_reserved_bytes(self) -> int | None:
         """Reserved bytes below which threshold compactions are skipped (memory pressure), or None.
 
-        ``pressure_fraction`` of the device's memory; by default ``EXPANDABLE_PRESSURE`` when the
-        allocator uses expandable segments (there a compaction returned no peak memory and cost 12% of
-        the step time on an H200, benchmarks/memory/results/h200) and no condition otherwise.
+        ``pressure_fraction`` of the device's memory (default ``PRESSURE_FRACTION``, with either
+        allocator; 0 compacts on the threshold whatever is reserved).
         """
         if self._min_reserved is False:
-            fraction = self.pressure_fraction
-            if fraction is None and expandable_segments_active():
-                fraction = EXPANDABLE_PRESSURE
-            if fraction is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            fraction = PRESSURE_FRACTION if self.pressure_fraction is None else self.pressure_fraction
+            if not fraction or not torch.cuda.is_available() or not torch.cuda.is_initialized():
                 return None  # decided again once CUDA is up
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             self._min_reserved = int(fraction * total)
