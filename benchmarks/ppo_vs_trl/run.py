@@ -117,6 +117,7 @@ def configs(args) -> list[dict]:
         kl_coef=args.learn_kl_coef,
         target_mod=args.learn_target_mod,
         temperature=args.learn_temperature,
+        max_grad_norm=args.learn_max_grad_norm,
     )
     if args.learn_updates > 0 and "learning" in parts:
         for seed in args.learn_seeds:
@@ -374,6 +375,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learn-kl-coef", type=float, default=0.01)
     p.add_argument("--learn-target-mod", type=int, default=4, help="reward: share of response ids % N == 0")
     p.add_argument("--learn-temperature", type=float, default=1.0)
+    p.add_argument(
+        "--learn-max-grad-norm",
+        type=float,
+        default=0.0,
+        help="ours only: gradient clipping (0 = off, as TRL 1.12's PPO, which never clips)",
+    )
     p.add_argument("--learn-seeds", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 1])
     p.add_argument("--learn-prompt-len", type=int, default=8)
     p.add_argument("--learn-response-len", type=int, default=16)

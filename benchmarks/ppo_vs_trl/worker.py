@@ -32,6 +32,8 @@ class RuleRewardBackbone(nn.Module):
         super().__init__()
         self.prompt_len, self.response_len, self.target_mod = prompt_len, response_len, target_mod
         self.register_buffer("anchor", torch.zeros(1), persistent=False)  # gives the module a device
+        self.seen: list[dict] = []
+        self.record = False
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
         mask = (
@@ -42,7 +44,23 @@ class RuleRewardBackbone(nn.Module):
         in_response = torch.arange(input_ids.shape[1], device=input_ids.device) >= self.prompt_len
         hits = ((input_ids % self.target_mod) == 0) & (input_ids >= 4) & mask & in_response  # no specials
         hidden = (hits.float().cumsum(1) / self.response_len).unsqueeze(-1)
+        if self.record:  # the learning part only (host syncs)
+            self.observe(input_ids[:, self.prompt_len :])
         return SimpleNamespace(hidden_states=(hidden,), last_hidden_state=hidden)
+
+    @torch.no_grad()
+    def observe(self, responses: torch.Tensor) -> None:
+        """Instrumentation only (the output above does not depend on it): what each scored batch looked like,
+        the same for both trainers since both score the (post-processed) responses through this forward."""
+        pad = responses == 0
+        ends = torch.where(pad, torch.arange(pad.shape[1], device=pad.device), pad.shape[1]).min(-1).values
+        self.seen.append(
+            {
+                "response_length": ends.float().mean().item(),  # tokens before the first pad
+                "pad_rows": pad.any(-1).float().mean().item(),  # rows that sampled the pad id somewhere
+                "pad_first": pad[:, 0].float().mean().item(),  # rows that sampled it first (empty response)
+            }
+        )
 
 
 class RuleReward(nn.Module):
@@ -95,6 +113,7 @@ def build_models(cfg: dict, device: str):
         ref.load_state_dict(policy.state_dict())
         value = LlamaForSequenceClassification(conf).to(dtype)
     reward = RuleReward(cfg["prompt_len"], cfg["response_len"], cfg.get("target_mod", TARGET_MOD)).to(device)
+    reward.model.record = cfg["part"] == "learning"
     return policy, ref, value, reward
 
 
@@ -137,7 +156,11 @@ def build_inputs(cfg: dict, device: str):
 def common_args(cfg: dict, device: str) -> dict:
     learning = cfg["part"] == "learning"
     # the learning part's PPO settings, the same for both trainers (TRL 1.12's defaults where not given)
-    learn = dict(kl_coef=cfg.get("kl_coef", 0.05))
+    # max_grad_norm: TRL 1.12's PPO never clips gradients (its train loop calls optimizer.step() without
+    # clip_grad_norm_, whatever args.max_grad_norm says); ours clips at it unless it is 0, and
+    # TrainingArguments defaults it to 1.0. The learning part turns clipping off (0) so both run the same
+    # update; `--learn-max-grad-norm` sets it (it reaches ours only: TRL ignores it).
+    learn = dict(kl_coef=cfg.get("kl_coef", 0.05), max_grad_norm=cfg.get("max_grad_norm", 0.0))
     return dict(
         output_dir=f"/tmp/ppo_bench_{cfg['name']}",
         per_device_train_batch_size=cfg["micro"],
@@ -160,6 +183,47 @@ def common_args(cfg: dict, device: str) -> dict:
     )
 
 
+# per-update statistics both trainers log under the same names (the learning part records them side by side)
+STAT_KEYS = (
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "val/clipfrac_avg",
+    "policy/entropy_avg",
+    "val/ratio",
+    "lr",
+)
+
+
+def learning_stats(logs: list[dict], reward) -> dict:
+    """Per-update lists of STAT_KEYS from a trainer's logs, plus what the reward "model" saw."""
+    stats = {k: [h[k] for h in logs if k in h] for k in STAT_KEYS}
+    for k in ("response_length", "pad_rows", "pad_first"):
+        stats[k] = [x[k] for x in reward.model.seen]
+    return stats
+
+
+def optimizer_settings(optimizer, scheduler, max_grad_norm_applied) -> dict:
+    """What the optimizer really runs with (printed and stored: the like-for-like check of the comparison)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    group = inner.param_groups[0]
+    keep = ("lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "fused", "maximize")
+    out = {k: group[k] for k in keep if k in group}
+    out.update(
+        optimizer=type(inner).__name__,
+        param_groups=len(inner.param_groups),
+        scheduler=type(scheduler).__name__,
+        scheduler_lambdas=[getattr(f, "func", f).__name__ for f in getattr(scheduler, "lr_lambdas", [])],
+        max_grad_norm_applied=max_grad_norm_applied,
+    )
+    print("optimizer settings:", json.dumps(out, default=str), flush=True)
+    return out
+
+
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -172,7 +236,7 @@ def run_trl(cfg: dict, device: str) -> dict:
     from trl.experimental.ppo import ppo_trainer as stock
 
     assert trl.__version__.startswith("1.12"), f"expected trl 1.12 on PYTHONPATH, got {trl.__version__}"
-    gen_times, stamps, rewards = [], [], []
+    gen_times, stamps, rewards, history = [], [], [], []
     original = stock.batch_generation
 
     def timed_generation(*a, **k):  # instrumentation only: the call and its result are unchanged
@@ -193,6 +257,7 @@ def run_trl(cfg: dict, device: str) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "objective/scores" in logs:
                 rewards.append(logs["objective/scores"])
+                history.append(dict(logs))
 
     tok, (policy, ref, value, reward), build_s, ds = build_inputs(cfg, device)
     args = PPOConfig(
@@ -217,7 +282,12 @@ def run_trl(cfg: dict, device: str) -> dict:
     _sync()
     stamps.append(time.perf_counter())
     trainer.train()
+    extra = {}
+    if cfg["part"] == "learning":  # TRL 1.12's loop has no clip_grad_norm_ call: nothing applied
+        extra["optimizer_settings"] = optimizer_settings(trainer.optimizer, trainer.lr_scheduler, None)
+        extra["stats"] = learning_stats(history, reward)
     return {
+        **extra,
         "update_times": [b - a for a, b in zip(stamps, stamps[1:])],
         "gen_times": gen_times,
         "rewards": rewards,
@@ -262,7 +332,13 @@ def run_ours(cfg: dict, device: str) -> dict:
     trainable = sum(p.numel() for p in trainer._trainable)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "time/update" in h]
+    extra = {}
+    if cfg["part"] == "learning":
+        clip = trainer.args.max_grad_norm if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0 else None
+        extra["optimizer_settings"] = optimizer_settings(trainer.optimizer, trainer.lr_scheduler, clip)
+        extra["stats"] = learning_stats(logs, trainer.reward_model)
     return {
+        **extra,
         "update_times": [h["time/update"] for h in logs],
         "gen_times": [h["time/rollout"] for h in logs],
         "rewards": [h["objective/scores"] for h in logs],

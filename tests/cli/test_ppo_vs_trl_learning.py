@@ -88,3 +88,33 @@ def test_learning_curves_average_the_seeds_and_are_plotted(tmp_path):
     summary = json.loads((tmp_path / "results.json").read_text())["learning_summary"]
     assert summary["rapidfire_fused"]["last"] == pytest.approx(curves["rapidfire_fused"]["last"])
     assert (tmp_path / "ppo_vs_trl.png").stat().st_size > 0
+
+
+def test_learning_part_turns_our_gradient_clipping_off_like_trl():
+    """TRL 1.12's PPO never clips; ours clips at max_grad_norm (TrainingArguments: 1.0) unless it is 0."""
+    from rapidfire_hf import PPOConfig
+
+    rows = run.configs(run.parse_args(["--out", "x", "--part", "learning", "--learn-seeds", "0"]))
+    assert {r["max_grad_norm"] for r in rows} == {0.0}
+    ours = PPOConfig(**worker.common_args({**rows[1], "name": "t"}, "cpu"))
+    assert ours.max_grad_norm == 0.0
+    rows = run.configs(
+        run.parse_args(["--out", "x", "--part", "learning", "--learn-seeds", "0", "--learn-max-grad-norm", "1"])
+    )
+    assert worker.common_args({**rows[1], "name": "t"}, "cpu")["max_grad_norm"] == 1.0
+    throughput = run.configs(run.parse_args(["--out", "x", "--part", "throughput"]))[0]
+    assert "max_grad_norm" not in worker.common_args(throughput, "cpu")  # the timed parts: as shipped
+
+
+def test_rule_reward_records_response_lengths_and_pad_draws():
+    reward = worker.RuleReward(2, 4, 4)
+    backbone = getattr(reward, reward.base_model_prefix)
+    ids = torch.tensor([[5, 6, 8, 9, 10, 11], [5, 6, 0, 8, 8, 8], [5, 6, 8, 8, 0, 0]])
+    backbone(input_ids=ids, attention_mask=ids != 0)
+    assert backbone.seen == []  # off unless the learning part turns it on
+    backbone.record = True
+    backbone(input_ids=ids, attention_mask=ids != 0)
+    # tokens before the first pad: 4, 0, 2; rows with a pad: 2 of 3; a pad first: 1 of 3
+    assert backbone.seen == [
+        pytest.approx({"response_length": 2.0, "pad_rows": 2 / 3, "pad_first": 1 / 3})
+    ]

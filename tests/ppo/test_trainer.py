@@ -147,6 +147,43 @@ def test_max_grad_norm_is_honoured(tmp_path, tokenizer):
     assert 0 < (after - before).norm() <= steps * 0.5 * 1e-4 * 1.001
 
 
+def test_max_grad_norm_zero_leaves_gradients_unclipped(tmp_path, tokenizer):
+    """max_grad_norm=0 is TRL 1.12's PPO (which never clips): the optimizer sees backward's gradient, and one
+    SGD step moves the parameters by exactly -lr * that gradient; max_grad_norm > 0 scales it to the norm."""
+    norms = {}
+    for clip in (0.0, 1e-4):
+        torch.manual_seed(0)
+        policy, value = build_tiny_llama(tokenizer), build_tiny_value_model(tokenizer)
+        params = [p for m in (policy, value) for p in m.parameters()]
+        before = [p.detach().clone() for p in params]
+        opt = torch.optim.SGD(params, lr=0.5)
+        seen = []
+        opt.register_step_pre_hook(
+            lambda o, a, k: seen.append([p.grad.clone() if p.grad is not None else None for p in params])
+        )
+        trainer = _trainer(
+            tmp_path / str(clip),
+            tokenizer,
+            policy,
+            value,
+            optimizers=(opt, None),
+            max_steps=1,
+            num_ppo_epochs=1,
+            num_mini_batches=1,
+            max_grad_norm=clip,
+            lr_scheduler_type="constant",
+        )
+        trainer.train()
+        assert len(seen) == 1  # one epoch, one mini-batch: one optimizer step
+        grads = seen[0]
+        norms[clip] = torch.stack([g.norm() for g in grads if g is not None]).norm().item()
+        for p, b, g in zip(params, before, grads):
+            expected = b if g is None else b - 0.5 * g
+            torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7)
+    assert norms[0.0] > 10 * 1e-4  # unclipped: far above the clip norm of the second run
+    assert norms[1e-4] == pytest.approx(1e-4, rel=1e-3)  # clipped to max_grad_norm
+
+
 def test_lora_reference_is_the_adapter_disabled_base(tmp_path, tokenizer):
     from peft import LoraConfig
 
