@@ -53,6 +53,8 @@ class OffloadStats:
     to_device_bytes: int = 0
     saved: int = 0
     prefetched: int = 0
+    host_buffers_created: int = 0  # host buffers allocated (pinned on CUDA)
+    host_buffers_reused: int = 0  # saves served from the offloader's own pool (``reuse_host_buffers``)
 
     def as_dict(self) -> dict:
         return {
@@ -60,6 +62,8 @@ class OffloadStats:
             "to_device_gib": self.to_device_bytes / GIB,
             "tensors_saved": self.saved,
             "prefetched": self.prefetched,
+            "host_buffers_created": self.host_buffers_created,
+            "host_buffers_reused": self.host_buffers_reused,
         }
 
 
@@ -67,10 +71,10 @@ class _Saved:
     """One saved module input (on the host when offloaded, else the device tensor itself), in chunks."""
 
     __slots__ = ("host", "device_tensor", "device", "shape", "dtype", "chunks", "fetched", "prev", "done")
-    __slots__ += ("__weakref__",)
+    __slots__ += ("give_back", "__weakref__")
 
     def __init__(self, t: torch.Tensor, chunks: list[slice]):
-        self.host = self.device_tensor = self.prev = None
+        self.host = self.device_tensor = self.prev = self.give_back = None
         self.device, self.shape, self.dtype, self.chunks = t.device, t.shape, t.dtype, chunks
         self.fetched: dict[int, tuple] = {}  # chunk index -> (device tensor, event) copied ahead
         self.done = False  # every chunk was handed to backward: nothing left to fetch
@@ -87,32 +91,73 @@ class HostOffloader:
     is copied: the input is kept as it is. On the ``meta`` device (memory models) only the shape is
     kept and chunks come back as fresh tensors, as if offloaded.
 
+    Host buffers: by default each save takes a new pinned tensor from torch's caching host allocator and
+    drops it after its backward. ``reuse_host_buffers=True`` keeps them in the offloader's own pool instead
+    (a buffer goes back to the pool when backward has loaded its last chunk, or when the saved input dies
+    without a backward), so from the second step on no pinned memory is allocated. Why it matters
+    (``rapidfire_lowmem4``): every CUDA-graph capture (``torch.cuda.graph``, which the rollout engine enters
+    once per rollout when it is released after each) calls ``torch._C._host_emptyCache()``, so the
+    allocator's cached pinned blocks are returned to the driver before every training step and the next
+    forward pins ~2.9 GB again (cudaHostAlloc, page by page). Buffers held by the pool are in use, so the
+    capture does not free them. Reuse is safe without any event: the buffer is written (device -> host)
+    and read (host -> device) only on the one side stream, so a new save's copy runs after every read of
+    the buffer's previous use in stream order; the host never touches the bytes.
+
     Args:
         enabled: offload at all (False: keep inputs on the device, like plain checkpointing).
+        reuse_host_buffers: keep the host buffers in a pool across steps (see above).
+        copy_on_cpu: tests only: CPU inputs are copied to separate (unpinned) host buffers and back as if
+            offloaded (no streams), so the buffer handling runs on a machine without a GPU.
     """
 
     enabled: bool = True
+    reuse_host_buffers: bool = False
+    copy_on_cpu: bool = False
     stats: OffloadStats = field(default_factory=OffloadStats)
     _stream: object = None
     _last: weakref.ref | None = None
+    _pool: dict = field(default_factory=dict)  # (shape, dtype) -> free host buffers
 
     def _copy_stream(self, device):
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
+    def pooled_bytes(self) -> int:
+        """Bytes of host buffers waiting in the pool (``reuse_host_buffers``)."""
+        return sum(b.numel() * b.element_size() for bufs in self._pool.values() for b in bufs)
+
+    def _host_buffer(self, s: _Saved) -> torch.Tensor:
+        key = (tuple(s.shape), s.dtype)
+        free = self._pool.get(key) if self.reuse_host_buffers else None
+        if free:
+            host = free.pop()
+            self.stats.host_buffers_reused += 1
+        else:
+            host = torch.empty(s.shape, dtype=s.dtype, pin_memory=s.device.type == "cuda")
+            self.stats.host_buffers_created += 1
+        if self.reuse_host_buffers:
+            # back to the pool after backward's last chunk, or when the saved input dies unused
+            s.give_back = weakref.finalize(s, self._pool.setdefault(key, []).append, host)
+            s.give_back.atexit = False
+        return host
+
     def save(self, t: torch.Tensor, chunks: list[slice]) -> _Saved:
         """Keep ``t`` (the input of a module call) for backward, which will read it in ``chunks``."""
         s = _Saved(t, chunks)
         self.stats.saved += 1
-        if not self.enabled or t.device.type == "cpu":
+        if not self.enabled or (t.device.type == "cpu" and not self.copy_on_cpu):
             s.device_tensor = t.detach()
         elif t.device.type == "meta":
             pass  # a memory model: nothing to copy, the device bytes are gone as if offloaded
+        elif t.device.type == "cpu":
+            s.host = self._host_buffer(s)
+            s.host.copy_(t.detach())
+            self.stats.to_host_bytes += t.numel() * t.element_size()
         else:
             stream = self._copy_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete before it is read
-            s.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            s.host = self._host_buffer(s)
             with torch.cuda.stream(stream):
                 s.host.copy_(t.detach(), non_blocking=True)
             t.record_stream(stream)  # its block is not reused before the copy has read it
@@ -132,6 +177,10 @@ class HostOffloader:
         shape = (sl.stop - sl.start, *s.shape[1:])
         if s.device.type == "meta":
             s.fetched[i] = (torch.empty(shape, dtype=s.dtype, device=s.device), None)
+            return
+        if s.device.type == "cpu":  # copy_on_cpu (tests)
+            s.fetched[i] = (s.host[sl].clone(), None)
+            self.stats.to_device_bytes += s.fetched[i][0].numel() * s.fetched[i][0].element_size()
             return
         stream = self._copy_stream(s.device)
         dev = torch.empty(shape, dtype=s.dtype, device=s.device)  # allocated in the compute stream
@@ -158,7 +207,9 @@ class HostOffloader:
             self._fetch(*following)
             self.stats.prefetched += 1
         if last:
-            s.host = s.device_tensor = s.prev = None  # drop every reference
+            if s.give_back is not None:
+                s.give_back()  # the buffer's reads are queued on the side stream: its next write is too
+            s.host = s.device_tensor = s.prev = s.give_back = None  # drop every reference
             s.fetched.clear()
             s.done = True
         return t
@@ -324,6 +375,8 @@ def apply_chunked_checkpointing(
     offload: bool = True,
     include_final_norm: bool = True,
     forward_rows: int | None = None,
+    reuse_host_buffers: bool = False,
+    copy_on_cpu: bool = False,
 ) -> HostOffloader:
     """Checkpoint every decoder layer (and the final norm) of ``model`` chunk by chunk, inputs offloaded.
 
@@ -339,6 +392,9 @@ def apply_chunked_checkpointing(
         forward_rows: sequences per chunk in the forward pass (default: ``rows``). The forward runs
             under ``no_grad`` and saves nothing, so its transient is one layer's forward on that many
             rows; wider forward chunks mean fewer (larger) kernels. Same arithmetic per row.
+        reuse_host_buffers: keep the pinned host buffers in the offloader's pool across steps instead
+            of allocating them every forward (``HostOffloader``; ``rapidfire_lowmem4``).
+        copy_on_cpu: tests only: copy CPU inputs to host buffers and back as if offloaded.
 
     Returns:
         The offloader (its ``stats`` say how many bytes moved).
@@ -349,7 +405,7 @@ def apply_chunked_checkpointing(
     if rows is None:
         raise ValueError("rows=None: sequences per chunk, an int >= 1")
     chunking = rows if forward_rows is None or forward_rows == rows else (rows, forward_rows)
-    offloader = HostOffloader(enabled=offload)
+    offloader = HostOffloader(enabled=offload, reuse_host_buffers=reuse_host_buffers, copy_on_cpu=copy_on_cpu)
     for layer in decoder_layers(model):
         if hasattr(layer, "_rapidfire_chunked_checkpoint"):
             raise RuntimeError("apply_chunked_checkpointing was already applied to this model")
@@ -510,4 +566,39 @@ def clear_cublas_workspaces() -> bool:
     if clear is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return False
     clear()
+    return True
+
+
+def skip_bitsandbytes_sync_on_default_stream() -> bool:
+    """Make bitsandbytes' optimizers skip their per-parameter ``torch.cuda.synchronize()`` on the default stream
+    (``rapidfire_lowmem4``). Returns False when bitsandbytes is not installed; applying it twice is a no-op.
+
+    ``bitsandbytes.optim.Optimizer8bit.step`` calls ``sync_gpu(p)`` (a full device sync) after every
+    parameter's update. The sync exists for paged state (unified memory the host may touch); with device
+    state every kernel of the update is launched on the default stream (bitsandbytes 0.50 passes no stream
+    to its 8-bit kernels), so whatever runs next on that stream is ordered after it without a host wait.
+    This wrapper skips the sync only when the tensor is on CUDA and the current stream is the default
+    stream; anywhere else (another current stream, e.g. a side stream of the gradient pipeline) it syncs
+    as before. Do not use with paged optimizers (``is_paged=True``): their final sync goes through the same
+    function. In the GRPO step the gradient pipeline steps buckets from backward hooks, where each of
+    ~200 syncs drained the device queue.
+    """
+    try:
+        import bitsandbytes.optim.optimizer as bnb_optimizer
+    except ImportError:
+        return False
+    original = bnb_optimizer.sync_gpu
+    if getattr(original, "_rapidfire_skips_default_stream", False):
+        return True
+
+    @functools.wraps(original)
+    def sync_gpu(t: torch.Tensor):
+        if t.device.type == "cuda" and torch.cuda.current_stream(t.device) == torch.cuda.default_stream(
+            t.device
+        ):
+            return None
+        return original(t)
+
+    sync_gpu._rapidfire_skips_default_stream = True
+    bnb_optimizer.sync_gpu = sync_gpu
     return True

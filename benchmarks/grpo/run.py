@@ -31,6 +31,11 @@ Variants (``--variants``, comma-separated; default all five):
   prefill run ``--lowmem3-prefill-rows`` prompts at a time so the rollout fits next to the state, cuBLAS
   workspaces freed after each rollout (each re-recorded decode graph left one behind), and 4 backward / 2
   forward checkpointing chunks (``--lowmem3-rows`` 16, ``--lowmem3-forward-rows`` 32) instead of 8 / 8.
+- ``rapidfire_lowmem4``: ``rapidfire_lowmem3`` with the offloaded layer inputs' pinned host buffers kept in a
+  pool across steps (``lowmem.HostOffloader(reuse_host_buffers=True)``: every CUDA-graph capture calls
+  ``torch._C._host_emptyCache()``, so ``rapidfire_lowmem3`` re-pinned ~2.9 GB in every loss forward) and
+  bitsandbytes' per-parameter ``torch.cuda.synchronize()`` skipped on the default stream
+  (``lowmem.skip_bitsandbytes_sync_on_default_stream``). Same math as ``rapidfire_lowmem3``.
 
 Reported per variant: tokens/s (prompt + completion tokens, TRL's ``num_input_tokens_seen``) over all
 steps and over steps 2.. (steady state), labelled, with the first step's time and its excess over the
@@ -62,8 +67,16 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-VARIANTS = ("stock", "rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2", "rapidfire_lowmem3")
-LOWMEM = ("rapidfire_lowmem", "rapidfire_lowmem2", "rapidfire_lowmem3")
+VARIANTS = (
+    "stock",
+    "rapidfire",
+    "rapidfire_lowmem",
+    "rapidfire_lowmem2",
+    "rapidfire_lowmem3",
+    "rapidfire_lowmem4",
+)
+LOWMEM = ("rapidfire_lowmem", "rapidfire_lowmem2", "rapidfire_lowmem3", "rapidfire_lowmem4")
+LOWMEM3_LIKE = ("rapidfire_lowmem3", "rapidfire_lowmem4")  # share the --lowmem3-* options
 # what each variant changes, and whether it is an option of stock TRL/transformers or of rapidfire_hf
 # (written to results.json; the lowmem optimizer line is completed at run time, see lowmem_settings)
 DESCRIPTIONS = {
@@ -96,6 +109,13 @@ DESCRIPTIONS = {
         "re-recorded decode graph), and the chunked checkpointing uses 4 backward / 2 forward chunks "
         "instead of 8 / 8 (fewer, larger kernels)",
         "settings": [],  # filled by lowmem3_settings()
+    },
+    "rapidfire_lowmem4": {
+        "description": "rapidfire_lowmem3 with the pinned host buffers of the offloaded layer inputs kept across "
+        "steps (each CUDA-graph capture of the re-recorded decode step empties torch's pinned-memory cache, "
+        "so rapidfire_lowmem3 pinned ~2.9 GB again in every loss forward) and bitsandbytes' per-parameter "
+        "torch.cuda.synchronize() skipped while the default stream is current (non-paged 8-bit state)",
+        "settings": [],  # filled by lowmem4_settings()
     },
 }
 # rapidfire_lowmem2 defaults (flags --lowmem2-rows, --lowmem2-lm-head-chunk)
@@ -362,6 +382,38 @@ def lowmem3_settings(
             "source": "rapidfire_hf benchmark code (lowmem.clear_cublas_workspaces), applied here",
             "effect": "frees the cuBLAS workspace (32 MiB on Hopper) that each re-recorded decode graph's "
             "warm-up stream left behind (+0.031 GiB per step in results/h200_lowmem2). No effect on the math",
+        },
+    ]
+
+
+def lowmem4_settings(*args, **kwargs) -> list[dict]:
+    """What ``rapidfire_lowmem4`` sets: ``rapidfire_lowmem3``'s settings (same arguments) plus the kept pinned
+    buffers and the skipped bitsandbytes syncs. Neither changes the math."""
+    settings = []
+    for s in lowmem3_settings(*args, **kwargs):
+        s = dict(s)
+        if s["setting"].startswith("lowmem.apply_chunked_checkpointing"):
+            s["setting"] = s["setting"].replace("offload=True", "offload=True, reuse_host_buffers=True")
+        settings.append(s)
+    return settings + [
+        {
+            "setting": "lowmem.HostOffloader(reuse_host_buffers=True): the pinned host buffers of the offloaded "
+            "layer inputs stay in the offloader's pool between steps",
+            "source": "rapidfire_hf benchmark code (benchmarks/grpo/lowmem.py), applied here",
+            "effect": "each CUDA-graph capture (torch.cuda.graph, entered once per rollout because the engine is "
+            "released after each) calls torch._C._host_emptyCache(), which gave the ~2.9 GB of cached pinned "
+            "blocks back to the driver before every step; rapidfire_lowmem3's loss forward then pinned them again "
+            "(23 cudaHostAlloc of 128 MiB). Pooled buffers are in use, so they survive the capture. +2.2 GB of "
+            "host memory held for the run. No effect on the math (the same bytes are copied)",
+        },
+        {
+            "setting": "lowmem.skip_bitsandbytes_sync_on_default_stream(): bitsandbytes.optim.optimizer.sync_gpu "
+            "returns without torch.cuda.synchronize() while the current stream is the default stream",
+            "source": "rapidfire_hf benchmark code (benchmarks/grpo/lowmem.py), applied here",
+            "effect": "bitsandbytes' step() synchronises the device after every parameter (needed for paged "
+            "state only); its 8-bit kernels launch on the default stream, which is the current stream in the "
+            "gradient pipeline's hooks, so stream order already covers them. ~200 host syncs a step fewer in "
+            "backward. No effect on the math (the same kernels in the same order)",
         },
     ]
 
@@ -667,7 +719,8 @@ def run_variant(
     model = build_model(shape, tok, device)
     lowmem = variant in LOWMEM
     v2 = variant == "rapidfire_lowmem2"
-    v3 = variant == "rapidfire_lowmem3"
+    v3 = variant in LOWMEM3_LIKE
+    v4 = variant == "rapidfire_lowmem4"
     fallback = bnb_unusable(device) if lowmem else None
     extra = {}
     if lowmem:
@@ -711,6 +764,7 @@ def run_variant(
             embedding_8bit = {"error": repr(exc)}
             print(f"rapidfire_lowmem3: 8-bit embedding state not set up ({exc!r})", file=sys.stderr)
     checkpointing = released = offloader = state_offload = None
+    bnb_sync_skipped = False
     rollout_times: dict = {}
     if variant == "rapidfire":
         from rapidfire_hf import enable_rapidfire
@@ -734,7 +788,11 @@ def run_variant(
 
             trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = lowmem3["lm_head_chunk"]
             offloader = apply_chunked_checkpointing(
-                trainer.model, rows=lowmem3["rows"], forward_rows=lowmem3["forward_rows"], offload=True
+                trainer.model,
+                rows=lowmem3["rows"],
+                forward_rows=lowmem3["forward_rows"],
+                offload=True,
+                reuse_host_buffers=v4,  # lowmem4: pinned buffers kept across steps
             )
             checkpointing = (
                 f"chunked, {lowmem3['rows']} sequences per backward chunk, {lowmem3['forward_rows']} per "
@@ -748,6 +806,10 @@ def run_variant(
         trainer = enable_rapidfire(
             trainer, config={"memory": {"optimization": "aggressive"}}, optimizer_kwargs={"rollback": "off"}
         )
+        if v4 and not fallback:
+            from lowmem import skip_bitsandbytes_sync_on_default_stream
+
+            bnb_sync_skipped = skip_bitsandbytes_sync_on_default_stream()
         if v2:
             # the optimizer exists only once train() starts: the offloader reads trainer.optimizer then
             state_offload = _LazyStateOffload(trainer, OptimizerStateOffload, include_cpu=smoke)
@@ -868,7 +930,37 @@ def run_variant(
                 optimizer_state_gib=state_gib(inner),
                 embedding_state_dtypes=embedding_state_dtypes(trainer.model, inner),
             )
+        if v4:
+            result["lowmem"].update(
+                reuse_host_buffers=True,
+                host_buffer_pool_gib=offloader.pooled_bytes() / GIB,
+                bnb_sync_skipped_on_default_stream=bnb_sync_skipped,
+                inner_optimizer_paged=bool(getattr(inner, "is_paged", False)),
+            )
+    result["host_memory"] = host_memory_stats()
     return result
+
+
+def host_memory_stats() -> dict | None:
+    """torch's pinned host allocator over the run (CUDA only): blocks created / returned to the driver and the
+    seconds spent doing it. ``rapidfire_lowmem3`` re-pins its offload buffers every step because each CUDA-graph
+    capture empties this cache (``num_host_alloc`` ~ 23 x steps); ``rapidfire_lowmem4`` should show 23."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        stats = torch.cuda.memory.host_memory_stats()
+    except Exception as exc:  # an older torch without the call
+        return {"error": repr(exc)}
+    out = {k: stats.get(k) for k in ("num_host_alloc", "num_host_free")}
+    for key in ("host_alloc_time.total", "host_free_time.total"):  # microseconds in torch
+        if stats.get(key) is not None:
+            out[key.replace(".total", "_s")] = stats[key] / 1e6
+    for key in ("allocated_bytes.current", "allocated_bytes.peak"):
+        if stats.get(key) is not None:
+            out[key.replace(".", "_").replace("bytes", "gib")] = stats[key] / GIB
+    return out
 
 
 def use_8bit_embedding_state(trainer) -> dict:
@@ -987,6 +1079,7 @@ def plot(results: dict, path: Path) -> None:
         "rapidfire_lowmem": "tab:blue",
         "rapidfire_lowmem2": "tab:purple",
         "rapidfire_lowmem3": "tab:green",
+        "rapidfire_lowmem4": "tab:orange",
     }
     colors = [palette.get(n, "tab:olive") for n in names]
     x = np.arange(len(names))
@@ -1265,9 +1358,10 @@ def main(argv: list[str] | None = None) -> None:
                 args.lowmem2_lm_head_chunk,
                 args.lowmem_keep_rollout_cache,
             )
-        elif name == "rapidfire_lowmem3":
+        elif name in LOWMEM3_LIKE:
             o = lowmem3_options(args)
-            info["settings"] = lowmem3_settings(
+            make = lowmem3_settings if name == "rapidfire_lowmem3" else lowmem4_settings
+            info["settings"] = make(
                 runs[name]["lowmem"]["optimizer_fallback"],
                 o["rows"],
                 o["forward_rows"],

@@ -1,4 +1,4 @@
-"""benchmarks/grpo/run.py --smoke: stock, rapidfire and the three rapidfire_lowmem variants of GRPO run on
+"""benchmarks/grpo/run.py --smoke: stock, rapidfire and the four rapidfire_lowmem variants of GRPO run on
 CPU and are reported."""
 
 from __future__ import annotations
@@ -28,14 +28,21 @@ def test_variants_flag_parses_and_rejects_unknown_names():
     assert module.lowmem_settings(None, False)[0]["setting"] == 'GRPOConfig(optim="adamw_8bit")'
 
 
-@pytest.mark.slow  # five child processes, each importing torch, transformers and trl and training 2 steps
+@pytest.mark.slow  # six child processes, each importing torch, transformers and trl and training 2 steps
 def test_smoke_writes_rows_for_all_variants(tmp_path):
     load_run().main(["--out", str(tmp_path), "--smoke"])
 
     results = json.loads((tmp_path / "results.json").read_text())
     assert "benchmarks/grpo/run.py" in results["command"] and results["date"]
     runs = results["runs"]
-    assert list(runs) == ["stock", "rapidfire", "rapidfire_lowmem", "rapidfire_lowmem2", "rapidfire_lowmem3"]
+    assert list(runs) == [
+        "stock",
+        "rapidfire",
+        "rapidfire_lowmem",
+        "rapidfire_lowmem2",
+        "rapidfire_lowmem3",
+        "rapidfire_lowmem4",
+    ]
     assert list(results["variants"]) == list(runs)
     for name, run in runs.items():
         assert run["variant"] == name and run["steps"] == 2 and len(run["loss"]) == 2
@@ -65,11 +72,14 @@ def test_smoke_writes_rows_for_all_variants(tmp_path):
     assert runs["rapidfire_lowmem"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
     assert runs["rapidfire_lowmem2"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
     assert runs["rapidfire_lowmem3"]["loss"][0] == pytest.approx(runs["stock"]["loss"][0], abs=1e-5)
+    # lowmem4 changes no math against lowmem3: the same losses on the CPU
+    assert runs["rapidfire_lowmem4"]["loss"] == pytest.approx(runs["rapidfire_lowmem3"]["loss"], abs=1e-6)
     assert set(results["ratios_by_variant"]) == {
         "rapidfire",
         "rapidfire_lowmem",
         "rapidfire_lowmem2",
         "rapidfire_lowmem3",
+        "rapidfire_lowmem4",
     }
     assert results["ratios"] == results["ratios_by_variant"]["rapidfire"]
     ratios = results["ratios_by_variant"]["rapidfire_lowmem2"]
@@ -113,4 +123,15 @@ def test_smoke_writes_rows_for_all_variants(tmp_path):
     settings3 = results["variants"]["rapidfire_lowmem3"]["settings"]
     assert any("chunk_prefill" in s["setting"] for s in settings3)
     assert any(line.startswith("rapidfire_lowmem3:") for line in results["summary"])
+    low4 = runs["rapidfire_lowmem4"]["lowmem"]
+    assert low4["reuse_host_buffers"] is True and low4["inner_optimizer_paged"] is False
+    assert low4["checkpointing_applied"] == low3["checkpointing_applied"]
+    # on the CPU the inputs stay where they are (no host buffers); the bitsandbytes patch needs its optimizer
+    assert low4["activation_offload"]["host_buffers_created"] == 0 and low4["host_buffer_pool_gib"] == 0
+    assert low4["bnb_sync_skipped_on_default_stream"] is False  # the CPU smoke falls back to adamw_torch
+    assert runs["rapidfire_lowmem4"]["host_memory"] is None  # torch's pinned allocator: CUDA only
+    settings4 = results["variants"]["rapidfire_lowmem4"]["settings"]
+    assert any("reuse_host_buffers=True" in s["setting"] for s in settings4)
+    assert any("skip_bitsandbytes_sync_on_default_stream" in s["setting"] for s in settings4)
+    assert any(line.startswith("rapidfire_lowmem4:") for line in results["summary"])
     assert (tmp_path / "chart.png").stat().st_size > 0

@@ -601,3 +601,138 @@ def test_lowmem3_settings_say_where_each_comes_from_and_what_changes_the_math():
         "rapidfire_lowmem",
         "rapidfire_lowmem3",
     ]
+
+
+# ---- rapidfire_lowmem4 ---------------------------------------------------------------------------------
+
+
+def test_reused_host_buffers_give_stocks_loss_and_gradients_step_after_step(
+    lowmem, tokenizer, tmp_path, single_thread
+):
+    """HostOffloader(reuse_host_buffers=True), run through real copies to host buffers and back (copy_on_cpu):
+    the first step creates one buffer per saved input (3 layers + the final norm), every later step takes
+    them from the pool, and each step (different inputs, so a stale buffer would show) matches TRL's loss
+    and gradients without checkpointing."""
+    trainer = grpo_trainer(tokenizer, tmp_path)
+    batches = [grpo_inputs(len(tokenizer))]
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):  # other token ids and advantages, same shapes
+        b = dict(batches[0])
+        b["completion_ids"] = torch.randint(3, len(tokenizer), b["completion_ids"].shape, generator=g)
+        b["advantages"] = torch.randn(b["advantages"].shape, generator=g)
+        batches.append(b)
+    stock = [loss_and_grads(trainer, b) for b in batches]
+    offloader = lowmem.apply_chunked_checkpointing(
+        trainer.model, rows=3, forward_rows=5, reuse_host_buffers=True, copy_on_cpu=True
+    )
+    for n, (b, ref) in enumerate(zip(batches, stock), start=1):
+        assert_same(ref, loss_and_grads(trainer, b))
+        assert offloader.stats.host_buffers_created == 4  # only in the first step
+        assert offloader.stats.host_buffers_reused == 4 * (n - 1)
+        assert offloader.stats.to_host_bytes == offloader.stats.to_device_bytes > 0
+        assert len([x for bufs in offloader._pool.values() for x in bufs]) == 4  # all back after backward
+    # a forward whose backward never runs gives its buffers back when its graph is dropped
+    loss = trainer._compute_loss(trainer.model, batches[0])
+    assert offloader.pooled_bytes() == 0
+    del loss
+    import gc
+
+    gc.collect()
+    assert len([x for bufs in offloader._pool.values() for x in bufs]) == 4
+    # without reuse every save gets a new buffer
+    plain = lowmem.apply_chunked_checkpointing(
+        grpo_trainer(tokenizer, tmp_path / "b").model, rows=3, copy_on_cpu=True
+    )
+    assert plain.reuse_host_buffers is False
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_skip_bitsandbytes_sync_keeps_other_streams_and_cpu_syncing(lowmem):
+    """The wrapper is installed once, passes CPU tensors (and, on CUDA, a non-default current stream) to
+    bitsandbytes' own sync_gpu, and an 8-bit AdamW step through it gives the same result as before."""
+    import bitsandbytes.optim.optimizer as bnb_optimizer
+
+    original = bnb_optimizer.sync_gpu
+    seen = []
+    try:
+        bnb_optimizer.sync_gpu = lambda t: seen.append(
+            t.device.type
+        )  # stands for the real sync: record calls
+        assert lowmem.skip_bitsandbytes_sync_on_default_stream() is True
+        wrapped = bnb_optimizer.sync_gpu
+        assert lowmem.skip_bitsandbytes_sync_on_default_stream() is True and bnb_optimizer.sync_gpu is wrapped
+        wrapped(torch.zeros(1))
+        assert seen == ["cpu"]
+        if torch.cuda.is_available():
+            t = torch.zeros(1, device="cuda")
+            wrapped(t)
+            assert seen == ["cpu"]  # default stream: skipped
+            with torch.cuda.stream(torch.cuda.Stream()):
+                wrapped(t)
+            assert seen == ["cpu", "cuda"]
+    finally:
+        bnb_optimizer.sync_gpu = original
+
+
+@pytest.mark.gpu
+def test_cuda_reused_pinned_buffers_and_bnb_without_syncs_match(lowmem, tokenizer, tmp_path):
+    """On the GPU: pooled pinned buffers survive a CUDA-graph capture (which empties torch's pinned cache) and
+    later steps still match stock; AdamW8bit without its per-parameter syncs gives the same bits."""
+    trainer = grpo_trainer(tokenizer, tmp_path, device="cuda")
+    inputs = grpo_inputs(len(tokenizer), device="cuda")
+    stock = loss_and_grads(trainer, inputs)
+    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=3, reuse_host_buffers=True)
+    assert_same(stock, loss_and_grads(trainer, inputs))
+    pool = [x.data_ptr() for bufs in offloader._pool.values() for x in bufs]
+    assert len(pool) == 4 and all(x.is_pinned() for bufs in offloader._pool.values() for x in bufs)
+    graph = torch.cuda.CUDAGraph()
+    static = torch.zeros(4, device="cuda")
+    with torch.cuda.graph(graph):  # calls torch._C._host_emptyCache() on enter
+        static.add_(1)
+    assert_same(stock, loss_and_grads(trainer, inputs))
+    assert sorted(x.data_ptr() for bufs in offloader._pool.values() for x in bufs) == sorted(pool)
+    assert offloader.stats.host_buffers_created == 4
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return
+    import bitsandbytes as bnb
+
+    def steps():
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4096, 64, device="cuda"))
+        opt = bnb.optim.AdamW8bit([w], lr=1e-2)
+        for i in range(3):
+            w.grad = torch.randn_like(w) * (i + 1)
+            opt.step()
+        torch.cuda.synchronize()
+        return w.detach().clone()
+
+    before = steps()
+    lowmem.skip_bitsandbytes_sync_on_default_stream()
+    assert torch.equal(steps(), before)
+
+
+@pytest.mark.gpu
+def test_rollout_warmup_stream_is_reused_and_workspaces_do_not_pile_up(tokenizer):
+    """src/rapidfire_hf/rollout: released and re-recorded decode graphs warm up on one stream, so the memory
+    allocated after each release + generate cycle stays flat (one cuBLAS workspace per new stream before)."""
+    from rapidfire_hf.demo import build_tiny_llama
+    from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+    from rapidfire_hf.rollout.static_engine import warmup_stream
+
+    model = build_tiny_llama(tokenizer).cuda()
+    enc = tokenizer(["task: abc ->", "hello there, world ->", "x"], return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"].cuda(), enc["attention_mask"].cuda()
+    engine = RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode="cuda_graph"
+    )
+    params = SamplingParams(max_new_tokens=20, do_sample=False)
+    allocated = []
+    with torch.no_grad():
+        for _ in range(4):
+            engine.generate(ids, mask, params)
+            engine.release()
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+    assert warmup_stream() is warmup_stream()
+    assert allocated[1] == allocated[2] == allocated[3], allocated
