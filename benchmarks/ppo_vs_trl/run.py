@@ -381,7 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="ours only: gradient clipping (0 = off, as TRL 1.12's PPO, which never clips)",
     )
-    p.add_argument("--learn-seeds", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 1])
+    p.add_argument("--learn-seeds", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 1, 2])
     p.add_argument("--learn-prompt-len", type=int, default=8)
     p.add_argument("--learn-response-len", type=int, default=16)
     p.add_argument(
