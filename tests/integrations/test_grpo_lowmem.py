@@ -32,6 +32,13 @@ def load(name: str):
     return load_benchmark(f"grpo/{name}.py", keep_on_path=True)
 
 
+# GRPOTrainer refuses nn.DataParallel, which transformers' Trainer uses when one process sees several GPUs
+ONE_GPU = pytest.mark.skipif(
+    torch.cuda.device_count() > 1,
+    reason="GRPOTrainer refuses nn.DataParallel (several GPUs visible): run with CUDA_VISIBLE_DEVICES=0",
+)
+
+
 @pytest.fixture(scope="module")
 def lowmem():
     return load("lowmem")
@@ -328,6 +335,7 @@ def test_optimizer_state_offload_moves_a_shared_storage_once(lowmem):
 
 
 @pytest.mark.gpu
+@ONE_GPU
 def test_cuda_offload_and_prefetch_match_stock(lowmem, tokenizer, tmp_path):
     trainer = grpo_trainer(tokenizer, tmp_path, device="cuda")
     inputs = grpo_inputs(len(tokenizer), device="cuda")
@@ -675,6 +683,7 @@ def test_skip_bitsandbytes_sync_keeps_other_streams_and_cpu_syncing(lowmem):
 
 
 @pytest.mark.gpu
+@ONE_GPU
 def test_cuda_reused_pinned_buffers_and_bnb_without_syncs_match(lowmem, tokenizer, tmp_path):
     """On the GPU: pooled pinned buffers survive a CUDA-graph capture (which empties torch's pinned cache) and
     later steps still match stock; AdamW8bit without its per-parameter syncs gives the same bits."""
