@@ -116,38 +116,37 @@ def test_overlap_on_a_wide_model_matches_one_stream():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def run_with_nan_at(make_opt, k: int, steps: int, skip_k: bool, inject: bool):
+    """``steps`` CUDA steps of a small model; batch ``k`` left out (``skip_k``) or its loss made NaN."""
+    model = make_model().cuda()
+    opt = make_opt(model.parameters())
+    for i in range(steps):
+        if skip_k and i == k:
+            continue
+        g = torch.Generator(device="cuda").manual_seed(i)
+        x, y = torch.randn(8, 6, device="cuda", generator=g), torch.randn(8, 3, device="cuda", generator=g)
+        loss = (model(x) - y).pow(2).mean()
+        if inject and i == k:
+            loss = loss * float("nan")
+        if isinstance(opt, RapidFireOptimizer):
+            opt.observe_loss(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-stream", "overlap"])
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_rollback_on_cuda_is_exact(where, overlap):
     """A NaN step on CUDA (host snapshot: pinned memory on a side stream) equals a run without it."""
-    k = 5
-
-    def run(make_opt, skip_k, inject):
-        model = make_model().cuda()
-        opt = make_opt(model.parameters())
-        for i in range(10):
-            if skip_k and i == k:
-                continue
-            g = torch.Generator(device="cuda").manual_seed(i)
-            x, y = (
-                torch.randn(8, 6, device="cuda", generator=g),
-                torch.randn(8, 3, device="cuda", generator=g),
-            )
-            loss = (model(x) - y).pow(2).mean()
-            if inject and i == k:
-                loss = loss * float("nan")
-            if isinstance(opt, RapidFireOptimizer):
-                opt.observe_loss(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return model, opt
-
-    ref, _ = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), True, False)
-    model, opt = run(
+    ref, _ = run_with_nan_at(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), 5, 10, True, False)
+    model, opt = run_with_nan_at(
         lambda ps: RapidFireOptimizer(
             ps, lr=1e-2, gradient_pipeline=True, rollback="auto", snapshot=where, pipeline_overlap=overlap
         ),
+        5,
+        10,
         False,
         True,
     )
@@ -164,32 +163,20 @@ def test_auto_snapshot_on_cuda(monkeypatch, share):
     from rapidfire_hf.optim import verification
 
     monkeypatch.setattr(verification, "SNAPSHOT_DEVICE_SHARE", share)
-    k = 4
-
-    def run(make_opt, skip_k, inject):
-        model = make_model().cuda()
-        opt = make_opt(model.parameters())
-        for i in range(8):
-            if skip_k and i == k:
-                continue
-            g = torch.Generator(device="cuda").manual_seed(i)
-            x, y = torch.randn(8, 6, device="cuda", generator=g), torch.randn(8, 3, device="cuda", generator=g)
-            loss = (model(x) - y).pow(2).mean() * (float("nan") if inject and i == k else 1.0)
-            if isinstance(opt, RapidFireOptimizer):
-                opt.observe_loss(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return model, opt
-
-    ref, _ = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), True, False)
-    model, opt = run(lambda ps: RapidFireOptimizer(ps, lr=1e-2, gradient_pipeline=True, rollback="auto"), False, True)
+    ref, _ = run_with_nan_at(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), 4, 8, True, False)
+    model, opt = run_with_nan_at(
+        lambda ps: RapidFireOptimizer(ps, lr=1e-2, gradient_pipeline=True, rollback="auto"), 4, 8, False, True
+    )
     stats = opt.stats()
     if share == 0.6:
         assert [e.kind for e in opt.events] == ["rollback"] and stats["pipeline_enabled"]
         assert stats["snapshot_bytes"] > 0 and stats["snapshot_fallbacks"] == 0
     else:
         assert [e.kind for e in opt.events] == ["snapshot_auto_pipeline_off", "skip"]
-        assert not stats["pipeline_enabled"] and stats["snapshot_bytes"] == 0 and stats["snapshot_fallbacks"] == 1
+        assert (
+            not stats["pipeline_enabled"]
+            and stats["snapshot_bytes"] == 0
+            and stats["snapshot_fallbacks"] == 1
+        )
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
