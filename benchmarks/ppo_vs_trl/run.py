@@ -118,6 +118,7 @@ def configs(args) -> list[dict]:
         target_mod=args.learn_target_mod,
         temperature=args.learn_temperature,
         max_grad_norm=args.learn_max_grad_norm,
+        dtype=args.learn_dtype,
     )
     if args.learn_updates > 0 and "learning" in parts:
         for seed in args.learn_seeds:
@@ -380,6 +381,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="ours only: gradient clipping (0 = off, as TRL 1.12's PPO, which never clips)",
+    )
+    p.add_argument(
+        "--learn-dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="weights + mixed precision of the learning runs: auto = bf16 on the GPU, fp32 on the CPU",
     )
     p.add_argument("--learn-seeds", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 1, 2])
     p.add_argument("--learn-prompt-len", type=int, default=8)

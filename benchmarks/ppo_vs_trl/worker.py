@@ -84,13 +84,25 @@ def build_tokenizer(vocab_size: int):
     return wordlevel_tokenizer(vocab, pre_tokenizers.WhitespaceSplit())
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def model_dtype(cfg: dict, device: str) -> torch.dtype:
+    """The models' weight dtype: cfg["dtype"] ("bf16"/"fp32", the learning part's `--learn-dtype`), else bf16 on
+    the GPU and fp32 on the CPU. bf16 weights also turn on bf16 mixed precision in both trainers (`bf16=True`),
+    as the GPU runs do; so a CPU run with dtype "bf16" repeats the GPU's numerics (not its kernels)."""
+    if cfg.get("dtype") not in (None, "auto"):
+        return DTYPES[cfg["dtype"]]
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
 def build_models(cfg: dict, device: str):
     """policy, ref, value, reward; in part "size7b", ref/value are None where the config does not use them."""
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     from rapidfire_hf.demo.shapes import llama_config
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = model_dtype(cfg, device)
     conf = llama_config(cfg["shape_kwargs"], cfg["prompt_len"] + cfg["response_len"] + 8)
     torch.manual_seed(cfg.get("seed", 0))  # the model init; the learning part runs several seeds
     if cfg["part"] == "size7b":
@@ -172,7 +184,7 @@ def common_args(cfg: dict, device: str) -> dict:
         total_episodes=cfg["batch"] * cfg["updates"],
         response_length=cfg["response_len"],
         local_rollout_forward_batch_size=cfg["batch"],
-        bf16=device == "cuda",
+        bf16=model_dtype(cfg, device) == torch.bfloat16,
         report_to=[],
         save_strategy="no",
         logging_steps=1,

@@ -118,3 +118,22 @@ def test_rule_reward_records_response_lengths_and_pad_draws():
     assert backbone.seen == [
         pytest.approx({"response_length": 2.0, "pad_rows": 2 / 3, "pad_first": 1 / 3})
     ]
+
+
+def test_learn_dtype_sets_both_trainers_weights_and_mixed_precision():
+    """`--learn-dtype bf16` on the CPU builds bf16 models with bf16=True (the GPU's numerics); auto keeps
+    the device default (fp32 on the CPU, bf16 on the GPU)."""
+    for flag, cpu_dtype, gpu_dtype in (
+        ("auto", torch.float32, torch.bfloat16),
+        ("bf16", torch.bfloat16, torch.bfloat16),
+        ("fp32", torch.float32, torch.float32),
+    ):
+        args = run.parse_args(["--out", "x", "--part", "learning", "--learn-seeds", "0", "--learn-dtype", flag])
+        cfg = {**run.configs(args)[0], "shape_kwargs": run.SHAPES["learn-tiny"]}
+        assert cfg["dtype"] == flag
+        assert worker.model_dtype(cfg, "cpu") == cpu_dtype and worker.model_dtype(cfg, "cuda") == gpu_dtype
+        assert worker.common_args(cfg, "cpu")["bf16"] == (cpu_dtype == torch.bfloat16)
+    policy, ref, value, _ = worker.build_models(cfg | {"dtype": "bf16"}, "cpu")
+    assert {p.dtype for m in (policy, ref, value) for p in m.parameters()} == {torch.bfloat16}
+    with pytest.raises(SystemExit):  # argparse refuses an unknown dtype
+        run.parse_args(["--out", "x", "--learn-dtype", "fp16"])
