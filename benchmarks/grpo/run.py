@@ -35,7 +35,9 @@ Variants (``--variants``, comma-separated; default all five):
   pool across steps (``lowmem.HostOffloader(reuse_host_buffers=True)``: every CUDA-graph capture calls
   ``torch._C._host_emptyCache()``, so ``rapidfire_lowmem3`` re-pinned ~2.9 GB in every loss forward) and
   bitsandbytes' per-parameter ``torch.cuda.synchronize()`` skipped on the default stream
-  (``lowmem.skip_bitsandbytes_sync_on_default_stream``). Same math as ``rapidfire_lowmem3``.
+  (``lowmem.skip_bitsandbytes_sync_on_default_stream``). Same math as ``rapidfire_lowmem3``. Runs through the
+  library: ``enable_rapidfire(config={"memory": {"lowmem": "on_8bit_embedding"}}, lowmem_options=...)``
+  (``rapidfire_hf.integrations.lowmem``; ``"on"`` with an explicit torch AdamW in the CPU fallback).
 
 Reported per variant: tokens/s (prompt + completion tokens, TRL's ``num_input_tokens_seen``) over all
 steps and over steps 2.. (steady state), labelled, with the first step's time and its excess over the
@@ -388,18 +390,45 @@ def lowmem3_settings(
 
 def lowmem4_settings(*args, **kwargs) -> list[dict]:
     """What ``rapidfire_lowmem4`` sets: ``rapidfire_lowmem3``'s settings (same arguments) plus the kept pinned
-    buffers and the skipped bitsandbytes syncs. Neither changes the math."""
+    buffers and the skipped bitsandbytes syncs (neither changes the math), all applied by the library:
+    ``enable_rapidfire(config={"memory": {"lowmem": ...}})`` (``rapidfire_hf.integrations.lowmem``)."""
+    library = "rapidfire_hf (enable_rapidfire, config memory.lowmem)"
     settings = []
     for s in lowmem3_settings(*args, **kwargs):
         s = dict(s)
+        if s["source"].startswith("rapidfire_hf benchmark code"):
+            s["source"] = library
         if s["setting"].startswith("lowmem.apply_chunked_checkpointing"):
             s["setting"] = s["setting"].replace("offload=True", "offload=True, reuse_host_buffers=True")
+        if s["setting"].startswith("lowmem."):
+            s["setting"] = "rapidfire_hf.integrations." + s["setting"].replace(
+                "called by this benchmark before enable_rapidfire", "applied by enable_rapidfire"
+            ).replace("hooked in by this benchmark", "applied by enable_rapidfire")
+        if s["setting"].startswith("trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE"):
+            s["source"] = f"stock TRL (a module constant of its fused LM head, set by {library})"
+        if s["setting"].startswith("bitsandbytes.optim.AdamW8bit"):
+            s["setting"] = "bitsandbytes.optim.AdamW8bit through Trainer.optimizer_cls_and_kwargs"
+            s["source"] = "rapidfire_hf (enable_rapidfire, config memory.lowmem='on_8bit_embedding')"
+        if s["setting"].startswith("RolloutEngine.release()"):
+            s["setting"] = "RolloutEngine.release() after every rollout (applied by enable_rapidfire)"
+            s["source"] = library
+        if 'optimizer_kwargs={"rollback": "off"}' in s["setting"]:
+            s["effect"] += " (also memory.lowmem's default when optimizer_kwargs leaves rollback unset)"
         settings.append(s)
-    return settings + [
+    return [
         {
-            "setting": "lowmem.HostOffloader(reuse_host_buffers=True): the pinned host buffers of the offloaded "
-            "layer inputs stay in the offloader's pool between steps",
-            "source": "rapidfire_hf benchmark code (benchmarks/grpo/lowmem.py), applied here",
+            "setting": 'enable_rapidfire(trainer, config={"memory": {"optimization": "aggressive", "lowmem": '
+            '"on_8bit_embedding"}}, optimizer_kwargs={"rollback": "off"}, lowmem_options={rows, forward_rows, '
+            'prefill_rows, lm_head_chunk}) ("on" with the CPU fallback optimizer, passed explicitly)',
+            "source": library,
+            "effect": "applies every rapidfire_hf setting below; requires max_grad_norm=0.0 and optim='adamw_8bit' "
+            "(or an explicit optimizer) in the GRPOConfig and raises naming them otherwise. Math: see each",
+        },
+        *settings,
+        {
+            "setting": "rapidfire_hf.integrations.lowmem.HostOffloader(reuse_host_buffers=True): the pinned host "
+            "buffers of the offloaded layer inputs stay in the offloader's pool between steps",
+            "source": library,
             "effect": "each CUDA-graph capture (torch.cuda.graph, entered once per rollout because the engine is "
             "released after each) calls torch._C._host_emptyCache(), which gave the ~2.9 GB of cached pinned "
             "blocks back to the driver before every step; rapidfire_lowmem3's loss forward then pinned them again "
@@ -407,9 +436,10 @@ def lowmem4_settings(*args, **kwargs) -> list[dict]:
             "host memory held for the run. No effect on the math (the same bytes are copied)",
         },
         {
-            "setting": "lowmem.skip_bitsandbytes_sync_on_default_stream(): bitsandbytes.optim.optimizer.sync_gpu "
-            "returns without torch.cuda.synchronize() while the current stream is the default stream",
-            "source": "rapidfire_hf benchmark code (benchmarks/grpo/lowmem.py), applied here",
+            "setting": "rapidfire_hf.integrations.lowmem.skip_bitsandbytes_sync_on_default_stream(): "
+            "bitsandbytes.optim.optimizer.sync_gpu returns without torch.cuda.synchronize() while the current "
+            "stream is the default stream (applied when the optimizer is non-paged bitsandbytes)",
+            "source": library,
             "effect": "bitsandbytes' step() synchronises the device after every parameter (needed for paged "
             "state only); its 8-bit kernels launch on the default stream, which is the current stream in the "
             "gradient pipeline's hooks, so stream order already covers them. ~200 host syncs a step fewer in "
@@ -757,7 +787,7 @@ def run_variant(
         processing_class=tok,
     )
     embedding_8bit = None
-    if v3 and not fallback and lowmem3["embedding_8bit"]:
+    if v3 and not v4 and not fallback and lowmem3["embedding_8bit"]:
         try:
             embedding_8bit = use_8bit_embedding_state(trainer)
         except Exception as exc:  # another transformers/bitsandbytes API: run on with the 32-bit override
@@ -782,6 +812,11 @@ def run_variant(
             trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = lowmem2["lm_head_chunk"]
             offloader = apply_chunked_checkpointing(trainer.model, rows=lowmem2["rows"], offload=True)
             checkpointing = f"chunked, {lowmem2['rows']} sequences per chunk, inputs offloaded to the host"
+        elif v4:
+            checkpointing = (
+                f"chunked, {lowmem3['rows']} sequences per backward chunk, {lowmem3['forward_rows']} per "
+                "forward chunk, inputs offloaded to the host"
+            )
         elif v3:
             import trl.trainer.utils as trl_utils
             from lowmem import apply_chunked_checkpointing
@@ -792,7 +827,6 @@ def run_variant(
                 rows=lowmem3["rows"],
                 forward_rows=lowmem3["forward_rows"],
                 offload=True,
-                reuse_host_buffers=v4,  # lowmem4: pinned buffers kept across steps
             )
             checkpointing = (
                 f"chunked, {lowmem3['rows']} sequences per backward chunk, {lowmem3['forward_rows']} per "
@@ -803,28 +837,55 @@ def run_variant(
 
             # enable_rapidfire does not apply checkpointing itself (memory.optimization only sets compaction)
             checkpointing = apply_selective_checkpointing(trainer.model, "aggressive")
-        trainer = enable_rapidfire(
-            trainer, config={"memory": {"optimization": "aggressive"}}, optimizer_kwargs={"rollback": "off"}
-        )
-        if v4 and not fallback:
-            from lowmem import skip_bitsandbytes_sync_on_default_stream
-
-            bnb_sync_skipped = skip_bitsandbytes_sync_on_default_stream()
+        if v4:
+            # the library path: everything of rapidfire_lowmem3/4 that is not a TrainingArguments option comes
+            # from config memory.lowmem (rapidfire_hf.integrations.lowmem.install_lowmem)
+            mode = "on_8bit_embedding" if not fallback and lowmem3["embedding_8bit"] else "on"
+            if fallback:
+                # memory.lowmem='on' needs an 8-bit optim or an optimizer chosen explicitly: the CPU fallback
+                # chooses the very AdamW that optim="adamw_torch" builds
+                trainer.optimizer_cls_and_kwargs = trainer.get_optimizer_cls_and_kwargs(args, trainer.model)
+            trainer = enable_rapidfire(
+                trainer,
+                config={"memory": {"optimization": "aggressive", "lowmem": mode}},
+                optimizer_kwargs={"rollback": "off"},
+                lowmem_options={
+                    k: lowmem3[k] for k in ("rows", "forward_rows", "prefill_rows", "lm_head_chunk")
+                },
+            )
+            parts = trainer._rapidfire.parts["lowmem"]
+            offloader, bnb_sync_skipped, embedding_8bit = (
+                parts.offloader,
+                parts.bnb_sync_skipped,
+                parts.embedding_8bit,
+            )
+            patch = trainer._rapidfire.parts.get("rollout")
+            released = patch is not None and patch.release_after_rollout
+            rollout_times = patch.timings if patch is not None else {}
+            if keep_rollout_cache:
+                print("rapidfire_lowmem4: memory.lowmem always releases the rollout engine", file=sys.stderr)
+        else:
+            trainer = enable_rapidfire(
+                trainer,
+                config={"memory": {"optimization": "aggressive"}},
+                optimizer_kwargs={"rollback": "off"},
+            )
         if v2:
             # the optimizer exists only once train() starts: the offloader reads trainer.optimizer then
             state_offload = _LazyStateOffload(trainer, OptimizerStateOffload, include_cpu=smoke)
             state_offload.install_wait(trainer.accelerator)
-        released = (
-            False
-            if keep_rollout_cache
-            else release_rollout_cache_after_each_rollout(
-                trainer,
-                state_offload=state_offload,
-                prefill_rows=lowmem3["prefill_rows"] if v3 else None,
-                clear_workspaces=v3,
-                timings=rollout_times,
+        if not v4:
+            released = (
+                False
+                if keep_rollout_cache
+                else release_rollout_cache_after_each_rollout(
+                    trainer,
+                    state_offload=state_offload,
+                    prefill_rows=lowmem3["prefill_rows"] if v3 else None,
+                    clear_workspaces=v3,
+                    timings=rollout_times,
+                )
             )
-        )
     step_times: list[float] = []
     step_tokens: list[int] = []
     from transformers import TrainerCallback
@@ -932,6 +993,7 @@ def run_variant(
             )
         if v4:
             result["lowmem"].update(
+                memory_lowmem=trainer._rapidfire.config.memory.lowmem.value,  # the library option that ran
                 reuse_host_buffers=True,
                 host_buffer_pool_gib=offloader.pooled_bytes() / GIB,
                 bnb_sync_skipped_on_default_stream=bnb_sync_skipped,
@@ -964,24 +1026,11 @@ def host_memory_stats() -> dict | None:
 
 
 def use_8bit_embedding_state(trainer) -> dict:
-    """Make ``trainer`` build bitsandbytes' ``AdamW8bit`` with its own ``optim="adamw_8bit"`` arguments,
-    without transformers' override that keeps ``nn.Embedding`` state in 32 bits.
+    """``rapidfire_hf.integrations.lowmem.use_8bit_embedding_state`` (moved there; ``rapidfire_lowmem3`` calls it
+    here, ``rapidfire_lowmem4`` through ``memory.lowmem='on_8bit_embedding'``)."""
+    from rapidfire_hf.integrations.lowmem import use_8bit_embedding_state as impl
 
-    ``Trainer.create_optimizer`` registers that override only when the optimizer kwargs hold
-    ``optim_bits=8``; ``AdamW8bit`` is 8-bit without the key. Param groups, lr, betas and eps stay the
-    trainer's (``Trainer.get_optimizer_cls_and_kwargs`` for the same args). Call before ``train()``.
-    """
-    import inspect
-
-    from bitsandbytes.optim import AdamW8bit
-
-    _, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
-    if kwargs.get("optim_bits") != 8:
-        raise ValueError(f"use_8bit_embedding_state expects optim='adamw_8bit', got {trainer.args.optim!r}")
-    accepted = inspect.signature(AdamW8bit.__init__).parameters
-    kwargs = {k: v for k, v in kwargs.items() if k in accepted and k != "optim_bits"}
-    trainer.optimizer_cls_and_kwargs = (AdamW8bit, kwargs)
-    return {"optimizer_cls": "bitsandbytes.optim.AdamW8bit", "kwargs": repr(kwargs)}
+    return impl(trainer)
 
 
 def state_gib(optimizer) -> float:

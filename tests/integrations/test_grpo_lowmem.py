@@ -1,4 +1,6 @@
-"""benchmarks/grpo/lowmem.py (the rapidfire_lowmem2 variant) against stock TRL GRPO, and its memory model.
+"""rapidfire_hf.integrations.lowmem (the mechanisms of ``memory.lowmem``, first written for the benchmark's
+rapidfire_lowmem2..4 variants; benchmarks/grpo/lowmem.py re-exports them) against stock TRL GRPO, and the
+benchmark's memory model and helpers.
 
 Correctness claim checked here: on a tiny Llama in fp32 on the CPU, TRL 1.16's own GRPO loss
 (``GRPOTrainer._compute_loss``) and every parameter gradient are the same with the chunked, offloaded
@@ -24,9 +26,9 @@ RTOL, ATOL = 1e-5, 1e-7
 
 def load(name: str):
     if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # run.py and memory_model.py import lowmem by name
+        sys.path.insert(0, str(BENCH))  # run.py and memory_model.py import lowmem (the re-export) by name
     if name == "lowmem":
-        import lowmem
+        from rapidfire_hf.integrations import lowmem
 
         return lowmem
     return load_benchmark(f"grpo/{name}.py", keep_on_path=True)
@@ -490,8 +492,8 @@ def test_clear_cublas_workspaces_is_a_no_op_without_cuda(lowmem):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(tokenizer, tmp_path, single_thread):
-    """run.use_8bit_embedding_state: AdamW8bit with the trainer's own optim='adamw_8bit' arguments, and
+def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(lowmem, tokenizer, tmp_path, single_thread):
+    """lowmem.use_8bit_embedding_state: AdamW8bit with the trainer's own optim='adamw_8bit' arguments, and
     the embedding's state 8-bit as well (transformers keeps it 32-bit for optim='adamw_8bit')."""
     import bitsandbytes as bnb
     from trl import GRPOConfig, GRPOTrainer
@@ -524,7 +526,7 @@ def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(tokenizer, tmp_
             processing_class=tokenizer,
         )
         if eight_bit_embedding:
-            info = run.use_8bit_embedding_state(trainer)
+            info = lowmem.use_8bit_embedding_state(trainer)
             assert "AdamW8bit" in info["optimizer_cls"] and "optim_bits" not in info["kwargs"]
         opt = trainer.create_optimizer()
         for p in trainer.model.parameters():

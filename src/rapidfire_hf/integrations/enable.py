@@ -42,6 +42,7 @@ def enable_rapidfire(
     rollout: bool | str = True,
     peak_flops: float | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
+    lowmem_options: dict[str, int] | None = None,
 ):
     """Install rapidfire_hf's parts into a ``transformers.Trainer`` or TRL trainer, before ``train()``.
 
@@ -57,6 +58,12 @@ def enable_rapidfire(
     - For GRPO/RLOO: the rollout engine in place of ``model.generate`` (``rollout=False`` keeps HF's).
     - ``rapidfire/*`` metrics in every training log, so ``report_to`` (W&B, TensorBoard) receives them.
     - ``trainer.disable_pipeline()`` / ``trainer.enable_pipeline()``.
+    - With ``config.memory.lowmem`` ``"on"`` / ``"on_8bit_embedding"`` (GRPO/RLOO only): the low-memory
+      stack of ``rapidfire_hf.integrations.lowmem.install_lowmem`` (chunked, host-offloaded activation
+      checkpointing in place of HF's, the rollout engine released after each rollout with a chunked
+      prefill, TRL's LM-head tile 4096, no per-parameter bitsandbytes syncs, ``rollback="off"`` unless
+      ``optimizer_kwargs`` sets it). It requires ``max_grad_norm=0.0`` and ``optim="adamw_8bit"`` in the
+      trainer's arguments (both change the math against stock TRL; it never sets them for you).
 
     Args:
         trainer: a trainer that has not started training.
@@ -65,14 +72,19 @@ def enable_rapidfire(
         rollout: replace generation with the rollout engine in GRPO/RLOO trainers (``True`` or a backend
             name of ``RolloutEngine``: ``"auto"``, ``"static"``, ``"hf"``; ``False`` keeps HF's).
         peak_flops: peak FLOP/s per device for the MFU metric (looked up for known GPUs when ``None``).
-        optimizer_kwargs: extra ``RapidFireOptimizer`` arguments (default ``rollback="auto"``; e.g.
-            ``{"snapshot": "host"}`` to keep the rollback snapshot in pinned host memory).
+        optimizer_kwargs: extra ``RapidFireOptimizer`` arguments (default ``rollback="auto"``, ``"off"`` with
+            ``memory.lowmem``; e.g. ``{"snapshot": "host"}`` to keep the rollback snapshot in pinned host memory).
+        lowmem_options: ``memory.lowmem``'s chunk sizes, overriding ``LOWMEM_DEFAULTS``: ``rows`` (sequences per
+            backward chunk, 16), ``forward_rows`` (32), ``prefill_rows`` (prompts per prefill chunk, 16),
+            ``lm_head_chunk`` (TRL's LM-head vocabulary tile, 4096).
 
     Returns:
         The same trainer, changed in place.
 
     Raises:
-        RapidFireIntegrationError: when called twice on a trainer, or after it started training.
+        RapidFireIntegrationError: when called twice on a trainer, or after it started training; with
+            ``memory.lowmem`` on, for a trainer other than GRPO/RLOO or arguments it needs (naming them).
+        ValueError: for unknown ``lowmem_options`` keys or values.
         ConfigError: for an invalid configuration (naming the bad key and what is allowed).
         TypeError: when ``trainer`` is not a ``transformers.Trainer``.
 
@@ -85,6 +97,11 @@ def enable_rapidfire(
 
     _check_fresh(trainer)
     cfg = load_config(config)
+    lowmem = cfg.memory.lowmem.value
+    if lowmem != "off":
+        optimizer_kwargs = _check_lowmem(trainer, lowmem, rollout, optimizer_kwargs, lowmem_options, cfg)
+    elif lowmem_options:
+        raise ValueError("lowmem_options given but config memory.lowmem is 'off'")
     state = RapidFireState(config=cfg, pipeline=bool(cfg.gradient.pipeline))
     setattr(trainer, STATE_ATTR, state)
     _install_optimizer(trainer, state, optimizer_kwargs)
@@ -92,6 +109,8 @@ def enable_rapidfire(
     _install_precision(trainer, state)
     if rollout:
         _install_rollout(trainer, state, "auto" if rollout is True else rollout)
+    if lowmem != "off":
+        _install_lowmem(trainer, state, lowmem, lowmem_options)
     _install_metrics(trainer, state, peak_flops)
     trainer.disable_pipeline = functools.partial(_set_pipeline, trainer, False)
     trainer.enable_pipeline = functools.partial(_set_pipeline, trainer, True)
@@ -102,6 +121,45 @@ def enable_rapidfire(
         "".join(f"; skipped {s}" for s in state.skipped),
     )
     return trainer
+
+
+def _check_lowmem(trainer, mode: str, rollout, optimizer_kwargs, options, cfg) -> dict[str, Any]:
+    """Raise for a trainer or arguments ``memory.lowmem`` cannot use; the optimizer kwargs it runs with."""
+    from rapidfire_hf.integrations.lowmem import lowmem_options, lowmem_problems
+
+    lowmem_options(options)  # ValueError for bad keys/values, before anything is changed
+    problems = lowmem_problems(trainer, mode, rollout)
+    if not cfg.gradient.pipeline:
+        problems.append(
+            "memory.lowmem needs the gradient pipeline (gradient.pipeline: true): it frees each gradient "
+            "as soon as its bucket is stepped"
+        )
+    if optional_attr("rapidfire_hf.optim", "RapidFireOptimizer") is None:
+        problems.append("memory.lowmem needs RapidFireOptimizer (rapidfire_hf.optim is not installed)")
+    if problems:
+        raise RapidFireIntegrationError(
+            f"cannot apply memory.lowmem={mode!r} to this {type(trainer).__name__}:\n- "
+            + "\n- ".join(problems)
+        )
+    if trainer.args.gradient_accumulation_steps > 1:
+        logger.warning(
+            "rapidfire: memory.lowmem with gradient_accumulation_steps=%d: gradients live across the "
+            "accumulated micro-batches (the measured setting is 1)",
+            trainer.args.gradient_accumulation_steps,
+        )
+    # no rollback snapshot (a full copy of weights + optimizer state) unless asked for
+    return {"rollback": "off", **(optimizer_kwargs or {})}
+
+
+def _install_lowmem(trainer, state: RapidFireState, mode: str, options) -> None:
+    from rapidfire_hf.integrations.lowmem import install_lowmem
+
+    patch = state.parts.get("rollout")
+    parts = install_lowmem(trainer, mode, options, rollout_patch=patch)
+    state.parts["lowmem"] = parts
+    if patch is None:
+        state.skipped.append("lowmem rollout release / chunked prefill (the rollout engine is not installed)")
+    state.installed.append(f"memory.lowmem={mode}: " + "; ".join(parts.applied))
 
 
 def _set_pipeline(trainer, enabled: bool) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 
 import torch
 
@@ -94,6 +95,12 @@ class RolloutPatch:
     Attributes:
         calls: generation calls served by the engine.
         fallbacks: calls handed back to TRL's own method.
+        release_after_rollout: drop the engine's KV cache, buffers and graphs after every rollout, and
+            free cuBLAS's workspaces (``configure_lowmem``; ``memory.lowmem``).
+        prefill_rows: run the static engine's prompt prefill that many prompts at a time (``None``: all).
+        timings: with ``release_after_rollout``, per rollout: ``engine_s`` (host seconds of the engine
+            call, which ends reading the completions on the host), ``release_s`` (the release) and
+            ``prefill_chunked_rollouts`` (whether the prefill was chunked).
     """
 
     def __init__(self, trainer, backend: str = "auto"):
@@ -103,6 +110,9 @@ class RolloutPatch:
         self.fallbacks = 0
         self._engine = None
         self._engine_model = None
+        self.release_after_rollout = False
+        self.prefill_rows: int | None = None
+        self.timings: dict[str, list] = {}
         self.original = trainer._generate_single_turn
         # GRPO returns (completion_ids, logprobs); RLOO returns completion_ids only.
         self.returns_logprobs = "num_generations" in inspect.signature(self.original).parameters
@@ -115,6 +125,24 @@ class RolloutPatch:
 
     def stats(self) -> dict[str, int]:
         return {"engine_calls": self.calls, "fallbacks": self.fallbacks}
+
+    def configure_lowmem(self, prefill_rows: int | None) -> None:
+        """Release the engine after every rollout (and free cuBLAS workspaces); chunk its prefill."""
+        self.release_after_rollout = True
+        self.prefill_rows = prefill_rows
+        for key in ("engine_s", "release_s", "prefill_chunked_rollouts"):
+            self.timings.setdefault(key, [])
+
+    def _chunk_prefill(self) -> bool:
+        """Chunk the current static engine's prefill (once per engine net); whether it is chunked."""
+        net = getattr(getattr(self._engine, "_static", None), "net", None)
+        if self.prefill_rows is None or net is None:
+            return False
+        if getattr(net, "_rapidfire_prefill_rows", None) is None:
+            from rapidfire_hf.integrations.lowmem import chunk_prefill
+
+            chunk_prefill(net, self.prefill_rows)
+        return True
 
     def _engine_for(self, model):
         # The engine holds the training weights (no copy); rebuild only if the unwrapped model changes.
@@ -129,6 +157,7 @@ class RolloutPatch:
                 backend=self.backend,
             )
             self._engine_model = model
+        self._chunk_prefill()  # the engine is built at the first rollout: chunk it from there on
         return self._engine
 
     def generate_single_turn(self, prompt_ids, images=None, multimodal_fields=None, *args, **kwargs):
@@ -141,6 +170,23 @@ class RolloutPatch:
         return (completion_ids, None) if self.returns_logprobs else completion_ids
 
     def _generate(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        if not self.release_after_rollout:
+            return self._generate_once(prompt_ids)
+        t0 = time.perf_counter()
+        try:
+            return self._generate_once(prompt_ids)
+        finally:
+            t1 = time.perf_counter()
+            self.timings["prefill_chunked_rollouts"].append(self._chunk_prefill())
+            if self._engine is not None:
+                self._engine.release()
+            from rapidfire_hf.integrations.lowmem import clear_cublas_workspaces
+
+            clear_cublas_workspaces()  # no recorded graph uses them after the release
+            self.timings["engine_s"].append(t1 - t0)
+            self.timings["release_s"].append(time.perf_counter() - t1)
+
+    def _generate_once(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         from trl.models import unwrap_model_for_generation
 
         tr = self.trainer
