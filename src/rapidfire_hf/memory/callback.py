@@ -35,7 +35,6 @@ COMPACT_ON = {("rollout", "train"), ("rollout", "training")}
 # allocator at the aggressive level; the caching allocator itself frees its cache and retries before an
 # OOM. Away from pressure, compacting only costs time.
 PRESSURE_FRACTION = 0.85
-EXPANDABLE_PRESSURE = PRESSURE_FRACTION  # the name of the first, expandable-segments-only rule
 
 
 def _plain(value):
