@@ -5,7 +5,7 @@ order, jittered):
 
 - ``allocator/native`` and ``allocator/expandable``: the same 24 steps without the callback, with the
   callback as ``PPOTrainer`` / ``enable_rapidfire`` install it (``callback_default``: threshold 0.3,
-  ``balanced``, under expandable segments compacting only at 85% of the GPU reserved) and with it at
+  ``balanced``, threshold compactions only at 85% of the GPU reserved) and with it at
   thresholds 1.0 (samples only: its time cost) and 0.3 (``aggressive``, no pressure condition; 0.15 with
   ``--variants``); reserved memory and fragmentation after every step (the sawtooth), peak reserved,
   compactions, allocator retries. Then the largest micro-batch at 2048 tokens from an empty cache, and

@@ -51,7 +51,7 @@ SETTINGS = {
 # callback). The threshold variants use the `aggressive` level (at least 5 steps between compactions) and
 # pressure_fraction=0 (compact on the threshold whatever the GPU holds, as measured before the pressure
 # condition existed); callback_default adds nothing: what PPOTrainer and enable_rapidfire install
-# (threshold 0.3, `balanced`: 20 steps apart, and under expandable segments only once 85% of the GPU is
+# (threshold 0.3, `balanced`: 20 steps apart, and, with either allocator, only once 85% of the GPU is
 # reserved).
 CALLBACK_VARIANTS = {
     "no_callback": None,
