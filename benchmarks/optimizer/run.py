@@ -32,6 +32,8 @@ median/min/max step time and, on CUDA, the peak allocated memory over the timed 
 (hidden 256, 8 layers, fp32) on the CPU, for step-time comparisons without a GPU.
 
     python benchmarks/optimizer/run.py --out benchmarks/optimizer/results
+    python benchmarks/optimizer/run.py --out DIR --rounds 1 --interleave 24 --only torch_adamw \
+        rf_pipeline_on rf_verify_only rf_pipeline_rollback   # per-step paired ratios (step times)
     python benchmarks/optimizer/run.py --out /tmp/rf_smoke --smoke
     python benchmarks/optimizer/run.py --out /tmp/rf_cpu --preset cpu_small \
         --only torch_adamw rf_pipeline_off rf_pipeline_on rf_pipeline_bucket0 --no-snapshot
