@@ -16,6 +16,7 @@ from rapidfire_hf.utils.imports import is_available
 
 def test_env_json_reports_versions_and_machine(capsys, monkeypatch):
     monkeypatch.setenv("RAPIDFIRE_MEMORY_OPTIMIZATION", "aggressive")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch's current name
     assert main(["env", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["rapidfire_hf"] == rapidfire_hf.__version__
@@ -27,6 +28,7 @@ def test_env_json_reports_versions_and_machine(capsys, monkeypatch):
     assert set(info["packages"]) == set(CORE_PACKAGES)
     assert info["cpu_count"] >= 1 and info["memory"]["total_gib"] > 0
     assert info["settings"]["RAPIDFIRE_MEMORY_OPTIMIZATION"] == "aggressive"
+    assert info["settings"]["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
 
 
 def test_env_optional_packages_match_is_available(capsys):

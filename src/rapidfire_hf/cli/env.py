@@ -19,9 +19,24 @@ from typing import Any
 # packages rapidfire_hf needs, by distribution name
 CORE_PACKAGES = ("torch", "transformers", "accelerate", "trl", "peft", "datasets")
 # optional packages, by import name
-OPTIONAL_PACKAGES = ("wandb", "bitsandbytes", "deepspeed", "liger_kernel", "triton", "pynvml", "vllm")
+OPTIONAL_PACKAGES = (
+    "wandb",
+    "bitsandbytes",
+    "deepspeed",
+    "liger_kernel",
+    "torchao",
+    "triton",
+    "pynvml",
+    "vllm",
+)
 # environment variables that change how a run behaves, shown when set
-SETTINGS_PREFIXES = ("RAPIDFIRE_", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "ACCELERATE_")
+SETTINGS_PREFIXES = (
+    "RAPIDFIRE_",
+    "PYTORCH_ALLOC_CONF",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "CUDA_VISIBLE_DEVICES",
+    "ACCELERATE_",
+)
 DESCRIPTION = "Print the versions, devices and settings to paste into a bug report."
 
 
