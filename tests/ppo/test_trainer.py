@@ -159,7 +159,9 @@ def test_max_grad_norm_zero_leaves_gradients_unclipped(tmp_path, tokenizer):
         opt = torch.optim.SGD(params, lr=0.5)
         seen = []
         opt.register_step_pre_hook(
-            lambda o, a, k: seen.append([p.grad.clone() if p.grad is not None else None for p in params])
+            lambda o, a, k, seen=seen, params=params: seen.append(
+                [p.grad.clone() if p.grad is not None else None for p in params]
+            )
         )
         trainer = _trainer(
             tmp_path / str(clip),
