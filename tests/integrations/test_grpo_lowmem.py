@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,43 @@ ONE_GPU = pytest.mark.skipif(
     torch.cuda.device_count() > 1,
     reason="GRPOTrainer refuses nn.DataParallel (several GPUs visible): run with CUDA_VISIBLE_DEVICES=0",
 )
+
+
+def tiny_grpo(tokenizer, tmp_path, steps=2, hidden=64, layers=3, prompts=None, **overrides):
+    """A tiny GRPOTrainer (fp32, CPU), HF checkpointing off as the benchmark's low-memory variants set it
+    (shared with test_lowmem_option.py)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
+
+    kwargs = dict(
+        output_dir=tempfile.mkdtemp(dir=tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        beta=0.0,
+        seed=0,
+        max_steps=steps,
+        learning_rate=1e-3,
+        max_grad_norm=0.0,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(
+        model=build_tiny_llama(tokenizer, hidden=hidden, layers=layers),
+        reward_funcs=vowel_reward,
+        args=GRPOConfig(**kwargs),
+        train_dataset=make_prompt_dataset(prompts or 8 * steps),
+        processing_class=tokenizer,
+    )
+    return trainer
 
 
 @pytest.fixture(scope="module")
@@ -267,38 +305,12 @@ def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(lowmem, tokenizer, t
     """The rapidfire_lowmem2 stack as run.py builds it, with bitsandbytes' 8-bit AdamW (it runs on the CPU
     too): every window stepped in backward, embedding state 32-bit and the rest 8-bit as transformers
     sets it up, the state moved out and back around each rollout."""
-    import tempfile
-
-    from trl import GRPOConfig, GRPOTrainer
-
     from rapidfire_hf import enable_rapidfire
-    from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
     from rapidfire_hf.integrations.parts import find_rapidfire_optimizer
 
     run = load("run")
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(dir=tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        beta=0.0,
-        seed=0,
-        max_steps=3,
-        optim="adamw_8bit",
-        max_grad_norm=0.0,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        save_strategy="no",
-    )
-    trainer = GRPOTrainer(
-        model=build_tiny_llama(tokenizer, hidden=128),
-        reward_funcs=vowel_reward,
-        args=args,
-        train_dataset=make_prompt_dataset(32),
-        processing_class=tokenizer,
+    trainer = tiny_grpo(
+        tokenizer, tmp_path, steps=3, hidden=128, layers=2, prompts=32, optim="adamw_8bit", learning_rate=1e-6
     )
     offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=3)
     trainer = enable_rapidfire(

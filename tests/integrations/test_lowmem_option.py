@@ -10,11 +10,11 @@ same mechanisms (``benchmarks/grpo/run.py``'s ``rapidfire_lowmem3``, which still
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 
 import pytest
 import torch
 from test_grpo_lowmem import assert_same, grpo_inputs, loss_and_grads
+from test_grpo_lowmem import tiny_grpo as grpo
 
 from rapidfire_hf.config import ConfigError, load_config
 from rapidfire_hf.integrations import RapidFireIntegrationError, enable_rapidfire
@@ -41,42 +41,6 @@ def restore_process_wide_patches(monkeypatch):
     yield
     if HAS_BNB:
         bnb.optim.GlobalOptimManager.get_instance().initialize()
-
-
-def grpo(tokenizer, tmp_path, steps=2, hidden=64, **overrides):
-    """A tiny GRPOTrainer (fp32, CPU), HF checkpointing off as the benchmark's low-memory variants set it."""
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
-
-    kwargs = dict(
-        output_dir=tempfile.mkdtemp(dir=tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        beta=0.0,
-        seed=0,
-        max_steps=steps,
-        learning_rate=1e-3,
-        max_grad_norm=0.0,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(0)
-    trainer = GRPOTrainer(
-        model=build_tiny_llama(tokenizer, hidden=hidden, layers=3),
-        reward_funcs=vowel_reward,
-        args=GRPOConfig(**kwargs),
-        train_dataset=make_prompt_dataset(8 * steps),
-        processing_class=tokenizer,
-    )
-    return trainer
 
 
 def explicit_adamw(trainer):
