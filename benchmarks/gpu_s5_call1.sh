@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # Fifth session (2026-11-30), device call 1 on two H200s, < 560 s.
+# NOTE: run.py (until fixed afterwards) kept each worker's result row in $TMPDIR/ppo_vs_trl_row_<name>.json,
+# so parallel runs of one configuration name at different learning rates overwrote each other's rows: of the
+# fused rows only lr 3e-4 seeds 0, 4, lr 6e-4 seeds 1, 2, 3, 5 and lr 1e-3 seeds 4..7 survived (each row
+# records the lr it ran with). gpu_s5_call2.sh gives every run its own TMPDIR.
 #   Phase 1 (both GPUs, 6 lanes each, CPU cores split between lanes): the PPO learning comparison (issue 4)
 #     on learn-small, 30 updates: stock TRL 1.12, ours separate and ours fused at lr 3e-4, seeds 0..7;
 #     ours fused at lr 6e-4 (seeds 0..7) and 1e-3 (seeds 4..7; 0..3 are in results/learning_h200_lr1e-3).
