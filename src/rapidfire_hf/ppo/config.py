@@ -19,6 +19,12 @@ class PPOConfig(TrainingArguments):
     ``per_device_train_batch_size``. Unlike TRL, ``max_grad_norm`` clips gradients (set 0 to turn it
     off), accumulation is aligned to mini-batches, and ``gradient_checkpointing`` defaults to off.
 
+    Two ``TrainingArguments`` switches speed up scoring and training (not the rollout, which runs its own
+    decode step): ``use_liger_kernel`` (with ``liger_kernel_config``) puts Liger's Triton kernels (RMSNorm,
+    SwiGLU, RoPE; never the fused cross-entropy) into the policy, value and reference models, on CUDA;
+    ``torch_compile`` (with ``torch_compile_backend`` / ``torch_compile_mode``) compiles each of their
+    decoder layers. See :mod:`rapidfire_hf.ppo.speedups`.
+
     Example:
         >>> args = PPOConfig(output_dir="out", per_device_train_batch_size=8, response_length=64,
         ...                  total_episodes=10_000, rapidfire_config="config/advanced.yaml")

@@ -49,6 +49,7 @@ from rapidfire_hf.ppo.modeling import (
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
 from rapidfire_hf.ppo.recovery import OOMRecoveryMixin
 from rapidfire_hf.ppo.reporting import ReportingMixin
+from rapidfire_hf.ppo.speedups import KernelPatches, apply_liger, check_liger_usable, compile_layers
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,12 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.micro_batches_per_step),
             mixed_precision="bf16" if args.bf16 else ("fp16" if args.fp16 else "no"),
             cpu=args.use_cpu,
+            # torch_compile compiles per decoder layer below; accelerate's whole-model compile (from
+            # ACCELERATE_DYNAMO_BACKEND, e.g. `accelerate launch --dynamo_backend`) would compile it twice
+            **({"dynamo_backend": "no"} if args.torch_compile else {}),
         )
+        if args.use_liger_kernel:  # fail before any model is copied or moved
+            check_liger_usable(self.accelerator.device)
         self.rf_config = self._load_rapidfire_config(args.rapidfire_config)
         # Created before any model reaches the GPU, so expandable segments cover every allocation.
         self.memory_callback = self._make_memory_callback()
@@ -179,6 +185,13 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             policy.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
             )
+        # after the reference copy (a deepcopy of patched or compiled modules is not one) and PEFT
+        self.kernel_patches = KernelPatches()
+        roles = {"policy": policy, "value_model": value_model, "ref_model": self.ref_model}
+        if args.use_liger_kernel:
+            apply_liger(roles, args.liger_kernel_config, self.kernel_patches)
+        if args.torch_compile:
+            compile_layers(roles, args.torch_compile_backend, args.torch_compile_mode, self.kernel_patches)
 
         self.train_dataset = prepare_prompt_dataset(
             train_dataset, tok, args.dataset_text_field, args.max_prompt_length
@@ -545,7 +558,12 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             do_sample=True,
         )
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
-        with torch.no_grad(), gathered_for_generation(self.accelerator, self.model, self.policy):
+        # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
+        with (
+            torch.no_grad(),
+            gathered_for_generation(self.accelerator, self.model, self.policy),
+            self.kernel_patches.original(),
+        ):
             out = self._rollout_engine.generate(queries, queries != self.pad_token_id, params)
         extra = {k: v for k, v in batch.items() if k != "input_ids"}
         return Rollout(queries=queries, responses=out.responses, logprobs=out.logprobs.float(), extra=extra)
