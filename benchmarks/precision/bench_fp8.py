@@ -19,8 +19,13 @@ same, so the time per layer and the speed-up do not depend on the count; ``layer
 Errors against ``bf16`` (same weights and input): ``output_rel_error`` (stack output), ``layer0_rel_error``
 (first layer's output alone), ``grad_rel_error`` (first layer's ``down`` weight gradient).
 
-Loss (:func:`run_loss`): a ``LlamaForCausalLM`` of the 1.1B shape (fp32 master weights, bf16 autocast,
-AdamW) trained for 40 steps on a learnable token stream, once per variant, same seed and data.
+Loss (:func:`run_loss`): a ``LlamaForCausalLM`` (1.1B shape by default) trained with AdamW for 40 steps of
+8 x 512 tokens on a learnable token stream, once per variant, same seed, init and data: fp32 master weights
+under bf16 autocast, or (``weights="bf16"``) bf16 weights, so that the 7B shape fits one H200. A
+``_compiled`` variant compiles each decoder layer after the FP8 conversion (inductor on a GPU, backend
+"eager" on CPU), so it is the end-to-end FP8 training step. Per variant: per-step losses and times, median
+step ms (without the first, compiling, steps: their seconds are ``warmup_s``), tokens/s, peak GiB, speed-ups
+vs eager and compiled bf16, loss differences to the reference (``bf16``, else ``bf16_compiled``).
 
 Each variant runs in a ``try``: an error is recorded in its entry and the next one runs. A time budget
 skips the variants left once it is spent (recorded as skipped).
@@ -28,6 +33,8 @@ skips the variants left once it is spent (recorded as skipped).
 
 from __future__ import annotations
 
+import gc
+import math
 import statistics
 import time
 
@@ -293,6 +300,13 @@ def _brief(entry: dict) -> str:
 
 # -- the training-loss comparison ---------------------------------------------------------------------------
 
+LOSS_WEIGHTS = ("fp32", "bf16")  # fp32 master weights under bf16 autocast, or pure bf16 (7B fits one H200)
+LOSS_DEFAULTS = dict(batch=8, seq=512, lr=3e-4)
+SMOKE_LOSS_DEFAULTS = dict(batch=2, seq=32, lr=1e-3)
+# steps left out of the median step time: the first eager step (allocator, cuBLAS heuristics); the first
+# compiled ones (step 1 compiles the forward and the backward; 3 leaves room for a late recompilation)
+EAGER_WARMUP_STEPS, COMPILED_WARMUP_STEPS = 1, 3
+
 
 def _token_batches(steps: int, batch: int, seq: int, vocab: int, device, seed: int = 1):
     """A learnable stream: each sequence counts up by a random stride from a random start (mod vocab)."""
@@ -303,37 +317,94 @@ def _token_batches(steps: int, batch: int, seq: int, vocab: int, device, seed: i
         yield (4 + (start + stride * torch.arange(seq)) % (vocab - 4)).to(device)
 
 
-def _loss_variant(variant, shape_name, steps, batch, seq, lr, fp8_ok, smoke, device) -> dict:
+def loss_plan(variants) -> tuple[list[str], str]:
+    """The loss run's variants in running order, and the reference of its loss differences.
+
+    The bf16 variants the speed-ups need are added: ``bf16`` when an eager FP8 variant is asked for (or no
+    bf16 variant at all), ``bf16_compiled`` when a compiled FP8 one is. They run first. The reference of
+    the loss differences is ``bf16`` when it runs, else ``bf16_compiled``.
+    """
+    variants = list(dict.fromkeys(variants))
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise ValueError(f"unknown or no loss variants {unknown or variants}; known: {', '.join(VARIANTS)}")
+    fp8 = [v for v in variants if VARIANTS[v][0] is not None]
+    wanted = set(variants)
+    if any(VARIANTS[v][2] for v in fp8):
+        wanted.add("bf16_compiled")
+    if any(not VARIANTS[v][2] for v in fp8) or not wanted & {"bf16", "bf16_compiled"}:
+        wanted.add("bf16")
+    refs = [v for v in ("bf16", "bf16_compiled") if v in wanted]
+    return refs + [v for v in variants if v not in refs], refs[0]
+
+
+def _to_bf16(model: nn.Module) -> None:
+    """Parameters to bf16 in place (same init as the fp32 run, rounded); buffers such as RoPE's inv_freq stay
+    fp32, as in a model loaded with ``dtype=torch.bfloat16``."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+
+
+def _loss_variant(variant, shape_name, steps, batch, seq, lr, weights, fp8_ok, smoke, device) -> dict:
     from transformers import LlamaForCausalLM
 
+    compiled = VARIANTS[variant][2]
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(llama_config(llama_shape(shape_name), max_position_embeddings=seq))
+    if weights == "bf16":
+        _to_bf16(model)
     names = _convert(model, variant, fp8_ok, smoke)
+    entry = {
+        "fp8_layers": len(names),
+        "compiled": compiled,
+        "param_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+    if compiled:  # after the FP8 conversion, one region per decoder layer (all share one compiled graph)
+        backend = "eager" if smoke or device.type != "cuda" else "inductor"
+        entry["compile_backend"] = backend
+        torch._dynamo.reset()
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+        graphs = _unique_graphs()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warm = max(1, steps // 8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     losses, times = [], []
     vocab = model.config.vocab_size
+    _reset_peak(device)  # the training peak: weights, gradients, AdamW state, activations
     for ids in _token_batches(steps, batch, seq, vocab, device):
         _sync(device)
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16):  # a no-op on the matmuls of bf16 weights
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        _sync(device)
         times.append(time.perf_counter() - t0)
-    return {
-        "fp8_layers": len(names),
-        "loss": losses,
-        "final_loss_mean_last5": statistics.fmean(losses[-5:]),
-        "nonfinite_steps": sum(not torch.isfinite(torch.tensor(v)).item() for v in losses),
-        "median_step_ms": statistics.median(times[1:] or times) * 1e3,
-    }
+    skip = min(COMPILED_WARMUP_STEPS if compiled else EAGER_WARMUP_STEPS, steps - 1)
+    median_ms = statistics.median(times[skip:]) * 1e3
+    entry.update(
+        loss=losses,
+        final_loss_mean_last5=statistics.fmean(losses[-5:]),
+        nonfinite_steps=sum(not math.isfinite(v) for v in losses),
+        step_ms=[t * 1e3 for t in times],
+        warmup_steps=skip,
+        warmup_s=sum(times[:skip]),  # compilation included
+        first_step_s=times[0],
+        median_step_ms=median_ms,
+        tokens_per_s=batch * seq / (median_ms / 1e3),
+        peak_gib=_peak_gib(device),
+    )
+    if compiled:
+        entry["compiled_graphs"] = _unique_graphs() - graphs  # 1 expected: one graph for every layer
+        torch._dynamo.reset()
+    return entry
 
 
 def run_loss(
@@ -343,58 +414,122 @@ def run_loss(
     steps: int | None = None,
     shape_name: str | None = None,
     budget: Budget | None = None,
+    weights: str = "fp32",
+    batch: int | None = None,
+    seq: int | None = None,
+    lr: float | None = None,
+    progress=None,
 ) -> dict:
-    """Per-step training losses of each variant (same seed, init and data); differences to bf16."""
+    """Per-step training losses, step times and throughput of each variant (same seed, init and data);
+    loss differences to the reference (``bf16``, else ``bf16_compiled``), speed-ups to eager and compiled
+    bf16. ``weights``: ``"fp32"`` master weights under bf16 autocast, or ``"bf16"`` (pure bf16 training).
+    ``progress(result)`` is called after each variant with the result so far (to save it).
+    """
     budget = budget or Budget(None)
-    variants = ["bf16"] + [v for v in variants if v != "bf16"]
+    if weights not in LOSS_WEIGHTS:
+        raise ValueError(f"loss weights must be one of {', '.join(LOSS_WEIGHTS)}, got {weights!r}")
+    variants, reference = loss_plan(variants)
     fp8_ok, why = fp8_support(device)
     shape_name = shape_name or ("smoke" if smoke else "llama-1.1b")
     if shape_name not in LLAMA_SHAPES:
         raise ValueError(f"unknown loss shape {shape_name!r}; known: {', '.join(LLAMA_SHAPES)}")
+    defaults = SMOKE_LOSS_DEFAULTS if smoke else LOSS_DEFAULTS
     steps = steps or (4 if smoke else 40)
-    batch, seq, lr = (2, 32, 1e-3) if smoke else (8, 512, 3e-4)
+    batch, seq, lr = batch or defaults["batch"], seq or defaults["seq"], lr or defaults["lr"]
+    for what, value in (("steps", steps), ("batch", batch), ("seq", seq), ("lr", lr)):
+        if value <= 0:
+            raise ValueError(f"loss {what} must be positive, got {value}")
+    master = (
+        "fp32 master weights, bf16 autocast"
+        if weights == "fp32"
+        else "bf16 weights (pure bf16 training; autocast on, a no-op on its matmuls)"
+    )
     result = {
         "shape": shape_name,
         "steps": steps,
         "batch": batch,
         "seq": seq,
+        "tokens_per_step": batch * seq,
         "lr": lr,
-        "setup": "LlamaForCausalLM, fp32 master weights, bf16 autocast, AdamW (warm-up over steps/8, "
-        "grad-norm clip 1.0), a stream counting up by a random stride (mod vocab); same seed and data",
+        "weights": weights,
+        "setup": f"LlamaForCausalLM, {master}, AdamW (warm-up over steps/8, grad-norm clip 1.0), a stream "
+        "counting up by a random stride (mod vocab); same seed and data; _compiled: each decoder layer "
+        "compiled after the FP8 conversion",
+        "reference": reference,
+        "reference_note": f"*_vs_reference loss differences are against {reference} (bf16 when it runs, else "
+        "bf16_compiled); speedup_vs_bf16 is against eager bf16, speedup_vs_bf16_compiled against "
+        "bf16_compiled; median_step_ms leaves out the first warmup_steps steps (warmup_s: their "
+        "seconds, compilation included)",
         "fp8_available": fp8_ok,
         "fp8_unavailable_reason": why or None,
         "variants": {},
     }
     for variant in variants:
-        if budget.spent():
-            result["variants"][variant] = budget.skipped()
-            continue
-        reason = unavailable(variant, fp8_ok, why, smoke)
+        reason = budget.skipped()["skipped"] if budget.spent() else unavailable(variant, fp8_ok, why, smoke)
         if reason:
             result["variants"][variant] = {"skipped": reason}
+            print(f"fp8 loss  {shape_name} {variant:28s} skipped: {reason}", flush=True)
             continue
         t0 = time.perf_counter()
         _reset_peak(device)
         try:
-            entry = _loss_variant(variant, shape_name, steps, batch, seq, lr, fp8_ok, smoke, device)
-        except Exception as e:
-            entry = {"error": f"{type(e).__name__}: {e}"[:600]}
+            entry = _loss_variant(variant, shape_name, steps, batch, seq, lr, weights, fp8_ok, smoke, device)
+        except Exception as e:  # recorded (an OOM too); the other variants still run
+            entry = {"error": f"{type(e).__name__}: {e}"[:600], "peak_gib": _peak_gib(device)}
+            torch._dynamo.reset()
         entry["seconds"] = time.perf_counter() - t0
-        entry["peak_gib"] = _peak_gib(device)
         result["variants"][variant] = entry
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        tail = (
-            f"final {entry['final_loss_mean_last5']:.4f}  {entry['median_step_ms']:.1f} ms/step"
-            if "loss" in entry
-            else entry.get("error", "")
-        )
-        print(f"fp8 loss  {shape_name} {variant:20s} {tail}", flush=True)
-    ref = result["variants"].get("bf16", {}).get("loss")
-    for entry in result["variants"].values():
-        if ref and "loss" in entry:
-            diffs = [abs(a - b) for a, b in zip(entry["loss"], ref)]
-            entry["max_abs_diff_vs_bf16"] = max(diffs)
-            entry["mean_abs_diff_vs_bf16"] = statistics.fmean(diffs)
-            entry["final_diff_vs_bf16"] = entry["final_loss_mean_last5"] - statistics.fmean(ref[-5:])
+        print(f"fp8 loss  {shape_name} {variant:28s} {_loss_brief(entry)}", flush=True)
+        _compare(result)
+        if progress is not None:
+            progress(result)
+    for variant, entry in result["variants"].items():
+        if "speedup_vs_bf16" in entry or "speedup_vs_bf16_compiled" in entry:
+            ups = {k.removeprefix("speedup_vs_"): v for k, v in entry.items() if k.startswith("speedup_vs_")}
+            print(
+                f"fp8 loss  {shape_name} {variant:28s} speed-up "
+                + ", ".join(f"{v:.2f}x vs {k}" for k, v in ups.items()),
+                flush=True,
+            )
     return result
+
+
+def _compare(result: dict) -> None:
+    """Loss differences to the reference and speed-ups to eager / compiled bf16, into each variant's entry."""
+    runs = result["variants"]
+    ref_name = result["reference"]
+    ref = runs.get(ref_name, {}).get("loss")
+    base = runs.get("bf16", {}).get("median_step_ms")
+    base_c = runs.get("bf16_compiled", {}).get("median_step_ms")
+    for entry in runs.values():
+        if "loss" not in entry:
+            continue
+        if ref:
+            diffs = [abs(a - b) for a, b in zip(entry["loss"], ref)]
+            diff = {
+                "max_abs_diff": max(diffs),
+                "mean_abs_diff": statistics.fmean(diffs),
+                "final_diff": entry["final_loss_mean_last5"] - statistics.fmean(ref[-5:]),
+            }
+            for key, value in diff.items():
+                entry[f"{key}_vs_reference"] = value
+                if ref_name == "bf16":  # the keys of the earlier (eager-only) results
+                    entry[f"{key}_vs_bf16"] = value
+        if base:
+            entry["speedup_vs_bf16"] = base / entry["median_step_ms"]
+        if entry["compiled"] and base_c:
+            entry["speedup_vs_bf16_compiled"] = base_c / entry["median_step_ms"]
+
+
+def _loss_brief(entry: dict) -> str:
+    if "loss" not in entry:
+        return entry.get("error") or entry.get("skipped", "")
+    peak = entry["peak_gib"]
+    text = (
+        f"final {entry['final_loss_mean_last5']:.4f}  {entry['median_step_ms']:.1f} ms/step  "
+        f"{entry['tokens_per_s']:,.0f} tok/s  warm-up {entry['warmup_s']:.1f} s"
+    )
+    return text + (f"  peak {peak:.1f} GiB" if peak is not None else "")
