@@ -84,6 +84,7 @@ def test_compiled_layers_train_bit_identically(tmp_path, tokenizer, case, backen
             if case != "separate_pipeline":  # fused: no value model; LoRA: the policy is the reference
                 expected.pop("value_model" if case.startswith("fused") else "ref_model")
             assert trainer.kernel_patches.compiled == expected
+            assert trainer.accelerator.unwrap_model(trainer.model).full_mask  # one mask kind: no recompiles
             assert counters["stats"]["unique_graphs"] > 0  # dynamo did capture the layers
             if "pipeline" in case:
                 assert trainer.state.log_history[-1]["rapidfire/pipelined_steps"] > 0
@@ -156,3 +157,25 @@ def test_liger_keeps_per_token_logprobs():
     }
     with pytest.raises(ValueError, match="per-token log-probs"):
         liger_kwargs({"fused_linear_cross_entropy": True})
+    # compiled layers: RoPE from the compiler (Liger's runs under torch.compiler.disable), unless asked for
+    assert liger_kwargs(None, compiled=True)["rope"] is False
+    assert liger_kwargs({"rope": True}, compiled=True)["rope"] is True
+    assert "rope" not in liger_kwargs(None)  # Liger's default (on)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_full_mask_is_the_mask_transformers_builds(tokenizer, padded):
+    """The [B, 1, L, L] mask compiled layers always get gives the hidden states of transformers' own path,
+    bit for bit: with padding (transformers then builds that mask) and without (it then drops the mask)."""
+    from rapidfire_hf.ppo.modeling import sequence_inputs
+
+    model = build_tiny_llama(tokenizer).eval()
+    qr = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [0, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 11, 12]])
+    qr = qr if padded else qr[2:]
+    plain, full = sequence_inputs(qr, 0), sequence_inputs(qr, 0, full_mask=True)
+    assert full["attention_mask"].shape == (qr.shape[0], 1, 8, 8)
+    with torch.no_grad():
+        a = model.model(**plain, use_cache=False).last_hidden_state
+        b = model.model(**full, use_cache=False).last_hidden_state
+    real = plain["attention_mask"]
+    assert torch.equal(a[real], b[real])  # pad positions are never read

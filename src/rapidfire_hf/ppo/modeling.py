@@ -36,12 +36,25 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder, head
 
 
-def sequence_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
+def sequence_inputs(
+    query_responses: torch.Tensor, pad_token_id: int, full_mask: bool = False
+) -> dict[str, torch.Tensor]:
     """Attention mask, position ids and input ids of left-padded prompt+response rows (TRL 1.12's convention:
-    every pad token is masked out and positions count real tokens only)."""
+    every pad token is masked out and positions count real tokens only).
+
+    Args:
+        full_mask: give the ``[B, 1, L, L]`` boolean causal-and-padding mask that transformers' SDPA path
+            builds from the ``[B, L]`` one when a row is padded, for every batch. transformers drops the mask
+            (``is_causal`` attention) when no token is padded, so compiled decoder layers would see ``None``
+            one batch and a tensor the next: a recompilation, possibly inside a timed update. SDPA models only.
+    """
     attention_mask = query_responses != pad_token_id
     position_ids = attention_mask.cumsum(1) - attention_mask.long()
     input_ids = query_responses.masked_fill(~attention_mask, 0)
+    if full_mask:
+        n = query_responses.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=query_responses.device).tril()
+        attention_mask = causal[None, None] & attention_mask[:, None, None, :]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
@@ -138,6 +151,7 @@ class PolicyAndValue(nn.Module):
         self.policy = policy
         self.value_model = value_model
         self.value_head = value_head
+        self.full_mask = False  # see sequence_inputs; set by the trainer when its layers are compiled
 
     @property
     def fused(self) -> bool:
@@ -152,7 +166,7 @@ class PolicyAndValue(nn.Module):
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns ``(logprobs [B, R], values [B, R], entropy [B, R] or None)`` for the response part."""
-        inputs = sequence_inputs(query_responses, pad_token_id)
+        inputs = sequence_inputs(query_responses, pad_token_id, self.full_mask)
         decoder, lm_head = causal_lm_parts(self.policy)
         hidden = decoder(**inputs, use_cache=False, return_dict=True).last_hidden_state
         resp_hidden = hidden[:, context_length - 1 : -1]
@@ -197,10 +211,11 @@ def policy_logprobs(
     pad_token_id: int,
     context_length: int,
     temperature: float,
+    full_mask: bool = False,
 ) -> torch.Tensor:
     """Response log-probs of a frozen causal LM (the reference policy). [B, R]"""
     decoder, lm_head = causal_lm_parts(model)
-    inputs = sequence_inputs(query_responses, pad_token_id)
+    inputs = sequence_inputs(query_responses, pad_token_id, full_mask)
     hidden = decoder(**inputs, use_cache=False, return_dict=True).last_hidden_state
     responses = query_responses[:, context_length:]
     return response_logprobs(hidden[:, context_length - 1 : -1], lm_head, responses, temperature)[0]

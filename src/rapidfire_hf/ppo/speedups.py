@@ -114,9 +114,11 @@ def check_liger_usable(device: torch.device) -> None:
         )
 
 
-def liger_kwargs(config: dict | None) -> dict:
+def liger_kwargs(config: dict | None, compiled: bool = False) -> dict:
     """Liger options from ``TrainingArguments.liger_kernel_config``, with the fused (linear) cross-entropy
-    off: PPO needs per-token log-probs, which a fused loss never materialises.
+    off: PPO needs per-token log-probs, which a fused loss never materialises. With compiled layers, RoPE
+    stays with the compiler unless the config asks for Liger's: Liger routes its RoPE through a dispatcher
+    under ``torch.compiler.disable``, a graph break in every layer, and inductor fuses RoPE itself.
 
     Raises:
         ValueError: the config turns a cross-entropy kernel on.
@@ -129,6 +131,8 @@ def liger_kwargs(config: dict | None) -> dict:
             "Liger's fused cross-entropy kernels replace by a loss. Leave them off (RMSNorm, SwiGLU and RoPE "
             "are patched)."
         )
+    if compiled:
+        config.setdefault("rope", False)
     return {**config, **{k: False for k in _LIGER_FORCED_OFF}}
 
 
@@ -142,8 +146,11 @@ def _liger_module_count(model: nn.Module) -> int:
     return n
 
 
-def apply_liger(models: dict[str, nn.Module | None], config: dict | None, patches: KernelPatches) -> None:
-    """Patch each distinct transformers model in ``models`` (role -> model) with Liger's kernels, once.
+def apply_liger(
+    models: dict[str, nn.Module | None], config: dict | None, patches: KernelPatches, compiled: bool = False
+) -> None:
+    """Patch each distinct transformers model in ``models`` (role -> model) with Liger's kernels, once
+    (``compiled``: the layers will be compiled, see :func:`liger_kwargs`).
 
     A model whose modules already run Liger's kernels (patched before, by this trainer or by the user)
     is left as it is. Records in ``patches`` which instance ``forward`` changed.
@@ -154,7 +161,7 @@ def apply_liger(models: dict[str, nn.Module | None], config: dict | None, patche
     """
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    kwargs = liger_kwargs(config)
+    kwargs = liger_kwargs(config, compiled)
     targets = distinct_models(models)
     for role, base in targets.items():  # every check before the first patch
         model_type = getattr(getattr(base, "config", None), "model_type", None)
@@ -189,7 +196,12 @@ def apply_liger(models: dict[str, nn.Module | None], config: dict | None, patche
             after = m.__dict__.get("forward")
             if after is not fwd:
                 patches._forwards.append((m, fwd, after))
-        patches.liger[role] = {"model_type": model_type, "liger_modules": count, "already_patched": False}
+        patches.liger[role] = {
+            "model_type": model_type,
+            "liger_modules": count,
+            "already_patched": False,
+            "options": {k: v for k, v in kwargs.items() if k in accepted},
+        }
         logger.info("rapidfire: Liger kernels on the %s (%s): %d modules", role, model_type, count)
 
 
@@ -229,6 +241,22 @@ def compile_layers(
             patches._layers.append((layer, layer._compiled_call_impl))
         patches.compiled[role] = n
         logger.info("rapidfire: compiled %d decoder layers of the %s (%s)", n, role, options or "inductor")
+
+
+def all_sdpa(models: dict[str, nn.Module | None]) -> bool:
+    """Whether every model attends through SDPA (the models :func:`sequence_inputs`' full mask is for)."""
+    kinds = {
+        role: getattr(getattr(base, "config", None), "_attn_implementation", None)
+        for role, base in distinct_models(models).items()
+    }
+    if any(k != "sdpa" for k in kinds.values()):
+        logger.info(
+            "rapidfire: compiled layers with attention %s: batches with and without padding compile "
+            "separate graphs (transformers drops the mask of unpadded batches)",
+            kinds,
+        )
+        return False
+    return True
 
 
 def _raise_recompile_limit(limit: int) -> None:

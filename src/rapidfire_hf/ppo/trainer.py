@@ -49,7 +49,13 @@ from rapidfire_hf.ppo.modeling import (
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
 from rapidfire_hf.ppo.recovery import OOMRecoveryMixin
 from rapidfire_hf.ppo.reporting import ReportingMixin
-from rapidfire_hf.ppo.speedups import KernelPatches, apply_liger, check_liger_usable, compile_layers
+from rapidfire_hf.ppo.speedups import (
+    KernelPatches,
+    all_sdpa,
+    apply_liger,
+    check_liger_usable,
+    compile_layers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,9 +195,10 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         self.kernel_patches = KernelPatches()
         roles = {"policy": policy, "value_model": value_model, "ref_model": self.ref_model}
         if args.use_liger_kernel:
-            apply_liger(roles, args.liger_kernel_config, self.kernel_patches)
+            apply_liger(roles, args.liger_kernel_config, self.kernel_patches, compiled=args.torch_compile)
         if args.torch_compile:
             compile_layers(roles, args.torch_compile_backend, args.torch_compile_mode, self.kernel_patches)
+            module.full_mask = all_sdpa(roles)  # one mask kind for the compiled layers: no recompiles
 
         self.train_dataset = prepare_prompt_dataset(
             train_dataset, tok, args.dataset_text_field, args.max_prompt_length
@@ -598,7 +605,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         ):
             for i in range(0, qr.shape[0], step):
                 chunk = qr[i : i + step]
-                ref_lp.append(policy_logprobs(ref, chunk, pad, ctx, args.temperature))
+                ref_lp.append(policy_logprobs(ref, chunk, pad, ctx, args.temperature, unwrapped.full_mask))
                 values.append(self._values(unwrapped, chunk, ctx))
                 if self.reward_model is not None:
                     scores.append(reward_model_scores(self.reward_model, post_qr[i : i + step], pad, ctx))
@@ -624,11 +631,13 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
     def _values(self, unwrapped: PolicyAndValue, query_responses, ctx):
         if not unwrapped.fused:
             return value_positions(
-                unwrapped.value_model, sequence_inputs(query_responses, self.pad_token_id), ctx
+                unwrapped.value_model,
+                sequence_inputs(query_responses, self.pad_token_id, unwrapped.full_mask),
+                ctx,
             )
         decoder, _ = causal_lm_parts(unwrapped.policy)
         hidden = decoder(
-            **sequence_inputs(query_responses, self.pad_token_id), use_cache=False
+            **sequence_inputs(query_responses, self.pad_token_id, unwrapped.full_mask), use_cache=False
         ).last_hidden_state
         return unwrapped.value_head(hidden[:, ctx - 1 : -1])
 
