@@ -77,6 +77,47 @@ def run_one(cfg: dict, out_dir: Path, timeout: int) -> dict:
     return {**cfg, "status": status, "error": tail}
 
 
+def parse_variant(text: str) -> dict:
+    """One speed-up variant of our trainer: "base", or knobs joined by "+": "liger", "compile", "m<N>"
+    (micro-batch N). E.g. "liger+compile+m32"."""
+    knobs = {"liger": False, "compile": False, "micro": None}
+    for part in [x for x in text.split("+") if x and x != "base"]:
+        if part in ("liger", "compile"):
+            knobs[part] = True
+        elif part.startswith("m") and part[1:].isdigit() and int(part[1:]) > 0:
+            knobs["micro"] = int(part[1:])
+        else:
+            raise argparse.ArgumentTypeError(
+                f"unknown variant knob {part!r} in {text!r}: use base, liger, compile, m<N> joined by '+'"
+            )
+    return knobs
+
+
+def variant_list(text: str) -> list[dict]:
+    return [parse_variant(v) for v in text.split(",") if v]
+
+
+def with_variant(row: dict, knobs: dict, args) -> dict:
+    """A throughput row of ours with a speed-up variant: the knobs recorded in the row, a name suffix
+    (_liger, _compile, _m<N>; none for the baseline) and, with compile, the backend and mode."""
+    micro = min(knobs["micro"], row["batch"]) if knobs["micro"] else row["micro"]  # smoke: batch 8
+    suffix = ("_liger" if knobs["liger"] else "") + ("_compile" if knobs["compile"] else "")
+    suffix += f"_m{micro}" if knobs["micro"] else ""
+    tags = [k for k in ("liger", "compile") if knobs[k]] + ([f"m{micro}"] if knobs["micro"] else [])
+    out = {
+        **row,
+        "name": row["name"] + suffix,
+        "micro": micro,
+        "variant": "+".join(tags) or "base",
+        "liger": knobs["liger"],
+        "compile": knobs["compile"],
+        "rollout_decode_mode": args.ours_decode_mode,
+    }
+    if knobs["compile"]:
+        out.update(compile_backend=args.ours_compile_backend, compile_mode=args.ours_compile_mode)
+    return out
+
+
 def configs(args) -> list[dict]:
     rows = []
     parts = set(args.part)
@@ -92,19 +133,17 @@ def configs(args) -> list[dict]:
         if "throughput" not in parts:
             break
         for b in batches:
-            rows.append(
-                {
-                    **common,
-                    "system": system,
-                    "value_mode": "separate",
-                    "batch": b,
-                    "name": f"tp_{system}_b{b}",
-                }
-            )
+            row = {
+                **common,
+                "system": system,
+                "value_mode": "separate",
+                "batch": b,
+                "name": f"tp_{system}_b{b}",
+            }
+            rows += [row] if system == "trl" else [with_variant(row, v, args) for v in args.ours_variants]
     for b in args.fused_batches if "throughput" in parts else []:
-        rows.append(
-            {**common, "system": "rapidfire", "value_mode": "fused", "batch": b, "name": f"tp_fused_b{b}"}
-        )
+        row = {**common, "system": "rapidfire", "value_mode": "fused", "batch": b, "name": f"tp_fused_b{b}"}
+        rows += [with_variant(row, v, args) for v in args.fused_variants]
     learn = dict(
         shape=args.learn_shape,
         prompt_len=args.learn_prompt_len,
@@ -182,14 +221,24 @@ def plot(rows: list[dict], path: Path) -> None:
     size = [r for r in rows if r.get("part") == "size7b"]
     fig, axes = plt.subplots(1, 4 if size else 3, figsize=(21 if size else 16, 4.2))
     tp = [r for r in rows if r["part"] == "throughput"]
-    for label, keep in (
-        ("stock TRL 1.12", lambda r: r["system"] == "trl"),
-        (
-            "rapidfire (separate value)",
-            lambda r: r["system"] == "rapidfire" and r["value_mode"] == "separate",
-        ),
-        ("rapidfire (fused value)", lambda r: r["system"] == "rapidfire" and r["value_mode"] == "fused"),
-    ):
+    series = [("stock TRL 1.12", lambda r: r["system"] == "trl")]
+    for mode in ("separate", "fused"):
+        # one line per speed-up variant of ours (--ours-variants), the baseline first
+        ours = [r for r in tp if r["system"] == "rapidfire" and r["value_mode"] == mode]
+        variants = sorted({r.get("variant", "base") for r in ours} | {"base"}, key=lambda v: (v != "base", v))
+        for v in variants:
+            label = f"rapidfire ({mode} value)" + (f" [{v}]" if v != "base" else "")
+            series.append(
+                (
+                    label,
+                    lambda r, mode=mode, v=v: (
+                        r["system"] == "rapidfire"
+                        and r["value_mode"] == mode
+                        and r.get("variant", "base") == v
+                    ),
+                )
+            )
+    for label, keep in series:
         ok = [r for r in tp if keep(r) and r.get("status") == "ok"]
         failed = [r for r in tp if keep(r) and r.get("status") != "ok"]
         line = axes[0].plot(
@@ -316,9 +365,13 @@ def write_outputs(out: Path, rows: list[dict], env: dict) -> None:
         "value_mode",
         "peft",
         "batch",
+        "variant",
+        "micro",
         "status",
         "s_per_update",
         "gen_share",
+        "score_s",
+        "train_s",
         "peak_gib",
         "tokens_per_s",
         "trainable_params",
@@ -415,7 +468,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rollout-backend", default="auto", choices=["auto", "static", "hf"], help="our rollout engine"
     )
+    ours = p.add_argument_group(
+        "speed-ups of our trainer (throughput part; TRL rows keep --micro and stock settings)",
+        "Each of our throughput rows runs once per variant. Without --ours-variants, the single variant "
+        "the three switches below describe (none: the baseline, named as before).",
+    )
+    ours.add_argument("--ours-liger", action="store_true", help="use_liger_kernel=True (CUDA only)")
+    ours.add_argument("--ours-compile", action="store_true", help="torch_compile=True: each decoder layer")
+    ours.add_argument("--ours-micro", type=int, default=None, help="micro-batch of ours (default --micro)")
+    ours.add_argument(
+        "--ours-variants",
+        type=variant_list,
+        default=None,
+        help="comma-separated variants, each 'base' or knobs joined by '+': liger, compile, m<N>; e.g. "
+        "'base,liger,compile,liger+compile,m32' (names get _liger, _compile, _m<N>)",
+    )
+    ours.add_argument(
+        "--fused-variants",
+        type=variant_list,
+        default=None,
+        help="for the fused rows (default: --ours-variants)",
+    )
+    ours.add_argument(
+        "--ours-compile-backend",
+        default=None,
+        help="torch_compile_backend (default inductor; --smoke: aot_eager)",
+    )
+    ours.add_argument("--ours-compile-mode", default=None, help="torch_compile_mode (default: torch's)")
+    ours.add_argument(
+        "--ours-decode-mode",
+        default="auto",
+        choices=["auto", "compile", "cuda_graph", "eager"],
+        help="rollout_decode_mode of ours (auto: the compiled decode step, ~25 s of compilation per "
+        "configuration; cuda_graph: recorded uncompiled, no compilation, slower decode)",
+    )
     args = p.parse_args(argv)
+    if args.ours_variants is None:
+        if args.ours_micro is not None and args.ours_micro < 1:
+            p.error("--ours-micro must be >= 1")
+        args.ours_variants = [
+            {"liger": args.ours_liger, "compile": args.ours_compile, "micro": args.ours_micro}
+        ]
+    elif args.ours_liger or args.ours_compile or args.ours_micro is not None:
+        p.error("--ours-variants replaces --ours-liger/--ours-compile/--ours-micro: give one or the others")
+    if args.fused_variants is None:
+        args.fused_variants = args.ours_variants
     unknown = set(args.part) - set(PARTS)
     if unknown:
         p.error(f"unknown --part {sorted(unknown)}; choose from {', '.join(PARTS)}")
@@ -425,6 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.trl_batches, args.our_batches, args.fused_batches = [8], [8], [8]
         args.learn_updates, args.learn_batch, args.learn_prompt_len, args.learn_response_len = 3, 8, 8, 8
         args.size_shape, args.size_prompt_len, args.size_response_len, args.size_micro = "smoke", 8, 8, 4
+        if args.ours_compile_backend is None:  # inductor on a 2-core CPU takes minutes per graph
+            args.ours_compile_backend = "aot_eager"
     return args
 
 
@@ -444,6 +543,8 @@ def main() -> None:
         row = run_one(cfg, out, cfg.pop("timeout", args.timeout))
         rows.append(row)
         keys = ("name", "status", "s_per_update", "gen_share", "peak_gib", "tokens_per_s")
+        if row.get("score_s") is not None:
+            keys += ("score_s", "train_s")
         if cfg["part"] == "learning":
             keys += ("reward_first", "reward_max", "reward_last5")
         brief = {k: row.get(k) for k in keys}

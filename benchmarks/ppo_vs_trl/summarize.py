@@ -43,6 +43,7 @@ def main() -> None:
     fields = [
         "system",
         "value_mode",
+        "variant",
         "decode",
         "batch",
         "tokens_per_s",
@@ -54,7 +55,10 @@ def main() -> None:
     with open(folder / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
-        for r in sorted(rows, key=lambda r: (r["system"], r["value_mode"], str(r["decode"]), r["batch"])):
+        key = ("system", "value_mode", "variant", "decode", "batch")
+        for r in sorted(
+            rows, key=lambda r: tuple(str(r.get(k, "base")) if k != "batch" else r[k] for k in key)
+        ):
             w.writerow(r)
     import matplotlib
 
@@ -64,6 +68,8 @@ def main() -> None:
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         name = LABELS[(r["system"], r["value_mode"])] + (f" ({r['decode']})" if r["decode"] else "")
+        if r.get("variant", "base") != "base":  # run.py --ours-variants: liger, compile, m<N> (own series)
+            name += f" [{r['variant']}]"
         series.setdefault(name, []).append((r["batch"], r["tokens_per_s"]))
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, pts in sorted(series.items()):

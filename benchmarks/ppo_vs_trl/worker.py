@@ -309,6 +309,22 @@ def run_trl(cfg: dict, device: str) -> dict:
     }
 
 
+def speedup_args(cfg: dict) -> dict:
+    """PPOConfig switches of a speed-up variant (run.py --ours-*); none for a row without them, so the
+    baseline runs exactly as before."""
+    out = {}
+    if cfg.get("rollout_decode_mode", "auto") != "auto":
+        out["rollout_decode_mode"] = cfg["rollout_decode_mode"]
+    if cfg.get("liger"):
+        out["use_liger_kernel"] = True
+    if cfg.get("compile"):
+        out["torch_compile"] = True
+        for key in ("compile_backend", "compile_mode"):
+            if cfg.get(key):
+                out[f"torch_{key}"] = cfg[key]
+    return out
+
+
 def build_ours(cfg: dict, device: str):
     """Our PPOTrainer on the benchmark's models and data (also used by profile_ours.py)."""
     from rapidfire_hf import PPOConfig, PPOTrainer
@@ -321,6 +337,7 @@ def build_ours(cfg: dict, device: str):
         disable_tqdm=True,
         rollout_backend=cfg.get("rollout_backend", "auto"),
         **({"rapidfire_config": cfg["rapidfire_config"]} if cfg.get("rapidfire_config") else {}),
+        **speedup_args(cfg),
     )
     trainer = PPOTrainer(
         args=args,
@@ -346,7 +363,11 @@ def run_ours(cfg: dict, device: str) -> dict:
     logs = [h for h in trainer.state.log_history if "time/update" in h]
     extra = {}
     if cfg["part"] == "learning":
-        clip = trainer.args.max_grad_norm if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0 else None
+        clip = (
+            trainer.args.max_grad_norm
+            if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0
+            else None
+        )
         extra["optimizer_settings"] = optimizer_settings(trainer.optimizer, trainer.lr_scheduler, clip)
         extra["stats"] = learning_stats(logs, trainer.reward_model)
     return {
@@ -361,6 +382,7 @@ def run_ours(cfg: dict, device: str) -> dict:
         "trainable_params": trainable,
         "build_s": trainer.build_s,
         "oom_splits": trainer._oom_splits,
+        "speedups": trainer.kernel_patches.summary(),
     }
 
 
@@ -373,9 +395,11 @@ def main() -> None:
         out = run_trl(cfg, device) if cfg["system"] == "trl" else run_ours(cfg, device)
     except Exception as e:  # written as a row (OOM included), so the runner records it and goes on
         oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        # Liger's kernels are Triton kernels: on a CPU (smoke) the trainer refuses them, a skip, not a failure
+        skipped = cfg.get("liger") and device != "cuda" and "needs a CUDA GPU" in str(e)
         row = {
             **cfg,
-            "status": "oom" if oom else "error",
+            "status": "skipped" if skipped else ("oom" if oom else "error"),
             "error": f"{type(e).__name__}: {e}"[:600],
             "traceback": traceback.format_exc()[-2500:],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
@@ -385,17 +409,27 @@ def main() -> None:
         row.pop("shape_kwargs", None)
         with open(result_path, "w") as f:
             json.dump(row, f)
+        if skipped:
+            print(f"skipped: {e}", flush=True)
+            return
         traceback.print_exc()
         sys.exit(1)
     timed = out["update_times"][1:] or out["update_times"]  # the first update includes warm-up/compilation
     gens = out["gen_times"][1:] or out["gen_times"]
     s = statistics.median(timed)
+    # ours: scoring and training time of the timed updates (what the speed-up variants change)
+    phases = {
+        f"{k}_s": statistics.median(out[f"{k}_times"][1:] or out[f"{k}_times"])
+        for k in ("score", "train")
+        if out.get(f"{k}_times")
+    }
     row = {
         **cfg,
         **out,
         "status": "ok",
         "s_per_update": s,
         "gen_share": statistics.median(gens) / s if gens else None,
+        **phases,
         "tokens_per_s": cfg["batch"] * (cfg["prompt_len"] + cfg["response_len"]) / s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         **({"gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30} if device == "cuda" else {}),
