@@ -8,7 +8,7 @@ significant bits, a relative step of 2^-8 = 0.4%). Liger and inductor round diff
 (Liger's RMSNorm and inductor's fused kernels keep fp32 intermediates), so bit equality is not expected;
 a wrong kernel (a RoPE on the wrong positions, a mask dropped) is off by O(0.1..1).
 
-About a minute on an H200, most of it inductor compiling the tiny layers (forward, backward, no-grad).
+1-3 minutes on an H200, most of it inductor compiling the tiny layers (forward, backward, no-grad).
 """
 
 from __future__ import annotations
