@@ -63,15 +63,21 @@ def run_one(cfg: dict, out_dir: Path, timeout: int) -> dict:
         if not trl_path:
             return {**cfg, "status": "skipped", "error": "TRL112_PATH is not set (trl 1.12.0 install dir)"}
         env["PYTHONPATH"] = trl_path + os.pathsep + env.get("PYTHONPATH", "")
-    result_file = Path(tempfile.gettempdir()) / f"ppo_vs_trl_row_{cfg['name']}.json"
-    result_file.unlink(missing_ok=True)
+    # a file of its own: runs of one configuration name in parallel (e.g. at two learning rates) must not
+    # read each other's rows
+    fd, name = tempfile.mkstemp(prefix=f"ppo_vs_trl_row_{cfg['name']}_", suffix=".json")
+    os.close(fd)
+    result_file = Path(name)
+    result_file.unlink()
     cmd = [sys.executable, str(HERE / "worker.py"), json.dumps(cfg), str(result_file)]
     try:
         proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
         return {**cfg, "status": "timeout", "error": f"over {timeout} s"}
     if result_file.is_file():
-        return json.loads(result_file.read_text())
+        row = json.loads(result_file.read_text())
+        result_file.unlink()
+        return row
     tail = (proc.stdout + proc.stderr)[-1500:]
     status = "oom" if "OutOfMemoryError" in tail or "out of memory" in tail else "error"
     return {**cfg, "status": status, "error": tail}
