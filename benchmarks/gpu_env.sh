@@ -3,6 +3,7 @@
 # when carried: torchao 0.17.0, the release built for torch 2.11, for the FP8 benchmark) into /tmp/site,
 # which that machine lacks, and puts the checkout and /tmp/site on PYTHONPATH.
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-ds/*.whl \
-  $(ls .whl-ao/*.whl 2>/dev/null) 2>&1 | tail -2
+# a wheel folder not carried is left out (the carried paths must stay under 64 MiB in all)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl .whl-ds/*.whl \
+  .whl-ao/*.whl 2>/dev/null) 2>&1 | tail -2
 export PYTHONPATH=$PWD/src:$PWD:/tmp/site

@@ -4,7 +4,7 @@
 #     batch 256, default (compiled) decode, in one run.py run (issue 4: the best configurations side by side).
 #   GPU 1 (cores 16-31): FP8 end to end on the 1.1B shape with bf16 weights (call 3 used fp32 master weights
 #     there, and FP8 was slower than compiled bf16), then ours separate with per-layer compile at batch 256.
-# Carry: .whl .whl-ds .whl-ao .whl-trl112. Results: $OUT/s5call4.tgz.
+# Carry: .whl .whl-ao .whl-trl112 (DeepSpeed is not needed; all four exceed the 64 MiB carry limit). Results: $OUT/s5call4.tgz.
 set -u
 T0=$(date +%s)
 elapsed() { echo $(($(date +%s) - T0)); }
