@@ -3,8 +3,9 @@
     python benchmarks/ppo_vs_trl/summarize.py [--results benchmarks/ppo_vs_trl/results]
 
 Reads the row files that run.py wrote (results.json, trl_large_batches.json, ours_compiled_decode.json, fused_b256_compiled.json,
-any other *.json with "rows"), keeps the throughput rows, and writes summary.csv and summary.png:
-tokens/s against rollout batch per system, each row labelled with the run it came from.
+any other *.json with "rows", and the results.json of every sub-folder), keeps the throughput rows, and writes
+summary.csv and summary.png: tokens/s against rollout batch per system, each row labelled with the run it came
+from (the chart shows the latest run of a point that was measured more than once).
 """
 
 from __future__ import annotations
@@ -21,17 +22,24 @@ LABELS = {
 }
 
 
+def _decode(row: dict, path: Path) -> str | None:
+    if row["system"] != "rapidfire":
+        return None
+    mode = row.get("rollout_decode_mode")  # recorded by run.py since the speed-up variants
+    if mode is not None:
+        return "CUDA-graph decode" if mode == "cuda_graph" else f"{'compiled' if mode != 'eager' else 'eager'} decode"
+    # older rows: runs with the compiled decode step (decode_mode "auto" on GPU) are stored as *compiled*.json
+    return "compiled decode" if "compiled" in path.stem else "CUDA-graph decode"
+
+
 def load_rows(folder: Path) -> list[dict]:
     rows = []
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/results.json")):
         data = json.loads(path.read_text())
         for row in data.get("rows", []) if isinstance(data, dict) else []:
             if row.get("part") == "throughput" and row.get("status") == "ok":
-                # runs with the compiled decode step (decode_mode "auto" on GPU) are stored as *compiled*.json
-                decode = "compiled decode" if "compiled" in path.stem else None
-                if row["system"] == "rapidfire" and decode is None:
-                    decode = "CUDA-graph decode"
-                rows.append({**row, "source": path.name, "decode": decode})
+                source = str(path.relative_to(folder))
+                rows.append({**row, "source": source, "decode": _decode(row, path)})
     return rows
 
 
@@ -70,12 +78,17 @@ def main() -> None:
         name = LABELS[(r["system"], r["value_mode"])] + (f" ({r['decode']})" if r["decode"] else "")
         if r.get("variant", "base") != "base":  # run.py --ours-variants: liger, compile, m<N> (own series)
             name += f" [{r['variant']}]"
-        series.setdefault(name, []).append((r["batch"], r["tokens_per_s"]))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, pts in sorted(series.items()):
-        pts.sort()
+        series.setdefault(name, []).append((r["batch"], r["tokens_per_s"], r.get("date") or ""))
+    for name, pts in series.items():  # one point per batch: the latest run (the CSV keeps them all)
+        latest = {}
+        for b, t, _date in sorted(pts, key=lambda p: p[2]):
+            latest[b] = (b, t)
+        series[name] = sorted(latest.values())
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(16, 6), gridspec_kw={"width_ratios": [1, 1.1]})
+    lines = [(n, pts) for n, pts in sorted(series.items()) if "[" not in n]  # variants: right panel only
+    for i, (name, pts) in enumerate(lines):
         style = "--" if name.startswith("stock") else "-"
-        ax.plot([b for b, _ in pts], [t for _, t in pts], style, marker="o", label=name)
+        ax.plot([b for b, _ in pts], [t for _, t in pts], style, marker="o", label=name, color=f"C{i % 10}")
         for b, t in pts:
             ax.annotate(
                 f"{t:,.0f}", (b, t), textcoords="offset points", xytext=(0, 5), fontsize=7, ha="center"
@@ -86,6 +99,22 @@ def main() -> None:
     ax.set_title("PPO on one H200: 1.1B Llama shape, 128 + 384 tokens, 1 epoch, micro-batch 8")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    # right: every configuration at the largest batch that stock TRL ran, as a multiple of stock TRL there
+    top = max((b for pts in series.values() for b, _ in pts), default=None)
+    bars = sorted(((t, name) for name, pts in series.items() for b, t in pts if b == top))
+    trl = next((t for t, name in bars if name.startswith("stock")), None)
+    if bars:
+        ys = range(len(bars))
+        colors = ["C7" if n.startswith("stock") else ("C1" if "fused" in n else "C0") for _, n in bars]
+        bx.barh(list(ys), [t for t, _ in bars], color=colors)
+        bx.set_yticks(list(ys), [n.replace("rapidfire, ", "") for _, n in bars], fontsize=7)
+        for y, (t, _) in zip(ys, bars):
+            label = f" {t:,.0f}" + (f"  ({t / trl:.2f}x)" if trl else "")
+            bx.text(t, y, label, va="center", fontsize=7)
+        bx.set_xlim(0, max(t for t, _ in bars) * 1.25)
+        bx.set_xlabel("tokens / s")
+        bx.set_title(f"rollout batch {top}: every configuration (x: stock TRL at batch {top})")
+        bx.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(folder / "summary.png", dpi=110)
     print(f"wrote {folder / 'summary.csv'} and summary.png ({len(rows)} rows)")
