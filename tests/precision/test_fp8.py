@@ -60,7 +60,11 @@ def test_float8_linear_falls_back_for_shapes_scaled_mm_rejects():
 
 def test_candidates_and_refusal_on_cpu():
     model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 1000), nn.Linear(64, 64))
-    assert fp8_candidates(model) == ["0"]  # 1000 is not a multiple of 16, 64 is too small
+    # 1000 is not a multiple of 16, 64 is too small
+    assert fp8_candidates(model, min_features=1024) == ["0"]
+    # the default threshold (4096) leaves 2048-wide layers alone (FP8 lost end to end at that width on an H200)
+    assert fp8_candidates(model) == []
+    assert fp8_candidates(nn.Sequential(nn.Linear(4096, 11008), nn.Linear(2048, 5632))) == ["0"]
     ok, why = fp8_support("cpu")
     assert not ok and "compute capability >= 8.9" in why and "cpu" in why
     with pytest.raises(RuntimeError, match="compute capability"):
@@ -136,7 +140,7 @@ def test_bad_backend_or_recipe_is_a_value_error(backend, recipe, match):
 def test_enable_fp8_auto_without_torchao_uses_our_layer(without_torchao, monkeypatch):
     monkeypatch.setattr(fp8_module, "fp8_support", lambda device=None: (True, ""))
     model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 64))
-    assert enable_fp8(model) == ["0"]
+    assert enable_fp8(model, min_features=1024) == ["0"]
     assert type(model[0]) is Float8Linear and type(model[1]) is nn.Linear
 
 
@@ -174,7 +178,7 @@ def test_enable_fp8_on_gpu_converts_large_linears_or_explains():
         return
     x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
     ref = model(x)
-    assert enable_fp8(model, backend="scaled_mm") == ["0", "2"]
+    assert enable_fp8(model, backend="scaled_mm", min_features=1024) == ["0", "2"]
     assert isinstance(model[0], Float8Linear)
     out = model(x)
     out.float().pow(2).mean().backward()
@@ -288,7 +292,7 @@ def test_weight_cache_needs_clearing_after_writes_through_data():
 def test_enable_fp8_passes_cache_weights(monkeypatch):
     model = nn.Sequential(nn.Linear(2048, 2048))
     monkeypatch.setattr(fp8_module, "fp8_support", lambda device=None: (True, ""))
-    assert enable_fp8(model, backend="scaled_mm", cache_weights=True) == ["0"]
+    assert enable_fp8(model, backend="scaled_mm", cache_weights=True, min_features=1024) == ["0"]
     assert isinstance(model[0], Float8Linear) and model[0].cache_weight
 
 
@@ -304,7 +308,7 @@ def test_enable_fp8_torchao_on_gpu(recipe):
     x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
     ref = model(x).detach()
     weight = model[0].weight
-    assert enable_fp8(model, backend="torchao", recipe=recipe) == ["0", "2"]
+    assert enable_fp8(model, backend="torchao", recipe=recipe, min_features=1024) == ["0", "2"]
     assert type(model[0]) is not nn.Linear and model[0].weight is weight
     out = model(x)
     out.float().pow(2).mean().backward()
