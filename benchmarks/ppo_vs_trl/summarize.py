@@ -85,7 +85,8 @@ def main() -> None:
             latest[b] = (b, t)
         series[name] = sorted(latest.values())
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(16, 6), gridspec_kw={"width_ratios": [1, 1.1]})
-    lines = [(n, pts) for n, pts in sorted(series.items()) if "[" not in n]  # variants: right panel only
+    # speed-up variants measured at one batch only: right panel only
+    lines = [(n, pts) for n, pts in sorted(series.items()) if "[" not in n or len(pts) > 1]
     for i, (name, pts) in enumerate(lines):
         style = "--" if name.startswith("stock") else "-"
         ax.plot([b for b, _ in pts], [t for _, t in pts], style, marker="o", label=name, color=f"C{i % 10}")
