@@ -112,8 +112,13 @@ def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
         es = [e for e in summary if e["system"] == system and "mean" in e]
         color = f"C{i}"
         a.errorbar(
-            [e["lr"] for e in es], [e["mean"] for e in es], yerr=[e["se"] for e in es],
-            marker="o", capsize=3, color=color, label=system.removeprefix("learn_"),
+            [e["lr"] for e in es],
+            [e["mean"] for e in es],
+            yerr=[e["se"] for e in es],
+            marker="o",
+            capsize=3,
+            color=color,
+            label=system.removeprefix("learn_"),
         )
         for e in es:
             xs = [e["lr"] * (1 + 0.04 * (i - 1))] * len(e["per_seed"])
@@ -161,7 +166,12 @@ def main(argv: list[str]) -> None:
         sub.mkdir(exist_ok=True)
         run.write_outputs(sub, [r for r in rows if float(r["lr"]) == lr], env)
     summary = summarize(rows)
-    result = {"collapsed_below": COLLAPSED, "best_lr": best_lr(summary), "summary": summary, "gpu": env["gpu"]}
+    result = {
+        "collapsed_below": COLLAPSED,
+        "best_lr": best_lr(summary),
+        "summary": summary,
+        "gpu": env["gpu"],
+    }
     (out / "sweep.json").write_text(json.dumps(result, indent=1))
     keys = ["system", "lr", "runs", "ok", "mean", "sd", "se", "median", "min", "max", "collapsed"]
     with open(out / "sweep.csv", "w", newline="") as f:

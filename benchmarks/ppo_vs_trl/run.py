@@ -121,6 +121,9 @@ def with_variant(row: dict, knobs: dict, args) -> dict:
     }
     if knobs["compile"]:
         out.update(compile_backend=args.ours_compile_backend, compile_mode=args.ours_compile_mode)
+    if getattr(args, "ours_gen_chunk", None):  # rollout_generation_batch_size: prompts generated at once
+        out["rollout_generation_batch_size"] = args.ours_gen_chunk
+        out["name"] += f"_g{args.ours_gen_chunk}"
     return out
 
 
@@ -508,7 +511,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rollout_decode_mode of ours (auto: the compiled decode step, ~25 s of compilation per "
         "configuration; cuda_graph: recorded uncompiled, no compilation, slower decode)",
     )
+    ours.add_argument(
+        "--ours-gen-chunk",
+        type=int,
+        default=None,
+        help="rollout_generation_batch_size of ours: generate the rollout batch this many prompts at a time "
+        "(bounds the KV cache, for rollout batches larger than one generation fits); rows get _g<N>",
+    )
     args = p.parse_args(argv)
+    if args.ours_gen_chunk is not None and args.ours_gen_chunk < 1:
+        p.error("--ours-gen-chunk must be >= 1")
     if args.ours_variants is None:
         if args.ours_micro is not None and args.ours_micro < 1:
             p.error("--ours-micro must be >= 1")

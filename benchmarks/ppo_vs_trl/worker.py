@@ -315,6 +315,8 @@ def speedup_args(cfg: dict) -> dict:
     out = {}
     if cfg.get("rollout_decode_mode", "auto") != "auto":
         out["rollout_decode_mode"] = cfg["rollout_decode_mode"]
+    if cfg.get("rollout_generation_batch_size"):
+        out["rollout_generation_batch_size"] = cfg["rollout_generation_batch_size"]
     if cfg.get("liger"):
         out["use_liger_kernel"] = True
     if cfg.get("compile"):

@@ -420,3 +420,49 @@ def test_fused_value_head_dtype(tmp_path, tokenizer):
     assert trainer.accelerator.mixed_precision == "no" and head.summary.weight.dtype == torch.bfloat16
     fp32 = _trainer(tmp_path, tokenizer, value_mode="fused", max_steps=1)
     assert fp32.accelerator.unwrap_model(fp32.model).value_head.summary.weight.dtype == torch.float32
+
+
+def test_rollout_generation_batch_size_generates_in_chunks(tmp_path, tokenizer):
+    import copy
+
+    policy = build_tiny_llama(tokenizer)
+    value = build_tiny_value_model(tokenizer)
+    # top_k=1: every draw is the argmax, so chunked and whole-batch rollouts must give the same tokens
+    whole = _trainer(tmp_path / "a", tokenizer, copy.deepcopy(policy), copy.deepcopy(value), top_k=1)
+    chunked = _trainer(
+        tmp_path / "b",
+        tokenizer,
+        copy.deepcopy(policy),
+        copy.deepcopy(value),
+        top_k=1,
+        rollout_generation_batch_size=3,
+    )
+    batch = whole.next_prompts(0)
+    assert batch["input_ids"].shape[0] == 8  # 4 x 2 accumulation steps
+
+    def rows_seen(trainer):
+        seen = []
+
+        def hook(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is not None:
+                seen.append(ids.shape[0])
+
+        handle = trainer.policy.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            out = trainer.rollout(batch)
+        finally:
+            handle.remove()
+        return out, set(seen)
+
+    ref, ref_rows = rows_seen(whole)
+    out, rows = rows_seen(chunked)
+    assert ref_rows == {8} and rows == {3, 2}  # chunks of 3, 3 and 2 prompts
+    assert torch.equal(out.queries, ref.queries)
+    assert torch.equal(out.responses, ref.responses)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+def test_rollout_generation_batch_size_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="rollout_generation_batch_size=0: must be >= 1"):
+        _args(tmp_path, rollout_generation_batch_size=0)

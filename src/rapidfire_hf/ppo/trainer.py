@@ -566,14 +566,22 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         )
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
         # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
+        # rollout_generation_batch_size bounds the KV cache: chunks of prompts, one after the other
+        chunk = args.rollout_generation_batch_size or queries.shape[0]
+        responses, logprobs = [], []
         with (
             torch.no_grad(),
             gathered_for_generation(self.accelerator, self.model, self.policy),
             self.kernel_patches.original(),
         ):
-            out = self._rollout_engine.generate(queries, queries != self.pad_token_id, params)
+            for part in queries.split(chunk):
+                out = self._rollout_engine.generate(part, part != self.pad_token_id, params)
+                responses.append(out.responses)
+                logprobs.append(out.logprobs.float())
         extra = {k: v for k, v in batch.items() if k != "input_ids"}
-        return Rollout(queries=queries, responses=out.responses, logprobs=out.logprobs.float(), extra=extra)
+        return Rollout(
+            queries=queries, responses=torch.cat(responses), logprobs=torch.cat(logprobs), extra=extra
+        )
 
     def _rollout_backend(self) -> str:
         """The configured backend, except "hf" for sharded weights (recorded graphs would keep pointers
