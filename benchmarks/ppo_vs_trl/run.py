@@ -124,6 +124,9 @@ def with_variant(row: dict, knobs: dict, args) -> dict:
     if getattr(args, "ours_gen_chunk", None):  # rollout_generation_batch_size: prompts generated at once
         out["rollout_generation_batch_size"] = args.ours_gen_chunk
         out["name"] += f"_g{args.ours_gen_chunk}"
+    if getattr(args, "ours_score_chunk", None):  # local_rollout_forward_batch_size of ours (default: batch)
+        out["score_chunk"] = args.ours_score_chunk
+        out["name"] += f"_s{args.ours_score_chunk}"
     return out
 
 
@@ -518,9 +521,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rollout_generation_batch_size of ours: generate the rollout batch this many prompts at a time "
         "(bounds the KV cache, for rollout batches larger than one generation fits); rows get _g<N>",
     )
+    ours.add_argument(
+        "--ours-score-chunk",
+        type=int,
+        default=None,
+        help="local_rollout_forward_batch_size of ours (rows per scoring forward; default: the rollout batch, "
+        "as TRL gets); rows get _s<N>",
+    )
     args = p.parse_args(argv)
-    if args.ours_gen_chunk is not None and args.ours_gen_chunk < 1:
-        p.error("--ours-gen-chunk must be >= 1")
+    for flag in ("ours_gen_chunk", "ours_score_chunk"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.ours_variants is None:
         if args.ours_micro is not None and args.ours_micro < 1:
             p.error("--ours-micro must be >= 1")

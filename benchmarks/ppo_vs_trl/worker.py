@@ -183,7 +183,9 @@ def common_args(cfg: dict, device: str) -> dict:
         **(learn if learning else {}),
         total_episodes=cfg["batch"] * cfg["updates"],
         response_length=cfg["response_len"],
-        local_rollout_forward_batch_size=cfg["batch"],
+        # TRL generates and scores in chunks of this many rows; ours scores in them (--ours-score-chunk
+        # sets it for ours alone: at rollout batch 4096 one scoring forward over every row held 109 GiB)
+        local_rollout_forward_batch_size=cfg.get("score_chunk") or cfg["batch"],
         bf16=model_dtype(cfg, device) == torch.bfloat16,
         report_to=[],
         save_strategy="no",
