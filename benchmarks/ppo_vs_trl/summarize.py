@@ -103,9 +103,10 @@ def main() -> None:
     ax.set_ylabel("tokens / s (prompt + response)")
     ax.set_title("PPO on one H200: 1.1B Llama shape, 128 + 384 tokens, 1 epoch, micro-batch 8")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     # right: every configuration at the largest batch that stock TRL ran, as a multiple of stock TRL there
-    top = max((b for pts in series.values() for b, _ in pts), default=None)
+    trl_batches = [b for n, pts in series.items() if n.startswith("stock") for b, _ in pts]
+    top = max(trl_batches or [b for pts in series.values() for b, _ in pts], default=None)
     bars = sorted(((t, name) for name, pts in series.items() for b, t in pts if b == top))
     trl = next((t for t, name in bars if name.startswith("stock")), None)
     if bars:
