@@ -18,6 +18,7 @@ with). Writes:
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import re
 import statistics
@@ -25,9 +26,19 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-import run  # noqa: E402  (benchmarks/ppo_vs_trl/run.py: write_outputs)
+
+def _load_run():
+    """benchmarks/ppo_vs_trl/run.py (its ``write_outputs``), under a name of its own: a plain ``import run``
+    would pick up any other module called ``run`` already imported."""
+    spec = importlib.util.spec_from_file_location("ppo_vs_trl_run", HERE / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _load_run()
 
 COLLAPSED = 0.3  # a run whose last-5 reward ends below this has collapsed (pad collapse; see README)
 
