@@ -26,12 +26,8 @@ def _decode(row: dict, path: Path) -> str | None:
     if row["system"] != "rapidfire":
         return None
     mode = row.get("rollout_decode_mode")  # recorded by run.py since the speed-up variants
-    if mode is not None:
-        return (
-            "CUDA-graph decode"
-            if mode == "cuda_graph"
-            else f"{'compiled' if mode != 'eager' else 'eager'} decode"
-        )
+    if mode is not None:  # "auto" and "compile" compile the decode step
+        return {"cuda_graph": "CUDA-graph decode", "eager": "eager decode"}.get(mode, "compiled decode")
     # older rows: runs with the compiled decode step (decode_mode "auto" on GPU) are stored as *compiled*.json
     return "compiled decode" if "compiled" in path.stem else "CUDA-graph decode"
 
