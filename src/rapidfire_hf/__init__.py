@@ -21,6 +21,8 @@ _EXPORTS = {
     "MemoryCompactionCallback": "rapidfire_hf.memory",
     "AdaptivePrecisionPlugin": "rapidfire_hf.precision",
     "enable_rapidfire": "rapidfire_hf.integrations",
+    "AutoModelForCausalLMWithValueHead": "rapidfire_hf.models",
+    "AutoModelForSeq2SeqLMWithValueHead": "rapidfire_hf.models",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rapidfire_hf.config import ConfigError, RapidFireConfig, load_config  # noqa: F401
     from rapidfire_hf.integrations import enable_rapidfire  # noqa: F401
     from rapidfire_hf.memory import MemoryCompactionCallback  # noqa: F401
+    from rapidfire_hf.models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead  # noqa: F401
     from rapidfire_hf.optim import RapidFireOptimizer  # noqa: F401
     from rapidfire_hf.ppo import PPOConfig, PPOTrainer  # noqa: F401
     from rapidfire_hf.precision import AdaptivePrecisionPlugin  # noqa: F401

@@ -1,7 +1,30 @@
-"""PPO: configuration, pure math, model pieces and the trainer."""
+"""PPO: configuration, pure math, model pieces and the trainer.
 
+The names TRL 1.12's ``trl.experimental.ppo`` exported (value-head models, ``batch_generation`` and the
+masked statistics) are importable from here too.
+"""
+
+from rapidfire_hf.models import (
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    PreTrainedModelWrapper,
+)
+from rapidfire_hf.ppo.compat import batch_generation, masked_mean, masked_var, masked_whiten
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.quantized import load_quantized
 from rapidfire_hf.ppo.trainer import Experience, PPOTrainer, Rollout
 
-__all__ = ["Experience", "PPOConfig", "PPOTrainer", "Rollout", "load_quantized"]
+__all__ = [
+    "AutoModelForCausalLMWithValueHead",
+    "AutoModelForSeq2SeqLMWithValueHead",
+    "Experience",
+    "PPOConfig",
+    "PPOTrainer",
+    "PreTrainedModelWrapper",
+    "Rollout",
+    "batch_generation",
+    "load_quantized",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+]
