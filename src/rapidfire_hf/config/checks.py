@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from rapidfire_hf.config.errors import invalid_value
+from rapidfire_hf.config.errors import ConfigError, invalid_value
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -59,16 +59,21 @@ class Bool(Check):
 
 @dataclass(frozen=True)
 class Int(Check):
-    """An integer (not a bool) at least ``min``."""
+    """An integer (not a bool) at least ``min`` and, when ``max`` is set, at most ``max``."""
 
     min: int = 0
+    max: int | None = None
 
     @property
     def allowed(self) -> str:
-        return f"an integer >= {self.min}"
+        if self.max is None:
+            return f"an integer >= {self.min}"
+        return f"an integer >= {self.min} and <= {self.max}"
 
     def __call__(self, key: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < self.min:
+            self.fail(key, value)
+        if self.max is not None and value > self.max:
             self.fail(key, value)
         return value
 
@@ -81,22 +86,32 @@ class Int(Check):
 
 @dataclass(frozen=True)
 class Float(Check):
-    """A finite real number (ints accepted, bools not) in ``[low, high]``, or ``(low, high]`` if ``open_low``."""
+    """A finite real number (ints accepted, bools not) between ``low`` and ``high``.
+
+    ``open_low`` / ``open_high`` exclude the bound itself; ``high=math.inf`` means no upper bound (the
+    number must still be finite).
+    """
 
     low: float = 0.0
     high: float = 1.0
     open_low: bool = False
+    open_high: bool = False
 
     @property
     def allowed(self) -> str:
-        left = "(" if self.open_low else "["
-        return f"a number in {left}{self.low:g}, {self.high:g}]"
+        if math.isinf(self.high):
+            if math.isinf(self.low):
+                return "a finite number"
+            return f"a finite number {'>' if self.open_low else '>='} {self.low:g}"
+        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        return f"a number in {left}{self.low:g}, {self.high:g}{right}"
 
     def __call__(self, key: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             self.fail(key, value)
         too_low = value <= self.low if self.open_low else value < self.low
-        if too_low or value > self.high:
+        too_high = value >= self.high if self.open_high else value > self.high
+        if too_low or too_high:
             self.fail(key, value)
         return float(value)
 
@@ -105,6 +120,65 @@ class Float(Check):
             return float(text.strip())
         except ValueError:
             return text
+
+
+@dataclass(frozen=True)
+class Optional(Check):
+    """None, or a value ``inner`` accepts; ``none`` says what None means (shown in the error)."""
+
+    inner: Check
+    none: str = "not set"
+
+    @property
+    def allowed(self) -> str:
+        return f"{self.inner.allowed}, or None ({self.none})"
+
+    def __call__(self, key: str, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return self.inner(key, value)
+        except ConfigError:
+            self.fail(key, value)
+
+    def parse_env(self, text: str) -> Any:
+        return None if text.strip().lower() in {"none", "null"} else self.inner.parse_env(text)
+
+
+@dataclass(frozen=True)
+class Str(Check):
+    """A non-empty string."""
+
+    @property
+    def allowed(self) -> str:
+        return "a non-empty string"
+
+    def __call__(self, key: str, value: Any) -> str:
+        if not isinstance(value, str) or not value.strip():
+            self.fail(key, value)
+        return value
+
+
+@dataclass(frozen=True)
+class FloatList(Check):
+    """A non-empty list of finite numbers (each checked by ``item``)."""
+
+    item: Check = Float(-math.inf, math.inf)
+
+    @property
+    def allowed(self) -> str:
+        return "a non-empty list of finite numbers"
+
+    def __call__(self, key: str, value: Any) -> list[float]:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+            self.fail(key, value)
+        out = []
+        for item in value:
+            try:
+                out.append(self.item(key, item))
+            except ConfigError:
+                self.fail(key, value)
+        return out
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,40 @@ from typing import Any
 
 _NO_VALUE = object()
 
+# Longest quote of a user's value (or of a parser's message) an error message holds: a 273-byte YAML
+# file of nested aliases expands into a value whose repr is millions of characters.
+MAX_QUOTE = 200
+
+
+def quote(value: Any, limit: int = MAX_QUOTE) -> str:
+    """``repr(value)`` cut to ``limit`` characters (with the number left out), never the whole of a huge value.
+
+    Containers are quoted to a few levels and items (``reprlib``), so quoting a deeply shared structure
+    (a YAML alias bomb) costs little.
+    """
+    try:
+        text = _bounded_repr(value, limit)
+    except Exception:  # a user's object whose __repr__ fails still gets named
+        text = f"<{type(value).__name__} object>"
+    return clip(text, limit)
+
+
+def _bounded_repr(value: Any, limit: int) -> str:
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = short.maxlong = limit
+    short.maxlevel = 3
+    return short.repr(value)
+
+
+def clip(text: str, limit: int = MAX_QUOTE) -> str:
+    """``text`` itself when short, else its first ``limit`` characters and how many were left out."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
 
 class ConfigError(ValueError):
     """A configuration value, key, file or preset that rapidfire_hf cannot accept.
@@ -50,11 +84,11 @@ class ConfigError(ValueError):
             parts.append(f"{self.source}: ")
         if self.key:
             parts.append(f"{self.key}: ")
-        parts.append(self.problem)
+        parts.append(clip(self.problem, 4 * MAX_QUOTE))
         if self._has_value:
-            parts.append(f"; got {self.value!r} ({type(self.value).__name__})")
+            parts.append(f"; got {quote(self.value)} ({type(self.value).__name__})")
         if self.allowed:
-            parts.append(f"; allowed: {self.allowed}")
+            parts.append(f"; allowed: {clip(self.allowed, 10 * MAX_QUOTE)}")
         return "".join(parts)
 
     def _copy(self, **changes: Any) -> ConfigError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -33,6 +34,9 @@ from rapidfire_hf.config.schema import SECTIONS, DType, MemoryLevel, PrecisionMo
 ENV_PREFIX = "RAPIDFIRE_"
 SHORT_KEYS = ("gradient_pipeline", "memory_optimization", "precision")
 TOP_LEVEL_KEYS = ("preset", *SECTIONS, *(k for k in SHORT_KEYS if k not in SECTIONS))
+# Values (scalars, lists, mappings, counted as YAML aliases expand them) a config document may hold:
+# config/advanced.yaml holds about 40; a few hundred bytes of nested aliases expand to billions.
+MAX_DOCUMENT_VALUES = 10_000
 
 
 def load_config(src: Any = None, *, env: bool = True) -> RapidFireConfig:
@@ -135,7 +139,30 @@ def read_yaml(path: str | os.PathLike) -> Mapping[str, Any]:
         raise ConfigError(
             "the file must hold a mapping", value=data, allowed="a YAML mapping of sections", source=str(path)
         )
+    if count_values(data, MAX_DOCUMENT_VALUES) > MAX_DOCUMENT_VALUES:
+        raise ConfigError(
+            f"the document expands to more than {MAX_DOCUMENT_VALUES} values (nested YAML aliases?)",
+            allowed=f"a config of at most {MAX_DOCUMENT_VALUES} values, without alias expansion bombs",
+            source=str(path),
+        )
     return data
+
+
+def count_values(data: Any, limit: int) -> int:
+    """The number of values in ``data`` with shared (aliased) parts counted each time they appear.
+
+    Stops counting past ``limit``, so the cost is bounded however far the aliases would expand.
+    """
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return count
 
 
 def resolve(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -191,6 +218,30 @@ def env_variables() -> dict[str, tuple[str, str]]:
     }
 
 
+def _check_case(name: str, prefixes: tuple[str, ...], known: Mapping[str, Any]) -> None:
+    """Refuse a config variable spelled in the wrong case; warn about other ``rapidfire_*`` names.
+
+    Environment names are case-sensitive on Linux and macOS, so ``rapidfire_gradient_pipeline_depth``
+    would otherwise be ignored without a word.
+    """
+    upper = name.upper()
+    if not upper.startswith(ENV_PREFIX) or upper == name:
+        return
+    if upper.startswith(prefixes):
+        close = [upper] if upper in known else difflib.get_close_matches(upper, list(known), n=1)
+        hint = f"write {close[0]}" if close else "names are upper-case"
+        raise ConfigError(
+            f"environment variable names are case-sensitive: {name} is not read ({hint})",
+            allowed="upper-case names: " + ", ".join(known),
+            source=f"environment variable {name}",
+        )
+    warnings.warn(
+        f"environment variable {name} is not read by rapidfire_hf: names are case-sensitive "
+        f"(did you mean {upper}?)",
+        stacklevel=3,
+    )
+
+
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """The checked overrides set by ``RAPIDFIRE_<SECTION>_<KEY>`` variables, as ``{section: {key: value}}``.
 
@@ -206,6 +257,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, dict[st
     overrides: dict[str, dict[str, Any]] = {}
     for name in sorted(environ):
         if not name.startswith(prefixes):
+            _check_case(name, prefixes, known)
             continue
         source = f"environment variable {name}"
         if name not in known:

@@ -68,6 +68,12 @@ class LogLevel(str, Enum):
     ERROR = "error"
 
 
+# Upper bounds of the integer knobs: far above any useful setting, low enough that a typo (an extra
+# digit run, 10**30 from a script) is refused instead of queueing, prefetching or waiting that long.
+MAX_PIPELINE_DEPTH = 1024  # bucket steps queued on the side stream (a 7B model has ~300 parameters)
+MAX_PREFETCH = 64  # rollout batches prepared ahead, each held in memory
+MAX_STEP_INTERVAL = 1_000_000  # optimizer steps between verifications / log lines
+
 # experiment trackers logging.report_to accepts (the names transformers' `report_to` uses)
 REPORT_TARGETS = ("wandb", "tensorboard", "trackio", "mlflow", "comet_ml")
 
@@ -75,10 +81,15 @@ REPORT_TARGETS = ("wandb", "tensorboard", "trackio", "mlflow", "comet_ml")
 class RuleList(Check):
     """A list of fallback rules given as ``FallbackRule`` or ``{condition, action}`` mappings.
 
-    Environment text: rules separated by ``;``, each ``<condition> -> <action>``.
+    Environment text: rules separated by ``;``, each ``<condition> -> <action>``; ``none`` for no rules.
+    An empty text is refused rather than read as "no rules", since it would drop the default NaN/Inf rule
+    without a word (``VAR=`` in a shell script).
     """
 
-    allowed = "a list of {condition, action} mappings"
+    allowed = (
+        "a list of {condition, action} mappings (in the environment: "
+        "'<condition> -> <action>; ...', or 'none' for no rules)"
+    )
 
     def __call__(self, key: str, value: Any) -> list[FallbackRule]:
         if not isinstance(value, (list, tuple)):
@@ -92,6 +103,10 @@ class RuleList(Check):
         return rules
 
     def parse_env(self, text: str) -> Any:
+        if text.strip().lower() == "none":
+            return []
+        if not text.strip():
+            return text  # refused by __call__: not a list
         rules = []
         for part in filter(None, (p.strip() for p in text.split(";"))):
             condition, arrow, action = part.partition("->")
@@ -176,7 +191,7 @@ class GradientConfig(_Section):
         4,
         "With overlap_factor > 0: optimizer bucket steps that may be queued on the side stream at once "
         "before backward waits for them (RapidFireOptimizer's pipeline_depth).",
-        Int(min=1),
+        Int(min=1, max=MAX_PIPELINE_DEPTH),
     )
     # default 0: on the H200 (benchmarks/optimizer/results/h200_overlap) the side stream made the 1.1B
     # step slower, not faster (the optimizer kernels compete with backward's instead of hiding)
@@ -191,7 +206,7 @@ class GradientConfig(_Section):
     sync_interval: int = _field(
         1,
         "Optimizer steps between host-device syncs that verify predicted updates (1: every step).",
-        Int(min=1),
+        Int(min=1, max=MAX_STEP_INTERVAL),
     )
     bucket_mb: float = _field(
         256.0,
@@ -234,7 +249,7 @@ class MemoryConfig(_Section):
         Float(0.0, 1.0, open_low=True),
     )
     prefetch_window: int = _field(
-        2, "Batches prepared ahead of the training step (0: no prefetch).", Int(min=0)
+        2, "Batches prepared ahead of the training step (0: no prefetch).", Int(min=0, max=MAX_PREFETCH)
     )
     lowmem: LowMem = _field(
         LowMem.OFF,
@@ -280,7 +295,9 @@ class LoggingConfig(_Section):
     section: ClassVar[str] = "logging"
 
     level: LogLevel = _field(LogLevel.INFO, "Level of the rapidfire_hf Python logger.", Choice(LogLevel))
-    log_every: int = _field(10, "Optimizer steps between metric log lines.", Int(min=1))
+    log_every: int = _field(
+        10, "Optimizer steps between metric log lines.", Int(min=1, max=MAX_STEP_INTERVAL)
+    )
     report_to: list[str] = _field(
         [], "Experiment trackers to send metrics to (none by default).", StrList(REPORT_TARGETS)
     )
