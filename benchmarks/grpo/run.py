@@ -50,7 +50,7 @@ added sync); for the low-memory variants the host seconds of the rollout engine 
 benchmark does around it; the loss and reward curves.
 
 Usage:
-    python benchmarks/grpo/run.py --out benchmarks/grpo/results/h200          # GPU, all four, ~5-6 minutes
+    python benchmarks/grpo/run.py --out benchmarks/grpo/results/h200/balanced          # GPU, all four, ~5-6 minutes
     python benchmarks/grpo/run.py --out /tmp/grpo-smoke --smoke               # CPU, tiny model, ~2 minutes
     python benchmarks/grpo/run.py --out /tmp/g --variants stock,rapidfire_lowmem2   # GPU, ~3 minutes
     python benchmarks/grpo/run.py --out /tmp/g3 --variants stock,rapidfire_lowmem,rapidfire_lowmem3  # ~3.5 min
@@ -383,7 +383,7 @@ def lowmem3_settings(
             "setting": "torch._C._cuda_clearCublasWorkspaces() after each RolloutEngine.release()",
             "source": "rapidfire_hf benchmark code (lowmem.clear_cublas_workspaces), applied here",
             "effect": "frees the cuBLAS workspace (32 MiB on Hopper) that each re-recorded decode graph's "
-            "warm-up stream left behind (+0.031 GiB per step in results/h200_lowmem2). No effect on the math",
+            "warm-up stream left behind (+0.031 GiB per step in results/h200/lowmem2). No effect on the math",
         },
     ]
 

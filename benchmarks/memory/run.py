@@ -26,7 +26,7 @@ seconds and relative to that round's no-callback total. On CPU (``--smoke``) the
 
 Usage::
 
-    python benchmarks/memory/run.py --out benchmarks/memory/results/h200     # GPU, all groups, 6-7 minutes
+    python benchmarks/memory/run.py --out benchmarks/memory/results/h200/first_run     # GPU, all groups, 6-7 minutes
     python benchmarks/memory/run.py --out DIR --groups allocator/native,allocator/expandable   # 5-6 minutes
     python benchmarks/memory/run.py --out /tmp/mem-smoke --smoke             # CPU, under a minute
 

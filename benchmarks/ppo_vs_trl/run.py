@@ -442,7 +442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=3e-4,
         help="learning rate of every learning run (3e-3 was tuned on learn-tiny; on learn-small it made both "
-        "trainers collapse onto the pad token, results/learning_cpu_learn_small/)",
+        "trainers collapse onto the pad token, results/cpu/learning_learn_small/)",
     )
     p.add_argument("--learn-kl-coef", type=float, default=0.01)
     p.add_argument("--learn-target-mod", type=int, default=4, help="reward: share of response ids % N == 0")

@@ -1,11 +1,12 @@
-"""One table and one chart from every stored PPO throughput run in results/ (same H200, same workload).
+"""One table and one chart from every stored PPO throughput run in results/h200/ (same GPU, same workload).
 
-    python benchmarks/ppo_vs_trl/summarize.py [--results benchmarks/ppo_vs_trl/results]
+    python benchmarks/ppo_vs_trl/summarize.py [--results benchmarks/ppo_vs_trl/results/h200]
 
-Reads the row files that run.py wrote (results.json, trl_large_batches.json, ours_compiled_decode.json, fused_b256_compiled.json,
-any other *.json with "rows", and the results.json of every sub-folder), keeps the throughput rows, and writes
-summary.csv and summary.png: tokens/s against rollout batch per system, each row labelled with the run it came
-from (the chart shows the latest run of a point that was measured more than once).
+Reads the row files that run.py wrote (any *.json with "rows" in the folder and the results.json of every
+sub-folder), keeps the throughput rows, and writes summary.csv and summary.png: tokens/s against rollout batch
+per system, each row labelled with the run it came from (the chart shows the latest run of a point that was
+measured more than once). Runs made at different times are drawn together: a ratio read off this chart is not
+a same-run ratio (see the README's "same run" column).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def _decode(row: dict, path: Path) -> str | None:
     mode = row.get("rollout_decode_mode")  # recorded by run.py since the speed-up variants
     if mode is not None:  # "auto" and "compile" compile the decode step
         return {"cuda_graph": "CUDA-graph decode", "eager": "eager decode"}.get(mode, "compiled decode")
-    # older rows: runs with the compiled decode step (decode_mode "auto" on GPU) are stored as *compiled*.json
-    return "compiled decode" if "compiled" in path.stem else "CUDA-graph decode"
+    # older rows: runs with the compiled decode step (decode_mode "auto" on GPU) are stored under *compiled*/
+    return "compiled decode" if "compiled" in path.parent.name + path.stem else "CUDA-graph decode"
 
 
 def load_rows(folder: Path) -> list[dict]:
@@ -45,7 +46,7 @@ def load_rows(folder: Path) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results" / "h200")
     folder = p.parse_args().results
     rows = load_rows(folder)
     fields = [

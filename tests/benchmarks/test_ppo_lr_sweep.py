@@ -10,7 +10,7 @@ import pytest
 
 from tests.bench_loader import BENCHMARKS, load_benchmark
 
-STORED = BENCHMARKS / "ppo_vs_trl" / "results" / "learning_h200_lr_sweep"
+STORED = BENCHMARKS / "ppo_vs_trl" / "results" / "h200" / "learning_lr_sweep"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,59 @@
+"""What machine and software a benchmark ran on, and the command that ran it (stored with every result)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from importlib import metadata
+
+# distribution names whose versions a result records when they are installed
+PACKAGES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "trl",
+    "peft",
+    "datasets",
+    "bitsandbytes",
+    "liger-kernel",
+    "torchao",
+    "deepspeed",
+    "rapidfire_hf",
+)
+# environment variables that change what a run measures
+VARIABLES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "TRL112_PATH")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device=None, packages=PACKAGES, **extra) -> dict:
+    """GPU name and capability (of ``device``, default the current CUDA device; ``None`` on the CPU),
+    package versions, Python, UTC date, the command line and the variables of ``VARIABLES`` that are set.
+
+    ``extra`` entries are added as given (for example ``smoke=True``). ``torch``'s version is read from the
+    imported module, since a ``--target`` install can shadow the distribution metadata."""
+    import torch
+
+    env: dict = {"gpu": None, "capability": None}
+    if torch.cuda.is_available() and getattr(device, "type", device) in (None, "cuda"):
+        index = device if isinstance(device, torch.device) else torch.cuda.current_device()
+        env["gpu"] = torch.cuda.get_device_name(index)
+        env["capability"] = list(torch.cuda.get_device_capability(index))
+    env["cuda"] = torch.version.cuda
+    for name in packages:
+        version = torch.__version__ if name == "torch" else _version(name)
+        if version is not None:
+            env[name.replace("-", "_")] = version
+    env["python"] = platform.python_version()
+    env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    env["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
+    env.update({k.lower(): os.environ[k] for k in VARIABLES if k in os.environ})
+    env.update(extra)
+    return env
