@@ -464,5 +464,5 @@ def test_rollout_generation_batch_size_generates_in_chunks(tmp_path, tokenizer):
 
 
 def test_rollout_generation_batch_size_must_be_positive(tmp_path):
-    with pytest.raises(ValueError, match="rollout_generation_batch_size=0: must be >= 1"):
+    with pytest.raises(ValueError, match="rollout_generation_batch_size=0: invalid value"):
         _args(tmp_path, rollout_generation_batch_size=0)

@@ -205,6 +205,22 @@ class Choice(Check):
 
 
 @dataclass(frozen=True)
+class Among(Check):
+    """One of a few plain values (strings), compared with ``==``."""
+
+    values: tuple[Any, ...]
+
+    @property
+    def allowed(self) -> str:
+        return "one of " + ", ".join(repr(v) for v in self.values)
+
+    def __call__(self, key: str, value: Any) -> Any:
+        if not isinstance(value, (str, int, float)) or value not in self.values:
+            self.fail(key, value)
+        return value
+
+
+@dataclass(frozen=True)
 class OptionalStr(Check):
     """A non-empty string, or None (YAML null). Environment text "" or "none" means None."""
 

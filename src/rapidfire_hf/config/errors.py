@@ -91,6 +91,16 @@ class ConfigError(ValueError):
             parts.append(f"; allowed: {clip(self.allowed, 10 * MAX_QUOTE)}")
         return "".join(parts)
 
+    def brief(self) -> str:
+        """One line in the ``name=value: problem; allowed: ...`` form (``ConfigErrors`` lists these)."""
+        if self.key and self._has_value:
+            text = f"{self.key}={quote(self.value)}: {self.problem}"
+        elif self.key:
+            text = f"{self.key}: {self.problem}"
+        else:
+            text = self.problem
+        return clip(text, 4 * MAX_QUOTE) + (f"; allowed: {self.allowed}" if self.allowed else "")
+
     def _copy(self, **changes: Any) -> ConfigError:
         fields = {
             "key": self.key,
@@ -109,6 +119,28 @@ class ConfigError(ValueError):
     def with_source(self, source: str) -> ConfigError:
         """Return the same error, saying it came from ``source`` (a file or an environment variable)."""
         return self._copy(source=source)
+
+
+class ConfigErrors(ConfigError):
+    """Several problems found in one pass (every field is checked before raising), one line each.
+
+    ``key``, ``value`` and ``allowed`` are those of the first problem; ``errors`` holds them all.
+    """
+
+    def __init__(self, title: str, errors: Iterable[ConfigError]) -> None:
+        self.title = title
+        self.errors = list(errors)
+        first = self.errors[0]
+        super().__init__(
+            first.problem,
+            key=first.key,
+            value=first.value if first._has_value else _NO_VALUE,
+            allowed=first.allowed,
+            source=first.source,
+        )
+
+    def _render(self) -> str:
+        return self.title + "".join(f"\n  - {err.brief()}" for err in self.errors)
 
 
 def invalid_value(key: str, value: Any, allowed: str, problem: str = "invalid value") -> ConfigError:

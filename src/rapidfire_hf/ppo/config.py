@@ -2,10 +2,91 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
+
+from rapidfire_hf.config.checks import Among, Bool, Check, Float, FloatList, Int, Optional, Str
+from rapidfire_hf.config.errors import ConfigError, ConfigErrors
+
+_POSITIVE = Float(0.0, math.inf, open_low=True)
+_NON_NEGATIVE = Float(0.0, math.inf)
+_QUANTIZATION = Optional(Among(("8bit", "4bit")), "kept as given")
+
+
+@dataclass(frozen=True)
+class _StepCount(Check):
+    """``max_steps``: -1 (not set: the count follows total_episodes) or an integer >= 1."""
+
+    allowed = "-1 (not set: total_episodes decides) or an integer >= 1"
+
+    def __call__(self, key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+            self.fail(key, value)
+        return value
+
+
+# What each numeric, boolean and option field of PPOConfig accepts, checked before training. The
+# TrainingArguments fields listed are the ones PPOTrainer reads; transformers checks its others.
+FIELD_CHECKS: dict[str, Check] = {
+    "per_device_train_batch_size": Int(min=1),
+    "gradient_accumulation_steps": Int(min=1),
+    "learning_rate": _NON_NEGATIVE,
+    "weight_decay": _NON_NEGATIVE,
+    "adam_beta1": Float(0.0, 1.0, open_high=True),
+    "adam_beta2": Float(0.0, 1.0, open_high=True),
+    "adam_epsilon": _NON_NEGATIVE,
+    "max_grad_norm": Optional(_NON_NEGATIVE, "no clipping, as 0"),
+    "num_train_epochs": _POSITIVE,
+    "max_steps": _StepCount(),
+    "seed": Int(min=0, max=2**32 - 1),  # numpy's seed range (transformers.set_seed seeds numpy)
+    "num_mini_batches": Int(min=1),
+    "total_episodes": Optional(Int(min=1), "num_train_epochs * len(train_dataset)"),
+    "local_rollout_forward_batch_size": Int(min=1),
+    "response_length": Int(min=1),
+    "stop_token": Optional(Among(("eos",)), "no stop token; use stop_token_id for other tokens"),
+    "stop_token_id": Optional(Int(min=0), "no stop token"),
+    "temperature": _POSITIVE,
+    "top_k": Int(min=0),
+    "top_p": Float(0.0, 1.0, open_low=True),
+    "missing_eos_penalty": Optional(_NON_NEGATIVE, "no penalty"),
+    "num_ppo_epochs": Int(min=1),
+    "whiten_rewards": Bool(),
+    "kl_coef": _NON_NEGATIVE,
+    "kl_estimator": Among(("k1", "k3")),
+    "cliprange": _POSITIVE,
+    "vf_coef": _NON_NEGATIVE,
+    "cliprange_value": _POSITIVE,
+    "gamma": Float(0.0, 1.0),
+    "lam": Float(0.0, 1.0),
+    "reward_weights": Optional(FloatList(), "1.0 for every reward function"),
+    "max_prompt_length": Optional(Int(min=1), "no truncation"),
+    "dataset_text_field": Str(),
+    "num_sample_generations": Int(min=0),
+    "memory_management": Bool(),
+    "max_oom_splits": Int(min=0, max=64),  # 64 halvings split any batch down to single rows
+    "approx_kl_limit": Optional(_POSITIVE, "no approx-KL rule"),
+    "value_mode": Among(("separate", "fused")),
+    "ref_model_quantization": _QUANTIZATION,
+    "reward_model_quantization": _QUANTIZATION,
+    "rollout_backend": Among(("auto", "static", "hf")),
+    "rollout_decode_mode": Among(("auto", "compile", "cuda_graph", "eager")),
+    "rollout_generation_batch_size": Optional(Int(min=1), "the whole rollout batch at once"),
+}
+
+
+def check_fields(obj: Any, checks: Mapping[str, Check]) -> list[ConfigError]:
+    """The errors of ``obj``'s attributes against ``checks`` (every field is checked; none is changed)."""
+    errors = []
+    for name, check in checks.items():
+        try:
+            check(name, getattr(obj, name))
+        except ConfigError as err:
+            errors.append(err)
+    return errors
 
 
 @dataclass
@@ -154,59 +235,36 @@ class PPOConfig(TrainingArguments):
     )
 
     def __post_init__(self):
-        super().__post_init__()
-        errors = []
-        if self.kl_estimator not in ("k1", "k3"):
-            errors.append(f"kl_estimator={self.kl_estimator!r}: allowed 'k1' or 'k3'")
-        if self.value_mode not in ("separate", "fused"):
-            errors.append(f"value_mode={self.value_mode!r}: allowed 'separate' or 'fused'")
-        if self.rollout_backend not in ("auto", "static", "hf"):
-            errors.append(f"rollout_backend={self.rollout_backend!r}: allowed 'auto', 'static' or 'hf'")
-        for name in ("ref_model_quantization", "reward_model_quantization"):
-            value = getattr(self, name)
-            if value is not None and value not in ("8bit", "4bit"):
-                errors.append(f"{name}={value!r}: allowed None, '8bit' or '4bit'")
-        if self.rollout_decode_mode not in ("auto", "compile", "cuda_graph", "eager"):
-            errors.append(
-                f"rollout_decode_mode={self.rollout_decode_mode!r}: allowed 'auto', 'compile', 'cuda_graph' or 'eager'"
-            )
-        if self.stop_token not in (None, "eos"):
-            errors.append(
-                f"stop_token={self.stop_token!r}: allowed 'eos' or None (use stop_token_id for others)"
-            )
-        if self.stop_token is not None and self.stop_token_id is not None:
-            errors.append("stop_token and stop_token_id are both set: set only one")
-        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
-            errors.append(f"missing_eos_penalty={self.missing_eos_penalty}: must be a positive value")
-        for name in (
-            "num_mini_batches",
-            "num_ppo_epochs",
-            "response_length",
-            "local_rollout_forward_batch_size",
-        ):
-            if getattr(self, name) < 1:
-                errors.append(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.rollout_generation_batch_size is not None and self.rollout_generation_batch_size < 1:
-            errors.append(
-                f"rollout_generation_batch_size={self.rollout_generation_batch_size}: must be >= 1, or None "
-                "for the whole rollout batch at once"
-            )
-        if self.temperature <= 0:
-            errors.append(f"temperature={self.temperature}: must be > 0")
-        if (self.per_device_train_batch_size * self.gradient_accumulation_steps) % self.num_mini_batches:
-            errors.append(
-                "per_device_train_batch_size * gradient_accumulation_steps = "
-                f"{self.per_device_train_batch_size * self.gradient_accumulation_steps} is not divisible by "
-                f"num_mini_batches={self.num_mini_batches}"
-            )
-        elif (self.local_batch_size // self.num_mini_batches) % self.per_device_train_batch_size:
-            errors.append(
-                f"a mini-batch of {self.local_batch_size // self.num_mini_batches} prompts is not a multiple of "
-                f"per_device_train_batch_size={self.per_device_train_batch_size}: lower num_mini_batches or raise "
-                "gradient_accumulation_steps"
-            )
+        # the table first: TrainingArguments' own checks would otherwise meet a bad value raw
+        errors = check_fields(self, FIELD_CHECKS)
         if errors:
-            raise ValueError("Invalid PPOConfig:\n  - " + "\n  - ".join(errors))
+            raise ConfigErrors("Invalid PPOConfig:", errors)
+        super().__post_init__()
+        errors = self._cross_field_errors()
+        if errors:
+            raise ConfigErrors("Invalid PPOConfig:", errors)
+
+    def _cross_field_errors(self) -> list[ConfigError]:
+        """Problems of several fields together (each field alone is already valid)."""
+        errors = []
+        if self.stop_token is not None and self.stop_token_id is not None:
+            errors.append(ConfigError("stop_token and stop_token_id are both set: set only one"))
+        if self.local_batch_size % self.num_mini_batches:
+            errors.append(
+                ConfigError(
+                    "per_device_train_batch_size * gradient_accumulation_steps = "
+                    f"{self.local_batch_size} is not divisible by num_mini_batches={self.num_mini_batches}"
+                )
+            )
+        elif self.local_mini_batch_size % self.per_device_train_batch_size:
+            errors.append(
+                ConfigError(
+                    f"a mini-batch of {self.local_mini_batch_size} prompts is not a multiple of "
+                    f"per_device_train_batch_size={self.per_device_train_batch_size}: lower num_mini_batches "
+                    "or raise gradient_accumulation_steps"
+                )
+            )
+        return errors
 
     @property
     def local_batch_size(self) -> int:
