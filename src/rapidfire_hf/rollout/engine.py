@@ -126,7 +126,8 @@ class RolloutEngine:
             input_ids: ``[B, P]`` left-padded prompt token ids (every row needs at least one real token).
             attention_mask: ``[B, P]`` 1 for real tokens (default: all ones).
             params: sampling settings (default ``SamplingParams()``).
-            generator: makes the draw reproducible: the same seed gives the same tokens.
+            generator: makes the draw reproducible: the same seed gives the same tokens. The static backend
+                also takes a list of ``(rows, generator)`` pairs: one generator per block of consecutive rows.
 
         Returns:
             A :class:`RolloutOutput` with ``R = params.max_new_tokens`` response columns.
@@ -138,6 +139,10 @@ class RolloutEngine:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if not bool(attention_mask[:, -1].all()):
             raise ValueError("prompts must be left-padded: attention_mask[:, -1] must be 1 for every row")
+        if isinstance(generator, (list, tuple)) and self._static is None:
+            raise ValueError(
+                "per-row generators need backend='static' (model.generate draws one batch-wide sample)"
+            )
         with generation_mode(self.model):
             if self._static is not None:
                 tokens, logprobs = self._static.generate(input_ids, attention_mask, params, generator)

@@ -245,7 +245,9 @@ class StaticEngine:
             input_ids: ``[B, P]`` left-padded prompts.
             attention_mask: ``[B, P]`` 1 for real tokens.
             params: sampling settings.
-            generator: seeds the sampling noise (a generator on another device seeds one on the model's).
+            generator: seeds the sampling noise (a generator on another device seeds one on the model's);
+                or a list of ``(rows, generator)`` pairs: each block of consecutive rows draws its noise
+                from its own generator, so a block's tokens do not depend on the rows beside it.
 
         Returns:
             ``(tokens [B, R], logprobs [B, R])``, pad / 0 after a stop token.
@@ -259,13 +261,11 @@ class StaticEngine:
             p += extra
         r = params.max_new_tokens
         buf = self._prepare(input_ids, attention_mask, r)
-        if generator is not None and generator.device != device:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-            generator = torch.Generator(device).manual_seed(seed)
+        generator = _row_generators(generator, b, device)
 
         hidden = self.net.prefill(input_ids, attention_mask, buf.cos[:, :p], buf.sin[:, :p], buf.k, buf.v)
         if params.do_sample:
-            buf.noise.uniform_(generator=generator)
+            _fill_noise(buf.noise, generator)
         tok, lp = sample_tokens(self.net.logits(hidden), params, buf.noise if params.do_sample else None)
         buf.tokens[:, 0] = tok
         buf.logprobs[:, 0] = lp
@@ -276,7 +276,7 @@ class StaticEngine:
                 break
             buf.step.fill_(t)
             if params.do_sample:
-                buf.noise.uniform_(generator=generator)
+                _fill_noise(buf.noise, generator)
             try:
                 self._run_step(params, mode, t)
             except Exception as exc:
@@ -303,3 +303,34 @@ class StaticEngine:
 
     def _all_stopped(self, buf: _Buffers, t: int) -> bool:
         return bool((buf.tokens[:, :t, None] == buf.stops).any(-1).any(-1).all())
+
+
+def _on_device(generator: torch.Generator | None, device) -> torch.Generator | None:
+    """``generator``, or one on ``device`` seeded from it when it lives elsewhere."""
+    if generator is None or generator.device == device:
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    return torch.Generator(device).manual_seed(seed)
+
+
+def _row_generators(generator, batch: int, device):
+    """One generator (or None), or ``[(rows, generator), ...]`` blocks covering all ``batch`` rows in order."""
+    if not isinstance(generator, (list, tuple)):
+        return _on_device(generator, device)
+    total = sum(rows for rows, _ in generator)
+    if total != batch:
+        raise ValueError(
+            f"per-row generators cover {total} rows but the batch has {batch}: give one block per row group"
+        )
+    return [(rows, _on_device(gen, device)) for rows, gen in generator]
+
+
+def _fill_noise(noise: torch.Tensor, generator) -> None:
+    """Uniform(0, 1) noise into ``noise`` ``[B, V]``: from one generator, or block by block (see generate)."""
+    if not isinstance(generator, list):
+        noise.uniform_(generator=generator)
+        return
+    start = 0
+    for rows, gen in generator:
+        noise[start : start + rows].uniform_(generator=gen)
+        start += rows

@@ -1,0 +1,219 @@
+"""Many LoRA adapters on one frozen base model, each row of a batch going through its own adapter.
+
+peft can serve a batch of mixed adapters (``adapter_names=``) only in eval mode ("Cannot pass
+`adapter_names` when the model is in training mode"), so PPO's training forward of several trials at
+once needs its own layer. :class:`MultiLoRALinear` wraps a frozen ``nn.Linear`` and holds one
+``(A, B)`` pair per trial; an :class:`AdapterBank` shared by every wrapped layer says which block of
+consecutive rows goes through which adapter (``None`` = the base alone, the reference policy). A block
+computes ``base(x) + B(A(x)) * scaling`` on its rows only (one pair of small matmuls per adapter, the
+frozen base matmul once for all rows), with the same operations, in the same order, as peft's LoRA
+``Linear`` (so a one-trial sweep trains the numbers ``PPOTrainer(peft_config=...)`` trains).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _lora_settings(peft_config) -> dict:
+    """``r``, ``scaling`` and ``targets`` of a peft ``LoraConfig``; anything a sweep cannot share raises."""
+    from peft import LoraConfig
+
+    if not isinstance(peft_config, LoraConfig):
+        raise TypeError(
+            "PPOSweep needs peft_config=LoraConfig(...): trials share one frozen base and each trains its "
+            f"own LoRA adapter (got {type(peft_config).__name__}). Full-model trials are not supported."
+        )
+    unsupported = {
+        "use_dora": peft_config.use_dora,
+        "bias": peft_config.bias != "none",
+        "modules_to_save": bool(peft_config.modules_to_save),
+        "fan_in_fan_out": peft_config.fan_in_fan_out,
+        "layers_to_transform": peft_config.layers_to_transform is not None,
+        "init_lora_weights": peft_config.init_lora_weights is not True,
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(
+            f"LoraConfig options {bad} are not supported by PPOSweep: use plain LoRA (bias='none', default "
+            "init, no DoRA, no modules_to_save)."
+        )
+    r, alpha = peft_config.r, peft_config.lora_alpha
+    scaling = alpha / math.sqrt(r) if peft_config.use_rslora else alpha / r
+    return {"r": r, "scaling": scaling, "targets": peft_config.target_modules}
+
+
+def _is_target(name: str, targets) -> bool:
+    """peft's matching rule: a string is a full-match regex; a list matches a name or its last parts."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus one LoRA pair per adapter slot, routed per block of rows by a bank.
+
+    Args:
+        base: the frozen linear layer (kept as ``base_layer``, as peft names it).
+        bank: the :class:`AdapterBank` whose ``segments`` route the rows of each call.
+        r: LoRA rank.
+        scaling: ``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA).
+    """
+
+    def __init__(self, base: nn.Linear, bank: AdapterBank, r: int, scaling: float):
+        super().__init__()
+        self.base_layer = base
+        self.r, self.scaling = r, scaling
+        self.lora_A = nn.ParameterDict()  # slot -> [r, in]
+        self.lora_B = nn.ParameterDict()  # slot -> [out, r]
+        object.__setattr__(self, "_bank", bank)  # not a submodule: the bank holds every layer
+
+    def adapter_dtype(self) -> torch.dtype:
+        """fp32 for a half-precision base (peft's ``autocast_adapter_dtype``), else the base's dtype."""
+        dtype = self.base_layer.weight.dtype
+        return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+    def add_slot(self, slot: str) -> None:
+        """A fresh pair: A Kaiming-uniform from the global RNG (as peft), B zero."""
+        w = self.base_layer.weight
+        a = torch.empty(self.r, w.shape[1], dtype=self.adapter_dtype(), device=w.device)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        b = torch.zeros(w.shape[0], self.r, dtype=a.dtype, device=w.device)
+        self.lora_A[slot], self.lora_B[slot] = nn.Parameter(a), nn.Parameter(b)
+
+    def _delta(self, slot: str, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lora_A[slot], self.lora_B[slot]
+        return F.linear(F.linear(x.to(a.dtype), a), b) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, ..., in]
+        result = self.base_layer(x)
+        segments = self._bank.segments
+        if segments is None or all(slot is None for slot, _ in segments):
+            return result
+        if len(segments) == 1:  # one adapter for every row: exactly peft's expression
+            return (result + self._delta(segments[0][0], x)).to(result.dtype)
+        parts, start = [], 0
+        for slot, rows in segments:
+            piece = x[start : start + rows]
+            if slot is None:
+                parts.append(result.new_zeros(piece.shape[:-1] + (result.shape[-1],)))
+            else:
+                parts.append(self._delta(slot, piece))
+            start += rows
+        return (result + torch.cat(parts)).to(result.dtype)
+
+
+class AdapterBank:
+    """Injects :class:`MultiLoRALinear` into a model's target linears and manages the adapter slots.
+
+    The base model's own parameters are frozen (``requires_grad_(False)``); the wrapped layers replace
+    the targets in place. Route a forward with :meth:`route`; outside it every row sees the base model.
+
+    Args:
+        model: a transformers causal LM (not PEFT-wrapped).
+        peft_config: a ``peft.LoraConfig`` (``r``, ``lora_alpha``, ``target_modules``, ``use_rslora``).
+
+    Example:
+        >>> bank = AdapterBank(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+        >>> bank.add("t0", seed=0); bank.add("t1", seed=1)
+        >>> with bank.route([("t0", 4), ("t1", 4)]):
+        ...     logits = model(input_ids).logits  # rows 0-3 through adapter t0, rows 4-7 through t1
+    """
+
+    def __init__(self, model: nn.Module, peft_config):
+        if hasattr(model, "peft_config"):
+            raise ValueError(
+                "PPOSweep takes the base model and a peft_config, not a PeftModel: pass model.get_base_model()."
+            )
+        settings = _lora_settings(peft_config)
+        self.peft_config = peft_config
+        self.segments: list[tuple[str | None, int]] | None = None
+        model.requires_grad_(False)
+        out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        targets = settings["targets"]
+        names = [
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear)
+            and m is not out_emb
+            and (targets == "all-linear" or (targets is not None and _is_target(n, targets)))
+        ]
+        if not names:
+            raise ValueError(
+                f"LoraConfig.target_modules={targets!r} matches no nn.Linear of {type(model).__name__}: name "
+                "its projections (e.g. ['q_proj', 'v_proj']) or use 'all-linear'."
+            )
+        self.layers: dict[str, MultiLoRALinear] = {}
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            layer = MultiLoRALinear(getattr(parent, child), self, settings["r"], settings["scaling"])
+            setattr(parent, child, layer)
+            self.layers[name] = layer
+
+    @property
+    def slots(self) -> list[str]:
+        first = next(iter(self.layers.values()))
+        return list(first.lora_A.keys())
+
+    def add(self, slot: str, seed: int) -> list[nn.Parameter]:
+        """Create adapter ``slot`` from ``seed`` alone (the global RNG is left as it was)."""
+        if slot in self.slots:
+            raise ValueError(f"adapter slot {slot!r} exists already")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for layer in self.layers.values():
+                layer.add_slot(slot)
+        return self.parameters(slot)
+
+    def copy(self, src: str, dst: str) -> list[nn.Parameter]:
+        """Create ``dst`` holding a copy of ``src``'s current weights."""
+        self.add(dst, seed=0)
+        with torch.no_grad():
+            for p_dst, p_src in zip(self.parameters(dst), self.parameters(src)):
+                p_dst.copy_(p_src)
+        return self.parameters(dst)
+
+    def remove(self, slot: str) -> None:
+        for layer in self.layers.values():
+            del layer.lora_A[slot]
+            del layer.lora_B[slot]
+
+    def parameters(self, slot: str) -> list[nn.Parameter]:
+        """Adapter ``slot``'s parameters in module order (A then B per layer, as peft orders them)."""
+        return [p for layer in self.layers.values() for p in (layer.lora_A[slot], layer.lora_B[slot])]
+
+    @contextmanager
+    def route(self, segments: list[tuple[str | None, int]]):
+        """Within the block, rows go through adapters block by block: ``[(slot or None, rows), ...]``."""
+        previous, self.segments = self.segments, list(segments)
+        try:
+            yield
+        finally:
+            self.segments = previous
+
+    def state_dict(self, slot: str) -> dict[str, torch.Tensor]:
+        """Adapter ``slot`` under the keys peft saves (``base_model.model.<module>.lora_A.weight``)."""
+        out = {}
+        for name, layer in self.layers.items():
+            out[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A[slot].detach().clone()
+            out[f"base_model.model.{name}.lora_B.weight"] = layer.lora_B[slot].detach().clone()
+        return out
+
+    def load_state_dict(self, slot: str, state: dict[str, torch.Tensor]) -> None:
+        """Load peft-format adapter weights (as :meth:`state_dict` writes them) into ``slot``."""
+        with torch.no_grad():
+            for name, layer in self.layers.items():
+                for part, params in (("lora_A", layer.lora_A), ("lora_B", layer.lora_B)):
+                    key = f"base_model.model.{name}.{part}.weight"
+                    if key not in state:
+                        raise KeyError(
+                            f"adapter weights lack {key}: saved for another model or target_modules"
+                        )
+                    params[slot].copy_(state[key])

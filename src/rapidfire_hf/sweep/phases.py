@@ -1,0 +1,317 @@
+"""The three phases of one sweep update, each batched across trials: rollout, scoring, PPO epochs.
+
+Every phase lays the active trials' rows out in consecutive blocks, one block per trial, and routes each
+block through its trial's adapter (:class:`rapidfire_hf.sweep.lora.AdapterBank`). Per-trial math (KL
+shaping, GAE, whitening, the clipped losses) is the PPO code of :mod:`rapidfire_hf.ppo.core`, applied to
+each trial's block with that trial's settings; the statistics are those ``PPOTrainer`` logs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rapidfire_hf.ppo.core import compute_advantages, first_true_indices, ppo_loss, truncate_after_stop
+from rapidfire_hf.ppo.modeling import (
+    causal_lm_parts,
+    policy_logprobs,
+    response_logprobs,
+    reward_model_scores,
+    sequence_inputs,
+)
+from rapidfire_hf.ppo.trainer import Experience, Rollout
+
+_STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
+
+
+def blocks(trials, rows_of) -> list[tuple[object, int, int]]:
+    """``[(trial, start, end), ...]``: consecutive row blocks, ``rows_of(trial)`` rows each."""
+    out, start = [], 0
+    for t in trials:
+        n = rows_of(t)
+        out.append((t, start, start + n))
+        start += n
+    return out
+
+
+def chunk_owners(layout, start: int, end: int) -> list[tuple[object, int]]:
+    """``[(trial, rows), ...]`` of rows ``[start, end)`` of a batch laid out as ``layout`` (see :func:`blocks`)."""
+    owners = []
+    for t, s, e in layout:
+        lo, hi = max(s, start), min(e, end)
+        if lo < hi:
+            owners.append((t, hi - lo))
+    return owners
+
+
+class SweepPhases:
+    """Rollout, scoring and optimisation of a set of trials on one shared model (see module docstring).
+
+    Args:
+        model: the base causal LM with the bank's layers injected.
+        bank: the :class:`AdapterBank`.
+        shared: the sweep's shared PPOConfig (decode settings, scoring batch size).
+        tokenizer: the processing class.
+        engine: a ``RolloutEngine`` on ``model`` (static backend: one decode for every trial), or None to
+            generate trial by trial with ``model.generate``.
+        reward_model / reward_funcs: one of them, shared by every trial.
+    """
+
+    def __init__(self, model, bank, shared, tokenizer, engine, reward_model, reward_funcs, full_mask):
+        self.model, self.bank, self.shared, self.tok = model, bank, shared, tokenizer
+        self.engine, self.reward_model, self.reward_funcs = engine, reward_model, reward_funcs
+        self.full_mask = full_mask
+        self.pad = tokenizer.pad_token_id
+        self.stop = tokenizer.eos_token_id if shared.stop_token == "eos" else shared.stop_token_id
+        self.decoder, self.lm_head = causal_lm_parts(model)
+        self.device = next(model.parameters()).device
+
+    # ------------------------------------------------------------------ rollout
+    def rollout(self, trials, batches: list[dict]) -> list[Rollout]:
+        """Sample each trial's prompts with its own adapter and its own noise, in one decode."""
+        from rapidfire_hf.rollout import SamplingParams
+
+        a = self.shared
+        params = SamplingParams(
+            max_new_tokens=a.response_length,
+            temperature=a.temperature + 1e-7,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            do_sample=True,
+        )
+        queries = [b["input_ids"].to(self.device) for b in batches]
+        if self.engine.backend == "static":
+            q = torch.cat(queries)
+            gens = [(x.shape[0], t.update_generator()) for t, x in zip(trials, queries)]
+            with self.bank.route([(t.slot, x.shape[0]) for t, x in zip(trials, queries)]):
+                out = self.engine.generate(q, q != self.pad, params, generator=gens)
+            responses = out.responses.split([x.shape[0] for x in queries])
+            logprobs = out.logprobs.split([x.shape[0] for x in queries])
+        else:  # model.generate samples a whole batch from one stream: one call per trial keeps them apart
+            responses, logprobs = [], []
+            for t, x in zip(trials, queries):
+                with self.bank.route([(t.slot, x.shape[0])]):
+                    out = self.engine.generate(x, x != self.pad, params, generator=t.update_generator())
+                responses.append(out.responses)
+                logprobs.append(out.logprobs)
+        return [
+            Rollout(
+                queries=x,
+                responses=r,
+                logprobs=lp.float(),
+                extra={k: v for k, v in b.items() if k != "input_ids"},
+            )
+            for x, r, lp, b in zip(queries, responses, logprobs, batches)
+        ]
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def score(self, trials, rollouts: list[Rollout]) -> list[Experience]:
+        """Reference log-probs (adapters off), values (each trial's adapter and head) and scores, batched."""
+        ctx = rollouts[0].queries.shape[1]
+        qr = torch.cat([r.query_responses for r in rollouts])
+        posts = [truncate_after_stop(r.responses, self.stop, self.pad) for r in rollouts]
+        post_qr = torch.cat([torch.cat([r.queries, p], 1) for r, p in zip(rollouts, posts)])
+        layout = blocks(trials, lambda t: t.args.local_batch_size)
+        step = self.shared.local_rollout_forward_batch_size
+        ref_lp, values, scores = [], [], []
+        with self._autocast():
+            for i in range(0, qr.shape[0], step):
+                chunk = qr[i : i + step]
+                ref_lp.append(
+                    policy_logprobs(self.model, chunk, self.pad, ctx, self.shared.temperature, self.full_mask)
+                )
+                owners = chunk_owners(layout, i, i + chunk.shape[0])
+                segs = [(t.slot, n) for t, n in owners]
+                heads = [t.value_head for t, _ in owners]
+                with self.bank.route(segs):
+                    hidden = self.decoder(**sequence_inputs(chunk, self.pad, self.full_mask), use_cache=False)
+                values.append(self._heads(heads, segs, hidden.last_hidden_state[:, ctx - 1 : -1]))
+                if self.reward_model is not None:
+                    scores.append(
+                        reward_model_scores(self.reward_model, post_qr[i : i + step], self.pad, ctx)
+                    )
+        ref_lp, values = torch.cat(ref_lp).float(), torch.cat(values).float()
+        per_func = torch.cat(scores)[:, None] if scores else self._reward_funcs_scores(rollouts, posts)
+        out = []
+        eos = self.tok.eos_token_id
+        for (t, s, e), r, post in zip(layout, rollouts, posts):
+            a = t.args
+            weights = (self.reward_model is None and a.reward_weights) or [1.0] * per_func.shape[1]
+            sc = torch.zeros(e - s, dtype=torch.float32, device=per_func.device)
+            for j, w in enumerate(weights):  # in PPOTrainer's order of additions
+                sc = sc + w * per_func[s:e, j]
+            if a.missing_eos_penalty is not None and eos is not None:
+                sc = sc - a.missing_eos_penalty * (~(post == eos).any(-1)).float()
+            adv = compute_advantages(
+                r.logprobs,
+                ref_lp[s:e],
+                values[s:e],
+                sc.float(),
+                first_true_indices(post == self.pad) - 1,
+                kl_coef=a.kl_coef,
+                kl_estimator=a.kl_estimator,
+                gamma=a.gamma,
+                lam=a.lam,
+                whiten_rewards=a.whiten_rewards,
+            )
+            out.append(Experience(rollout=r, adv=adv, postprocessed_responses=post))
+        return out
+
+    @staticmethod
+    def _heads(heads, segs, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row block's values from its own trial's value head. [rows, R]"""
+        parts, start = [], 0
+        for head, (_, rows) in zip(heads, segs):
+            parts.append(head(hidden[start : start + rows]))
+            start += rows
+        return torch.cat(parts)
+
+    def _reward_funcs_scores(self, rollouts, posts) -> torch.Tensor:
+        """Every reward function called once on all trials' completions: ``[rows, functions]``."""
+        tok = self.tok
+        queries = torch.cat([r.queries for r in rollouts])
+        post = torch.cat(posts)
+        prompts = tok.batch_decode(queries, skip_special_tokens=True)
+        completions = tok.batch_decode(post, skip_special_tokens=True)
+        completion_ids = [row[row != self.pad].tolist() for row in post.cpu()]
+        columns = {}
+        for key in rollouts[0].extra or {}:
+            columns[key] = [v for r in rollouts for v in r.extra[key]]
+        cols = []
+        for func in self.reward_funcs:
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            if values is None or len(values) != len(completions):
+                raise ValueError(
+                    f"reward function {getattr(func, '__name__', func)!r} returned "
+                    f"{None if values is None else len(values)} scores for {len(completions)} completions: "
+                    "return one float per completion."
+                )
+            cols.append(torch.tensor([float(v) for v in values], dtype=torch.float32))
+        return torch.stack(cols, dim=1).to(self.device)
+
+    # ------------------------------------------------------------------ PPO epochs
+    def optimize(self, trials, exps: list[Experience]) -> list[dict[str, torch.Tensor]]:
+        """Every trial's PPO epochs, micro-step by micro-step together: the k-th micro-batch of each trial
+        shares one forward and one backward; each trial's optimizer steps when its own window closes."""
+        schedules = [_schedule(t) for t in trials]
+        stats = [{k: torch.zeros(_stat_shape(t), device=self.device) for k in _STAT_KEYS} for t in trials]
+        ctx = exps[0].rollout.queries.shape[1]
+        self.model.train()
+        for head in (t.value_head for t in trials):
+            head.train()
+        steps = [iter(s) for s in schedules]
+        while True:
+            batch = [(i, nxt) for i, it in enumerate(steps) if (nxt := next(it, None)) is not None]
+            if not batch:
+                break
+            self._micro_step(trials, exps, stats, batch, ctx)
+        return stats
+
+    def _micro_step(self, trials, exps, stats, batch, ctx) -> None:
+        rows = [exps[i].rollout.query_responses[step[0].to(self.device)] for i, step in batch]
+        segs = [(trials[i].slot, r.shape[0]) for (i, _), r in zip(batch, rows)]
+        qr = torch.cat(rows)
+        with self._autocast(), self.bank.route(segs):
+            hidden = self.decoder(**sequence_inputs(qr, self.pad, self.full_mask), use_cache=False)
+            resp_hidden = hidden.last_hidden_state[:, ctx - 1 : -1]
+            lp, ent = response_logprobs(resp_hidden, self.lm_head, qr[:, ctx:], self.shared.temperature, True)
+            vpred = self._heads([trials[i].value_head for i, _ in batch], segs, resp_hidden).float()
+        total, start = 0.0, 0
+        for (i, (idx, pos, _)), (_, n) in zip(batch, segs):
+            t, adv = trials[i], exps[i].adv
+            idx = idx.to(self.device)
+            a = t.args
+            sl = slice(start, start + n)
+            out = ppo_loss(
+                lp[sl], adv.logprobs[idx], adv.advantages[idx], vpred[sl], adv.values[idx], adv.returns[idx],
+                adv.padding_mask[idx], adv.padding_mask_p1[idx],
+                cliprange=a.cliprange, cliprange_value=a.cliprange_value, vf_coef=a.vf_coef,
+            )  # fmt: skip
+            window = a.micro_batches_per_step
+            total = total + (out.loss / window if window > 1 else out.loss)  # as accelerate's backward
+            for key, value in zip(
+                _STAT_KEYS,
+                (out.approx_kl, out.pg_clipfrac, out.pg_loss, out.vf_loss, out.vf_clipfrac, ent[sl].mean(),
+                 out.ratio_mean),
+            ):  # fmt: skip
+                stats[i][key][pos] = value.detach()
+            start += n
+        total.backward()
+        for i, (_, _, closes) in batch:
+            if closes:
+                t = trials[i]
+                if t.args.max_grad_norm and t.args.max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(t.params, t.args.max_grad_norm)
+                t.optimizer.step()
+                t.optimizer.zero_grad(set_to_none=True)
+
+    def _autocast(self):
+        a = self.shared
+        enabled = bool(a.bf16 or a.fp16) and self.device.type == "cuda"
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16 if a.bf16 else torch.float16, enabled=enabled
+        )
+
+
+def _stat_shape(trial) -> tuple[int, int, int]:
+    a = trial.args
+    return (a.num_ppo_epochs, a.num_mini_batches, a.micro_batches_per_step)
+
+
+def _schedule(trial):
+    """One trial's micro-steps in PPOTrainer's order: ``(row indices, (epoch, mini, micro), closes window)``.
+
+    The permutation of an epoch is drawn from the trial's generator when the epoch starts, as PPOTrainer
+    draws it.
+    """
+    a = trial.args
+    n, mb, micro = a.local_batch_size, a.local_mini_batch_size, a.per_device_train_batch_size
+    for epoch in range(a.num_ppo_epochs):
+        perm = torch.randperm(n, generator=trial.perm_generator)
+        for m, mb_start in enumerate(range(0, n, mb)):
+            mb_idx = perm[mb_start : mb_start + mb]
+            starts = list(range(0, mb, micro))
+            for u, start in enumerate(starts):
+                yield mb_idx[start : start + micro], (epoch, m, u), u == len(starts) - 1
+
+
+def trial_metrics(trial, exp: Experience, stats: dict, times, eos_id, train_start: float) -> dict:
+    """The metrics ``PPOTrainer`` logs for one update, for one trial (times are the shared phases')."""
+    adv = exp.adv
+    real = (~adv.padding_mask).float()
+    non_score = adv.non_score_reward.sum(1).mean()
+    device_metrics = {
+        "objective/kl": adv.kl.sum(1).mean(),
+        "objective/entropy": (-adv.logprobs * real).sum(1).mean(),
+        "objective/non_score_reward": non_score,
+        "objective/rlhf_reward": non_score + adv.scores.mean(),
+        "objective/scores": adv.scores.mean(),
+        "policy/approxkl_avg": stats["approx_kl"].mean(),
+        "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
+        "loss/policy_avg": stats["pg_loss"].mean(),
+        "loss/value_avg": stats["vf_loss"].mean(),
+        "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
+        "policy/entropy_avg": stats["entropy"].mean(),
+        "val/ratio": stats["ratio"].mean(),
+        "val/ratio_var": stats["ratio"].var() if stats["ratio"].numel() > 1 else torch.zeros(()),
+        "val/num_eos_tokens": (exp.rollout.responses == eos_id).sum().float(),
+        "response_length": real.sum(1).mean(),
+    }
+    metrics = {k: float(v) for k, v in device_metrics.items()}
+    t0, t1, t2, t3 = times
+    b, width = exp.rollout.query_responses.shape
+    metrics.update(
+        {
+            "time/rollout": t1 - t0,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+            "time/update": t3 - t0,
+            "tokens_per_second": b * width / max(t3 - t0, 1e-9),
+            "eps": trial.state.episode / max(time.perf_counter() - train_start, 1e-9),
+            "lr": trial.scheduler.get_last_lr()[0],
+            "episode": trial.state.episode,
+        }
+    )
+    return metrics

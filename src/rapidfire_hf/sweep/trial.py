@@ -1,0 +1,210 @@
+"""One trial of a sweep: its PPOConfig (shared settings plus overrides) and everything it owns.
+
+A trial owns its LoRA adapter slot, value head, optimizer, LR scheduler, prompt order, permutation
+generator and per-update sampling seeds, log history and status; nothing in it is shared with another
+trial, which is what makes its results independent of the trials beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainerControl
+from transformers.optimization import get_scheduler
+
+from rapidfire_hf.ppo.config import PPOConfig
+from rapidfire_hf.ppo.data import PromptOrder
+from rapidfire_hf.ppo.modeling import ValueHead
+from rapidfire_hf.ppo.trainer import PPOTrainerState
+
+# PPOConfig fields a trial may override. Everything else is shared: the decode (response_length,
+# temperature, top_k/top_p, stop token), the prompt width and the precision are one batched pass for all.
+PER_TRIAL_FIELDS = frozenset(
+    {
+        "learning_rate",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "max_grad_norm",
+        "lr_scheduler_type",
+        "lr_scheduler_kwargs",
+        "warmup_ratio",
+        "warmup_steps",
+        "seed",
+        "max_steps",
+        "total_episodes",
+        "num_train_epochs",
+        "num_ppo_epochs",
+        "num_mini_batches",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "kl_coef",
+        "kl_estimator",
+        "cliprange",
+        "cliprange_value",
+        "vf_coef",
+        "gamma",
+        "lam",
+        "whiten_rewards",
+        "reward_weights",
+        "missing_eos_penalty",
+        "logging_steps",
+    }
+)
+STATES = ("running", "stopped", "finished", "early_stopped")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
+
+
+def check_trial_name(name: str) -> None:
+    """Trial names become folder names: letters, digits and ``. _ = + -``."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"trial name {name!r} is not allowed: use letters, digits and . _ = + - (it names a folder)"
+        )
+
+
+def trial_args(shared: PPOConfig, overrides: dict, name: str) -> PPOConfig:
+    """The trial's PPOConfig: ``shared`` with ``overrides`` applied and its own output folder.
+
+    Raises:
+        ValueError: an override names no PPOConfig field (the message suggests the closest ones), or a
+            field every trial must share.
+    """
+    known = {f.name for f in dataclasses.fields(PPOConfig) if f.init}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(f"trial {name!r}: {key!r} is not a PPOConfig field{hint}")
+        if key not in PER_TRIAL_FIELDS:
+            raise ValueError(
+                f"trial {name!r}: {key!r} is shared by every trial of a sweep (one batched decode and forward): "
+                f"set it in the shared config. Per-trial fields: {', '.join(sorted(PER_TRIAL_FIELDS))}"
+            )
+    out_dir = f"{shared.output_dir}/trials/{name}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dataclasses.replace(shared, **overrides, output_dir=out_dir)
+
+
+def update_generator(seed: int, update: int) -> torch.Generator:
+    """The sampling-noise generator of a trial's rollout number ``update``.
+
+    A fresh seed per update, rather than one stream for the whole run, because the decode of a batch ends
+    when its last row stops: the noise a trial draws would otherwise depend on the other trials' rows.
+    """
+    return torch.Generator().manual_seed((seed * 1_000_003 + update) % (2**63 - 1))
+
+
+@dataclass
+class Trial:
+    """Everything one trial owns (built by :func:`build_trial`)."""
+
+    name: str
+    args: PPOConfig
+    overrides: dict
+    slot: str
+    value_head: ValueHead
+    params: list[torch.nn.Parameter]  # adapter then value head, the optimizer's order
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    prompt_order: PromptOrder
+    perm_generator: torch.Generator
+    num_updates: int
+    state: PPOTrainerState = field(default_factory=PPOTrainerState)
+    control: TrainerControl = field(default_factory=TrainerControl)
+    status: str = "running"
+    parent: str | None = None
+    reason: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.state.global_step >= self.num_updates
+
+    @property
+    def active(self) -> bool:
+        return self.status == "running" and not self.done
+
+    def update_generator(self) -> torch.Generator:
+        return update_generator(self.args.seed, self.state.global_step)
+
+
+def num_updates(args: PPOConfig, num_prompts: int) -> int:
+    """Updates a trial runs: ``max_steps``, else ``total_episodes`` (or epochs) worth of rollout batches."""
+    if args.max_steps > 0:
+        return args.max_steps
+    total = args.total_episodes or int(args.num_train_epochs * num_prompts)
+    return max(1, math.ceil(total / args.local_batch_size))
+
+
+def make_optimizer(args: PPOConfig, params, updates: int):
+    """AdamW and the LR schedule ``PPOTrainer`` builds by default (torch's default kernel on CPU)."""
+    opt = torch.optim.AdamW(
+        params,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        **({"fused": True} if params[0].device.type == "cuda" else {}),
+    )
+    sched = get_scheduler(
+        args.lr_scheduler_type,
+        opt,
+        num_warmup_steps=args.get_warmup_steps(updates),
+        num_training_steps=updates,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
+    )
+    return opt, sched
+
+
+def build_trial(name, args, overrides, bank, slot, hidden_size, device, num_prompts, source=None) -> Trial:
+    """A new trial: fresh adapter and value head from ``args.seed``, or a copy of ``source``'s state.
+
+    A copy (clone) takes the source's adapter, value head, optimizer moments, prompt order position,
+    permutation generator and update count, then its own hyper-parameters from ``args``.
+    """
+    if source is None:
+        adapter = bank.add(slot, seed=args.seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed + 1)  # ValueHead's own init, from the trial's seed alone
+            head = ValueHead(hidden_size)
+    else:
+        adapter = bank.copy(source.slot, slot)
+        head = ValueHead(hidden_size)
+        head.load_state_dict(source.value_head.state_dict())
+    head = head.to(device=device, dtype=adapter[0].dtype)
+    params = adapter + list(head.parameters())
+    updates = num_updates(args, num_prompts)
+    opt, sched = make_optimizer(args, params, updates)
+    order = PromptOrder(num_prompts, args.local_batch_size, args.seed)
+    trial = Trial(
+        name, args, dict(overrides), slot, head, params, opt, sched, order, torch.Generator(), updates
+    )
+    trial.perm_generator.manual_seed(args.seed)
+    if source is not None:
+        _take_state(trial, source)
+    return trial
+
+
+def _take_state(trial: Trial, source: Trial) -> None:
+    """Optimizer moments, schedule position, generators and counters of ``source``, own hyper-parameters."""
+    state = source.optimizer.state_dict()
+    state = {"state": {k: {n: t.clone() for n, t in v.items()} for k, v in state["state"].items()}}
+    state["param_groups"] = trial.optimizer.state_dict()["param_groups"]
+    trial.optimizer.load_state_dict(state)
+    trial.perm_generator.set_state(source.perm_generator.get_state())
+    trial.state.global_step = source.state.global_step
+    trial.state.episode = source.state.episode
+    trial.state.epoch = source.state.epoch
+    trial.parent = source.name
+    with warnings.catch_warnings():  # the schedule catches up to the update count; no step is skipped
+        warnings.simplefilter("ignore")
+        for _ in range(source.state.global_step):
+            trial.scheduler.step()
