@@ -65,6 +65,9 @@ def enable_rapidfire(
       ``optimizer_kwargs`` sets it). It requires ``max_grad_norm=0.0`` and ``optim="adamw_8bit"`` in the
       trainer's arguments (both change the math against stock TRL; it never sets them for you).
 
+    On rapidfire_hf's own ``PPOTrainer`` it applies ``config`` as ``PPOConfig(rapidfire_config=config)``
+    would have (``rapidfire_hf.ppo.enable``); the rollout engine is PPOTrainer's own.
+
     Args:
         trainer: a trainer that has not started training.
         config: a ``RapidFireConfig``, a preset name, a YAML path, or a dict (short or nested form);
@@ -94,7 +97,17 @@ def enable_rapidfire(
         >>> trainer.train()  # doctest: +SKIP
     """
     from rapidfire_hf.config import load_config
+    from rapidfire_hf.ppo import PPOTrainer
 
+    if isinstance(trainer, PPOTrainer):
+        from rapidfire_hf.ppo.enable import enable_on_ppo_trainer
+
+        if optimizer_kwargs or lowmem_options:
+            raise ValueError(
+                "optimizer_kwargs and lowmem_options apply to transformers/TRL trainers; for PPOTrainer pass "
+                "optimizer=RapidFireOptimizer(...) and set the memory options in the config"
+            )
+        return enable_on_ppo_trainer(trainer, config)
     _check_fresh(trainer)
     cfg = load_config(config)
     lowmem = cfg.memory.lowmem.value

@@ -26,7 +26,7 @@ from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
 from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo import checkpoint as ckpt
-from rapidfire_hf.ppo.config import PPOConfig
+from rapidfire_hf.ppo.config import PPOConfig, check_value_mode
 from rapidfire_hf.ppo.core import (
     AdvantageOutput,
     compute_advantages,
@@ -34,7 +34,7 @@ from rapidfire_hf.ppo.core import (
     ppo_loss,
     truncate_after_stop,
 )
-from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset
+from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset, prompt_limits
 from rapidfire_hf.ppo.modeling import (
     PolicyAndValue,
     ValueHead,
@@ -46,9 +46,11 @@ from rapidfire_hf.ppo.modeling import (
     value_head_dtype,
     value_positions,
 )
+from rapidfire_hf.ppo.memory_options import PromptPrefetch, setup_checkpointing
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
 from rapidfire_hf.ppo.recovery import OOMRecoveryMixin
 from rapidfire_hf.ppo.reporting import ReportingMixin
+from rapidfire_hf.ppo.rewards import reward_funcs_scores
 from rapidfire_hf.ppo.speedups import (
     KernelPatches,
     all_sdpa,
@@ -88,6 +90,23 @@ class Experience:
     rollout: Rollout
     adv: AdvantageOutput
     postprocessed_responses: torch.Tensor  # [B, R] truncated after the stop token
+
+
+def _split_value_head_model(model, value_model):
+    """``(policy, v_head)`` of a value-head model (``AutoModelForCausalLMWithValueHead``), else ``(model, None)``.
+
+    Its ``v_head`` becomes the fused value head, so a separate ``value_model`` beside it is refused.
+    """
+    from rapidfire_hf.models import PreTrainedModelWrapper
+
+    if not isinstance(model, PreTrainedModelWrapper):
+        return model, None
+    if value_model is not None:
+        raise ValueError(
+            f"model is a {type(model).__name__}, whose v_head is trained as the value head: pass value_model=None, "
+            "or pass model.pretrained_model with the separate value_model"
+        )
+    return model.pretrained_model, model.v_head
 
 
 class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
@@ -159,6 +178,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         # Created before any model reaches the GPU, so expandable segments cover every allocation.
         self.memory_callback = self._make_memory_callback()
 
+        model, given_head = _split_value_head_model(model, value_model)
         policy = self._apply_peft(model, peft_config)
         self.is_peft = hasattr(policy, "peft_config")
         self.ref_model = self._make_reference(policy, ref_model)
@@ -174,6 +194,10 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         if value_model is not None:
             check_value_model(value_model, policy)
             module = PolicyAndValue(policy, value_model=value_model)
+        elif given_head is not None:
+            module = PolicyAndValue(
+                policy, value_head=given_head.to(value_head_dtype(policy, self.accelerator.mixed_precision))
+            )
         elif args.value_mode == "fused":
             head = ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
             module = PolicyAndValue(
@@ -200,14 +224,20 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             compile_layers(roles, args.torch_compile_backend, args.torch_compile_mode, self.kernel_patches)
             module.full_mask = all_sdpa(roles)  # one mask kind for the compiled layers: no recompiles
 
+        limits = prompt_limits(policy, args.response_length)  # ids in the vocabulary, prompts that fit
         self.train_dataset = prepare_prompt_dataset(
-            train_dataset, tok, args.dataset_text_field, args.max_prompt_length
+            train_dataset, tok, args.dataset_text_field, args.max_prompt_length, **limits
         )
         # As in TRL's PPO, the eval prompts serve the sample tables of `num_sample_generations`.
         self.eval_dataset = None
         if eval_dataset is not None:
             self.eval_dataset = prepare_prompt_dataset(
-                eval_dataset, tok, args.dataset_text_field, args.max_prompt_length
+                eval_dataset,
+                tok,
+                args.dataset_text_field,
+                args.max_prompt_length,
+                name="eval_dataset",
+                **limits,
             )
         self.data_collator = data_collator or (lambda rows: collate_prompts(rows, self.pad_token_id))
         acc = self.accelerator
@@ -256,7 +286,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         )
         self._perm_generator = torch.Generator().manual_seed(args.seed)
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self._had_grad, self._in_backward, self._oom_splits = [], False, 0
+        self._oom_recovery = None  # built at the first micro-batch (rapidfire_hf.memory.OOMRecovery)
         self._telemetry_seen: dict[str, int] = {}
         self._rollout_engine = None
         from rapidfire_hf.distributed import attach_sync_debug, describe_engine
@@ -300,6 +330,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             raise ValueError(
                 "value_model is the same object as model: use PPOConfig(value_mode='fused') instead."
             )
+        check_value_mode(self.args, value_model)
         if self.args.stop_token == "eos" and tok.eos_token_id is None:
             raise ValueError(
                 "stop_token='eos' but the tokenizer has no eos_token: set stop_token_id instead."
@@ -428,6 +459,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         args = self.args
         optimizer = optimizer if optimizer is not None else optimizers[0]
         scheduler = optimizers[1]
+        self._optimizer_is_default = optimizer is None  # enable_rapidfire may rebuild a default one
         params = [p for p in module.parameters() if p.requires_grad]
         if optimizer is None and self.rf_config is not None:
             optimizer = self._optimizer_from_config(params)
@@ -444,6 +476,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             optimizer.bind(params)
         self._optimizer_clips = getattr(optimizer, "max_grad_norm", None) is not None
         self._rf_opt = optimizer if hasattr(optimizer, "observe_loss") else None
+        self._step_guard = self._make_step_guard()
         if (
             self._rf_opt is not None
             and not self._optimizer_clips
@@ -497,6 +530,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             pipeline_depth=self.rf_config.gradient.pipeline_depth,
             max_grad_norm=clip,
             rollback="auto",
+            max_consecutive_skips=args.max_consecutive_skips,
             # predicting needs a clip to predict; without max_grad_norm the exact mode is the same
             clip_prediction=grad_cfg.clip_prediction.value if clip is not None else "exact",
             clip_tolerance=grad_cfg.clip_tolerance,
@@ -542,6 +576,11 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         rows = [self.train_dataset[i] for i in self.prompt_order.indices(batch_index)]
         return self.data_collator(rows)
 
+    def _next_batch(self, update: int) -> dict:
+        """The prompt batch of ``update``: from the prefetcher while ``train()`` runs, else collated now."""
+        prompts = getattr(self, "_prompts", None)
+        return prompts.take(update) if prompts is not None else self.next_prompts(update)
+
     def rollout(self, batch: dict) -> Rollout:
         """Generate responses for a batch of prompts with the current policy."""
         from rapidfire_hf.rollout import RolloutEngine, SamplingParams
@@ -568,16 +607,26 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
         # rollout_generation_batch_size bounds the KV cache: chunks of prompts, one after the other
         chunk = args.rollout_generation_batch_size or queries.shape[0]
-        responses, logprobs = [], []
+
+        def generate_rows(start, stop):
+            part = queries[start:stop]
+            out = self._rollout_engine.generate(part, part != self.pad_token_id, params)
+            return out.responses, out.logprobs.float()
+
         with (
             torch.no_grad(),
             gathered_for_generation(self.accelerator, self.model, self.policy),
             self.kernel_patches.original(),
-        ):
-            for part in queries.split(chunk):
-                out = self._rollout_engine.generate(part, part != self.pad_token_id, params)
-                responses.append(out.responses)
-                logprobs.append(out.logprobs.float())
+        ):  # an OOM halves the chunk and retries (ppo/recovery.py)
+            parts = self._no_grad_in_chunks(
+                generate_rows,
+                queries.shape[0],
+                chunk,
+                "generation",
+                "rollout_generation_batch_size",
+                on_oom=self._rollout_engine.release,
+            )
+        responses, logprobs = zip(*parts)
         extra = {k: v for k, v in batch.items() if k != "input_ids"}
         return Rollout(
             queries=queries, responses=torch.cat(responses), logprobs=torch.cat(logprobs), extra=extra
@@ -600,7 +649,6 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         post = truncate_after_stop(rollout.responses, self.stop_token_id, pad)
         post_qr = torch.cat([rollout.queries, post], dim=1)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        ref_lp, values, scores = [], [], []
         step = args.local_rollout_forward_batch_size
         # what scoring runs of the trained module: with a separate reference model, only the value model
         # (a separate 7B policy then stays sharded under ZeRO-3 / FSDP2); the policy too when it is its
@@ -611,13 +659,23 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             self._reference_context() as ref,
             self.accelerator.autocast(),
         ):
-            for i in range(0, qr.shape[0], step):
-                chunk = qr[i : i + step]
-                ref_lp.append(policy_logprobs(ref, chunk, pad, ctx, args.temperature, unwrapped.full_mask))
-                values.append(self._values(unwrapped, chunk, ctx))
-                if self.reward_model is not None:
-                    scores.append(reward_model_scores(self.reward_model, post_qr[i : i + step], pad, ctx))
-        scores = torch.cat(scores) if scores else self._reward_funcs_scores(rollout, post)
+
+            def score_rows(start, stop):
+                chunk = qr[start:stop]
+                lp = policy_logprobs(ref, chunk, pad, ctx, args.temperature, unwrapped.full_mask)
+                if self.reward_model is None:
+                    return lp, self._values(unwrapped, chunk, ctx), None
+                rm = reward_model_scores(self.reward_model, post_qr[start:stop], pad, ctx)
+                return lp, self._values(unwrapped, chunk, ctx), rm
+
+            # an OOM halves the forward batch and retries (ppo/recovery.py)
+            parts = self._no_grad_in_chunks(
+                score_rows, qr.shape[0], step, "scoring", "local_rollout_forward_batch_size"
+            )
+        ref_lp, values, scores = (list(col) for col in zip(*parts))
+        scores = (
+            torch.cat(scores) if self.reward_model is not None else self._reward_funcs_scores(rollout, post)
+        )
         eos = self.processing_class.eos_token_id
         if args.missing_eos_penalty is not None and eos is not None:
             scores = scores - args.missing_eos_penalty * (~(post == eos).any(-1)).float()
@@ -654,21 +712,9 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         prompts = tok.batch_decode(rollout.queries, skip_special_tokens=True)
         completions = tok.batch_decode(post, skip_special_tokens=True)
         completion_ids = [row[row != self.pad_token_id].tolist() for row in post.cpu()]
-        weights = self.args.reward_weights or [1.0] * len(self.reward_funcs)
-        total = torch.zeros(len(completions), dtype=torch.float32)
-        for w, func in zip(weights, self.reward_funcs):
-            values = func(
-                prompts=prompts,
-                completions=completions,
-                completion_ids=completion_ids,
-                **(rollout.extra or {}),
-            )
-            if values is None or len(values) != len(completions):
-                raise ValueError(
-                    f"reward function {getattr(func, '__name__', func)!r} returned {None if values is None else len(values)} "
-                    f"scores for {len(completions)} completions: return one float per completion."
-                )
-            total += w * torch.tensor([float(v) for v in values], dtype=torch.float32)
+        total = reward_funcs_scores(
+            self.reward_funcs, self.args.reward_weights, prompts, completions, completion_ids, rollout.extra
+        )  # each function's scores checked (type, shape, count), naming the function
         return total.to(rollout.queries.device)
 
     def optimize(
@@ -686,6 +732,10 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         shape = (args.num_ppo_epochs, args.num_mini_batches, args.micro_batches_per_step)
         stats = {k: torch.zeros(shape, device=acc.device) for k in _STAT_KEYS}
         self.model.train()
+        if not getattr(self, "_checkpointing_set", False):  # memory.optimization, once
+            setup_checkpointing(self, qr, ctx)
+        if self._oom_recovery is not None:  # memory may differ after the rollout: try whole micro-batches
+            self._oom_recovery.reset()
         for epoch in range(args.num_ppo_epochs):
             perm = (
                 permutations[epoch]
@@ -723,15 +773,12 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         so the accumulated gradient is the one the whole batch gives and no sample is dropped.
         """
         with self.accelerator.accumulate(self.model):
-            try:
-                out, entropy = self._forward_backward(query_responses, ctx, adv, idx)
-            except torch.OutOfMemoryError as err:
-                pad, p1 = adv.padding_mask[idx], adv.padding_mask_p1[idx]
-                counts = ((~pad).sum().clamp_min(1), (~p1).sum().clamp_min(1), pad.numel())
-                out, entropy = self._recover_from_oom(err, query_responses, ctx, adv, idx, counts, depth=1)
+            out, entropy = self._forward_backward_recovering(query_responses, ctx, adv, idx)
             if self._rf_opt is not None:  # device tensors only: verified at the end of the window
                 self._rf_opt.observe_loss(out.loss)
                 self._rf_opt.record("approx_kl", out.approx_kl, reduce="max")
+            elif self._step_guard is not None:
+                self._step_guard.observe_loss(out.loss)
             self._optimizer_step()
         return out, entropy.mean()
 
@@ -754,10 +801,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             vf_coef=args.vf_coef,
             counts=counts,
         )
-        self._had_grad = [p.grad is not None for p in self._trainable]  # host flags: no sync
-        self._in_backward = True
         self.accelerator.backward(out.loss)
-        self._in_backward = False
         out.loss = out.loss.detach()
         return out, entropy.detach()
 
@@ -783,6 +827,30 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
                 telemetry.event(event, step=step, count=new)
                 seen[key] = int(metrics[key])
 
+    def _make_step_guard(self):
+        """A :class:`NonFiniteGuard` for an optimizer that does not verify its own steps (None for a
+        RapidFireOptimizer, under DeepSpeed, whose engine owns the step, and under fp16 loss scaling,
+        whose GradScaler already skips non-finite steps)."""
+        from rapidfire_hf.optim.guard import NonFiniteGuard
+
+        acc = self.accelerator
+        if self._rf_opt is not None or acc.distributed_type == DistributedType.DEEPSPEED:
+            return None
+        if getattr(acc, "scaler", None) is not None:
+            return None
+        return NonFiniteGuard(self.args.max_consecutive_skips, owner="PPOTrainer")
+
+    def _skipped_steps(self) -> int:
+        """Optimizer steps skipped so far as unhealthy; reads the guard's flags of this update (one host
+        read) and raises ConsecutiveSkipsError after ``max_consecutive_skips`` in a row."""
+        if self._rf_opt is not None:
+            stats = self._rf_opt.stats()
+            return stats["skipped"] - stats["clip_misses"]
+        if self._step_guard is not None:
+            self._step_guard.drain()
+            return self._step_guard.skipped
+        return 0
+
     def _should_replay(self) -> bool:
         """True when the optimizer undid the last window because its clip prediction missed."""
         opt = self._rf_opt
@@ -794,11 +862,16 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         acc, args = self.accelerator, self.args
         if acc.sync_gradients:
             self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+            grad_norm = None
             if args.max_grad_norm and args.max_grad_norm > 0 and not self._optimizer_clips:
-                acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
             if self.precision_plugin is not None:
                 self.precision_plugin.observe_gradients()
-        self.optimizer.step()
+        if acc.sync_gradients and self._step_guard is not None and self._rf_opt is None:
+            # a NaN/inf loss or gradient never reaches the weights (skipped on the device when it can be)
+            self._step_guard.step(self.optimizer, self._trainable, grad_norm)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if acc.sync_gradients:
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
@@ -816,6 +889,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         self.state.num_train_epochs = math.ceil(self.num_updates / self.prompt_order.batches_per_pass)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self._train_start = time.perf_counter()
+        self._prompts = PromptPrefetch.for_trainer(self, start_update)  # memory.prefetch_window
         for update in range(start_update, self.num_updates):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             metrics = self._one_update(update)
@@ -839,6 +913,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
             if self.control.should_training_stop:
                 break
+        self._prompts = None
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         acc.wait_for_everyone()
         return self.state
@@ -846,7 +921,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
     def _one_update(self, update: int) -> dict:
         args, acc = self.args, self.accelerator
         t0 = time.perf_counter()
-        rollout = self.rollout(self.next_prompts(update))
+        rollout = self.rollout(self._next_batch(update))
         t1 = _sync_time(acc.device)
         exp = self.score(rollout)
         if self.precision_plugin is not None and not self.precision_plugin.calibration_done:
@@ -858,6 +933,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         t3 = _sync_time(acc.device)
         self.state.episode += args.local_batch_size * acc.num_processes
         metrics = self._metrics(exp, stats, (t0, t1, t2, t3))
+        metrics["rapidfire/skipped_steps"] = self._skipped_steps()
         self._to_telemetry(update + 1, metrics)
         every = max(1, self.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
         if every and update % every == 0:
