@@ -34,6 +34,7 @@ class MemoryLevel(str, Enum):
     CONSERVATIVE = "conservative"
     BALANCED = "balanced"
     AGGRESSIVE = "aggressive"
+    AUTO = "auto"
 
 
 class LowMem(str, Enum):
@@ -240,7 +241,11 @@ class MemoryConfig(_Section):
 
     optimization: MemoryLevel = _field(
         MemoryLevel.BALANCED,
-        "How hard to save memory; sets the activation-checkpointing budget and compaction eagerness.",
+        "How hard to save memory: the selective activation checkpointing PPOTrainer and enable_rapidfire "
+        "apply to the trained models' decoder layers (conservative: none; balanced: recompute element-wise "
+        "ops, keep matmul and attention outputs; aggressive: also recompute matmuls and attention cheaper "
+        "than 4096 FLOPs per byte kept; auto: the least recompute whose measured activations fit in free "
+        "device memory; not applied when gradient_checkpointing=True), and how often compaction may run.",
         Choice(MemoryLevel),
     )
     compaction_threshold: float = _field(

@@ -21,10 +21,10 @@ from rapidfire_hf.memory.telemetry import TelemetryWriter, default_telemetry_dir
 
 logger = logging.getLogger(__name__)
 
-LEVELS = ("conservative", "balanced", "aggressive")
+LEVELS = ("conservative", "balanced", "aggressive", "auto")
 # Fewest optimizer steps between two threshold compactions, by memory.optimization level: a compaction
 # makes the next step cudaMalloc its activations again, so lazier levels wait longer.
-MIN_INTERVAL_STEPS = {"conservative": 50, "balanced": 20, "aggressive": 5}
+MIN_INTERVAL_STEPS = {"conservative": 50, "balanced": 20, "aggressive": 5, "auto": 20}
 # Phase changes after which the cache is always released: generation leaves KV-cache blocks whose sizes
 # training never asks for again.
 COMPACT_ON = {("rollout", "train"), ("rollout", "training")}
