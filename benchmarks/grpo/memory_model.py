@@ -311,7 +311,7 @@ def estimate(
 ) -> dict:
     """``rows`` is ``rapidfire_lowmem2``'s; ``lowmem3`` overrides ``LOWMEM3`` for ``rapidfire_lowmem3``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from lowmem import apply_chunked_checkpointing
+    from rapidfire_hf.integrations.lowmem import apply_chunked_checkpointing
 
     checkpointing, optimizer, pipeline, state_offload = VARIANTS[variant]
     v3 = dict(LOWMEM3, **(lowmem3 or {})) if variant == "rapidfire_lowmem3" else None

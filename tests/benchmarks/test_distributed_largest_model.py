@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 ROOT = Path(__file__).parents[2]
 BENCH = ROOT / "benchmarks/distributed"

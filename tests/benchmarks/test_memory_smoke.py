@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 VARIANTS = ("no_callback", "callback_t1.0", "callback_t0.3", "callback_default")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 
 def load():

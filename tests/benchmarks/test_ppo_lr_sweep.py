@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench_loader import BENCHMARKS, load_benchmark
+from tests.benchmarks.loader import BENCHMARKS, load_benchmark
 
 STORED = BENCHMARKS / "ppo_vs_trl" / "results" / "h200" / "learning_lr_sweep"
 

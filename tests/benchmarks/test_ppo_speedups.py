@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "ppo_vs_trl"
 run = load_benchmark("ppo_vs_trl/run.py", keep_on_path=True)

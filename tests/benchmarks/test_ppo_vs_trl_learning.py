@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 run = load_benchmark("ppo_vs_trl/run.py", keep_on_path=True)
 worker = load_benchmark("ppo_vs_trl/worker.py")
@@ -99,7 +99,9 @@ def test_learning_part_turns_our_gradient_clipping_off_like_trl():
     ours = PPOConfig(**worker.common_args({**rows[1], "name": "t"}, "cpu"))
     assert ours.max_grad_norm == 0.0
     rows = run.configs(
-        run.parse_args(["--out", "x", "--part", "learning", "--learn-seeds", "0", "--learn-max-grad-norm", "1"])
+        run.parse_args(
+            ["--out", "x", "--part", "learning", "--learn-seeds", "0", "--learn-max-grad-norm", "1"]
+        )
     )
     assert worker.common_args({**rows[1], "name": "t"}, "cpu")["max_grad_norm"] == 1.0
     throughput = run.configs(run.parse_args(["--out", "x", "--part", "throughput"]))[0]
@@ -115,9 +117,7 @@ def test_rule_reward_records_response_lengths_and_pad_draws():
     backbone.record = True
     backbone(input_ids=ids, attention_mask=ids != 0)
     # tokens before the first pad: 4, 0, 2; rows with a pad: 2 of 3; a pad first: 1 of 3
-    assert backbone.seen == [
-        pytest.approx({"response_length": 2.0, "pad_rows": 2 / 3, "pad_first": 1 / 3})
-    ]
+    assert backbone.seen == [pytest.approx({"response_length": 2.0, "pad_rows": 2 / 3, "pad_first": 1 / 3})]
 
 
 def test_learn_dtype_sets_both_trainers_weights_and_mixed_precision():
@@ -128,7 +128,9 @@ def test_learn_dtype_sets_both_trainers_weights_and_mixed_precision():
         ("bf16", torch.bfloat16, torch.bfloat16),
         ("fp32", torch.float32, torch.float32),
     ):
-        args = run.parse_args(["--out", "x", "--part", "learning", "--learn-seeds", "0", "--learn-dtype", flag])
+        args = run.parse_args(
+            ["--out", "x", "--part", "learning", "--learn-seeds", "0", "--learn-dtype", flag]
+        )
         cfg = {**run.configs(args)[0], "shape_kwargs": run.SHAPES["learn-tiny"]}
         assert cfg["dtype"] == flag
         assert worker.model_dtype(cfg, "cpu") == cpu_dtype and worker.model_dtype(cfg, "cuda") == gpu_dtype

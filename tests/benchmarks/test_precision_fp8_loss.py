@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 COMPILED_VS_EAGER_TOL = 1e-6
 

@@ -6,7 +6,7 @@ import csv
 import json
 import math
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 
 def test_ppo_ratio_smoke(tmp_path):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 
 def test_benchmark_smoke(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "rollout" / "run.py"
+pytestmark = pytest.mark.usefixtures("single_thread")  # as every rollout test (tests/conftest.py)
 
 
 @pytest.mark.slow  # ~10 s of it is importing transformers' Llama + matplotlib in a fresh process state

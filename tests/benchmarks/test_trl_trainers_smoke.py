@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 
 
 @pytest.mark.slow  # four child processes, each importing torch, transformers and trl (~15 s apiece on 2 cores)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
 from tests.distributed.launch import SCRIPTS
 
 ROOT = Path(__file__).parents[2]

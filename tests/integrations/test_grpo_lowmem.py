@@ -1,6 +1,5 @@
-"""rapidfire_hf.integrations.lowmem (the mechanisms of ``memory.lowmem``, first written for the benchmark's
-rapidfire_lowmem2..4 variants; benchmarks/grpo/lowmem.py re-exports them) against stock TRL GRPO, and the
-benchmark's memory model and helpers.
+"""rapidfire_hf.integrations.lowmem (the mechanisms of ``memory.lowmem``) against stock TRL GRPO (the
+benchmark's memory model and helpers are tested in tests/benchmarks/).
 
 Correctness claim checked here: on a tiny Llama in fp32 on the CPU, TRL 1.16's own GRPO loss
 (``GRPOTrainer._compute_loss``) and every parameter gradient are the same with the chunked, offloaded
@@ -19,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.bench_loader import load_benchmark
+from tests.benchmarks.loader import load_benchmark
+from tests.helpers import grpo_wiring
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo"
 RTOL, ATOL = 1e-5, 1e-7
@@ -27,7 +27,7 @@ RTOL, ATOL = 1e-5, 1e-7
 
 def load(name: str):
     if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # run.py and memory_model.py import lowmem (the re-export) by name
+        sys.path.insert(0, str(BENCH))  # run.py imports its sibling phases.py by name
     if name == "lowmem":
         from rapidfire_hf.integrations import lowmem
 
@@ -302,13 +302,12 @@ def test_optimizer_state_offload_with_bitsandbytes_8bit_state(lowmem, single_thr
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
 def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(lowmem, tokenizer, tmp_path, single_thread):
-    """The rapidfire_lowmem2 stack as run.py builds it, with bitsandbytes' 8-bit AdamW (it runs on the CPU
+    """The stack of chunked checkpointing and optimizer-state offload wired in by hand, with bitsandbytes' 8-bit AdamW (it runs on the CPU
     too): every window stepped in backward, embedding state 32-bit and the rest 8-bit as transformers
     sets it up, the state moved out and back around each rollout."""
     from rapidfire_hf import enable_rapidfire
     from rapidfire_hf.integrations.parts import find_rapidfire_optimizer
 
-    run = load("run")
     trainer = tiny_grpo(
         tokenizer, tmp_path, steps=3, hidden=128, layers=2, prompts=32, optim="adamw_8bit", learning_rate=1e-6
     )
@@ -318,9 +317,9 @@ def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(lowmem, tokenizer, t
         config={"memory": {"optimization": "aggressive"}},
         optimizer_kwargs={"rollback": "off", "pipeline_bucket_mb": 0.05},  # several buckets at this size
     )
-    state_offload = run._LazyStateOffload(trainer, lowmem.OptimizerStateOffload, include_cpu=True)
+    state_offload = grpo_wiring.LazyStateOffload(trainer, lowmem.OptimizerStateOffload, include_cpu=True)
     state_offload.install_wait(trainer.accelerator)
-    assert run.release_rollout_cache_after_each_rollout(trainer, state_offload=state_offload)
+    assert grpo_wiring.release_rollout_cache_after_each_rollout(trainer, state_offload=state_offload)
     trainer.train()
 
     opt = find_rapidfire_optimizer(trainer.optimizer)
@@ -378,62 +377,6 @@ def test_cuda_offload_and_prefetch_match_stock(lowmem, tokenizer, tmp_path):
         for k, v in s.items():
             if torch.is_tensor(v):
                 assert torch.equal(v, values[(id(p), k)])
-
-
-def test_memory_model_orders_the_variants(single_thread):
-    mm = load("memory_model")
-    shape = dict(
-        hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=512,
-        prompt_len=16, completion_len=16, batch=16,
-    )  # fmt: skip
-    est = {v: mm.estimate(v, shape, rows=4, lm_head_chunk=256) for v in mm.VARIANTS}
-    params = sum(p.numel() for p in mm.build_meta_model(shape).parameters())
-    assert est["stock"]["static_gib"]["weights"] == pytest.approx(2 * params / mm.GIB)
-    assert est["stock"]["static_gib"]["optimizer_state"] == pytest.approx(4 * params / mm.GIB)
-    assert (
-        est["rapidfire_lowmem"]["static_gib"]["optimizer_state"]
-        < est["stock"]["static_gib"]["optimizer_state"]
-    )
-    # stock and lowmem keep every gradient after backward; lowmem2's pipeline frees them
-    assert est["stock"]["gradients_left_after_backward_gib"] == pytest.approx(2 * params / mm.GIB)
-    assert est["rapidfire_lowmem2"]["gradients_left_after_backward_gib"] == 0
-    back = {v: e["dynamic_peak_gib"]["backward"] for v, e in est.items()}
-    assert back["rapidfire_lowmem2"] < back["rapidfire_lowmem"] == pytest.approx(back["stock"])
-    padded = mm.estimate("stock", shape, rows=4, lm_head_chunk=256, padded=True)
-    assert padded["dynamic_peak_gib"]["backward"] > back["stock"]  # k/v repeated to all heads
-
-
-def test_run_helpers_speed_ratios_and_settings():
-    run = load("run")
-    sp = run.speed([10.0, 2.0, 3.0, 2.0], [100, 100, 120, 100])
-    assert sp["all_steps"]["tokens_per_sec"] == pytest.approx(420 / 17)
-    assert sp["steady_state_steps_2_on"]["tokens_per_sec"] == pytest.approx(320 / 7)
-    assert sp["first_step_s"] == 10.0 and sp["median_step_s_steps_2_on"] == 2.0
-    assert sp["first_step_excess_s"] == pytest.approx(8.0)
-    assert run.speed([5.0], [10])["steady_state_steps_2_on"] is None
-
-    def fake(step_s, peak):
-        return {
-            "tokens_per_sec": 1.0,
-            "tokens_per_sec_after_first_step": 1.0,
-            "speed": run.speed(step_s, [100] * len(step_s)),
-            "peak_allocated_gib": peak,
-        }
-
-    r = run.ratios_to_stock(fake([20.0, 1.0, 1.0], 5.0), fake([20.0, 6.0, 6.0], 11.0))
-    assert r["tokens_per_sec_steady_state_steps_2_on"] == pytest.approx(6.0)
-    assert r["tokens_per_sec_all_steps"] == pytest.approx(32 / 22)
-    assert r["target_met"] == {
-        "speed_steady_state_ge_3x": True,
-        "speed_all_steps_ge_3x": False,
-        "peak_allocated_le_half": True,
-    }
-    settings = run.lowmem2_settings(None, rows=4, lm_head_chunk=4096, keep_rollout_cache=False)
-    assert all(s["source"].startswith(("stock TRL", "rapidfire_hf")) for s in settings)
-    text = " ".join(s["setting"] for s in settings)
-    assert "max_grad_norm=0.0" in text and "apply_chunked_checkpointing(model, rows=4" in text
-    assert "apply_selective_checkpointing" not in text  # replaced by the chunked checkpointing
-    assert run.parse_variants("stock,rapidfire_lowmem2") == ["stock", "rapidfire_lowmem2"]
 
 
 # ---- rapidfire_lowmem3 ---------------------------------------------------------------------------------
@@ -565,64 +508,6 @@ def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(lowmem, tokeniz
     assert opt1.param_groups[0]["betas"] == (0.9, 0.95) and opt1.param_groups[0]["lr"] == 3e-4
     lm0, lm1 = plain.model.lm_head.weight, eight.model.lm_head.weight
     assert torch.equal(lm0, lm1)  # every non-embedding parameter: the same 8-bit update
-
-
-def test_phase_times_add_up_per_step_on_the_cpu():
-    run = load("run")
-    phases = run.PhaseMemory()
-    phases.start()
-    for _ in range(3):
-        phases.enter("generation")
-        phases.exit()
-        phases.enter("backward")
-        sum(range(20000))
-        phases.exit()
-        phases.end_step()
-    report = phases.time_report()
-    assert len(report["per_step"]) == 3
-    assert set(report["per_step"][1]["cpu_s"]) == {"generation", "backward", "other"}
-    assert all(v >= 0 for step in report["per_step"] for v in step["cpu_s"].values())
-    assert report["per_step"][1]["gpu_s"] == {}  # no CUDA here
-    assert set(report["median_steps_2_on"]["cpu_s"]) == {"generation", "backward", "other"}
-
-
-def test_memory_model_lowmem3_state_and_prefill(single_thread):
-    mm = load("memory_model")
-    shape = dict(
-        hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=4096,
-        prompt_len=16, completion_len=16, batch=16,
-    )  # fmt: skip
-    small = dict(rows=4, forward_rows=8, prefill_rows=4)
-    v2 = mm.estimate("rapidfire_lowmem2", shape, rows=4, lm_head_chunk=256)
-    v3 = mm.estimate("rapidfire_lowmem3", shape, rows=4, lm_head_chunk=256, lowmem3=small)
-    # the embedding's state in 8 bits: 6 bytes a parameter less than transformers' 32-bit override
-    emb = shape["vocab"] * shape["hidden"]
-    saved = v2["static_gib"]["optimizer_state"] - v3["static_gib"]["optimizer_state"]
-    assert saved == pytest.approx((6 * emb - 8 * -(-emb // 256)) / mm.GIB)
-    assert v3["generation_gib"]["prefill_transient"] == pytest.approx(
-        v2["generation_gib"]["prefill_transient"] / 4
-    )
-    assert v3["gradients_left_after_backward_gib"] == 0 and v3["chunking"] == small
-    # the same backward chunk as lowmem2's (4 rows): wider forward chunks do not raise the backward peak
-    assert 0 < v3["dynamic_peak_gib"]["backward"] <= v2["dynamic_peak_gib"]["backward"]
-
-
-def test_lowmem3_settings_say_where_each_comes_from_and_what_changes_the_math():
-    run = load("run")
-    settings = run.lowmem3_settings(None, 16, 32, 16, 4096, embedding_8bit=True, keep_rollout_cache=False)
-    text = " ".join(s["setting"] for s in settings)
-    assert "OptimizerStateOffload" not in text  # the state stays on the GPU
-    assert "forward_rows=32" in text and "chunk_prefill(engine net, rows=16)" in text
-    assert "AdamW8bit" in text and "_cuda_clearCublasWorkspaces" in text and "max_grad_norm=0.0" in text
-    assert all(s["source"].split(" ")[0] in ("stock", "rapidfire_hf") for s in settings)
-    assert all("Math" in s["effect"] or "math" in s["effect"] for s in settings if "lowmem." in s["setting"])
-    fallback = run.lowmem3_settings("no GPU", 16, 32, 16, 4096, embedding_8bit=True, keep_rollout_cache=False)
-    assert fallback[0]["setting"] == 'GRPOConfig(optim="adamw_torch")'
-    assert run.parse_variants("stock,rapidfire_lowmem,rapidfire_lowmem3") == [
-        "stock",
-        "rapidfire_lowmem",
-        "rapidfire_lowmem3",
-    ]
 
 
 # ---- rapidfire_lowmem4 ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Checked on the CPU with real TRL 1.16 GRPO trainers (fp32, tiny Llama): the opti
 it needs (trainer kind, ``max_grad_norm=0.0``, ``optim='adamw_8bit'``) without touching the trainer when it
 refuses; with it on, TRL's GRPO loss and every gradient equal stock TRL's without checkpointing; and two
 training steps through the library give the same losses and weights as the benchmark's former wiring of the
-same mechanisms (``benchmarks/grpo/run.py``'s ``rapidfire_lowmem3``, which still applies them by hand).
+same mechanisms (``tests/helpers/grpo_wiring.py``, which applies them by hand).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rapidfire_hf.config import ConfigError, load_config
 from rapidfire_hf.integrations import RapidFireIntegrationError, enable_rapidfire
 from rapidfire_hf.integrations.lowmem import LOWMEM_DEFAULTS, lowmem_options
 from rapidfire_hf.integrations.parts import find_rapidfire_optimizer
-from tests.bench_loader import load_benchmark
+from tests.helpers import grpo_wiring
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 ON = {"memory": {"lowmem": "on"}}
@@ -116,13 +116,12 @@ def test_loss_and_gradients_equal_stock_trl(tokenizer, tmp_path, single_thread):
 
 
 def _old_benchmark_wiring(trainer):
-    """What benchmarks/grpo/run.py did by hand for rapidfire_lowmem4 before memory.lowmem (kept for its
-    rapidfire_lowmem3 variant), with this test's chunk sizes."""
+    """The mechanisms of memory.lowmem wired in by hand (tests/helpers/grpo_wiring.py), with this test's
+    chunk sizes."""
     import trl.trainer.utils as trl_utils
 
     from rapidfire_hf.integrations.lowmem import apply_chunked_checkpointing
 
-    run = load_benchmark("grpo/run.py", keep_on_path=True)
     trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = 64
     offloader = apply_chunked_checkpointing(
         trainer.model, rows=3, forward_rows=5, offload=True, reuse_host_buffers=True
@@ -131,7 +130,7 @@ def _old_benchmark_wiring(trainer):
         trainer, config={"memory": {"optimization": "aggressive"}}, optimizer_kwargs={"rollback": "off"}
     )
     times = {}
-    assert run.release_rollout_cache_after_each_rollout(
+    assert grpo_wiring.release_rollout_cache_after_each_rollout(
         trainer, prefill_rows=4, clear_workspaces=True, timings=times
     )
     return trainer, offloader, times
