@@ -15,20 +15,82 @@ class ReportingMixin:
     """Metrics, logging and sample tables of ``PPOTrainer``."""
 
     def show_samples(self, exp: Experience, rows: int = 4) -> None:
-        """Print a few prompts, completions and scores of a scored rollout (``num_sample_generations``)."""
+        """Print a few prompts, completions and scores of a scored rollout and log them as a table."""
+        self._report_completions(self._completion_rows(exp)[:rows])
+
+    def _completion_rows(self, exp: Experience) -> list[dict]:
+        tok = self.processing_class
+        prompts = tok.batch_decode(exp.rollout.queries, skip_special_tokens=True)
+        completions = tok.batch_decode(exp.postprocessed_responses, skip_special_tokens=True)
+        scores = exp.adv.scores.float().tolist()
+        return [
+            {"query": p, "model response": c, "score": s} for p, c, s in zip(prompts, completions, scores)
+        ]
+
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False) -> list[dict]:
+        """Complete the eval prompts with the current policy, score them, print the first rows and log them
+        as a ``completions`` table to W&B and TensorBoard (when those integrations are active).
+
+        Args:
+            sampling: sample with the training temperature and stop after one eval batch of
+                ``per_device_eval_batch_size`` prompts; ``False`` decodes greedily over the whole eval set.
+
+        Returns:
+            One dict per prompt: ``query``, ``model response``, ``score``.
+        """
+        dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
+        size = max(1, int(self.args.per_device_eval_batch_size))
+        rows: list[dict] = []
+        for start in range(0, len(dataset), size):
+            batch = self.data_collator([dataset[i] for i in range(start, min(start + size, len(dataset)))])
+            rows += self._completion_rows(self.score(self.rollout(batch, sampling=sampling)))
+            if sampling:
+                break
+        if self.accelerator.is_main_process:
+            self._report_completions(rows)
+        return rows
+
+    def evaluate(self, sampling: bool = False) -> dict[str, float]:
+        """Mean reward and completion length of :meth:`generate_completions` on the eval prompts, logged
+        under ``eval/`` and returned."""
+        rows = self.generate_completions(sampling=sampling)
+        tok = self.processing_class
+        lengths = [len(tok(r["model response"], add_special_tokens=False)["input_ids"]) for r in rows]
+        metrics = {
+            "eval/objective/scores": sum(r["score"] for r in rows) / max(len(rows), 1),
+            "eval/response_length": sum(lengths) / max(len(lengths), 1),
+        }
+        self.log(metrics)
+        return metrics
+
+    def _report_completions(self, rows: list[dict], shown: int = 5) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        tok = self.processing_class
-        table = Table(title=f"samples at update {self.state.global_step + 1}", show_lines=True)
-        for col in ("prompt", "completion", "score"):
+        table = Table(title=f"completions at update {self.state.global_step}", show_lines=True)
+        for col in ("query", "model response", "score"):
             table.add_column(col)
-        n = min(rows, exp.rollout.queries.shape[0])
-        prompts = tok.batch_decode(exp.rollout.queries[:n], skip_special_tokens=True)
-        completions = tok.batch_decode(exp.postprocessed_responses[:n], skip_special_tokens=True)
-        for p, c, sc in zip(prompts, completions, exp.adv.scores[:n].tolist()):
-            table.add_row(p, c, f"{sc:.3f}")
+        for r in rows[:shown]:
+            table.add_row(r["query"], r["model response"], f"{r['score']:.3f}")
         Console().print(table)
+        if not rows:
+            return
+        columns = list(rows[0])
+        data = [[r[c] for c in columns] for r in rows]
+        for cb in self.callback_handler.callbacks:
+            kind = type(cb).__name__
+            wandb = getattr(cb, "_wandb", None)
+            if kind == "WandbCallback" and wandb is not None and getattr(wandb, "run", None) is not None:
+                wandb.log({"completions": wandb.Table(columns=columns, data=data)})
+            writer = getattr(cb, "tb_writer", None)
+            if kind == "TensorBoardCallback" and writer is not None:
+                head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+                body = "".join(
+                    "| " + " | ".join(str(v).replace("|", "\\|") for v in d) + " |\n" for d in data
+                )
+                writer.add_text("completions", head + body, self.state.global_step)
+                writer.flush()
 
     def _metrics(self, exp: Experience, stats: dict, times) -> dict:
         acc, adv = self.accelerator, exp.adv

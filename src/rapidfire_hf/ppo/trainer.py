@@ -581,8 +581,8 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         prompts = getattr(self, "_prompts", None)
         return prompts.take(update) if prompts is not None else self.next_prompts(update)
 
-    def rollout(self, batch: dict) -> Rollout:
-        """Generate responses for a batch of prompts with the current policy."""
+    def rollout(self, batch: dict, sampling: bool = True) -> Rollout:
+        """Generate responses for a batch of prompts with the current policy (greedy when not ``sampling``)."""
         from rapidfire_hf.rollout import RolloutEngine, SamplingParams
 
         args, device = self.args, self.accelerator.device
@@ -601,7 +601,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             temperature=args.temperature + 1e-7,
             top_k=args.top_k,
             top_p=args.top_p,
-            do_sample=True,
+            do_sample=sampling,
         )
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
         # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
@@ -938,9 +938,8 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         every = max(1, self.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
         if every and update % every == 0:
             if self.eval_dataset is not None:  # every rank generates (collectives under ZeRO-3/FSDP2)
-                rows = [self.eval_dataset[i] for i in range(min(4, len(self.eval_dataset)))]
-                exp = self.score(self.rollout(self.data_collator(rows)))
-            if acc.is_main_process:
+                self.generate_completions(sampling=True)
+            elif acc.is_main_process:
                 self.show_samples(exp)
         return metrics
 
