@@ -943,9 +943,18 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
                 self.show_samples(exp)
         return metrics
 
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Save the policy (and tokenizer) with ``save_pretrained``; the value model/head beside it."""
-        ckpt.save_models(self, output_dir or self.args.output_dir)
+    def save_model(self, output_dir: str | None = None, dataset_name: str | None = None) -> None:
+        """Save the policy where ``from_pretrained(output_dir)`` finds it, with the tokenizer, the value
+        model or head beside it, ``training_args.bin`` and a model card (``rapidfire_hf.ppo.export``)."""
+        from rapidfire_hf.ppo.export import save_for_hub
+
+        save_for_hub(self, output_dir or self.args.output_dir, dataset_name)
+
+    def push_to_hub(self, commit_message: str = "End of training", dataset_name: str | None = None) -> str:
+        """Save to ``args.output_dir`` and upload it to ``args.hub_model_id``; returns the commit URL."""
+        from rapidfire_hf.ppo.export import push_to_hub
+
+        return push_to_hub(self, commit_message, dataset_name)
 
 
 _STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
