@@ -2,6 +2,7 @@
 
 The scripts live in ``benchmarks/<name>/`` of the repository (they are not part of the wheel) and
 each writes results.json / CSV / PNG into ``--out``. Extra arguments are passed to the script.
+``benchmarks/reproduce_h200.sh`` runs every command behind a number in the READMEs.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def run_bench(args) -> int:
     if args.list or args.name is None:
         for name, (_, what) in sorted(BENCHMARKS.items()):
             print(f"{name:10s} {what}")
+        print("every README number: bash benchmarks/reproduce_h200.sh --list")
         return 0 if args.list else 2
     root = benchmarks_dir()
     if root is None:

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Regenerate the numbers of README.md, docs/results.md and benchmarks/*/README.md.
+#
+#   bash benchmarks/reproduce_h200.sh --list               # the entries and the stored folder each one regenerates
+#   bash benchmarks/reproduce_h200.sh OUT                  # every one-GPU entry (about 3 hours on one H200)
+#   bash benchmarks/reproduce_h200.sh OUT ppo_first_run grpo_lowmem_switch   # the named entries
+#
+# Each entry writes OUT/<entry>/ (results.json / CSV / PNG as the script writes them, plus log.txt) and
+# prints its exit status; a failing entry does not stop the others. Compare OUT/<entry>/ with the stored
+# folder that --list names. Entries whose stored results came from two calls (stock on one GPU, ours on
+# another) run here as one call, so their ratios become same-run. Entries starting with dist_ need two GPUs
+# and run only when named.
+#
+# Needs the package installed (pip install -e ".[test]"); for the stock PPO side trl==1.12.0 installed in
+# its own folder, never next to trl 1.16 (TRL112_PATH, default /tmp/site112; see
+# benchmarks/ppo_vs_trl/README.md); bitsandbytes for the GRPO low-memory rows, torchao for FP8, peft for the
+# 7B LoRA rows, deepspeed for the ZeRO engines. benchmarks/gpu_env.sh sets up a machine without internet from
+# carried wheels.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export TRL112_PATH=${TRL112_PATH:-/tmp/site112} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+PPO="$PY benchmarks/ppo_vs_trl/run.py"
+
+# name|stored folder (under benchmarks/)|what it measures
+ENTRIES=(
+  "ppo_first_run|ppo_vs_trl/results/h200/first_run|PPO stock vs ours, batch 8-256 (README rows 1-3)"
+  "ppo_trl_large_batches|ppo_vs_trl/results/h200/trl_large_batches|stock PPO at batch 128 and 256"
+  "ppo_ours_compiled_decode|ppo_vs_trl/results/h200/ours_compiled_decode|ours with the compiled decode step"
+  "ppo_fused_b256_compiled|ppo_vs_trl/results/h200/fused_b256_compiled|fused value head at batch 256"
+  "ppo_small_batches|ppo_vs_trl/results/h200/small_batches|batch 8 and 32 with compile / Liger"
+  "ppo_best_b256|ppo_vs_trl/results/h200/best_b256|batch 256, best switches (README row 4)"
+  "ppo_speedups_b256|ppo_vs_trl/results/h200/speedups_b256|torch_compile / Liger / micro-batch 32 at batch 256"
+  "ppo_fused_b4096|ppo_vs_trl/results/h200/fused_b4096_gen_chunks|fused value head at rollout batch 4096"
+  "ppo_size7b|ppo_vs_trl/results/h200/size7b|7B shape, full fine-tuning and LoRA, every mode"
+  "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
+  "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
+  "grpo_balanced|grpo/results/h200/balanced|GRPO balanced config (README row 6)"
+  "trl_trainers|trl_trainers/results/h200|SFT and DPO at sequence 2048 (README row 7)"
+  "optimizer_interleaved|optimizer/results/h200/interleaved|optimizer variants, interleaved paired steps"
+  "optimizer_buckets|optimizer/results/h200/buckets_interleaved|bucket sizes, overlap (README row 8)"
+  "memory_first_run|memory/results/h200/first_run|allocator, compaction, selective checkpointing"
+  "memory_defaults|memory/results/h200/defaults|the default callback, largest micro-batch"
+  "memory_defaults_pressure|memory/results/h200/defaults_pressure|native allocator with the pressure rule"
+  "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
+  "precision_torchao|precision/results/h200/torchao|fp16 overflow; FP8 linears per backend; 40-step loss"
+  "precision_fp8_7b|precision/results/h200/fp8_loss/llama-7b_bf16|compiled FP8 training, 7B (README row 10)"
+  "precision_fp8_1b_bf16|precision/results/h200/fp8_loss/llama-1.1b_bf16|compiled FP8 training, 1.1B bf16 weights"
+  "precision_fp8_1b_fp32|precision/results/h200/fp8_loss/llama-1.1b_fp32_master|compiled FP8 training, fp32 master"
+  "precision_ppo_ratio|precision/results/h200/ppo_ratio_three_modes|PPO log-prob drift: bf16, adaptive, fp32"
+  "dist_run|distributed/results/h200x2|2 GPUs: NCCL tests, engine smoke, DDP tokens/s (README row 11)"
+  "dist_largest|distributed/results/h200x2/largest_model_bf16|2 GPUs: the largest PPO model per engine"
+  "dist_sft_engines|distributed/results/h200x2/sft_engines|2 GPUs: enable_rapidfire (SFT) per engine"
+)
+
+entry() {  # the commands of one entry, writing into $1
+  local o=$1 name=$2
+  case $name in
+    ppo_first_run) $PPO --out "$o" --rollout-backend auto --timeout 150 ;;
+    ppo_trl_large_batches) $PPO --out "$o" --trl-batches 128,256 --our-batches "" --fused-batches "" --learn-updates 0 --timeout 230 ;;
+    ppo_ours_compiled_decode) $PPO --out "$o" --trl-batches "" --our-batches 8,32,256 --fused-batches 64,256 --learn-updates 0 --timeout 85 ;;
+    ppo_fused_b256_compiled) $PPO --out "$o" --trl-batches "" --our-batches "" --fused-batches 256 --learn-updates 0 --timeout 85 ;;
+    ppo_small_batches) $PPO --out "$o" --part throughput --updates 2 --timeout 120 --trl-batches 8,32 --our-batches 32,8 \
+        --fused-batches 32 --ours-variants compile --fused-variants liger+compile ;;
+    ppo_best_b256) $PPO --out "$o" --part throughput --updates 2 --timeout 220 --trl-batches 256 --our-batches 256 \
+        --fused-batches 256 --ours-variants compile --fused-variants liger+compile ;;
+    ppo_speedups_b256)
+      $PPO --out "$o/a" --part throughput --trl-batches "" --updates 2 --ours-decode-mode cuda_graph --timeout 150 \
+        --our-batches 256 --fused-batches 256 --ours-variants base,liger+compile --fused-variants base,liger+compile
+      $PPO --out "$o/b" --part throughput --trl-batches "" --updates 2 --ours-decode-mode cuda_graph --timeout 150 \
+        --our-batches 256 --fused-batches 256 --ours-variants m32,liger,compile --fused-variants m32
+      $PPO merge "$o" "$o/a/results.json" "$o/b/results.json" ;;
+    ppo_fused_b4096) $PPO --out "$o" --part throughput --updates 1 --timeout 195 --trl-batches "" --our-batches "" \
+        --fused-batches 4096 --ours-decode-mode cuda_graph --ours-gen-chunk 512 ;;
+    ppo_size7b) $PPO --out "$o" --part size7b --size-timeout 400 ;;
+    ppo_learning_sweep)
+      local lr system seeds
+      for spec in "3e-4 learn_trl 16" "3e-4 learn_rapidfire_separate 16" "3e-4 learn_rapidfire_fused 8" \
+          "6e-4 learn_trl 8" "6e-4 learn_rapidfire_separate 8" "6e-4 learn_rapidfire_fused 8" \
+          "1e-3 learn_trl 4" "1e-3 learn_rapidfire_separate 4" "1e-3 learn_rapidfire_fused 16"; do
+        set -- $spec
+        lr=$1 system=$2 seeds=$(seq -s, 0 $(($3 - 1)))
+        $PPO --out "$o/runs/${system}_lr$lr" --part learning --only "$system" --learn-lr "$lr" --learn-seeds "$seeds" --timeout 900
+      done
+      $PY benchmarks/ppo_vs_trl/lr_sweep.py "$o" "$o/runs" ;;
+    grpo_lowmem_switch) $PY benchmarks/grpo/run.py --out "$o" --variants stock,rapidfire_lowmem ;;
+    grpo_balanced) $PY benchmarks/grpo/run.py --out "$o" --variants stock,rapidfire --steps 6 ;;
+    trl_trainers) $PY benchmarks/trl_trainers/run.py --out "$o" --systems stock,rapidfire,stock_no_ckpt --max-batch --budget-s 220 ;;
+    optimizer_interleaved) $PY benchmarks/optimizer/run.py --out "$o" --rounds 1 --interleave 24 --only torch_adamw \
+        rf_pipeline_off rf_pipeline_on rf_verify_only rf_pipeline_rollback torch_adamw_ckpt rf_pipeline_ckpt torch_adamw_accum \
+        rf_pipeline_on_accum rf_verify_accum rf_rollback_accum bnb_adamw8bit rf_adamw8bit_pipeline ;;
+    optimizer_buckets) $PY benchmarks/optimizer/run.py --out "$o" --rounds 1 --interleave 24 --no-snapshot --bucket-mb 128 256 512 \
+        --only torch_adamw rf_pipeline_on rf_pipeline_bucket128 rf_pipeline_bucket256 rf_pipeline_bucket512 \
+        rf_pipeline_rollback rf_rollback_overlap rf_pipeline_overlap ;;
+    memory_first_run) $PY benchmarks/memory/run.py --out "$o" ;;
+    memory_defaults) $PY benchmarks/memory/run.py --out "$o" --groups allocator/native,allocator/expandable ;;
+    memory_defaults_pressure) $PY benchmarks/memory/run.py --out "$o" --groups allocator/native --batch-variants none ;;
+    rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
+    precision_torchao) $PY benchmarks/precision/run.py --out "$o" --budget-s 275 ;;
+    precision_fp8_7b) $PY benchmarks/precision/run.py --out "$o" --parts fp8_loss --fp8-loss-shape llama-7b --fp8-loss-weights bf16 \
+        --fp8-loss-variants bf16_compiled,torchao_tensorwise_compiled,torchao_rowwise_compiled --fp8-loss-steps 30 --budget-s 130 ;;
+    precision_fp8_1b_bf16) $PY benchmarks/precision/run.py --out "$o" --parts fp8_loss --fp8-loss-weights bf16 \
+        --fp8-loss-variants bf16_compiled,torchao_tensorwise_compiled --fp8-loss-steps 40 --budget-s 60 ;;
+    precision_fp8_1b_fp32) $PY benchmarks/precision/run.py --out "$o" --parts fp8_loss \
+        --fp8-loss-variants bf16,bf16_compiled,torchao_tensorwise_compiled,torchao_rowwise_compiled --fp8-loss-steps 40 --budget-s 120 ;;
+    precision_ppo_ratio) $PY benchmarks/precision/ppo_ratio.py --out "$o" --rollout-decode-mode cuda_graph --updates 20 ;;
+    dist_run) bash benchmarks/distributed/run.sh "$o" ;;
+    dist_largest) SET=bf16 bash benchmarks/distributed/largest_model.sh "$o" ;;
+    dist_sft_engines)
+      local engine cfg port=29600
+      for engine in ddp zero2 zero3 fsdp2; do
+        case $engine in ddp) cfg=multi_gpu ;; zero2) cfg=deepspeed_zero2 ;; zero3) cfg=deepspeed_zero3 ;; fsdp2) cfg=fsdp2 ;; esac
+        port=$((port + 11))
+        accelerate launch --main_process_port $port --config_file accelerate_configs/$cfg.yaml \
+          tests/distributed/scripts/sft_ranks.py "$o/sft_$engine" --device cuda --bf16
+      done
+      $PY benchmarks/distributed/report.py --sft "$o" ;;
+    *) echo "unknown entry $name (see --list)" >&2; return 2 ;;
+  esac
+}
+
+if [ "${1:-}" = "--list" ] || [ $# -eq 0 ]; then
+  printf '%-26s %-52s %s\n' entry "stored in benchmarks/" measures
+  for e in "${ENTRIES[@]}"; do IFS='|' read -r name stored what <<< "$e"; printf '%-26s %-52s %s\n' "$name" "$stored" "$what"; done
+  [ $# -eq 0 ] && { echo "usage: $0 OUT [ENTRY ...] | --list" >&2; exit 2; }
+  exit 0
+fi
+OUT=$1; shift
+mkdir -p "$OUT"
+names=("$@")
+if [ ${#names[@]} -eq 0 ]; then
+  for e in "${ENTRIES[@]}"; do name=${e%%|*}; [[ $name == dist_* ]] || names+=("$name"); done
+fi
+$PY -c "import sys; sys.path.insert(0, '.'); import json; from benchmarks.common import environment; print(json.dumps(environment()))" \
+  > "$OUT/environment.json"
+status=0
+for name in "${names[@]}"; do
+  mkdir -p "$OUT/$name"
+  start=$(date +%s)
+  ( entry "$OUT/$name" "$name" ) > "$OUT/$name/log.txt" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || status=1
+  echo "$name rc=$rc in $(($(date +%s) - start)) s -> $OUT/$name"
+done
+exit $status
