@@ -38,7 +38,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "weight_decay": _NON_NEGATIVE,
     "adam_beta1": Float(0.0, 1.0, open_high=True),
     "adam_beta2": Float(0.0, 1.0, open_high=True),
-    "adam_epsilon": _NON_NEGATIVE,
+    "adam_epsilon": _POSITIVE,  # 0 divides 0 by 0 for a parameter that never had a gradient
     "max_grad_norm": Optional(_NON_NEGATIVE, "no clipping, as 0"),
     "num_train_epochs": _POSITIVE,
     "max_steps": _StepCount(),
@@ -69,6 +69,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "memory_management": Bool(),
     "max_oom_splits": Int(min=0, max=64),  # 64 halvings split any batch down to single rows
     "approx_kl_limit": Optional(_POSITIVE, "no approx-KL rule"),
+    "max_consecutive_skips": Optional(Int(min=1), "never stop on skipped steps"),
     "value_mode": Among(("separate", "fused")),
     "ref_model_quantization": _QUANTIZATION,
     "reward_model_quantization": _QUANTIZATION,
@@ -76,6 +77,23 @@ FIELD_CHECKS: dict[str, Check] = {
     "rollout_decode_mode": Among(("auto", "compile", "cuda_graph", "eager")),
     "rollout_generation_batch_size": Optional(Int(min=1), "the whole rollout batch at once"),
 }
+
+
+def check_value_mode(args: PPOConfig, value_model: Any) -> None:
+    """Refuse ``value_mode="fused"`` together with a separate ``value_model`` (one of them would be ignored).
+
+    Raises:
+        ConfigError: naming ``value_mode`` and the two ways out.
+    """
+    if args.value_mode == "fused" and value_model is not None:
+        raise ConfigError(
+            f"a value_model ({type(value_model).__name__}) was passed too, and the fused mode has no use for "
+            "it: drop value_model to train a value head on the policy, or set value_mode='separate' to train "
+            "the value model",
+            key="value_mode",
+            value=args.value_mode,
+            allowed="'separate' with a value_model, or 'fused' with value_model=None",
+        )
 
 
 def check_fields(obj: Any, checks: Mapping[str, Check]) -> list[ConfigError]:
@@ -185,6 +203,14 @@ class PPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "With a RapidFireOptimizer: roll back an optimizer step whose approx-KL exceeds this."
+        },
+    )
+    max_consecutive_skips: int | None = field(
+        default=10,
+        metadata={
+            "help": "Optimizer steps skipped in a row (NaN/inf loss or gradients, failed health rules) after "
+            "which training stops with an error naming what failed (None = never stop). Every skipped step "
+            "is logged as a warning and counted in rapidfire/skipped_steps."
         },
     )
     value_mode: str = field(
