@@ -5,18 +5,20 @@ Everything here raises the real exception types the code under test handles; not
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # ---- out-of-memory injection ------------------------------------------------------------------------
 
 
-def _rows(args, kwargs) -> int:
-    """Rows of a forward call: ``input_ids`` / ``inputs_embeds`` (keyword or first argument)."""
+def _input_shape(args, kwargs) -> tuple[int, ...]:
+    """Shape of a forward call's ``input_ids`` / ``inputs_embeds`` (keyword or first argument)."""
     for key in ("input_ids", "inputs_embeds"):
         value = kwargs.get(key)
         if value is not None:
-            return value.shape[0]
-    return args[0].shape[0]
+            return tuple(value.shape)
+    return tuple(args[0].shape)
 
 
 class OOMInjector:
@@ -25,7 +27,7 @@ class OOMInjector:
     ``when(call, rows, grad)`` sees the 1-based number of the call among those that match ``grad``
     (``True``: only gradient-tracking forwards; ``False``: only no-grad ones; ``None``: all), the rows of
     the call and whether gradients are on. ``raised`` counts the errors raised, ``calls`` the matching
-    calls, ``rows`` the row count of each matching call.
+    calls, ``rows`` and ``shapes`` the row count and input shape of each matching call.
 
     Example:
         >>> oom = OOMInjector(decoder, lambda call, rows, grad: rows > 2, grad=True)  # doctest: +SKIP
@@ -33,16 +35,19 @@ class OOMInjector:
 
     def __init__(self, module, when, grad: bool | None = True):
         self.when, self.grad = when, grad
-        self.calls, self.raised, self.rows = 0, 0, []
+        self.calls, self.raised, self.rows, self.shapes = 0, 0, [], []
+        self.active = True  # inactive calls are neither counted nor failed (see only_during)
         self.handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
         grad = torch.is_grad_enabled()
-        if self.grad is not None and grad != self.grad:
+        if not self.active or (self.grad is not None and grad != self.grad):
             return
         self.calls += 1
-        rows = _rows(args, kwargs)
+        shape = _input_shape(args, kwargs)
+        rows = shape[0]
         self.rows.append(rows)
+        self.shapes.append(shape)
         if self.when(self.calls, rows, grad):
             self.raised += 1
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected: call {self.calls}, {rows} rows)")
@@ -70,3 +75,21 @@ def oom_in_backward(tensor: torch.Tensor) -> torch.Tensor:
 
     tensor.register_hook(fail)
     return tensor
+
+
+def only_during(injector: OOMInjector, obj, name: str) -> OOMInjector:
+    """Make ``injector`` count and fail only calls made while ``obj.name(...)`` runs (e.g. only the
+    forwards of ``PPOTrainer.optimize``, not those of a calibration pass before it)."""
+    method = getattr(obj, name)
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        injector.active = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            injector.active = False
+
+    injector.active = False
+    setattr(obj, name, wrapped)
+    return injector

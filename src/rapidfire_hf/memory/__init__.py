@@ -21,6 +21,7 @@ _EXPORTS = {
     "OOMRecovery": "oom",
     "OOMRecoveryError": "oom",
     "batch_size": "oom",
+    "accelerate_hold": "oom",
     "run_with_oom_recovery": "oom",
     "split_batch": "oom",
     "BatchPrefetcher": "prefetch",
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
         run_with_oom_recovery,
         split_batch,
     )
+        accelerate_hold,
     from rapidfire_hf.memory.prefetch import BatchPrefetcher  # noqa: F401
     from rapidfire_hf.memory.stats import (  # noqa: F401
         MemorySample,

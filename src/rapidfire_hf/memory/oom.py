@@ -9,15 +9,24 @@ loss is (usually a mean over the chunk's samples) and returns the unweighted los
 ``weight_fn=lambda chunk, batch_size: 1.0``; for a per-token mean inside the micro-batch pass a weight
 that is the chunk's share of tokens.
 
+One micro-batch is one backward of the accumulation window, however many pieces it is cut into. When it
+closes the window (``sync_gradients``), only its last piece may close it: every earlier piece runs inside
+``hold()`` (for accelerate, :func:`accelerate_hold`: ``sync_gradients`` False and DDP's ``no_sync``), so
+a gradient pipeline's hooks, DeepSpeed's step and DDP's all-reduce run once, on the last piece, over the
+complete gradient.
+
 A retry is exact only when the failed attempt left no gradient behind. Before each attempt the wrapper
 notes every parameter's ``.grad`` (object and version counter); after an OOM, gradients that did not exist
 before are dropped again (exact), and an OOM after backward had already added into existing gradients, or
 after an optimizer step changed parameters inside backward, is not retried (it would count a part twice):
-it raises :class:`OOMRecoveryError` saying so.
+it raises :class:`OOMRecoveryError` saying so. With a gradient pipeline on (``optimizer=`` given), an OOM
+in a backward that may close the window and had created gradients is refused too: the pipeline's hooks
+may already have counted them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -27,6 +36,8 @@ import torch
 from rapidfire_hf.memory.stats import MiB, release_cached_memory
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_ADVICE = "Lower the micro-batch size or the sequence length, or allow more splits (max_splits)."
 
 
 class OOMRecoveryError(RuntimeError):
@@ -70,8 +81,36 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     return batch[:cut], batch[cut:]
 
 
-def _share(chunk: Any, total: int) -> float:
-    return batch_size(chunk) / total
+@contextlib.contextmanager
+def accelerate_hold(accelerator, model=None):
+    """Backwards inside do not close accelerate's accumulation window.
+
+    ``sync_gradients`` is False inside (the gradient pipeline's hooks wait, DeepSpeed does not step) and
+    ``model`` skips DDP's all-reduce (``accelerator.no_sync``); both are as before afterwards. A no-op
+    when the window is not closing anyway.
+    """
+    state = accelerator.gradient_state
+    if not state.sync_gradients:
+        yield
+        return
+    state._set_sync_gradients(False)
+    try:
+        with accelerator.no_sync(model) if model is not None else contextlib.nullcontext():
+            yield
+    finally:
+        state._set_sync_gradients(True)
+
+
+def pipeline_state(optimizer) -> tuple[bool, bool]:
+    """``(pipeline on, counts backwards itself)`` of the RapidFireOptimizer inside ``optimizer`` (any
+    wrapping through ``.optimizer``, e.g. accelerate's); ``(False, False)`` for other optimizers."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if hasattr(optimizer, "pipeline_enabled"):
+            on = bool(optimizer.pipeline_enabled)
+            return on, on and getattr(optimizer, "accumulation_steps", None) is not None
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    return False, False
 
 
 class OOMRecovery:
@@ -88,6 +127,19 @@ class OOMRecovery:
         size_fn: ``batch -> int``; default :func:`batch_size`.
         weight_fn: ``(chunk, full_size) -> float``; default the chunk's share of samples.
         telemetry: A ``TelemetryWriter`` to record ``oom_split`` events in (optional).
+        combine: ``(first_result, second_result) -> result`` for a ``step_fn`` whose result is not a
+            loss to weight (e.g. a dataclass of statistics already normalised by the whole micro-batch);
+            default: the weighted sum of the chunk losses.
+        hold: A context manager factory in which a backward does not close the accumulation window
+            (e.g. ``lambda: accelerate_hold(accelerator, model)``); every piece of a split micro-batch
+            but the last runs inside it. Without it, a gradient pipeline or DeepSpeed would step on each
+            piece of a window's closing micro-batch.
+        release: Returns cached memory to the device after an OOM and the bytes it gave back; default
+            ``release_cached_memory(collect_garbage=True)``.
+        optimizer: The optimizer (a ``RapidFireOptimizer``, possibly wrapped), to refuse what its
+            gradient pipeline makes unrecoverable.
+        advice: The sentence of the final error that says which settings lower memory (name only
+            settings of the caller that act).
 
     Example:
         >>> recover = OOMRecovery(max_splits=3, params=model.parameters())        # doctest: +SKIP
@@ -106,24 +158,36 @@ class OOMRecovery:
         size_fn: Callable[[Any], int] = batch_size,
         weight_fn: Callable[[Any, int], float] | None = None,
         telemetry=None,
+        *,
+        combine: Callable[[Any, Any], Any] | None = None,
+        hold: Callable[[], contextlib.AbstractContextManager] | None = None,
+        release: Callable[[], int] | None = None,
+        optimizer=None,
+        advice: str = DEFAULT_ADVICE,
     ):
-        if max_splits < 0:
+        if isinstance(max_splits, bool) or not isinstance(max_splits, int) or max_splits < 0:
             raise ValueError(f"max_splits={max_splits!r}: expected an integer >= 0")
         self.max_splits = max_splits
         self.params = list(params) if params is not None else None
         self.split_fn, self.size_fn = split_fn, size_fn
         self.weight_fn = weight_fn or (lambda chunk, total: self.size_fn(chunk) / total)
         self.telemetry = telemetry
+        self.combine = combine
+        self.hold = hold
+        self.release = release or (lambda: release_cached_memory(collect_garbage=True))
+        self.optimizer = optimizer
+        self.advice = advice
         self.splits = 0  # halvings applied up front to every micro-batch
         self.events: list[dict] = []
         self.step: int | None = None  # set by the trainer, for the telemetry record
+        self._held = 0  # depth of hold() contexts the current attempt runs in
 
     def reset(self) -> None:
         """Stop splitting micro-batches up front (e.g. after a phase that freed memory)."""
         self.splits = 0
 
-    def __call__(self, step_fn: Callable[[Any, float], torch.Tensor | float], batch: Any):
-        """Run ``step_fn`` on ``batch``, splitting on OOM; return the weighted sum of the chunk losses."""
+    def __call__(self, step_fn: Callable[[Any, float], Any], batch: Any):
+        """Run ``step_fn`` on ``batch``, splitting on OOM; return the combined result of the chunks."""
         return self._run(step_fn, batch, self.size_fn(batch), depth=0)
 
     def _run(self, step_fn, chunk, total: int, depth: int):
@@ -133,19 +197,26 @@ class OOMRecovery:
         message = None
         try:
             weight = self.weight_fn(chunk, total)
-            loss = step_fn(chunk, weight)
-            return loss.detach() * weight if isinstance(loss, torch.Tensor) else loss * weight
+            result = step_fn(chunk, weight)
+            if self.combine is not None:
+                return result
+            return result.detach() * weight if isinstance(result, torch.Tensor) else result * weight
         except torch.OutOfMemoryError as err:
             # Keep only the text: the traceback's frames hold the failed attempt's activations.
             message = str(err).splitlines()[0] if str(err) else "CUDA out of memory"
         self._restore_or_raise(before, message)
-        returned = release_cached_memory(collect_garbage=True)
+        returned = self.release()
         size = self.size_fn(chunk)
         if depth >= self.max_splits or size < 2:
             raise OOMRecoveryError(
                 f"out of memory on a chunk of {size} sample(s) after splitting the micro-batch {depth} time(s) "
-                f"(max_splits={self.max_splits}): {message}. Lower the micro-batch size, raise "
-                "memory.optimization (activation checkpointing), or shorten the sequences."
+                f"(max_splits={self.max_splits}): {message}. {self.advice}"
+            )
+        if pipeline_state(self.optimizer)[1]:
+            raise OOMRecoveryError(
+                f"out of memory in a micro-batch ({message}) with a gradient pipeline that counts backwards "
+                "itself (RapidFireOptimizer(accumulation_steps=...)): the pieces of a split would be counted "
+                "as micro-batches. Let accelerate mark the window (accumulation_steps=None). " + self.advice
             )
         event = {
             "step": self.step,
@@ -158,14 +229,28 @@ class OOMRecovery:
         if self.telemetry is not None:
             self.telemetry.event("oom_split", **event)
         logger.warning(
-            "rapidfire: OOM on %d samples; released %.0f MiB and split in two", size, returned / MiB
+            "rapidfire: OOM on a micro-batch chunk of %d samples; released %.0f MiB and split it in two",
+            size,
+            returned / MiB,
         )
         self.splits = max(self.splits, depth + 1)
         return self._split_and_run(step_fn, chunk, total, depth)
 
     def _split_and_run(self, step_fn, chunk, total: int, depth: int):
         first, second = self.split_fn(chunk)
-        return self._run(step_fn, first, total, depth + 1) + self._run(step_fn, second, total, depth + 1)
+        with self._holding():  # the first half never closes the window: the second (or its last piece) does
+            a = self._run(step_fn, first, total, depth + 1)
+        b = self._run(step_fn, second, total, depth + 1)
+        return self.combine(a, b) if self.combine is not None else a + b
+
+    @contextlib.contextmanager
+    def _holding(self):
+        self._held += 1
+        try:
+            with self.hold() if self.hold is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._held -= 1
 
     def _grad_state(self):
         if self.params is None:
@@ -188,8 +273,14 @@ class OOMRecovery:
             elif p.grad is not grad or p.grad._version != grad_version:
                 raise OOMRecoveryError(
                     f"out of memory in backward after gradients were added into existing .grad ({message}); "
-                    "a retry would count them twice. Lower the micro-batch size instead."
+                    f"a retry would count them twice. {self.advice}"
                 )
+        if fresh and not self._held and pipeline_state(self.optimizer)[0]:
+            raise OOMRecoveryError(
+                f"out of memory in a backward that a gradient pipeline steps during ({message}); its hooks "
+                "may have counted the partial gradients, so a retry is not exact. Turn the gradient pipeline "
+                f"off (gradient.pipeline: false) for OOM recovery in backward. {self.advice}"
+            )
         for p in fresh:  # gradients the failed attempt created: drop them, as if it never ran
             p.grad = None
 

@@ -1,68 +1,137 @@
-"""Recovery from CUDA out-of-memory errors inside a PPO micro-batch (a mixin of PPOTrainer).
+"""Out-of-memory recovery for PPOTrainer (a mixin): training micro-batches, generation and scoring.
 
-The micro-batch is split in halves, recursively, and every piece's loss is normalised by the token
-counts of the whole micro-batch (``ppo_loss(counts=...)``), so the accumulated gradient equals the
-one the whole micro-batch gives and no sample is dropped. Gradients created by the failed attempt
-are removed first; a failure in a backward that adds into existing gradients (or that a gradient
-pipeline already applied) cannot be undone exactly and is refused with a clear error.
+Training: :class:`rapidfire_hf.memory.OOMRecovery` splits a micro-batch that runs out of memory in
+halves, recursively. Every piece's loss is normalised by the token counts of the whole micro-batch
+(``ppo_loss(counts=...)``), so the pieces' gradients add up to the whole micro-batch's and no sample is
+dropped; all pieces but the last run with accelerate's ``sync_gradients`` off, so the window is closed
+(gradient pipeline hooks, DeepSpeed step, DDP all-reduce) once, by the last piece.
+
+Generation and scoring run without gradients: a chunk that runs out of memory is retried in halves
+(the global RNG is put back first, so the retry draws as a run with the smaller chunk would), and the
+smaller size is kept for the rest of that phase.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
+from rapidfire_hf.memory.oom import OOMRecovery, accelerate_hold, release_cached_memory
+
 logger = logging.getLogger(__name__)
+
+TRAIN_ADVICE = (
+    "Lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch), lower "
+    "response_length, set gradient_checkpointing=True, or raise max_oom_splits."
+)
+
+
+def _split_rows(chunk: dict) -> tuple[dict, dict]:
+    cut = (len(chunk["idx"]) + 1) // 2
+    return (
+        {"qr": chunk["qr"][:cut], "idx": chunk["idx"][:cut]},
+        {"qr": chunk["qr"][cut:], "idx": chunk["idx"][cut:]},
+    )
+
+
+def _merge_pieces(a, b):
+    """Loss statistics are sums over pieces (each normalised by the whole micro-batch); entropies stack."""
+    (out_a, ent_a), (out_b, ent_b) = a, b
+    merged = {f: getattr(out_a, f) + getattr(out_b, f) for f in vars(out_a)}
+    return type(out_a)(**merged), torch.cat([ent_a, ent_b])
 
 
 class OOMRecoveryMixin:
-    """Split-and-retry for ``PPOTrainer._micro_step``; needs ``_forward_backward`` and trainer state."""
+    """OOM handling of ``PPOTrainer``; needs ``args``, ``accelerator``, ``model``, ``optimizer``."""
 
-    def _recover_from_oom(self, err, query_responses, ctx, adv, idx, counts, depth):
-        """Free what the failed attempt held, then run the two halves of the micro-batch."""
-        args = self.args
-        if depth > args.max_oom_splits or len(idx) < 2:
-            raise RuntimeError(
-                f"CUDA out of memory in a PPO micro-batch even after {depth - 1} split(s) down to {len(idx)} "
-                "row(s): lower per_device_train_batch_size or response_length, or set "
-                "memory.optimization='aggressive' (activation checkpointing)."
-            ) from err
-        self._drop_partial_grads()
+    def _make_oom_recovery(self) -> OOMRecovery:
+        release = None
         if self.memory_callback is not None:
-            self.memory_callback.compact("oom_split")
-        elif torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        logger.warning("CUDA out of memory in a micro-batch of %d rows: retrying in halves", len(idx))
-        self._oom_splits += 1
-        pieces = []
-        for half in range(2):
-            sl = slice(0, (len(idx) + 1) // 2) if half == 0 else slice((len(idx) + 1) // 2, None)
-            try:
-                pieces.append(self._forward_backward(query_responses[sl], ctx, adv, idx[sl], counts))
-            except torch.OutOfMemoryError as inner:
-                pieces.append(
-                    self._recover_from_oom(inner, query_responses[sl], ctx, adv, idx[sl], counts, depth + 1)
-                )
-        outs, ents = zip(*pieces)
-        merged = {f: sum(getattr(o, f) for o in outs) for f in vars(outs[0])}  # additive by construction
-        return type(outs[0])(**merged), torch.cat(ents)
+            release = lambda: self.memory_callback.compact("oom_split")  # noqa: E731
+        return OOMRecovery(
+            max_splits=self.args.max_oom_splits,
+            params=self._trainable,
+            split_fn=_split_rows,
+            size_fn=lambda chunk: len(chunk["idx"]),
+            weight_fn=lambda chunk, total: 1.0,  # ppo_loss(counts=...) normalises by the whole micro-batch
+            combine=_merge_pieces,
+            hold=lambda: accelerate_hold(self.accelerator, self.model),
+            release=release,
+            optimizer=self.optimizer,
+            advice=TRAIN_ADVICE,
+        )
 
-    def _drop_partial_grads(self):
-        """Undo gradients a failed backward created; refuse when it may have added to existing ones."""
-        if not self._in_backward:  # the OOM came in forward: no gradient was touched
-            return
-        self._in_backward = False
-        if self._rf_opt is not None and self._rf_opt.pipeline_enabled:
-            raise RuntimeError(
-                "CUDA out of memory during a pipelined backward: some parameters may already be updated. "
-                "Lower per_device_train_batch_size or disable the gradient pipeline."
-            )
-        for p, had in zip(self._trainable, self._had_grad):
-            if p.grad is not None and not had:
-                p.grad = None
-            elif had:
-                raise RuntimeError(
-                    "CUDA out of memory during a backward that accumulates into existing gradients; "
-                    "the partial sum cannot be undone exactly. Lower per_device_train_batch_size."
+    @property
+    def _oom_splits(self) -> int:
+        """Micro-batch splits after an OOM so far (``rapidfire/oom_splits``)."""
+        recovery = getattr(self, "_oom_recovery", None)
+        return len(recovery.events) if recovery is not None else 0
+
+    def _forward_backward_recovering(self, query_responses, ctx, adv, idx):
+        """``_forward_backward`` of one micro-batch, split in pieces on OOM; ``(LossOutput, entropy)``."""
+        if getattr(self, "_oom_recovery", None) is None:
+            self._oom_recovery = self._make_oom_recovery()
+        counts = []
+
+        def step(chunk, weight):
+            if len(chunk["idx"]) == len(idx):  # the whole micro-batch: the plain masked means
+                return self._forward_backward(chunk["qr"], ctx, adv, chunk["idx"])
+            if not counts:  # a piece: divide by the whole micro-batch's counts
+                pad, p1 = adv.padding_mask[idx], adv.padding_mask_p1[idx]
+                counts.append(((~pad).sum().clamp_min(1), (~p1).sum().clamp_min(1), pad.numel()))
+            return self._forward_backward(chunk["qr"], ctx, adv, chunk["idx"], counts[0])
+
+        return self._oom_recovery(step, {"qr": query_responses, "idx": idx})
+
+    def _no_grad_in_chunks(
+        self,
+        run: Callable[[int, int], object],
+        n: int,
+        chunk: int,
+        what: str,
+        setting: str,
+        on_oom: Callable[[], None] | None = None,
+    ):
+        """``[run(start, stop) for consecutive chunks of n rows]``, halving the chunk after each OOM.
+
+        The global RNG (CPU and the accelerator's CUDA device) is restored before a retry, so a chunk that
+        samples draws as a run with the smaller chunk size would from that chunk on.
+        """
+        device = self.accelerator.device
+        out, start = [], 0
+        while start < n:
+            stop = min(n, start + chunk)
+            cpu_rng = torch.random.get_rng_state()
+            cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+            try:
+                out.append(run(start, stop))
+            except torch.OutOfMemoryError as err:
+                message = str(err).splitlines()[0] if str(err) else "CUDA out of memory"
+                if stop - start < 2:
+                    raise RuntimeError(
+                        f"out of memory in {what} even on a single row ({message}): lower response_length "
+                        "or max_prompt_length."
+                    ) from None
+                if on_oom is not None:  # e.g. the rollout engine's KV cache for the failed shape
+                    on_oom()
+                torch.random.set_rng_state(cpu_rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state(cuda_rng, device)
+                returned = release_cached_memory(collect_garbage=True)
+                chunk = (stop - start + 1) // 2
+                logger.warning(
+                    "rapidfire: OOM in %s on %d rows (%s); released %.0f MiB, retrying %d rows at a time "
+                    "for the rest of this update (%s)",
+                    what,
+                    stop - start,
+                    message,
+                    returned / 2**20,
+                    chunk,
+                    setting,
                 )
+                self._no_grad_oom_retries = getattr(self, "_no_grad_oom_retries", 0) + 1
+                continue
+            start = stop
+        return out
