@@ -65,11 +65,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from rapidfire_hf.memory.oom import (  # noqa: F401
         OOMRecovery,
         OOMRecoveryError,
+        accelerate_hold,
         batch_size,
         run_with_oom_recovery,
         split_batch,
     )
-        accelerate_hold,
     from rapidfire_hf.memory.prefetch import BatchPrefetcher  # noqa: F401
     from rapidfire_hf.memory.stats import (  # noqa: F401
         MemorySample,
