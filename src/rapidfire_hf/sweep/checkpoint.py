@@ -33,19 +33,27 @@ def save_trial(sweep, trial) -> Path:
     torch.save(trial.scheduler.state_dict(), path / "scheduler.pt")
     torch.save({"permutation": trial.perm_generator.get_state()}, path / "rng_state.pt")
     trial.state.save_to_json(str(path / "trainer_state.json"))
+    write_index(sweep)
     return path
 
 
-def save_sweep(sweep) -> None:
-    """Checkpoint every trial and write the index of trials."""
-    index = {}
-    for name, trial in sweep.trials.items():
-        if trial.state.global_step > 0:
-            save_trial(sweep, trial)
-        index[name] = {"overrides": trial.overrides, "parent": trial.parent, "status": trial.status}
+def write_index(sweep) -> None:
+    """The list of trials (clones included) a resumed sweep rebuilds, with overrides, parent and status."""
+    index = {
+        name: {"overrides": t.overrides, "parent": t.parent, "status": t.status}
+        for name, t in sweep.trials.items()
+    }
     out = Path(sweep.args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX).write_text(json.dumps(index, indent=1))
+
+
+def save_sweep(sweep) -> None:
+    """Checkpoint every trial that has run an update, and write the index of trials."""
+    for trial in sweep.trials.values():
+        if trial.state.global_step > 0:
+            save_trial(sweep, trial)
+    write_index(sweep)
 
 
 def load_trial(sweep, trial, path: Path) -> None:

@@ -203,6 +203,7 @@ def _take_state(trial: Trial, source: Trial) -> None:
     trial.state.global_step = source.state.global_step
     trial.state.episode = source.state.episode
     trial.state.epoch = source.state.epoch
+    trial.state.log_history = [dict(h) for h in source.state.log_history]  # the curve up to the clone
     trial.parent = source.name
     with warnings.catch_warnings():  # the schedule catches up to the update count; no step is skipped
         warnings.simplefilter("ignore")

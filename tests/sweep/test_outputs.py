@@ -1,0 +1,83 @@
+"""What a sweep writes (summary.json, chart, per-trial metrics.csv / log history, peft-format adapters),
+resuming from checkpoints, and the validation of trial overrides."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from .helpers import TRIALS, curves, make_sweep, max_abs_diff
+
+A, B = "kl0.01", "kl0.2-lr3"
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_outputs_and_resume(tokenizer, tmp_path):
+    trials = {A: TRIALS[A], B: TRIALS[B]}
+    first = make_sweep(tokenizer, tmp_path, trials, save_strategy="steps", save_steps=2)
+    results = first.train()
+    summary = json.loads((tmp_path / "summary.json").read_text())["trials"]
+    assert summary[B]["overrides"] == TRIALS[B] and summary[B]["updates"] == 3
+    assert summary[B]["state"] == "finished"
+    assert summary[A]["reward_last"] == results[A].log_history[-1]["objective/scores"]
+    assert summary[A]["kl_last"] == results[A].log_history[-1]["objective/kl"]
+    assert (tmp_path / "sweep_curves.png").stat().st_size > 10_000
+    trial_dir = tmp_path / "trials" / A
+    assert (trial_dir / "metrics.csv").read_text().count("\n") == 4  # header + 3 updates
+    assert json.loads((trial_dir / "log_history.json").read_text()) == results[A].log_history
+    assert {p.name for p in trial_dir.glob("checkpoint-*")} == {"checkpoint-2", "checkpoint-3"}
+    assert (trial_dir / "checkpoint-3" / "adapter_config.json").is_file()
+
+    # a crash after update 2: the last checkpoints are those of update 2
+    for name in trials:
+        shutil.rmtree(tmp_path / "trials" / name / "checkpoint-3")
+    second = make_sweep(tokenizer, tmp_path, trials)
+    resumed = second.train(resume_from_checkpoint=True)
+    for name in trials:
+        assert curves(resumed[name]) == curves(results[name])
+        assert max_abs_diff(second.adapter_state_dict(name), first.adapter_state_dict(name)) == 0.0
+
+
+def test_saved_adapter_loads_into_peft(tokenizer, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from rapidfire_hf.demo import build_tiny_llama
+
+    sweep = make_sweep(tokenizer, tmp_path, {A: TRIALS[A]}, max_steps=1, save_strategy="steps", save_steps=1)
+    sweep.train()
+    folder = tmp_path / "trials" / A / "checkpoint-1"
+    model = PeftModel.from_pretrained(build_tiny_llama(tokenizer), str(folder))
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(saved) == 8
+    assert max_abs_diff({k.replace(".default", ""): v for k, v in loaded.items()}, saved) == 0.0
+
+
+def test_override_validation(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match=r"'kl_coeff' is not a PPOConfig field \(did you mean kl_coef"):
+        make_sweep(tokenizer, tmp_path, {"a": {"kl_coeff": 0.1}})
+    with pytest.raises(ValueError, match="'response_length' is shared by every trial"):
+        make_sweep(tokenizer, tmp_path, {"a": {"response_length": 4}})
+    with pytest.raises(ValueError, match="trial name 'a/b' is not allowed"):
+        make_sweep(tokenizer, tmp_path, {"a/b": {}})
+    with pytest.raises(ValueError, match="Invalid PPOConfig"):
+        make_sweep(tokenizer, tmp_path, {"a": {"kl_estimator": "k2"}})
+
+
+def test_lora_is_required(tokenizer, tmp_path):
+    from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
+    from rapidfire_hf.ppo import PPOConfig
+    from rapidfire_hf.sweep import PPOSweep
+
+    with pytest.raises(ValueError, match="LoRA adapter: pass peft_config=LoraConfig"):
+        PPOSweep(
+            args=PPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
+            trials={"a": {}},
+            model=build_tiny_llama(tokenizer),
+            processing_class=tokenizer,
+            reward_funcs=vowel_reward,
+            train_dataset=make_prompt_dataset(16),
+        )
