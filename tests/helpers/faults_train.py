@@ -93,3 +93,67 @@ def only_during(injector: OOMInjector, obj, name: str) -> OOMInjector:
     injector.active = False
     setattr(obj, name, wrapped)
     return injector
+
+
+# ---- non-finite values ------------------------------------------------------------------------------
+
+
+def nan_reward(reward_fn, calls=None):
+    """``reward_fn`` whose scores are all NaN on the calls numbered ``calls`` (1-based; None: every call).
+
+    ``wrapped.calls`` counts the calls, ``wrapped.poisoned`` those that returned NaN.
+    """
+    chosen = None if calls is None else set(calls)
+
+    def wrapped(*args, **kwargs):
+        wrapped.calls += 1
+        scores = reward_fn(*args, **kwargs)
+        if chosen is None or wrapped.calls in chosen:
+            wrapped.poisoned += 1
+            return [float("nan")] * len(scores)
+        return scores
+
+    wrapped.calls, wrapped.poisoned = 0, 0
+    wrapped.__name__ = getattr(reward_fn, "__name__", "reward")
+    return wrapped
+
+
+def scale_loss_at(step: int, factor: float):
+    """An ``inject(step, loss, model)`` for tests/optim/helpers.train: the loss times ``factor`` at ``step``
+    (``float("nan")`` gives a NaN loss and NaN gradients, 1000 a 1000x spike of both)."""
+
+    def inject(s, loss, model):
+        return loss * factor if s == step else loss
+
+    return inject
+
+
+def add_to_loss_at(steps, value: float):
+    """An ``inject`` that adds ``value`` to the loss at each of ``steps``: the loss jumps (or is NaN for
+    ``float("nan")``) while the gradients stay those of the clean batch."""
+    chosen = set(steps) if not isinstance(steps, int) else {steps}
+
+    def inject(s, loss, model):
+        return loss + value if s in chosen else loss
+
+    return inject
+
+
+def inf_in_grad_at(step: int, param: torch.Tensor):
+    """An ``inject`` that puts ``inf`` into one element of ``param``'s gradient at ``step`` (once), the loss
+    staying finite."""
+
+    def inject(s, loss, model):
+        if s == step:
+            fired = []
+
+            def corrupt(grad):
+                if fired:
+                    return grad
+                fired.append(True)
+                return grad.index_fill(0, torch.tensor([0]), float("inf"))
+
+            param.register_hook(corrupt)
+        return loss
+
+    return inject

@@ -105,7 +105,7 @@ def test_exact_mode_still_defers_binding_windows():
     [
         ({"clip_prediction": "guess", "max_grad_norm": 1.0, "rollback": "auto"}, "clip_prediction='guess'"),
         ({"clip_prediction": "scale", "rollback": "auto"}, "needs max_grad_norm"),
-        ({"clip_prediction": "scale", "max_grad_norm": 1.0}, "rollback='auto'"),
+        ({"clip_prediction": "scale", "max_grad_norm": 1.0, "rollback": "off"}, "rollback='auto'"),
         ({"clip_tolerance": 0.0}, r"clip_tolerance=0.0: must be in \(0, 1\)"),
         ({"clip_tolerance": 1.5}, "clip_tolerance=1.5"),
     ],

@@ -131,7 +131,7 @@ def test_host_snapshot_and_interval():
 
 def test_rollback_off_checks_nothing():
     model = make_model()
-    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=True)
+    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=True, rollback="off")
     train(model, opt, list(range(3)), inject=lambda s, loss, m: loss * float("nan") if s == 1 else loss)
     assert opt.events == [] and torch.isnan(next(model.parameters())).all()
     with pytest.raises(ValueError, match="rollback='auto'"):

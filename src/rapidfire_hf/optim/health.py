@@ -1,7 +1,7 @@
 """Health rules evaluated on device tensors: finite loss and gradients, z-scores, user rules.
 
-Everything here stays on the device until :meth:`HealthMonitor.verdict` reads one small tensor (the
-rule flags and the gradient norm) to the host: one read per optimizer step, at verification time.
+Everything here stays on the device until :func:`read_verdict` reads one small tensor (the rule flags
+and the gradient norm) to the host, at verification time.
 """
 
 from __future__ import annotations
@@ -35,61 +35,82 @@ class OptimizerEvent:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-class RunningStat:
-    """Exponential running mean and variance of a scalar kept on the device (ZClip-style z-scores).
+class RobustStat:
+    """Median and MAD of the last ``window`` accepted values of a scalar, kept on the device.
 
-    The update count is a host integer: updates happen only after a verified step, whose verdict the
-    host has already read, so counting needs no extra synchronisation.
+    The z-score of a value is ``(x - median) / scale`` with ``scale = 1.4826 * MAD`` (the standard
+    deviation for normal data), floored by ``floor * median(|x|)``: during warm-up the floor is the
+    typical magnitude itself (``floor=1``: only a jump of more than ``threshold`` times the usual size
+    counts as a spike, which catches a 1000x spike from the second step on), afterwards ``1e-3`` of it
+    (a perfectly flat history does not turn rounding noise into a huge z). A median over a window is
+    not moved by one outlier the way a running mean and variance are, and values are clipped to
+    ``median +- threshold * scale`` before they enter the window, so one spike neither hides the next
+    nor drags the centre.
+
+    The count is a host integer: values enter only after a verdict the host has already read.
     """
 
-    def __init__(self, beta: float = 0.97):
-        self.beta = beta
+    def __init__(self, window: int = 32):
+        self.window = window
         self.count = 0
-        self.mean: torch.Tensor | None = None
-        self.var: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None  # (window,) float32 ring buffer on the device
 
-    def zscore(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mean is None:
+    def _live(self) -> torch.Tensor:
+        return self.values[: min(self.count, self.window)]
+
+    def center_scale(self, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(median, scale) of the window; call only when ``count > 0``."""
+        live = self._live()
+        center = live.median()
+        spread = 1.4826 * (live - center).abs().median()
+        return center, torch.maximum(spread, floor * live.abs().median() + 1e-12)
+
+    def zscore(self, x: torch.Tensor, floor: float) -> torch.Tensor:
+        if self.count == 0:
             return torch.zeros_like(x)
-        # the floor keeps a perfectly flat history from turning rounding noise into a huge z
-        std = torch.sqrt(self.var + (1e-3 * self.mean.abs() + 1e-12) ** 2)
-        return (x - self.mean) / std
+        center, scale = self.center_scale(floor)
+        return (x - center) / scale
 
-    def update(self, x: torch.Tensor) -> None:
-        x = x.detach().float()
-        if self.mean is None:
-            self.mean, self.var = x.clone(), torch.zeros_like(x)
-        else:
-            # alpha = 1/n at first makes this Welford's exact mean/variance, so the early z-scores are
-            # not inflated by a variance that starts at 0; later it is an EMA that follows drift.
-            alpha = max(1 - self.beta, 1 / (self.count + 1))
-            delta = x - self.mean
-            self.mean = self.mean + alpha * delta
-            self.var = (1 - alpha) * (self.var + alpha * delta * delta)
+    def update(self, x: torch.Tensor, threshold: float, floor: float) -> None:
+        """Add ``x`` (finite, 0-d), clipped to ``median +- threshold * scale`` of the current window."""
+        x = x.detach().float().reshape(())
+        if self.values is None:
+            self.values = torch.zeros(self.window, dtype=torch.float32, device=x.device)
+        if self.count > 0:
+            center, scale = self.center_scale(floor)
+            x = torch.minimum(torch.maximum(x, center - threshold * scale), center + threshold * scale)
+        self.values[self.count % self.window] = x
         self.count += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean, "var": self.var}
+        return {"count": self.count, "values": self.values}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.count, self.mean, self.var = sd["count"], sd["mean"], sd["var"]
+        if "values" not in sd:  # running mean/variance of an older version: start the window afresh
+            self.count, self.values = 0, None
+            return
+        self.count, self.values = sd["count"], sd["values"]
 
 
 class HealthMonitor:
     """Collects the window's metrics and turns the health rules into one verdict.
 
+    The z-score rules apply from the second verified window on (see :class:`RobustStat`): during the
+    first ``warmup_steps`` windows a value is compared with the typical magnitude of the values seen so
+    far, afterwards with their spread.
+
     Args:
         grad_z_threshold: largest healthy z-score of the global gradient norm.
         loss_z_threshold: largest healthy z-score of the window's mean loss (only upward spikes fail).
-        warmup_steps: verified steps before the z-score rules start to apply.
+        warmup_steps: verified windows judged against the magnitude (not yet the spread) of the history.
     """
 
     def __init__(self, grad_z_threshold: float, loss_z_threshold: float, warmup_steps: int):
         self.grad_z_threshold = grad_z_threshold
         self.loss_z_threshold = loss_z_threshold
         self.warmup_steps = warmup_steps
-        self.grad_stat = RunningStat()
-        self.loss_stat = RunningStat()
+        self.grad_stat = RobustStat()
+        self.loss_stat = RobustStat()
         self.rules: dict[str, Rule] = {}
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
@@ -121,10 +142,10 @@ class HealthMonitor:
         out: dict[str, torch.Tensor] = {}
         if self._loss_sum is not None:
             out["loss"] = self._loss_sum / self._loss_count
-            out["loss_z"] = self.loss_stat.zscore(out["loss"])
+            out["loss_z"] = self.loss_stat.zscore(out["loss"], self._floor(self.loss_stat))
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
-            out["grad_norm_z"] = self.grad_stat.zscore(grad_norm)
+            out["grad_norm_z"] = self.grad_stat.zscore(grad_norm, self._floor(self.grad_stat))
         for name, (reduce, value, n) in self._records.items():
             out[name] = value / n if reduce == "mean" else value
         return out
@@ -132,25 +153,37 @@ class HealthMonitor:
     def flags(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rule name -> 0-d bool tensor, True when healthy."""
         flags: dict[str, torch.Tensor] = {}
-        warm = self.grad_stat.count >= self.warmup_steps
         if "loss" in metrics:
             flags["finite_loss"] = torch.isfinite(metrics["loss"])
-            if self.loss_stat.count >= self.warmup_steps:
+            if self.loss_stat.count > 0:
                 flags["loss_spike"] = metrics["loss_z"] <= self.loss_z_threshold
         if "grad_norm" in metrics:
             flags["finite_grads"] = torch.isfinite(metrics["grad_norm"])
-            if warm:
+            if self.grad_stat.count > 0:
                 flags["grad_norm_zscore"] = metrics["grad_norm_z"] <= self.grad_z_threshold
         for name, rule in self.rules.items():
             flags[name] = torch.as_tensor(rule(metrics)).to(torch.bool).reshape(())
         return flags
 
-    def update_stats(self, metrics: dict[str, torch.Tensor]) -> None:
-        """Feed a verified (healthy) window into the running statistics."""
+    def _floor(self, stat: RobustStat) -> float:
+        return 1.0 if stat.count < self.warmup_steps else 1e-3
+
+    def update_stats(self, metrics: dict[str, torch.Tensor], failed: list[str] | tuple = ()) -> None:
+        """Feed a verified window into the statistics.
+
+        A healthy window adds its values; a window that failed only a z-score rule (or a user rule) adds
+        them too, clipped (so a lasting shift of the level is followed instead of failing forever); a
+        window with a non-finite loss or gradient adds nothing, nor does one undone for a missed clip
+        prediction (its batch is replayed and counted then).
+        """
+        if {"finite_loss", "finite_grads", "clip_prediction"} & set(failed):
+            return
         if "grad_norm" in metrics:
-            self.grad_stat.update(metrics["grad_norm"])
+            stat = self.grad_stat
+            stat.update(metrics["grad_norm"], self.grad_z_threshold, self._floor(stat))
         if "loss" in metrics:
-            self.loss_stat.update(metrics["loss"])
+            stat = self.loss_stat
+            stat.update(metrics["loss"], self.loss_z_threshold, self._floor(stat))
 
     def state_dict(self) -> dict[str, Any]:
         return {"grad": self.grad_stat.state_dict(), "loss": self.loss_stat.state_dict()}

@@ -19,6 +19,7 @@ from rapidfire_hf.optim.inner import (
     resolve_inner_class,
 )
 from rapidfire_hf.optim.pipeline import GradientPipeline, check_bucket_mb, check_overlap
+from rapidfire_hf.optim.skips import SkipStreak
 from rapidfire_hf.optim.snapshot import WHERE as SNAPSHOT_WHERE
 from rapidfire_hf.optim.snapshot import Snapshot
 from rapidfire_hf.optim.verification import CLIP_EPS, VerificationMixin
@@ -68,9 +69,10 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             With the pipeline, windows where the norm history says clipping could bind are stepped in
             ``step()`` with the exact coefficient; the others are stepped in the hooks with coefficient
             1, and a miss (the true norm needed clipping) is rolled back when ``rollback="auto"``.
-        rollback: ``"auto"`` checks every step (finite loss and gradients, gradient-norm and loss
-            z-scores, user rules) and skips unhealthy batches, restoring a snapshot when the update was
-            already applied by the pipeline; ``"off"`` checks nothing.
+        rollback: ``"auto"`` (the default) checks every step (finite loss and gradients, gradient-norm
+            and loss z-scores, user rules) and skips unhealthy batches, restoring a snapshot when the
+            update was already applied by the pipeline, so a NaN loss never reaches the weights;
+            ``"off"`` checks nothing (a non-finite gradient is applied as it is).
         snapshot: where the rollback snapshot lives: ``"device"``, ``"host"`` (pinned memory) or
             ``"auto"`` (the default: the device when the snapshot and the optimizer state still to be
             allocated fit in 60% of the free GPU memory; otherwise the gradient pipeline is turned off,
@@ -80,7 +82,13 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             steps since the last snapshot (reported in the event as ``steps_lost``).
         grad_z_threshold: largest healthy z-score of the gradient norm.
         loss_z_threshold: largest healthy z-score of the observed loss (see :meth:`observe_loss`).
-        warmup_steps: verified steps before the z-score rules apply.
+        warmup_steps: verified steps during which the z-score rules compare a value with the typical
+            magnitude of the history (a 1000x spike fails from the second step on) instead of its
+            spread (median and MAD of the last 32 values, see :class:`~rapidfire_hf.optim.health.RobustStat`).
+        max_consecutive_skips: skipped steps in a row after which ``step()`` raises
+            :class:`~rapidfire_hf.optim.skips.ConsecutiveSkipsError`, naming what failed and the setting
+            to check (None: never). Every skip is logged as a warning with its step. Windows undone for a
+            missed clip prediction (replayed by the caller) do not count.
         clip_headroom: the pipeline steps in the hooks with coefficient 1 only when
             ``headroom * max(recent norms)`` stays below ``max_grad_norm``.
         clip_prediction: what the pipeline does in windows where clipping may bind. ``"exact"`` defers
@@ -121,12 +129,13 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         pipeline_depth: int | None = None,
         accumulation_steps: int | None = None,
         max_grad_norm: float | None = None,
-        rollback: str = "off",
+        rollback: str = "auto",
         snapshot: str = "auto",
         snapshot_interval: int = 1,
         grad_z_threshold: float = 6.0,
         loss_z_threshold: float = 6.0,
         warmup_steps: int = 10,
+        max_consecutive_skips: int | None = 10,
         clip_headroom: float = 2.0,
         clip_prediction: str = "exact",
         clip_tolerance: float = 0.05,
@@ -192,6 +201,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         self.clip_tolerance = clip_tolerance
         self._coef_pred = 1.0  # clip coefficient the hooks apply in the current pipelined window
         self._health = HealthMonitor(grad_z_threshold, loss_z_threshold, warmup_steps)
+        self._streak = SkipStreak(max_consecutive_skips, "RapidFireOptimizer")
         if snapshot not in ("auto", *SNAPSHOT_WHERE):
             raise ValueError(f"snapshot={snapshot!r}: choose one of {('auto', *SNAPSHOT_WHERE)}")
         self._snapshot_auto = snapshot == "auto"
@@ -402,6 +412,8 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         """Finish the window: verify, then apply (or, for a pipelined window, keep or roll back) the update.
 
         Raises:
+            ConsecutiveSkipsError: ``max_consecutive_skips`` steps in a row were skipped (this one
+                included; the weights are those before the first of them).
             RuntimeError: a closure was given (it would re-run forward and backward after the pipeline
                 already consumed the gradients), or the optimizer is unbound.
         """
@@ -422,6 +434,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             self._pipeline.reset_window()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
+        self._streak.check()
 
     def _step_in_place(self, inner: torch.optim.Optimizer) -> None:
         """Non-pipelined window: every gradient is here, so verify first and apply only a healthy update."""

@@ -59,13 +59,18 @@ class VerificationMixin:
         details = {"grad_norm": host[0] if host else None, "steps_lost": steps_lost}
         if "loss" in metrics:
             details["loss"] = float(metrics["loss"])  # already off the hot path: this step failed
-        self.events.append(OptimizerEvent(self._counters["steps"], kind, failed, details))
+        step = self._counters["steps"]
+        self.events.append(OptimizerEvent(step, kind, failed, details))
+        self._health.update_stats(metrics, failed)  # clipped, or nothing for non-finite values
+        if failed != ["clip_prediction"]:  # a missed prediction is replayed, not lost
+            self._streak.skipped(step, failed, details)
 
     def _remember_norm(self, norm: float) -> None:
         self._norm_history = (self._norm_history + [norm])[-CLIP_HISTORY:]
 
     def _after_healthy(self, metrics: dict, host: list[float]) -> None:
         self._health.update_stats(metrics)
+        self._streak.healthy()
         if host:
             self._remember_norm(host[0])
         self._applied_since_snapshot += 1
@@ -167,6 +172,7 @@ class VerificationMixin:
         return {
             "steps": c["steps"],
             "skipped": c["skipped"],
+            "consecutive_skips": len(self._streak.run),
             "rollbacks": c["rollbacks"],
             "pipeline_enabled": self.pipeline_enabled,
             "pipelined_steps": c["pipelined_steps"],

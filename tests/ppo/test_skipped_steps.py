@@ -1,0 +1,83 @@
+"""Non-finite values never reach PPOTrainer's weights: each skipped step is logged and counted, and a run
+of skipped steps stops training with an error that says why."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rapidfire_hf.demo import (
+    build_char_tokenizer,
+    build_tiny_llama,
+    build_tiny_value_model,
+    make_prompt_dataset,
+    vowel_reward,
+)
+from rapidfire_hf.optim.skips import ConsecutiveSkipsError
+from rapidfire_hf.ppo import PPOTrainer
+from tests.helpers.faults_train import nan_reward
+from tests.ppo.helpers import ppo_args
+
+STEPS_PER_UPDATE = 4  # ppo_args: 2 epochs x 2 mini-batches
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _train(tmp_path, tok, reward, **kw):
+    args = ppo_args(tmp_path, lr_scheduler_type="constant", **kw)
+    torch.manual_seed(0)
+    policy = build_tiny_llama(tok)
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=policy,
+        value_model=build_tiny_value_model(tok),
+        reward_funcs=reward,
+        train_dataset=make_prompt_dataset(32),
+    )
+    return trainer, policy
+
+
+def test_nan_score_with_the_default_optimizer_is_skipped(tmp_path, tok, caplog):
+    """Update 2 of 2 gets NaN scores: its 4 steps are skipped and the weights equal those after update 1."""
+    trainer, policy = _train(tmp_path / "nan", tok, nan_reward(vowel_reward, calls=[2]))
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.AdamW)  # the plain default
+    with caplog.at_level(logging.WARNING, logger="rapidfire_hf.optim"):
+        trainer.train()
+    ref_trainer, ref_policy = _train(tmp_path / "ref", tok, vowel_reward, max_steps=1)
+    ref_trainer.train()
+    for a, b in zip(policy.parameters(), ref_policy.parameters()):
+        assert torch.equal(a, b)
+    logs = trainer.state.log_history
+    assert [entry["rapidfire/skipped_steps"] for entry in logs] == [0, STEPS_PER_UPDATE]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert [m.split(" skipped")[0] for m in skipped] == [f"PPOTrainer: step {s}" for s in range(4, 8)]
+    trainer.save_model(str(tmp_path / "saved"))
+    files = sorted((tmp_path / "saved").rglob("*.safetensors"))
+    assert files
+    for file in files:
+        assert all(torch.isfinite(t).all() for t in load_file(file).values()), file
+
+
+@pytest.mark.parametrize("optimizer", ["default", "rapidfire"])
+def test_endless_skipping_stops_with_a_clear_error(tmp_path, tok, optimizer, caplog):
+    kw = {"rapidfire_config": "balanced"} if optimizer == "rapidfire" else {}
+    trainer, policy = _train(
+        tmp_path, tok, nan_reward(vowel_reward), max_consecutive_skips=3, max_steps=3, **kw
+    )
+    before = [p.detach().clone() for p in policy.parameters()]
+    with caplog.at_level(logging.WARNING, logger="rapidfire_hf.optim"):
+        with pytest.raises(ConsecutiveSkipsError) as err:
+            trainer.train()
+    message = str(err.value)
+    assert "3 optimizer steps in a row (steps 0-2)" in message
+    assert "finite_loss" in message and "max_consecutive_skips" in message
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == 3
+    for a, b in zip(policy.parameters(), before):
+        assert torch.equal(a, b)
