@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import stat
 
+import pytest
 import torch
 
 from rapidfire_hf.memory.stats import sample_memory
 from rapidfire_hf.memory.summary import TelemetrySummary, TelemetryTail, locate_stream
-from rapidfire_hf.memory.telemetry import TelemetryWriter, registry_path
+from rapidfire_hf.memory.telemetry import TelemetryPathError, TelemetryWriter, registry_path
+from tests.helpers import faults_io
 
 
 def read_lines(path):
@@ -79,3 +83,72 @@ def test_summary_counts_events_and_keeps_latest_memory(tmp_path):
     assert view["tokens_per_s"] == 99.0 and view["step"] == 5 and view["phase"] == "train"
     assert view["device"] == "cpu" and view["holdings"]["parameters"] == 24
     assert view["memory"]["rss_bytes"] > 0 and view["memory"]["reserved"] is None
+
+
+# ---- files are private and never reached through a planted link (helpers in tests/helpers/faults_io.py)
+def _mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_stream_and_registry_are_private(tmp_path, isolated_cache):
+    w = TelemetryWriter(tmp_path / "run")
+    path = w.open()
+    entry = registry_path(os.getpid())
+    assert _mode(path) == 0o600 and _mode(entry) == 0o600
+    assert _mode(tmp_path / "run") == 0o700 and _mode(isolated_cache / "procs") == 0o700
+    w.close()
+
+
+def test_symlink_planted_as_registry_tmp_is_not_followed(tmp_path, isolated_cache):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("root-owned content")
+    faults_io.plant_symlink(isolated_cache / "procs" / f"{os.getpid()}.tmp", victim)
+    w = TelemetryWriter(tmp_path / "run")
+    path = w.open()
+    assert victim.read_text() == "root-owned content"
+    entry = registry_path(os.getpid())
+    assert not entry.is_symlink() and json.loads(entry.read_text())["stream"] == str(path.resolve())
+    w.close()
+
+
+def test_symlink_planted_as_stream_is_refused(tmp_path):
+    run = tmp_path / "run"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("root-owned content")
+    faults_io.plant_symlink(run / f"{socket.gethostname()}-{os.getpid()}.jsonl", victim)
+    with pytest.raises(TelemetryPathError, match="symlink"):
+        TelemetryWriter(run).open()
+    assert victim.read_text() == "root-owned content"
+
+
+def test_hard_link_planted_as_stream_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("root-owned content")
+    os.link(victim, run / f"{socket.gethostname()}-{os.getpid()}.jsonl")
+    with pytest.raises(TelemetryPathError, match="single link"):
+        TelemetryWriter(run).open()
+    assert victim.read_text() == "root-owned content"
+
+
+def test_symlinked_registry_folder_is_refused(tmp_path, isolated_cache):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    isolated_cache.mkdir(parents=True)
+    faults_io.plant_symlink(isolated_cache / "procs", elsewhere)
+    w = TelemetryWriter(tmp_path / "run")
+    with pytest.raises(TelemetryPathError, match="procs"):
+        w.open()
+    assert list(elsewhere.iterdir()) == []
+    w.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown needs root")
+def test_folder_of_another_user_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chown(run, 4321, 4321)
+    with pytest.raises(TelemetryPathError, match="belongs to uid 4321"):
+        TelemetryWriter(run).open()
+    assert list(run.iterdir()) == []

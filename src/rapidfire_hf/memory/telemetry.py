@@ -4,6 +4,11 @@ Each training process appends JSON lines to ``<run dir>/<host>-<pid>.jsonl`` and
 ``<cache>/procs/<pid>.json`` (``<cache>`` is ``$RAPIDFIRE_CACHE_DIR`` or ``~/.cache/rapidfire``), which
 points at the stream, so that ``rapidfire monitor --pid PID`` finds it from the PID alone.
 
+The stream holds the command line, so both files are private: folders are created 0700, files 0600, and
+neither is reached through a symlink (the folders are opened with ``O_NOFOLLOW`` and must belong to this
+user; the registry entry is created with ``O_EXCL``; the stream refuses a symlink or a hard link). A
+folder or file planted by someone else raises :class:`TelemetryPathError` instead of being written.
+
 Records (one JSON object a line, all with ``kind`` and ``t``, the Unix time):
 
 - ``meta``: first line: ``pid``, ``host``, ``argv``, ``torch``, ``started``.
@@ -26,6 +31,7 @@ import atexit
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -35,6 +41,48 @@ from pathlib import Path
 import torch
 
 _BUFFER_LIMIT = 10_000  # records kept while no stream is open (older ones are dropped first)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_POSIX_FDS = os.name == "posix" and os.open in os.supports_dir_fd
+
+
+class TelemetryPathError(PermissionError):
+    """A telemetry folder or file is a symlink, a hard link or belongs to another user."""
+
+
+def _unsafe(path: Path, why: str) -> TelemetryPathError:
+    return TelemetryPathError(
+        f"rapidfire telemetry: refusing to write {path}: {why}. Someone else may have planted it; remove it, "
+        "or point RAPIDFIRE_CACHE_DIR / RAPIDFIRE_TELEMETRY_DIR at a folder only you can write."
+    )
+
+
+def _open_private_dir(path: Path) -> int:
+    """Create ``path`` (0700) if missing and open it without following a symlink; returns its fd.
+
+    Refuses a folder owned by another user; tightens the mode of our own to 0700.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
+    except OSError as e:  # ELOOP / ENOTDIR: the last component is a symlink or not a folder
+        raise _unsafe(path, f"it is a symlink or not a folder ({e.strerror})") from None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise _unsafe(path, f"the folder belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _check_private_file(fd: int, path: Path) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise _unsafe(path, "it is not a regular file of this user with a single link")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, 0o600)  # ours, from an earlier run with looser permissions
 
 
 def cache_dir() -> Path:
@@ -122,10 +170,9 @@ class TelemetryWriter:
             self.directory = (
                 Path(directory) if directory is not None else self.directory or default_telemetry_dir()
             )
-            self.directory.mkdir(parents=True, exist_ok=True)
             self.path = self.directory / f"{socket.gethostname()}-{self.pid}.jsonl"
             # line buffering: the monitor reads whole lines while we write
-            self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            self._file = open(_open_stream(self.path), "a", buffering=1, encoding="utf-8")  # noqa: SIM115
             self._write_locked(
                 {
                     "kind": "meta",
@@ -146,20 +193,37 @@ class TelemetryWriter:
 
     def _register(self) -> None:
         entry = registry_path(self.pid)
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_entries(entry.parent)
-        tmp = entry.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "pid": self.pid,
-                    "create_time": _process_create_time(self.pid),
-                    "stream": str(self.path.resolve()),
-                    "host": socket.gethostname(),
-                }
-            )
-        )
-        tmp.replace(entry)  # atomic: the monitor never reads half a file
+        payload = json.dumps(
+            {
+                "pid": self.pid,
+                "create_time": _process_create_time(self.pid),
+                "stream": str(self.path.resolve()),
+                "host": socket.gethostname(),
+            }
+        ).encode()
+        if not _POSIX_FDS:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_entries(entry.parent)
+            tmp = entry.with_suffix(".tmp")
+            tmp.write_bytes(payload)
+            tmp.replace(entry)
+            return
+        dir_fd = _open_private_dir(entry.parent)
+        try:
+            _remove_stale_entries(entry.parent)
+            tmp = f"{self.pid}.tmp"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+            try:
+                fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            except FileExistsError:  # left by an earlier process with this PID, or planted: drop the name
+                os.unlink(tmp, dir_fd=dir_fd)
+                fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            # atomic, and a rename never follows a symlink: the monitor never reads half a file
+            os.replace(tmp, entry.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def _write_locked(self, record: dict) -> None:
         self._file.write(json.dumps(record, default=_json_default) + "\n")
@@ -196,6 +260,23 @@ class TelemetryWriter:
             self._file = None
         if self.register:
             registry_path(self.pid).unlink(missing_ok=True)
+
+
+def _open_stream(path: Path) -> int:
+    """Open (create 0600, or append to) the stream at ``path`` in a private folder; never through a link."""
+    if not _POSIX_FDS:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    dir_fd = _open_private_dir(path.parent)
+    try:
+        try:
+            fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o600, dir_fd=dir_fd)
+        except OSError as e:  # ELOOP: a symlink sits where the stream goes
+            raise _unsafe(path, f"it is a symlink ({e.strerror})") from None
+    finally:
+        os.close(dir_fd)
+    _check_private_file(fd, path)
+    return fd
 
 
 def _remove_stale_entries(procs: Path) -> None:
