@@ -6,6 +6,7 @@ Each case says which field (or function, or dataset row) is wrong, the value, an
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -364,3 +365,24 @@ def test_response_length_beyond_the_positions_is_refused(tmp_path, tokenizer):
         ValueError, match=r"response_length=300 leaves no room for a prompt in the model's 256"
     ):
         _trainer_on(tmp_path, tokenizer, make_prompt_dataset(16), response_length=300)
+
+
+# ------------------------------------------------------------------------------------ RapidFireOptimizer
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("grad_z_threshold", NAN, "must be a finite number > 0"),
+        ("grad_z_threshold", -1.0, "must be a finite number > 0"),
+        ("loss_z_threshold", "6", "must be a finite number > 0"),
+        ("loss_z_threshold", INF, "must be a finite number > 0"),
+        ("clip_headroom", NAN, "must be a finite number > 0"),
+        ("warmup_steps", -1, "must be an int >= 0"),
+        ("warmup_steps", 2.5, "must be an int >= 0"),
+    ],
+    ids=lambda v: repr(v) if not isinstance(v, str) or "must" not in v else "",
+)
+def test_bad_optimizer_threshold_is_refused(name, value, allowed):
+    from rapidfire_hf.optim import RapidFireOptimizer
+
+    with pytest.raises(ValueError, match="^" + re.escape(f"{name}={value!r}: {allowed}")):
+        RapidFireOptimizer(torch.nn.Linear(2, 2).parameters(), lr=1e-3, **{name: value})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import Counter, OrderedDict
@@ -159,6 +160,15 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 or None (no clipping)")
         if not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(f"snapshot_interval={snapshot_interval!r}: must be an int >= 1")
+        for name, value in (
+            ("grad_z_threshold", grad_z_threshold),
+            ("loss_z_threshold", loss_z_threshold),
+            ("clip_headroom", clip_headroom),
+        ):  # a NaN threshold would pass every check; a string would fail only at the first comparison
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name}={value!r}: must be a finite number > 0")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r}: must be an int >= 0")
         if clip_prediction not in CLIP_PREDICTION:
             raise ValueError(f"clip_prediction={clip_prediction!r}: choose one of {CLIP_PREDICTION}")
         if not 0.0 < clip_tolerance < 1.0:
