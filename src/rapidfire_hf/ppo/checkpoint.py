@@ -349,19 +349,22 @@ def load(trainer, resume_from_checkpoint) -> int:
     except (OSError, ValueError, TypeError) as e:
         raise _damaged(state_file, "cannot be read as a trainer state", e) from None
 
+    try:  # the optimizer first: it checks its groups before changing anything
+        trainer.optimizer.load_state_dict(optimizer_state)
+        trainer.lr_scheduler.load_state_dict(scheduler_state)
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise CheckpointError(
+            f"cannot resume from {path}: its optimizer or scheduler state does not fit this trainer "
+            f"({type(e).__name__}: {str(e)[:300]}); resume with the optimizer and settings it was saved with"
+        ) from None
     _load_weights(module.policy, path / "policy", policy_state)
     if module.fused:
         module.value_head.load_state_dict(value_state)
     else:
         _load_weights(module.value_model, path / "value_model", value_state)
     try:
-        trainer.optimizer.load_state_dict(optimizer_state)
-        trainer.lr_scheduler.load_state_dict(scheduler_state)
         _set_rng_state(trainer, rng)
-    except (KeyError, ValueError, TypeError, RuntimeError) as e:
-        raise CheckpointError(
-            f"cannot resume from {path}: its optimizer, scheduler or RNG state does not fit this trainer "
-            f"({type(e).__name__}: {str(e)[:300]}); resume with the optimizer and settings it was saved with"
-        ) from None
+    except (KeyError, ValueError, TypeError, RuntimeError, AttributeError) as e:
+        raise _damaged(path / f"rng_state_{acc.process_index}.pt", "does not hold an RNG state", e) from None
     trainer.state = state
     return state.global_step
