@@ -194,7 +194,7 @@ class GradientConfig(_Section):
         "before backward waits for them (RapidFireOptimizer's pipeline_depth).",
         Int(min=1, max=MAX_PIPELINE_DEPTH),
     )
-    # default 0: on the H200 (benchmarks/optimizer/results/h200_overlap) the side stream made the 1.1B
+    # default 0: on the H200 (benchmarks/optimizer/results/h200/overlap) the side stream made the 1.1B
     # step slower, not faster (the optimizer kernels compete with backward's instead of hiding)
     overlap_factor: float = _field(
         0.0,

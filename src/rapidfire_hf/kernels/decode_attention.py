@@ -2,7 +2,7 @@
 
 HF's eager and SDPA paths expand K/V from ``kv_heads`` to ``heads`` over the whole cache on every step
 (``repeat_kv``); on the 1.1B Llama shape at batch 256 that copy is 74% of the decode step's GPU time
-(DESIGN.md). Here the ``group = heads // kv_heads`` query heads that share a K/V head are laid out as
+(benchmarks/rollout/README.md). Here the ``group = heads // kv_heads`` query heads that share a K/V head are laid out as
 the rows of one attention problem over that head: ``[B, kv, group, D]`` against ``[B, kv, L, D]``.
 
 Two implementations of the same math:

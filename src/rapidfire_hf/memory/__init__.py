@@ -1,6 +1,6 @@
 """Memory management: compaction callback, telemetry, OOM recovery, selective checkpointing, prefetch.
 
-See DESIGN.md ("Memory compaction"). Nothing here imports other rapidfire_hf parts except ``utils``;
+See docs/architecture.md ("The parts"). Nothing here imports other rapidfire_hf parts except ``utils``;
 configuration arrives duck-typed (anything with ``compaction_threshold``, ``optimization``,
 ``prefetch_window``). Names are imported lazily so that ``rapidfire monitor`` does not pay for
 importing transformers.

@@ -193,7 +193,7 @@ def compaction_reason(
         min_reserved_bytes: (4) compact only when the allocator holds at least this much (memory
             pressure); None: no such condition. The callback sets it under expandable segments, where
             a compaction measured on an H200 lowered no peak and cost 12% of the step time
-            (benchmarks/memory/results/h200).
+            (benchmarks/memory/results/h200/first_run).
 
     Returns:
         A human-readable reason to compact, or ``None`` to leave the cache alone.

@@ -199,7 +199,7 @@ class Float8Linear(nn.Linear):
 
 
 # Smallest min(in_features, out_features) that enable_fp8 converts by default. End-to-end compiled training on
-# an H200 (benchmarks/precision/results/h200_fp8_loss/, torchao tensorwise against compiled bf16): the 7B
+# an H200 (benchmarks/precision/results/h200/fp8_loss/, torchao tensorwise against compiled bf16): the 7B
 # shape's linears (4096 / 11008 wide) ran 1.23x faster, the 1.1B shape's (2048 / 5632) 0.85x (bf16 weights)
 # and 0.77x (fp32 master weights): below 4096 the casts and scales cost more than the FP8 matmul saves.
 FP8_MIN_FEATURES = 4096
