@@ -57,7 +57,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-DEFAULT_SHAPE = "llama-1.1b"  # the baseline shape of DESIGN.md
+DEFAULT_SHAPE = "llama-1.1b"  # the 1.1B shape of the README's numbers
 TINY_SHAPE = "smoke"  # --tiny: CPU, fp32
 TARGET_MOD = 16  # rule reward: a response token scores when its id is a multiple of 16
 # a merged row takes the first of these that any rank reports; "running" is what a rank killed without

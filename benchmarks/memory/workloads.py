@@ -31,7 +31,7 @@ from pathlib import Path
 from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
 
 SIZES = {
-    "1b": LLAMA_SHAPES["llama-1.1b"],  # the 1.1B Llama shape of DESIGN.md
+    "1b": LLAMA_SHAPES["llama-1.1b"],  # the 1.1B Llama shape of the README's numbers
     "smoke": llama_shape("smoke", vocab_size=64),
 }
 

@@ -8,7 +8,7 @@
 Three parts (`--part`, default "throughput,learning"; size7b runs only when asked for), each
 configuration in its own subprocess (clean peak-memory numbers; an OOM ends only that configuration):
 
-* throughput: the 1.1B Llama shape of DESIGN.md (hidden 2048, 22 layers, 32 heads, 4 KV heads, vocab
+* throughput: the 1.1B Llama shape of the README's numbers (hidden 2048, 22 layers, 32 heads, 4 KV heads, vocab
   32000), 128 prompt + 384 response tokens, 1 PPO epoch, separate policy / reference / value / reward
   models, bf16, for several rollout batch sizes: seconds per update (median of the timed updates after a
   warm-up update), generation share, peak GPU memory, tokens/s = batch * (prompt + response) / s.

@@ -25,7 +25,7 @@ from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import correctness, time_config  # noqa: E402
 
-# the 1.1B Llama shape of DESIGN.md's numbers; the smoke shape runs on a CPU in seconds
+# the 1.1B Llama shape of the README's numbers; the smoke shape runs on a CPU in seconds
 SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke", vocab_size=128)}
 # in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode attention
 SYSTEMS = (
