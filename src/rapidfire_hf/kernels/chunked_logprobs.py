@@ -8,11 +8,27 @@ for a scalar-reduced loss; PPO needs per-token log-probs with arbitrary upstream
 advantage, clipped), an entropy term and a temperature, and the GPU machine runs torch 2.11, which
 lacks ``F.linear_cross_entropy``. So: forward keeps only the per-token log-sum-exp, and backward
 recomputes each chunk's logits (one extra ``[chunk, H] x [H, V]`` matmul per chunk).
+
+TRL 1.16 ships a comparable ``trl.kernels.ChunkedLogProbFunction`` (vocabulary tiles folded by a Triton
+kernel, bias and soft-capping supported). It is not used here: the project supports TRL from 1.12, which
+lacks it, and no GPU benchmark has compared the two yet; it is the candidate to switch to if one shows it
+faster.
+
+Under ``torch.autocast`` the projection runs in the autocast dtype in forward and in the recompute of
+backward alike (backward does not inherit autocast by itself), so both see the same logits.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the projection runs in: the autocast dtype when autocast is on, else the input's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -28,52 +44,84 @@ class ChunkedLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, chunk_size, with_entropy):
-        n = hidden.shape[0]
-        logprobs = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
-        entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
-        for start in range(0, n, chunk_size):
-            sl = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[sl], weight, temperature)
-            lse[sl] = torch.logsumexp(logits, dim=-1)
-            logprobs[sl] = logits.gather(-1, tokens[sl, None]).squeeze(-1) - lse[sl]
-            if with_entropy:
-                probs = torch.exp(logits - lse[sl, None])
-                entropy[sl] = lse[sl] - (probs * logits).sum(-1)
+        ctx.set_materialize_grads(False)  # entropy is often for logging only: no zero gradient for it
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logprobs, entropy, lse = _forward(
+                hidden, weight, tokens, temperature, chunk_size, with_entropy, dtype
+            )
         ctx.save_for_backward(hidden, weight, tokens, lse)
-        ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.dtype = (
+            temperature,
+            chunk_size,
+            with_entropy,
+            dtype,
+        )
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, tokens, lse = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk_size
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # fp32 accumulator: summing ~N/chunk bf16 partial products in bf16 loses the small ones
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for start in range(0, hidden.shape[0], chunk):
-            sl = slice(start, start + chunk)
-            h = hidden[sl]
-            logits = _chunk_logits(h, weight, t)
-            probs = torch.exp(logits - lse[sl, None])
-            # d logprob_i / d z_j = 1[j = token_i] - p_j
-            dz = -probs * grad_logprobs[sl, None]
-            dz.scatter_add_(-1, tokens[sl, None], grad_logprobs[sl, None])
-            if ctx.with_entropy and grad_entropy is not None and grad_entropy.numel():
-                # H = lse - sum p z  =>  dH / d z_j = -p_j (z_j - sum_k p_k z_k)
-                mean_z = (probs * logits).sum(-1, keepdim=True)
-                dz -= grad_entropy[sl, None] * probs * (logits - mean_z)
-            if t != 1.0:
-                dz = dz / t
-            dz = dz.to(hidden.dtype)
-            if need_h:
-                grad_h[sl] = dz @ weight
-            if need_w:
-                grad_w += (dz.t() @ h).float()
-        if need_w:
-            grad_w = grad_w.to(weight.dtype)
+        if not ctx.with_entropy:
+            grad_entropy = None
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
+            grad_h, grad_w = _backward(ctx, grad_logprobs, grad_entropy)
         return grad_h, grad_w, None, None, None, None
+
+
+def _forward(hidden, weight, tokens, temperature, chunk_size, with_entropy, dtype):
+    """Per-token log-prob, entropy and log-sum-exp, ``chunk_size`` rows of logits at a time."""
+    n = hidden.shape[0]
+    w = weight.to(dtype)
+    logprobs = hidden.new_empty(n, dtype=torch.float32)
+    lse = hidden.new_empty(n, dtype=torch.float32)
+    entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+    for start in range(0, n, chunk_size):
+        sl = slice(start, start + chunk_size)
+        logits = _chunk_logits(hidden[sl].to(dtype), w, temperature)
+        lse[sl] = torch.logsumexp(logits, dim=-1)
+        logprobs[sl] = logits.gather(-1, tokens[sl, None]).squeeze(-1) - lse[sl]
+        if with_entropy:
+            probs = torch.exp(logits - lse[sl, None])
+            entropy[sl] = lse[sl] - (probs * logits).sum(-1)
+    return logprobs, entropy, lse
+
+
+def _backward(ctx, grad_logprobs, grad_entropy):
+    """Gradients of hidden and weight, recomputing each chunk's logits in the forward's dtype."""
+    hidden, weight, tokens, lse = ctx.saved_tensors
+    t, chunk, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    w = weight.to(dtype)
+    grad_h = torch.empty_like(hidden) if need_h else None
+    # fp32 accumulator: summing ~N/chunk bf16 partial products in bf16 loses the small ones
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    for start in range(0, hidden.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        h = hidden[sl].to(dtype)
+        logits = _chunk_logits(h, w, t)
+        probs = torch.exp(logits - lse[sl, None])
+        if grad_logprobs is not None:
+            # d logprob_i / d z_j = 1[j = token_i] - p_j
+            dz = probs * -grad_logprobs[sl, None]
+            dz.scatter_add_(-1, tokens[sl, None], grad_logprobs[sl, None])
+        else:
+            dz = torch.zeros_like(logits)
+        if grad_entropy is not None:
+            # H = lse - sum p z  =>  dH / d z_j = -p_j (z_j - sum_k p_k z_k)
+            mean_z = (probs * logits).sum(-1, keepdim=True)
+            dz -= grad_entropy[sl, None] * probs * (logits - mean_z)
+        if t != 1.0:
+            dz = dz / t
+        dz = dz.to(dtype)
+        if need_h:
+            grad_h[sl] = (dz @ w).to(hidden.dtype)
+        if need_w:
+            grad_w += (dz.t() @ h).float()
+    if need_w:
+        grad_w = grad_w.to(weight.dtype)
+    return grad_h, grad_w
 
 
 def chunked_logprobs_and_entropy(

@@ -2,14 +2,24 @@
 no-grad scoring forwards (reference log-probs, values, reward-model scores).
 
 Log-probs are computed from the backbone's hidden states of the response positions only, so the
-``[B, P+R, V]`` logits of a full forward never exist; the response logits are produced in chunks of
-rows by ``rapidfire_hf.ppo.modeling.response_logprobs``.
+``[B, P+R, V]`` logits of a full forward never exist. :func:`response_logprobs` gives the response
+log-probs and entropy with ``rapidfire_hf.kernels.chunked_logprobs_and_entropy`` (``LOGPROB_CHUNK_TOKENS``
+rows of logits at a time, recomputed in backward), so training holds no ``[micro-batch, R, V]`` logits
+tensor either; LM heads the kernel cannot read directly fall back to row chunks through the module.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
+
+from rapidfire_hf.kernels import chunked_logprobs, chunked_logprobs_and_entropy
+
+# Tokens whose logits exist at once in response_logprobs' kernel path: about 3 x 512 x V x 4 bytes of
+# transient fp32 (0.2 GB at V = 32000) instead of the B x R x V x 4 saved for backward by full logits.
+LOGPROB_CHUNK_TOKENS = 512
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
@@ -58,6 +68,37 @@ def sequence_inputs(
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
+def _kernel_head(lm_head: nn.Module):
+    """``(weight, context, input dtype)`` when ``lm_head`` is a projection the chunked kernel can compute
+    from its weight, else ``None`` (the module is then called: a bias, LoRA or quantized head, module
+    hooks (the precision sensitivity pass), a weight sharded outside forward (DeepSpeed ZeRO-3: empty;
+    FSDP2: a DTensor))."""
+    if type(lm_head) is not nn.Linear or lm_head.bias is not None:
+        return None
+    weight = lm_head.weight
+    if (
+        not weight.is_floating_point()
+        or tuple(weight.shape) != (lm_head.out_features, lm_head.in_features)
+        or type(weight.data) is not torch.Tensor
+        or lm_head._forward_hooks
+        or lm_head._forward_pre_hooks
+    ):
+        return None
+    patched = lm_head.__dict__.get("forward")
+    if patched is None:
+        return weight, nullcontext(), None
+    from rapidfire_hf.precision.schedule import LayerPrecision, Precision
+
+    if not isinstance(patched, LayerPrecision):
+        return None
+    # as LayerPrecision runs the head: fp32 inputs, autocast off (fp32) or at the layer's precision
+    if patched.precision is Precision.FP32:
+        ctx = torch.autocast(patched.device_type, enabled=False)
+    else:
+        ctx = torch.autocast(patched.device_type, dtype=patched.precision.dtype)
+    return weight, ctx, torch.float32
+
+
 def response_logprobs(
     hidden: torch.Tensor,
     lm_head: nn.Module,
@@ -68,18 +109,34 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropy) of ``responses`` from the hidden states that predict them.
 
+    Equal to ``log_softmax(lm_head(hidden).float() / (temperature + 1e-7))`` gathered at ``responses``
+    (within 1e-5 in fp32 on CPU: the log-sum-exp is computed per chunk of tokens), without a
+    ``[B, R, V]`` logits tensor: forward keeps one log-sum-exp per token and backward recomputes each
+    chunk's logits.
+
     Args:
         hidden: [B, R, H] hidden states at positions ``context_length-1 .. -2``.
         lm_head: the output projection.
         responses: [B, R] token ids.
         temperature: logits are divided by ``temperature + 1e-7`` as in TRL.
         with_entropy: also return the entropy of each position's distribution (no grad).
-        chunk_rows: rows of the batch projected at once; bounds the live logits to
-            ``chunk_rows * R * V`` instead of ``B * R * V``.
+        chunk_rows: for heads the kernel cannot read (see ``_kernel_head``): batch rows projected at once
+            through the module; their logits are then saved for backward.
 
     Returns:
         ``(logprobs [B, R] float32, entropy [B, R] float32 or None)``.
     """
+    head = _kernel_head(lm_head)
+    if head is not None:
+        weight, ctx, in_dtype = head
+        h = hidden if in_dtype is None else hidden.to(in_dtype)
+        with ctx:
+            if not with_entropy:
+                return chunked_logprobs(h, weight, responses, temperature + 1e-7, LOGPROB_CHUNK_TOKENS), None
+            logps, ents = chunked_logprobs_and_entropy(
+                h, weight, responses, temperature + 1e-7, LOGPROB_CHUNK_TOKENS
+            )
+        return logps, ents.detach()
     logps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_rows):
         logits = lm_head(hidden[start : start + chunk_rows]).float() / (temperature + 1e-7)
