@@ -240,8 +240,13 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         """Whether the optimizer has its parameters (given at construction or through :meth:`bind`)."""
         return self._inner is not None
 
-    def bind(self, params: Iterable) -> RapidFireOptimizer:
+    def bind(self, params: Iterable, defaults: dict[str, Any] | None = None) -> RapidFireOptimizer:
         """Give the optimizer its parameters (``model.parameters()`` or param-group dicts); once only.
+
+        Args:
+            defaults: hyper-parameters for the inner optimizer where this optimizer was built without
+                them (a trainer passes its ``learning_rate``, ``weight_decay``, ...); names the inner
+                optimizer's constructor does not take are left out.
 
         Raises:
             RuntimeError: it is already bound.
@@ -250,7 +255,15 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             raise RuntimeError(
                 "RapidFireOptimizer is already bound to parameters; bind() may be called once."
             )
-        self._attach(build_inner(self._spec, normalize_param_groups(params), self._inner_kwargs, self._fused))
+        kwargs = dict(self._inner_kwargs)
+        if defaults:
+            import inspect
+
+            accepted = inspect.signature(resolve_inner_class(self._spec)).parameters
+            taken = {k: v for k, v in defaults.items() if k in accepted and k not in kwargs}
+            kwargs.update(taken)
+            self.defaults_taken = taken
+        self._attach(build_inner(self._spec, normalize_param_groups(params), kwargs, self._fused))
         return self
 
     def _attach(self, inner: torch.optim.Optimizer) -> None:

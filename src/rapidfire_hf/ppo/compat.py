@@ -65,3 +65,29 @@ def batch_generation(
         sequences.append(torch.cat([chunk, out.sequences[:, context_length:]], dim=1))
         scores.append(torch.stack(out.scores, dim=1))
     return _pad_right(sequences, pad_token_id), _pad_right(scores, 0.0)
+
+
+_OLD_TRAINER_NAMES = {"config": "args", "tokenizer": "processing_class"}
+
+
+def legacy_trainer_arguments(args, processing_class, model, legacy: dict):
+    """``(args, processing_class)`` from the pre-1.0 TRL keywords ``config=`` and ``tokenizer=``, with a
+    ``FutureWarning`` naming the current keyword; any other unknown keyword is a ``TypeError``."""
+    import warnings
+
+    unknown = sorted(set(legacy) - set(_OLD_TRAINER_NAMES))
+    if unknown:
+        raise TypeError(f"PPOTrainer got unexpected keyword argument(s) {unknown}")
+    given = {"args": args, "processing_class": processing_class}
+    for old, new in _OLD_TRAINER_NAMES.items():
+        if old not in legacy:
+            continue
+        if given[new] is not None:
+            raise TypeError(f"PPOTrainer got both {old}= and {new}=: pass {new}= only")
+        warnings.warn(f"PPOTrainer({old}=...) is the old TRL spelling: use {new}=", FutureWarning, stacklevel=3)
+        given[new] = legacy[old]
+    if given["args"] is None:
+        raise TypeError("PPOTrainer needs args=PPOConfig(...)")
+    if model is None:
+        raise TypeError("PPOTrainer needs model= (the policy: a causal LM or a value-head model)")
+    return given["args"], given["processing_class"]

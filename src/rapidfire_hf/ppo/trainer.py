@@ -135,9 +135,9 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
 
     def __init__(
         self,
-        args: PPOConfig,
-        processing_class,
-        model,
+        args: PPOConfig | None = None,
+        processing_class=None,
+        model=None,
         ref_model=None,
         reward_model=None,
         train_dataset=None,
@@ -149,7 +149,11 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         callbacks: list[TrainerCallback] | None = None,
         peft_config=None,
         reward_funcs=None,
+        **legacy,
     ):
+        from rapidfire_hf.ppo.compat import legacy_trainer_arguments
+
+        args, processing_class = legacy_trainer_arguments(args, processing_class, model, legacy)
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a rapidfire_hf.PPOConfig, got {type(args).__name__}")
         self.args = args
@@ -473,7 +477,16 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
                 **self._default_adamw_kernel(),
             )
         elif getattr(optimizer, "is_bound", True) is False:
-            optimizer.bind(params)
+            # what the optimizer was built without comes from PPOConfig, as for the default AdamW
+            optimizer.bind(
+                params,
+                defaults={
+                    "lr": args.learning_rate,
+                    "betas": (args.adam_beta1, args.adam_beta2),
+                    "eps": args.adam_epsilon,
+                    "weight_decay": args.weight_decay,
+                },
+            )
         self._optimizer_clips = getattr(optimizer, "max_grad_norm", None) is not None
         self._rf_opt = optimizer if hasattr(optimizer, "observe_loss") else None
         self._step_guard = self._make_step_guard()
