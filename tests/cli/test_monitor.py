@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -144,3 +146,102 @@ def test_once_json_on_gpu_has_allocator_and_nvml_memory(cache, capsys):
     finally:
         proc.kill()
         proc.wait()
+
+
+# ---- bad arguments, hostile or broken streams
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--interval", "0", "seconds >= 0.1"),
+        ("--interval", "0.01", "seconds >= 0.1"),
+        ("--interval", "-1", "seconds >= 0.1"),
+        ("--interval", "nan", "finite"),
+        ("--interval", "inf", "finite"),
+        ("--interval", "soon", "not a number of seconds"),
+        ("--pid", "-5", "positive integer"),
+        ("--pid", "0", "positive integer"),
+        ("--pid", "abc", "not a process id"),
+    ],
+)
+def test_bad_arguments_are_refused_by_argparse(flag, value, says, capsys):
+    argv = ["monitor", "--pid", "1", "--once", flag, value]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and says in err and "Traceback" not in err
+
+
+ESC = "\x1b"
+HOSTILE_LINES = [
+    {"kind": "meta", "t": 1.0, "pid": 1, "host": f"box{ESC}]0;owned{chr(7)}{ESC}[2J[bold red]pwn[/]"},
+    {"kind": "memory", "t": 2.0, "step": 4, "phase": f"train{ESC}[31m\u202e", "device": "cpu"}
+    | {"rss_bytes": "lots", "holdings": {f"params{ESC}[5m": 1024}},
+    {"kind": "event", "t": 3.0, "name": {"not": "a name"}},
+    {"kind": "event", "t": "yesterday", "name": "rollback"},
+    {"kind": "metrics", "t": 4.0, "step": 4, "values": "fast"},
+    {"kind": "metrics", "t": 5.0, "step": 5, "values": {"tokens_per_s": "many", "loss": f"{ESC}[1m0.5"}},
+    {"kind": "event", "t": 6.0, "name": "compaction", "bytes_returned": [1]},
+    [1, 2],
+    42,
+    None,
+    "just a string",
+]
+
+
+@pytest.fixture()
+def own_entry(tmp_path, monkeypatch):
+    """Register this test process with a stream the test writes (a fresh cache per test)."""
+    from rapidfire_hf.memory.telemetry import registry_path
+
+    monkeypatch.setenv("RAPIDFIRE_CACHE_DIR", str(tmp_path / "cache"))
+    stream = tmp_path / "stream.jsonl"
+    entry = registry_path(os.getpid())
+    entry.parent.mkdir(parents=True)
+    entry.write_text(json.dumps({"pid": os.getpid(), "create_time": None, "stream": str(stream)}))
+    return entry, stream
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_hostile_stream_is_sanitised_and_malformed_records_skipped(own_entry, capsys, as_json):
+    _, stream = own_entry
+    lines = [json.dumps(r) for r in HOSTILE_LINES] + ["{not json", '{"kind": "event", "t": 7.0, "na']
+    stream.write_text("\n".join(lines))
+    assert main(["monitor", "--pid", str(os.getpid()), "--once"] + (["--json"] if as_json else [])) == 0
+    out = capsys.readouterr()
+    assert ESC not in out.out and chr(7) not in out.out and "\u202e" not in out.out
+    assert "Traceback" not in out.err
+    if as_json:
+        view = json.loads(out.out)
+        assert view["step"] == 5 and view["phase"] == "train[31m" and view["rollbacks"] == 0
+        assert view["metrics"]["loss"] == "[1m0.5" and view["host"].startswith("box]0;owned")
+    else:
+        assert "[bold red]pwn[/]" in out.out.replace("\n", "")  # shown as text, not as rich markup
+        assert "train[31m" in out.out and "many" in out.out
+
+
+@pytest.mark.parametrize("entry_text", ["[]", '{"pid": 1}', '"x"', "{broken"])
+def test_malformed_registry_entry_gives_a_message(own_entry, capsys, entry_text):
+    entry, _ = own_entry
+    entry.write_text(entry_text)
+    assert main(["monitor", "--pid", str(os.getpid()), "--once"]) == 4
+    err = capsys.readouterr().err
+    assert "telemetry entry" in err and "Traceback" not in err
+
+
+def test_stream_deleted_while_watched(own_entry, capsys):
+    _, stream = own_entry
+    stream.write_text(json.dumps({"kind": "metrics", "t": 1.0, "step": 1, "values": {"loss": 0.5}}) + "\n")
+    result = {}
+    watcher = threading.Thread(
+        target=lambda: result.update(
+            rc=main(["monitor", "--pid", str(os.getpid()), "--interval", "0.1", "--json"])
+        )
+    )
+    watcher.start()
+    time.sleep(0.5)
+    stream.unlink()
+    watcher.join(timeout=20)
+    assert not watcher.is_alive() and result["rc"] == 6
+    err = capsys.readouterr().err
+    assert "cannot read the telemetry stream" in err and "deleted" in err and "Traceback" not in err
