@@ -21,6 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from ppo_throughput import load_run  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+from benchmarks.common import write_json  # noqa: E402
+
 LABELS = {"zero3": "ZeRO-3", "zero2": "ZeRO-2", "fsdp2": "FSDP2", "ddp2": "DDP", "single": "1 GPU"}
 COLORS = {
     "ok": "#3a7",
@@ -267,7 +270,7 @@ def chart(results: dict, path: Path) -> bool:
 def main(out: Path) -> dict:
     results = collect(out)
     results["chart"] = "largest_model.png" if chart(results, out / "largest_model.png") else None
-    (out / "largest_model.json").write_text(json.dumps(results, indent=2, default=str))
+    write_json(out / "largest_model.json", results)
     print("\n".join(results["verdicts"] + results["comparisons"]))
     return results
 

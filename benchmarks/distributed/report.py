@@ -16,7 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
 import torch
+
+from benchmarks.common import write_json  # noqa: E402
 
 
 def smoke_result(folder: Path) -> dict:
@@ -98,7 +102,7 @@ def sft_summary(root: Path) -> dict:
         name = folder.name.removeprefix("sft_")
         results[name] = {"rc": rcs.get(name), **sft_result(folder)}
     summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": results}
-    (root / "sft_engines.json").write_text(json.dumps(summary, indent=1, default=str))
+    write_json(root / "sft_engines.json", summary)
     print(json.dumps({k: (v["status"], v.get("engine"), v.get("failed_phase")) for k, v in results.items()}))
     return summary
 
@@ -173,7 +177,7 @@ def chart(results: dict, path: Path) -> bool:
 def main(out: Path) -> dict:
     results = collect(out)
     results["chart"] = "tokens_per_second.png" if chart(results, out / "tokens_per_second.png") else None
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_json(out / "results.json", results)
     print(
         json.dumps(
             {

@@ -1,5 +1,9 @@
 """An estimate of GPU memory per phase of one GRPO step of ``run.py``'s workload, computed on the CPU.
 
+The variants are the memory stacks of the stored runs in ``results/h200/`` (see README.md):
+``rapidfire_lowmem3`` has the memory layout of today's ``run.py`` variant ``rapidfire_lowmem`` (the
+``memory.lowmem`` switch; its pooled host buffers and skipped syncs change time, not GPU memory).
+
 Not a measurement: the 1.1B model is built on PyTorch's ``meta`` device (shapes only, no data), the
 training step of TRL's GRPO loss path is run on it, and a ``TorchDispatchMode`` adds up the bytes of
 every tensor storage while it is alive (freed when its last reference goes). That counts what the
@@ -296,7 +300,7 @@ VARIANTS = {
     "rapidfire_lowmem2": ("chunked_offload", "adamw_8bit", True, True),
     "rapidfire_lowmem3": ("chunked_offload", "adamw_8bit_all", True, False),
 }
-# rapidfire_lowmem3's defaults (run.py: LOWMEM3_ROWS, LOWMEM3_FORWARD_ROWS, LOWMEM3_PREFILL_ROWS)
+# rapidfire_lowmem3's chunk sizes (memory.lowmem's LOWMEM_DEFAULTS in rapidfire_hf.integrations.lowmem)
 LOWMEM3 = dict(rows=16, forward_rows=32, prefill_rows=16)
 
 

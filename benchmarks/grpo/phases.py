@@ -200,5 +200,3 @@ def speed(step_s: list[float], step_tokens: list[int]) -> dict:
         out["median_step_s_steps_2_on"] = median
         out["first_step_excess_s"] = step_s[0] - median  # compile, graph capture, warm-up: paid once
     return out
-
-

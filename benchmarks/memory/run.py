@@ -51,6 +51,9 @@ sys.path.insert(0, str(HERE))
 
 import workloads  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+from benchmarks.common import write_json  # noqa: E402
+
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXPANDABLE = "expandable_segments:True"
 # The native allocator, said explicitly: with no setting, the callback's default expandable_segments=True
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             results[group] = run_group(group, args.out, args.smoke, inline, opts)
             results["meta"]["wall_s"][group] = time.perf_counter() - tick
     results["summary"] = summarize(results)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(args.out / "results.json", results)
     chart(results, args.out / "memory.png")
     print(json.dumps(results["summary"], indent=1))
     if any(g in results for g in ALLOCATOR_GROUPS):

@@ -57,6 +57,10 @@ from tqdm.auto import tqdm
 from rapidfire_hf.optim import RapidFireOptimizer, Snapshot
 from rapidfire_hf.utils.imports import is_available
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import write_json  # noqa: E402
+
 FULL = {
     "hidden": 2048,
     "layers": 22,
@@ -628,7 +632,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["snapshot"] = snapshot_costs(shape, device)
         print("snapshot", json.dumps(results["snapshot"]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_json(args.out / "results.json", results)
     chart(results, args.out / "results.png")
     return results
 

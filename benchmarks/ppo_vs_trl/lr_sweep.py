@@ -25,6 +25,10 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import write_json  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -183,7 +187,7 @@ def main(argv: list[str]) -> None:
         "summary": summary,
         "gpu": env["gpu"],
     }
-    (out / "sweep.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "sweep.json", result)
     keys = ["system", "lr", "runs", "ok", "mean", "sd", "se", "median", "min", "max", "collapsed"]
     with open(out / "sweep.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")

@@ -40,6 +40,10 @@ from pathlib import Path
 
 from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import write_json  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 # rapidfire_hf.demo.shapes, plus the learning part's shapes: a 64-token vocabulary, so that each target
 # token is sampled often enough per rollout batch for PPO to learn the rule reward within tens of updates
@@ -368,7 +372,7 @@ def write_outputs(out: Path, rows: list[dict], env: dict) -> None:
             k: {m: c[m] for m in ("shape", "seeds", "first", "last", "best", "last5")}
             for k, c in learning.items()
         }
-    (out / "results.json").write_text(json.dumps(data, indent=1))
+    write_json(out / "results.json", data)
     keys = [
         "name",
         "part",

@@ -28,7 +28,6 @@ import argparse
 import copy
 import csv
 import gc
-import json
 import math
 import sys
 import tempfile
@@ -44,7 +43,8 @@ from rapidfire_hf.precision import AdaptivePrecisionPlugin, Precision, logprob_p
 from rapidfire_hf.precision.schedule import set_layer_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _env import environment  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+from benchmarks.common import environment, write_json  # noqa: E402
 
 MODES = ("bf16", "adaptive", "fp32")
 TARGET_MOD = 16  # a response token scores when its id is a multiple of 16 (1/16 of the vocabulary)
@@ -551,7 +551,7 @@ def _chart(results: dict, path: Path) -> None:
 
 
 def _write(results: dict, out: Path) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    write_json(out / "results.json", results)
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_KEYS, extrasaction="ignore")
         writer.writeheader()

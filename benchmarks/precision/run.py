@@ -15,7 +15,6 @@ Writes ``results.json`` (GPU, versions, date, command, numbers) and ``precision.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -27,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_fp8  # noqa: E402
 import bench_overflow  # noqa: E402
-from _env import environment  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+from benchmarks.common import environment, write_json  # noqa: E402
 
 PARTS = ("overflow", "fp8_speed", "fp8_loss")
 
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"env": _environment(device), "smoke": args.smoke, "seconds": {}}
 
     def write() -> None:  # after each part: a later failure keeps the finished ones
-        (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        write_json(args.out / "results.json", results)
 
     for part in parts:
         t0 = time.perf_counter()

@@ -25,6 +25,9 @@ from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import correctness, time_config  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+from benchmarks.common import write_json  # noqa: E402
+
 # the 1.1B Llama shape of the README's numbers; the smoke shape runs on a CPU in seconds
 SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke", vocab_size=128)}
 # in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode attention
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
 
 
 def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
-    (out / "results.json").write_text(json.dumps({**meta, "results": rows}, indent=1))
+    write_json(out / "results.json", {**meta, "results": rows})
     fields = ["system", "batch", "ms_per_step", "tokens_per_s", "total_s", "peak_gib", "status"]
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")

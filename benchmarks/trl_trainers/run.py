@@ -49,6 +49,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
+
+from benchmarks.common import write_json  # noqa: E402
+
 TRAINERS = ("sft", "dpo")
 FULL = dict(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, vocab=32000, seq=2048)
 SMOKE = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, seq=64)
@@ -701,7 +705,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "loss_comparison": compare_losses(rows, tolerance),
         "rows": rows,
     }
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    write_json(args.out / "results.json", results)
     with (args.out / "results.csv").open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
         writer.writeheader()
