@@ -30,7 +30,6 @@ ppo_vs_trl.png into --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -42,6 +41,7 @@ from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
+from benchmarks.common import environment as common_environment  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -211,21 +211,10 @@ def configs(args) -> list[dict]:
 
 
 def environment() -> dict:
-    import torch
-    import transformers
-
-    env = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": sys.version.split()[0],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "trl112_path": os.environ.get("TRL112_PATH"),
-    }
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    return env
+    """``benchmarks.common.environment`` plus the two settings that change this benchmark's stock side."""
+    return common_environment(
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS"), trl112_path=os.environ.get("TRL112_PATH")
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:

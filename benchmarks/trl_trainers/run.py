@@ -37,7 +37,6 @@ import csv
 import gc
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -51,6 +50,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
+from benchmarks.common import environment as common_environment  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 
 TRAINERS = ("sft", "dpo")
@@ -478,33 +478,13 @@ def compare_losses(rows: list[dict], tolerance: dict) -> list[dict]:
 
 
 def environment(args, rows: list[dict]) -> dict:
-    import accelerate
-    import datasets
-    import torch
-    import transformers
-    import trl
-
-    import rapidfire_hf
-
+    """``benchmarks.common.environment`` with the GPU the child processes reported (this process has not
+    touched CUDA) and the device label of the chart."""
     names = [r["device_name"] for r in rows if r.get("device_name")]
-    env = {
-        "gpu": None if args.smoke else (names[0] if names else None),
-        "device": "cpu (smoke)" if args.smoke else (names[0] if names else "cuda"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "accelerate": accelerate.__version__,
-        "datasets": datasets.__version__,
-        "rapidfire_hf": rapidfire_hf.__version__,
-    }
-    try:
-        from importlib.metadata import version
-
-        env["liger_kernel"] = version("liger-kernel")
-    except Exception:
-        env["liger_kernel"] = None
-    return env
+    gpu = None if args.smoke else (names[0] if names else None)
+    return common_environment(
+        gpu=gpu, device="cpu (smoke)" if args.smoke else (names[0] if names else "cuda")
+    )
 
 
 CSV_FIELDS = (
