@@ -18,6 +18,7 @@ _EXPORTS = {
     "RapidFireOptimizer": "rapidfire_hf.optim",
     "PPOConfig": "rapidfire_hf.ppo",
     "PPOTrainer": "rapidfire_hf.ppo",
+    "PPOSweep": "rapidfire_hf.sweep",
     "MemoryCompactionCallback": "rapidfire_hf.memory",
     "AdaptivePrecisionPlugin": "rapidfire_hf.precision",
     "enable_rapidfire": "rapidfire_hf.integrations",
@@ -49,3 +50,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from rapidfire_hf.optim import RapidFireOptimizer  # noqa: F401
     from rapidfire_hf.ppo import PPOConfig, PPOTrainer  # noqa: F401
     from rapidfire_hf.precision import AdaptivePrecisionPlugin  # noqa: F401
+    from rapidfire_hf.sweep import PPOSweep  # noqa: F401

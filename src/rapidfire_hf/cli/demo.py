@@ -33,6 +33,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--learning-rate", type=float, default=1e-3, help="Learning rate (default 1e-3).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="Stay on the CPU even when a GPU is present.")
+    p.add_argument(
+        "--sweep",
+        action="append",
+        metavar="FIELD=V1,V2,...",
+        help="Train a sweep of LoRA trials on one shared base instead, one trial per value (repeat for a "
+        "grid), e.g. --sweep kl_coef=0.01,0.05,0.2; writes sweep_curves.png and summary.json.",
+    )
     p.set_defaults(func=run_demo)
 
 
@@ -96,6 +103,10 @@ def run_demo(args) -> int:
 
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
+    if getattr(args, "sweep", None):
+        from rapidfire_hf.cli.sweep import run_demo_sweep
+
+        return run_demo_sweep(args)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok, policy, value, value_mode = _load_models(args)

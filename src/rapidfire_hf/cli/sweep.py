@@ -1,0 +1,167 @@
+"""`rapidfire sweep`: run a PPO sweep from YAML, or control a running one from another shell.
+
+    rapidfire sweep SWEEP.yaml                        # run (see rapidfire_hf.sweep.spec for the format)
+    rapidfire sweep ctl --dir out/sweep stop kl0.2    # stop a trial at the next update boundary
+    rapidfire sweep ctl --dir out/sweep resume kl0.2
+    rapidfire sweep ctl --dir out/sweep clone kl0.05 kl0.05-lr2 learning_rate=2e-5
+    rapidfire sweep ctl --dir out/sweep status
+
+``rapidfire demo --sweep kl_coef=0.01,0.05,0.2`` (see :func:`run_demo_sweep`) runs a sweep on the embedded
+demo task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+SWEEP_HELP = "Run many LoRA PPO trials at once on one shared base (SWEEP.yaml), or control one (ctl)."
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("sweep", help=SWEEP_HELP, description=__doc__.split("\n\n")[0])
+    p.add_argument("target", help="SWEEP.yaml to run, or `ctl` to control a running sweep")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="for ctl: --dir DIR {stop,resume,clone,status} ...")
+    p.add_argument("--no-progress", action="store_true", help="No live table (for logs and CI).")
+    p.set_defaults(func=run_sweep_command)
+
+
+def _ctl_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rapidfire sweep ctl", description="Control a running sweep.")
+    p.add_argument("--dir", required=True, help="The sweep's output_dir.")
+    p.add_argument("op", choices=("stop", "resume", "clone", "status"))
+    p.add_argument("names", nargs="*", help="stop/resume: TRIAL; clone: SRC NEW [field=value ...]")
+    return p
+
+
+def run_sweep_command(args) -> int:
+    if args.target == "ctl":
+        return run_ctl(_ctl_parser().parse_args(args.rest))
+    rest = [a for a in args.rest if a != "--no-progress"]  # REMAINDER also holds options after the file
+    if rest:
+        raise SystemExit(f"unexpected arguments after {args.target}: {' '.join(rest)}")
+    from rapidfire_hf.sweep.spec import build, load_spec
+
+    progress = not (args.no_progress or "--no-progress" in args.rest)
+    sweep = build(load_spec(args.target), progress=progress)
+    start = time.perf_counter()
+    sweep.train()
+    _print_summary(sweep, time.perf_counter() - start)
+    return 0
+
+
+def run_ctl(ns) -> int:
+    from rapidfire_hf.sweep import append_command
+
+    out = Path(ns.dir)
+    if ns.op == "status":
+        state = out / "sweep_state.json"
+        if not state.is_file():
+            raise SystemExit(f"{state} not found: is {out} the output_dir of a sweep that has run an update?")
+        for name, s in json.loads(state.read_text()).items():
+            reward = "-" if s["reward_last"] is None else f"{s['reward_last']:.4f}"
+            print(f"{name:<24} {s['state']:<14} {s['updates']:>5}/{s['num_updates']:<5} reward {reward}")
+        return 0
+    if not (out / "sweep_state.json").is_file() and not out.is_dir():
+        raise SystemExit(f"--dir {out}: no such folder (give the running sweep's output_dir)")
+    if ns.op in ("stop", "resume"):
+        if len(ns.names) != 1:
+            raise SystemExit(f"usage: rapidfire sweep ctl --dir DIR {ns.op} TRIAL")
+        path = append_command(out, ns.op, ns.names[0])
+    else:
+        if len(ns.names) < 2:
+            raise SystemExit("usage: rapidfire sweep ctl --dir DIR clone SRC NEW [field=value ...]")
+        overrides = dict(_parse_assignment(a, single=True) for a in ns.names[2:])
+        path = append_command(out, "clone", ns.names[0], new=ns.names[1], overrides=overrides)
+    print(f"queued `{ns.op} {' '.join(ns.names)}` in {path}; applied at the next update boundary")
+    return 0
+
+
+def _coerce(key: str, text: str):
+    """A command-line value as the type of the PPOConfig field ``key`` (YAML syntax otherwise)."""
+    import dataclasses
+
+    import yaml
+
+    from rapidfire_hf.ppo import PPOConfig
+
+    value = yaml.safe_load(text)
+    default = {f.name: f.default for f in dataclasses.fields(PPOConfig)}.get(key)
+    if isinstance(default, float) and isinstance(value, int | str) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            raise SystemExit(f"{key}={text}: {key} takes a number") from None
+    return value
+
+
+def _parse_assignment(text: str, single: bool = False):
+    """``field=v1,v2`` -> ``(field, [v1, v2])`` (or ``(field, v1)`` with ``single``)."""
+    key, sep, values = text.partition("=")
+    if not sep or not key or not values:
+        raise SystemExit(
+            f"{text!r}: write field=value{'' if single else '[,value...]'} (e.g. kl_coef=0.01,0.05)"
+        )
+    if single:
+        return key, _coerce(key, values)
+    return key, [_coerce(key, v) for v in values.split(",")]
+
+
+def demo_trials(assignments: list[str]) -> dict[str, dict]:
+    """``["kl_coef=0.01,0.05", "seed=0,1"]`` -> the grid of trials, named ``kl_coef=0.01,seed=0`` etc."""
+    axes = [_parse_assignment(a) for a in assignments]
+    trials = {}
+    for combo in itertools.product(*[[(k, v) for v in vs] for k, vs in axes]):
+        name = "_".join(f"{k}={v}" for k, v in combo)
+        trials[name] = dict(combo)
+    return trials
+
+
+def run_demo_sweep(args) -> int:
+    """`rapidfire demo --sweep ...`: the demo task as a sweep of LoRA trials on one tiny base model."""
+    from peft import LoraConfig
+
+    from rapidfire_hf.cli.demo import _ppo_args
+    from rapidfire_hf.demo import DemoTask, make_prompt_dataset, vowel_reward
+    from rapidfire_hf.sweep import PPOSweep
+
+    if args.model is not None:
+        raise SystemExit("--sweep runs on the embedded demo model; drop --model")
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trials = demo_trials(args.sweep)
+    tok, policy, _, _ = DemoTask(seed=args.seed).build()
+    shared = _ppo_args(args, out_dir)
+    sweep = PPOSweep(
+        args=shared,
+        trials=trials,
+        model=policy,
+        processing_class=tok,
+        reward_funcs=vowel_reward,
+        train_dataset=make_prompt_dataset(max(512, args.batch_size * 4), seed=args.seed),
+        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"),
+        progress=True,
+    )
+    start = time.perf_counter()
+    sweep.train()
+    _print_summary(sweep, time.perf_counter() - start)
+    return 0
+
+
+def _print_summary(sweep, wall: float) -> None:
+    from rapidfire_hf.sweep import outputs
+
+    summary = outputs.write_all(sweep, wall_seconds=wall)
+    out = Path(sweep.args.output_dir)
+    for name, s in summary["trials"].items():
+        first, last, kl = s["reward_first"], s["reward_last"], s["kl_last"]
+        if first is None:
+            print(f"{name}: {s['state']} before its first update")
+            continue
+        print(f"{name}: reward {first:.3f} -> {last:.3f}, KL {kl:.3f}, {s['updates']} updates, {s['state']}")
+    print(
+        f"{len(summary['trials'])} trials in {wall:.0f} s on {summary['device']}; chart {out / outputs.CHART}"
+    )
