@@ -23,7 +23,7 @@ from rapidfire_hf.sweep.trial import update_generator
 from .helpers import COMMON, curves, lora_config, make_sweep, max_abs_diff
 
 
-def _trainer_like_the_trial(tokenizer, tmp_path, dataset, sweep, name):
+def _trainer_like_the_trial(tokenizer, tmp_path, dataset, sweep, name, **settings):
     from peft import set_peft_model_state_dict
 
     args = PPOConfig(
@@ -32,7 +32,7 @@ def _trainer_like_the_trial(tokenizer, tmp_path, dataset, sweep, name):
         rollout_backend="static",
         memory_management=False,
         disable_tqdm=True,
-        **COMMON,
+        **{**COMMON, **settings},
     )
     trainer = PPOTrainer(
         args=args,
@@ -75,13 +75,19 @@ def _values_with_adapter(values):
     return run
 
 
+# micro-batches of 4 (one per optimizer step), and of 2 (two accumulated per step, with kl_coef and
+# clip range off their defaults)
+SETTINGS = [{}, {"per_device_train_batch_size": 2, "kl_coef": 0.2, "cliprange": 0.1}]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["micro4", "micro2-accumulate"])
 @pytest.mark.usefixtures("single_thread")
-def test_one_trial_sweep_matches_ppo_trainer(tokenizer, tmp_path):
+def test_one_trial_sweep_matches_ppo_trainer(tokenizer, tmp_path, settings):
     from peft import get_peft_model_state_dict
 
     dataset = make_prompt_dataset(48, min_len=4, max_len=4)
-    sweep = make_sweep(tokenizer, tmp_path / "sweep", {"only": {}}, dataset=dataset)
-    trainer = _trainer_like_the_trial(tokenizer, tmp_path, dataset, sweep, "only")
+    sweep = make_sweep(tokenizer, tmp_path / "sweep", {"only": {}}, dataset=dataset, **settings)
+    trainer = _trainer_like_the_trial(tokenizer, tmp_path, dataset, sweep, "only", **settings)
     trainer.train()
     result = sweep.train()["only"]
     assert curves(trainer.state.log_history) == curves(result)
