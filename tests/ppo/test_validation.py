@@ -288,7 +288,18 @@ BAD_DATASETS = [
 
 
 @pytest.mark.parametrize(
-    "data, error, words", BAD_DATASETS, ids=[w.split(":")[0][:40] for _, _, w in BAD_DATASETS]
+    "data, error, words",
+    BAD_DATASETS,
+    ids=[
+        "empty list",
+        "dict of a string",
+        "list of int",
+        "int",
+        "empty prompt",
+        "None prompt",
+        "empty input_ids",
+        "float input_ids",
+    ],
 )
 def test_bad_dataset_is_refused_naming_the_row(tokenizer, data, error, words):
     with pytest.raises(error) as info:
@@ -379,7 +390,7 @@ def test_response_length_beyond_the_positions_is_refused(tmp_path, tokenizer):
         ("warmup_steps", -1, "must be an int >= 0"),
         ("warmup_steps", 2.5, "must be an int >= 0"),
     ],
-    ids=lambda v: repr(v) if not isinstance(v, str) or "must" not in v else "",
+    ids=["grad_z=nan", "grad_z=-1", "loss_z='6'", "loss_z=inf", "headroom=nan", "warmup=-1", "warmup=2.5"],
 )
 def test_bad_optimizer_threshold_is_refused(name, value, allowed):
     from rapidfire_hf.optim import RapidFireOptimizer
