@@ -299,9 +299,18 @@ class LoggingConfig(_Section):
 
     section: ClassVar[str] = "logging"
 
-    level: LogLevel = _field(LogLevel.INFO, "Level of the rapidfire_hf Python logger.", Choice(LogLevel))
+    level: LogLevel = _field(
+        LogLevel.INFO,
+        "Level of the rapidfire_hf Python logger, set by PPOTrainer and enable_rapidfire: records below "
+        "it are dropped; the application's logging configuration shows the rest.",
+        Choice(LogLevel),
+    )
     log_every: int = _field(
-        10, "Optimizer steps between metric log lines.", Int(min=1, max=MAX_STEP_INTERVAL)
+        1,
+        "Training steps (optimizer steps; PPO updates in PPOTrainer) between the logs that carry the "
+        "rapidfire/* metrics: a trainer log (every logging_steps) includes them only when this many steps "
+        "passed since they were last included (1: every log).",
+        Int(min=1, max=MAX_STEP_INTERVAL),
     )
     report_to: list[str] = _field(
         [], "Experiment trackers to send metrics to (none by default).", StrList(REPORT_TARGETS)

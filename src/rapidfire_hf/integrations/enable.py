@@ -52,6 +52,10 @@ def enable_rapidfire(
       rate, weight decay, betas, epsilon, ``optim``), or around the one passed in ``optimizers=``; the
       trainer's LR scheduler runs on it. Gradient clipping (``args.max_grad_norm``) moves into the
       optimizer, which is what lets it step during backward. Not with DeepSpeed, which owns the optimizer.
+    - Selective activation checkpointing of the model's decoder layers (``config.memory.optimization``;
+      kept off when the trainer's ``gradient_checkpointing=True`` already checkpoints, which TRL's configs
+      default to) and batch prefetch (``config.memory.prefetch_window``), see
+      ``rapidfire_hf.integrations.memory_options``.
     - ``MemoryCompactionCallback`` (``config.memory``) and ``AdaptivePrecisionPlugin``
       (``config.precision``; its base precision is the trainer's own ``bf16``/``fp16`` setting, since the
       trainer owns autocast).
@@ -98,6 +102,7 @@ def enable_rapidfire(
     """
     from rapidfire_hf.config import load_config
     from rapidfire_hf.ppo import PPOTrainer
+    from rapidfire_hf.utils.logs import set_log_level
 
     if isinstance(trainer, PPOTrainer):
         from rapidfire_hf.ppo.enable import enable_on_ppo_trainer
@@ -110,6 +115,7 @@ def enable_rapidfire(
         return enable_on_ppo_trainer(trainer, config)
     _check_fresh(trainer)
     cfg = load_config(config)
+    set_log_level(cfg.logging.level)
     lowmem = cfg.memory.lowmem.value
     if lowmem != "off":
         optimizer_kwargs = _check_lowmem(trainer, lowmem, rollout, optimizer_kwargs, lowmem_options, cfg)
@@ -119,6 +125,7 @@ def enable_rapidfire(
     setattr(trainer, STATE_ATTR, state)
     _install_optimizer(trainer, state, optimizer_kwargs)
     _install_memory(trainer, state)
+    _install_memory_options(trainer, state)
     _install_precision(trainer, state)
     if rollout:
         _install_rollout(trainer, state, "auto" if rollout is True else rollout)
@@ -203,6 +210,13 @@ def _install_memory(trainer, state: RapidFireState) -> None:
     state.installed.append(f"MemoryCompactionCallback ({state.config.memory.optimization.value})")
 
 
+def _install_memory_options(trainer, state: RapidFireState) -> None:
+    from rapidfire_hf.integrations.memory_options import install_checkpointing, install_prefetch
+
+    install_checkpointing(trainer, state)
+    install_prefetch(trainer, state)
+
+
 def _install_precision(trainer, state: RapidFireState) -> None:
     cls = optional_attr("rapidfire_hf.precision", "AdaptivePrecisionPlugin")
     if cls is None:
@@ -248,14 +262,15 @@ def _install_metrics(trainer, state: RapidFireState, peak_flops: float | None) -
     from rapidfire_hf.integrations.metrics import RapidFireMetricsCallback
     from rapidfire_hf.integrations.wandb_logger import RapidFireWandbCallback
 
+    every = state.config.logging.log_every
     # W&B requested in the rapidfire config but not in the trainer's report_to: log there directly.
     direct_wandb = "wandb" in state.config.logging.report_to and "wandb" not in (trainer.args.report_to or [])
     if direct_wandb:
         callback = RapidFireWandbCallback(
-            trainer, peak_flops=peak_flops, project=state.config.logging.wandb_project
+            trainer, peak_flops=peak_flops, log_every=every, project=state.config.logging.wandb_project
         )
     else:
-        callback = RapidFireMetricsCallback(trainer, peak_flops=peak_flops)
+        callback = RapidFireMetricsCallback(trainer, peak_flops=peak_flops, log_every=every)
     trainer.add_callback(callback)
     state.parts["metrics"] = callback
     where = "W&B (direct)" if direct_wandb else f"report_to={trainer.args.report_to or []}"

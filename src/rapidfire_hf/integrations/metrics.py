@@ -169,14 +169,19 @@ class RapidFireMetricsCallback(TrainerCallback):
         trainer: the ``transformers.Trainer`` (or TRL trainer) to log through.
         peak_flops: peak FLOP/s per device for the MFU estimate; looked up from ``PEAK_BF16_FLOPS`` when
             ``None``. MFU is not logged when the peak is unknown (CPUs).
+        log_every: ``logging.log_every``: the metrics go into a training log only when this many optimizer
+            steps passed since they last did (their window, e.g. of ``tokens_per_sec``, spans those steps).
 
     Example:
         >>> trainer.add_callback(RapidFireMetricsCallback(trainer))  # doctest: +SKIP
     """
 
-    def __init__(self, trainer, peak_flops: float | None = None):
+    def __init__(self, trainer, peak_flops: float | None = None, log_every: int = 1):
+        from rapidfire_hf.utils.logs import LogCadence
+
         self.trainer = trainer
         self.peak_flops = peak_flops
+        self.cadence = LogCadence(log_every)
         self._tokens = 0
         self._steps = 0
         self._window_start = time.perf_counter()
@@ -191,7 +196,11 @@ class RapidFireMetricsCallback(TrainerCallback):
 
         @functools.wraps(log)
         def log_with_rapidfire(logs: dict[str, float], *args, **kwargs):
-            if self._is_training_log(logs) and trainer.is_world_process_zero():
+            if (
+                self._is_training_log(logs)
+                and trainer.is_world_process_zero()
+                and self.cadence.due(trainer.state.global_step)
+            ):
                 logs.update(self.collect())
             return log(logs, *args, **kwargs)
 

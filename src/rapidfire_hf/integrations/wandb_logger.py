@@ -88,12 +88,13 @@ class RapidFireWandbCallback(RapidFireMetricsCallback):
     Args:
         trainer: the trainer to log for.
         peak_flops: see ``RapidFireMetricsCallback``.
+        log_every: see ``RapidFireMetricsCallback``.
         **wandb_kwargs: for ``WandbLogger`` (``project``, ``name``, ``dir``, ...).
     """
 
-    def __init__(self, trainer, peak_flops: float | None = None, **wandb_kwargs):
+    def __init__(self, trainer, peak_flops: float | None = None, log_every: int = 1, **wandb_kwargs):
         require("wandb", "W&B logging")  # fail at construction, not at the first log
-        super().__init__(trainer, peak_flops=peak_flops)
+        super().__init__(trainer, peak_flops=peak_flops, log_every=log_every)
         self._wandb_kwargs = wandb_kwargs
         self._logger: WandbLogger | None = None
 

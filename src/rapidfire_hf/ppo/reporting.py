@@ -141,7 +141,16 @@ class ReportingMixin:
         return metrics
 
     def log(self, logs: dict[str, float]) -> None:
+        """Record ``logs`` and send them to the callbacks; the ``rapidfire/*`` keys only every
+        ``logging.log_every`` updates of the rapidfire config (every log without one)."""
         logs = dict(logs)
+        cadence = getattr(self, "_log_cadence", None)
+        if cadence is None:
+            from rapidfire_hf.utils.logs import LogCadence
+
+            cadence = self._log_cadence = LogCadence.from_config(getattr(self, "rf_config", None))
+        if not cadence.due(self.state.global_step):
+            logs = {k: v for k, v in logs.items() if not k.startswith("rapidfire/")}
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})

@@ -35,6 +35,7 @@ from rapidfire_hf.ppo.core import (
     truncate_after_stop,
 )
 from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset, prompt_limits
+from rapidfire_hf.ppo.memory_options import PromptPrefetch, setup_checkpointing
 from rapidfire_hf.ppo.modeling import (
     PolicyAndValue,
     ValueHead,
@@ -46,7 +47,6 @@ from rapidfire_hf.ppo.modeling import (
     value_head_dtype,
     value_positions,
 )
-from rapidfire_hf.ppo.memory_options import PromptPrefetch, setup_checkpointing
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
 from rapidfire_hf.ppo.recovery import OOMRecoveryMixin
 from rapidfire_hf.ppo.reporting import ReportingMixin
@@ -58,6 +58,7 @@ from rapidfire_hf.ppo.speedups import (
     check_liger_usable,
     compile_layers,
 )
+from rapidfire_hf.utils.logs import apply_logging_config
 
 logger = logging.getLogger(__name__)
 
@@ -350,8 +351,11 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         if src is None:
             return None
         from rapidfire_hf.config import load_config
+        from rapidfire_hf.utils.logs import apply_logging_config
 
-        return load_config(src)
+        cfg = load_config(src)
+        apply_logging_config(cfg)  # logging.level
+        return cfg
 
     def _make_memory_callback(self):
         if not self.args.memory_management:
@@ -903,6 +907,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self._train_start = time.perf_counter()
         self._prompts = PromptPrefetch.for_trainer(self, start_update)  # memory.prefetch_window
+        apply_logging_config(self.rf_config)  # logging.level (also for a config given by enable_rapidfire)
         for update in range(start_update, self.num_updates):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             metrics = self._one_update(update)

@@ -1,0 +1,111 @@
+"""enable_rapidfire and memory.optimization / memory.prefetch_window on a tiny SFTTrainer (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rf_trainers import PARITY_CONFIG
+
+from rapidfire_hf.integrations import enable_rapidfire
+from rapidfire_hf.memory import activation_bytes
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(single_thread):
+    """Single-threaded: the tiny models are faster that way on the shared cores."""
+
+
+def config(**memory):
+    return {**PARITY_CONFIG, "memory": memory}
+
+
+def forward_bytes(trainer) -> int:
+    model = trainer.model.train()
+    ids = torch.randint(4, 40, (4, 24), generator=torch.Generator().manual_seed(0))
+    return activation_bytes(lambda: model(input_ids=ids).logits)
+
+
+def test_levels_checkpoint_the_model_and_train_the_same(build):
+    held, weights = {}, {}
+    for level in ("conservative", "balanced", "aggressive"):
+        trainer = enable_rapidfire(
+            build("sft", gradient_checkpointing=False), config=config(optimization=level, prefetch_window=0)
+        )
+        assert trainer.model.model.layers[0].gradient_checkpointing == (level != "conservative")
+        trainer.train()
+        held[level] = forward_bytes(trainer)
+        weights[level] = [p.detach().clone() for p in trainer.model.parameters()]
+    assert held["conservative"] > held["balanced"] > held["aggressive"], held
+    for level in ("balanced", "aggressive"):
+        assert all(torch.equal(a, b) for a, b in zip(weights[level], weights["conservative"])), level
+
+
+def test_trainer_gradient_checkpointing_is_kept(build):
+    trainer = build("sft", gradient_checkpointing=True)  # TRL's default
+    trainer = enable_rapidfire(trainer, config=config(optimization="aggressive"))
+    state = trainer._rapidfire
+    assert any("gradient_checkpointing=True already checkpoints" in s for s in state.skipped)
+    trainer.train()
+    layer = trainer.model.model.layers[0]
+    assert layer.gradient_checkpointing
+    assert "context_fn" not in getattr(layer._gradient_checkpointing_func, "keywords", {})
+
+
+def test_auto_is_chosen_at_train_begin(build, monkeypatch):
+    monkeypatch.setattr("rapidfire_hf.memory.checkpointing.free_device_bytes", lambda device: 1)
+    trainer = enable_rapidfire(build("sft", gradient_checkpointing=False), config=config(optimization="auto"))
+    callback = trainer._rapidfire.parts["checkpointing"]
+    trainer.train()
+    assert callback.level == "aggressive" and trainer.model.model.layers[0].gradient_checkpointing
+    assert callback.measured["conservative"] > callback.measured["aggressive"]
+
+
+class CountingLoader:
+    """Wraps the trainer's DataLoader and counts the batches taken from it."""
+
+    def __init__(self, loader):
+        self.loader, self.taken = loader, 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.taken += 1
+            yield batch
+
+
+def run_recording(trainer):
+    make_loader, counted, seen = trainer.get_train_dataloader, [], []
+
+    def counting_loader():
+        counted.append(CountingLoader(make_loader()))
+        return counted[-1]
+
+    trainer.get_train_dataloader = counting_loader
+    step = trainer.training_step
+
+    def recording(model, inputs, *args, **kwargs):
+        seen.append((inputs["input_ids"].clone(), counted[-1].taken))
+        return step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = recording
+    trainer.train()
+    return seen
+
+
+def test_prefetch_same_batches_and_runs_ahead(build):
+    runs = {}
+    for window in (0, 2):
+        trainer = build("sft", gradient_checkpointing=False)
+        trainer = enable_rapidfire(trainer, config=config(prefetch_window=window))
+        runs[window] = run_recording(trainer)
+    assert len(runs[0]) == len(runs[2]) == 4
+    for (ids0, _), (ids2, _) in zip(runs[0], runs[2]):
+        assert torch.equal(ids0, ids2)
+    # taken from the DataLoader when step k starts: accelerate's own one-batch look-ahead, plus the window
+    taken0 = [taken for _, taken in runs[0]]
+    assert [taken for _, taken in runs[2]] == [t + 2 for t in taken0], (taken0, runs[2])
