@@ -5,6 +5,12 @@ Runs as a plain script or under accelerate (one GPU, DDP, DeepSpeed, FSDP):
     python examples/ppo.py --output_dir out/ppo --max_steps 20
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml examples/ppo.py \
         --rapidfire_config config/advanced.yaml --gradient-pipeline-depth 8 --sync-interval 2
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 examples/ppo.py --use_cpu   # DDP on CPU
+
+``--rapidfire_config`` takes a preset name (``conservative``, ``balanced``, ``aggressive``), a YAML file
+or inline JSON (``'{"gradient_pipeline": true}'``); a bad value is refused before anything loads. Several
+processes on a machine without a GPU need ``--use_cpu`` to form one DDP job; without it the script stops
+instead of running duplicate jobs.
 
 Without ``--model_name_or_path`` it trains the embedded demo policy (built from a config, no
 download) on the vowel task; with a local path it trains that causal LM. The reward is the rule-based
@@ -13,7 +19,10 @@ download) on the vowel task; with a local path it trains that causal LM. The rew
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
@@ -74,9 +83,55 @@ def rapidfire_overrides(script: ScriptArguments, args: PPOConfig) -> None:
         args.rapidfire_config = "balanced"
 
 
-def main() -> None:
+def rapidfire_config_arg(text: str):
+    """``--rapidfire_config``: a preset name, a YAML path or inline JSON, checked now (not after loading models)."""
+    from rapidfire_hf.config import ConfigError, load_config
+
+    value = text
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({err})") from None
+    try:
+        load_config(value, env=False)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
+def build_parser() -> HfArgumentParser:
     parser = HfArgumentParser((ScriptArguments, PPOConfig))
-    script, args = parser.parse_args_into_dataclasses()
+    # PPOConfig.rapidfire_config also takes a dict or a RapidFireConfig in Python, so its type is Any;
+    # on the command line it is text.
+    for action in parser._actions:
+        if action.dest == "rapidfire_config":
+            action.type = rapidfire_config_arg
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfig]:
+    """Parse the command line; stop with a message when the processes would not form one job."""
+    script, args = build_parser().parse_args_into_dataclasses(args=argv)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and args.world_size != launched:
+        rank = int(os.environ.get("RANK", "0"))
+        raise SystemExit(
+            f"examples/ppo.py: launched as {launched} processes (WORLD_SIZE={launched}), but they do not form "
+            f"one job (world size {args.world_size}): each would train alone, duplicating the run. "
+            + (
+                "Without a GPU, add --use_cpu to train one DDP job on CPU (gloo)."
+                if not args.use_cpu
+                else "Check the launcher's settings (accelerate config, torchrun flags)."
+            )
+            if rank == 0
+            else 1
+        )
+    return script, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    script, args = parse_args(argv)
     rapidfire_overrides(script, args)
     tok, policy, value = load_models(script, args)
     if script.dataset_path:
@@ -114,4 +169,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
