@@ -52,6 +52,8 @@ def enable_rapidfire(
       rate, weight decay, betas, epsilon, ``optim``), or around the one passed in ``optimizers=``; the
       trainer's LR scheduler runs on it. Gradient clipping (``args.max_grad_norm``) moves into the
       optimizer, which is what lets it step during backward. Not with DeepSpeed, which owns the optimizer.
+    - OOM split-and-retry in ``training_step`` (``rapidfire_hf.integrations.oom``): a micro-batch that
+      raises ``torch.OutOfMemoryError`` is run again in halves with the same update.
     - Selective activation checkpointing of the model's decoder layers (``config.memory.optimization``;
       kept off when the trainer's ``gradient_checkpointing=True`` already checkpoints, which TRL's configs
       default to) and batch prefetch (``config.memory.prefetch_window``), see
@@ -126,6 +128,7 @@ def enable_rapidfire(
     _install_optimizer(trainer, state, optimizer_kwargs)
     _install_memory(trainer, state)
     _install_memory_options(trainer, state)
+    _install_oom(trainer, state)
     _install_precision(trainer, state)
     if rollout:
         _install_rollout(trainer, state, "auto" if rollout is True else rollout)
@@ -208,6 +211,15 @@ def _install_memory(trainer, state: RapidFireState) -> None:
     trainer.add_callback(callback)
     state.parts["memory"] = callback
     state.installed.append(f"MemoryCompactionCallback ({state.config.memory.optimization.value})")
+
+
+def _install_oom(trainer, state: RapidFireState) -> None:
+    if optional_attr("rapidfire_hf.memory", "OOMRecovery") is None:
+        state.skipped.append("OOM split-and-retry (rapidfire_hf.memory is not installed)")
+        return
+    from rapidfire_hf.integrations.oom import install_oom_recovery
+
+    state.installed.append(install_oom_recovery(trainer))
 
 
 def _install_memory_options(trainer, state: RapidFireState) -> None:
