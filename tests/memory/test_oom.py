@@ -1,5 +1,8 @@
 """OOM recovery: a micro-batch that raises torch.OutOfMemoryError is split and retried with the same result.
 
+Each result is compared with the same run without the OOM (same gradients, loss, optimizer steps and
+parameters, to fp32 summation-order tolerance).
+
 The OOM source is simulated (CPU has no allocator limit): the step raises a real ``torch.OutOfMemoryError``
 when its chunk is larger than a limit, either before backward or from a gradient hook in the middle of it.
 """
@@ -121,3 +124,84 @@ def test_split_batch_keeps_type_and_shared_values():
     assert first["input_ids"].tolist() == [[0, 1], [2, 3], [4, 5]] and second["texts"] == ["d", "e"]
     assert first["scale"] == second["scale"] == 2.0
     assert [t.tolist() for t in split_batch(torch.arange(4))] == [[0, 1], [2, 3]]
+
+
+# ---- gradient accumulation windows and the gradient pipeline -------------------------------------------
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _accumulated_run(oom_rows=None, hold=True, pipeline=True, windows=2, accumulation=2):
+    """``windows`` accumulation windows of ``accumulation`` micro-batches of 8 rows through accelerate, a
+    RapidFireOptimizer and OOMRecovery; micro-batches above ``oom_rows`` rows run out of memory."""
+    from accelerate import Accelerator
+
+    from rapidfire_hf.memory import accelerate_hold
+    from rapidfire_hf.optim import RapidFireOptimizer
+    from tests.helpers.faults_train import oom_above_rows
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = _mlp()
+    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=pipeline)
+    oom = oom_above_rows(model[0], oom_rows, grad=True) if oom_rows is not None else None
+    recover = OOMRecovery(
+        params=model.parameters(),
+        optimizer=opt,
+        hold=(lambda: accelerate_hold(acc, model)) if hold else None,
+    )
+    data = torch.randn(windows * accumulation, 8, 6, generator=torch.Generator().manual_seed(2))
+    for x in data:
+        with acc.accumulate(model):
+            recover(mlp_step(model), x)
+            if acc.sync_gradients:
+                opt.step()
+                opt.zero_grad()
+    acc.gradient_state._set_sync_gradients(True)  # leave accelerate's shared state as a fresh one has it
+    return model, opt, oom
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline-on", "pipeline-off"])
+def test_split_in_accumulation_windows_steps_once_per_window(pipeline):
+    """Every micro-batch OOMs and is split: the pieces but the last do not close the window, so the
+    pipeline steps each parameter once per window, on the whole window's gradient."""
+    reference, ref_opt, _ = _accumulated_run(pipeline=pipeline)
+    model, opt, oom = _accumulated_run(oom_rows=4, pipeline=pipeline)
+    assert oom.raised == 1  # the first micro-batch; the later ones are split up front
+    assert opt.stats()["steps"] == ref_opt.stats()["steps"] == 2
+    assert opt.stats()["pipelined_steps"] == ref_opt.stats()["pipelined_steps"]
+    for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_oom_in_a_pipelined_closing_backward_is_refused():
+    """With one micro-batch per window every backward closes it and the pipeline's hooks step during it:
+    an OOM in that backward after gradients were created cannot be retried exactly."""
+    from rapidfire_hf.optim import RapidFireOptimizer
+
+    model = MLP(limit=4)
+    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=True)
+    recover = OOMRecovery(params=model.parameters(), optimizer=opt)
+    with pytest.raises(OOMRecoveryError, match="gradient pipeline"):
+        recover(mlp_step(model), torch.randn(8, 6))
+
+
+def test_a_pipeline_counting_backwards_itself_is_refused():
+    from rapidfire_hf.optim import RapidFireOptimizer
+    from tests.helpers.faults_train import oom_above_rows
+
+    model = _mlp()
+    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=True, accumulation_steps=2)
+    oom_above_rows(model[0], 4, grad=True)
+    recover = OOMRecovery(params=model.parameters(), optimizer=opt)
+    with pytest.raises(OOMRecoveryError, match="accumulation_steps"):
+        recover(mlp_step(model), torch.randn(8, 6))
+
+
+def test_default_message_names_only_what_the_caller_controls(tiny_policy):
+    recover = OOMRecovery(max_splits=0, params=tiny_policy.parameters(), advice="Lower rows_per_chunk.")
+    with pytest.raises(OOMRecoveryError, match="Lower rows_per_chunk") as err:
+        recover(lm_step(tiny_policy, limit=1), batch())
+    assert "memory.optimization" not in str(err.value)
