@@ -90,7 +90,12 @@ def test_prediction_outside_tolerance_is_rolled_back_exactly():
 def test_exact_mode_still_defers_binding_windows():
     model = make_model()
     opt = RapidFireOptimizer(
-        model.parameters(), lr=1e-2, gradient_pipeline=True, max_grad_norm=MAX_NORM, rollback="auto"
+        model.parameters(),
+        lr=1e-2,
+        gradient_pipeline=True,
+        max_grad_norm=MAX_NORM,
+        rollback="auto",
+        clip_prediction="exact",
     )
     for step in range(4):
         loss_of(model, step).backward()
@@ -113,3 +118,27 @@ def test_exact_mode_still_defers_binding_windows():
 def test_bad_clip_prediction_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RapidFireOptimizer(make_model().parameters(), lr=1e-2, gradient_pipeline=True, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, mode",
+    [
+        ({"max_grad_norm": MAX_NORM}, "scale"),  # rollback="auto" by default: a miss can be undone
+        ({"max_grad_norm": MAX_NORM, "rollback": "off"}, "exact"),
+        ({}, "exact"),
+    ],
+)
+def test_predicted_clipping_is_the_default_with_rollback(kwargs, mode):
+    model = make_model()
+    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=True, **kwargs)
+    assert opt.clip_prediction == mode
+    for step in range(STEPS):
+        loss = loss_of(model, step)
+        opt.observe_loss(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    stats = opt.stats()
+    if mode == "scale":  # binding windows are pipelined too, every one checked
+        assert stats["pipelined_steps"] >= STEPS - 1 - stats["clip_misses"] > 0
+        assert stats["clip_checks"] == stats["pipelined_steps"]

@@ -109,7 +109,7 @@ def test_overlap_on_a_wide_model_matches_one_stream():
                 gradient_pipeline=True,
                 pipeline_bucket_mb=8,
                 pipeline_overlap=o,
-                pipeline_depth=d,
+                side_stream_depth=d,
             )
         )
         for a, b in zip(got, ref):

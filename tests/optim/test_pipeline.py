@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rapidfire_hf.optim import RapidFireOptimizer
-from tests.optim.helpers import assert_same_params, make_model, train, two_groups
+from tests.optim.helpers import assert_same_params, loss_of, make_model, train, two_groups
 
 STEPS = 20
 INNER = {
@@ -70,7 +70,9 @@ def test_clipping_matches_clip_grad_norm(max_norm):
         list(range(STEPS)),
         clip=max_norm,
     )
-    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=True, max_grad_norm=max_norm)
+    opt = RapidFireOptimizer(
+        model.parameters(), lr=1e-2, gradient_pipeline=True, max_grad_norm=max_norm, clip_prediction="exact"
+    )
     train(model, opt, list(range(STEPS)))
     assert_same_params(model, ref_model)  # bit-exact: same norm and coefficient as clip_grad_norm_
     stats = opt.stats()
@@ -101,6 +103,7 @@ def test_clip_miss_rolls_back_and_replay_clips_exactly():
         gradient_pipeline=True,
         max_grad_norm=max_norm,
         rollback="auto",
+        clip_prediction="exact",
         grad_z_threshold=1e9,  # a 30x jump is a spike too: here only the clip prediction is tested
         loss_z_threshold=1e9,
     )
@@ -143,3 +146,28 @@ def test_disable_enable_mid_run():
     train(model, opt, list(range(10, 15)))
     assert_same_params(model, ref_model)
     assert opt.stats()["pipelined_steps"] == 10
+
+
+@pytest.mark.parametrize("bucket_mb", [0.0, 0.0005, 256.0], ids=["per-param", "several", "one-bucket"])
+@pytest.mark.parametrize("rollback", ["off", "auto"])
+def test_hooks_apply_the_update_inside_backward(bucket_mb, rollback):
+    """When backward returns, every parameter already holds the inner optimizer's update (bit-exact) and
+    its gradient is freed: the step happened in the hooks, not later in step()."""
+    ref_model, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(two_groups(ref_model), lr=1e-2, foreach=True)
+    opt = RapidFireOptimizer(
+        two_groups(model), lr=1e-2, gradient_pipeline=True, pipeline_bucket_mb=bucket_mb, rollback=rollback
+    )
+    for step in range(6):
+        loss_of(ref_model, step).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = loss_of(model, step)
+        opt.observe_loss(loss)
+        loss.backward()
+        assert all(p.grad is None for p in model.parameters()), step
+        assert_same_params(model, ref_model)  # before opt.step()
+        opt.step()
+        opt.zero_grad()
+        assert_same_params(model, ref_model)
+    assert opt.stats()["pipelined_steps"] == 6 and opt.stats()["bucket_steps"] >= 6

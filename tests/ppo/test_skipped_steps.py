@@ -81,3 +81,17 @@ def test_endless_skipping_stops_with_a_clear_error(tmp_path, tok, optimizer, cap
     assert sum("skipped" in r.getMessage() for r in caplog.records) == 3
     for a, b in zip(policy.parameters(), before):
         assert torch.equal(a, b)
+
+
+def test_pipeline_runs_under_the_default_clipping(tmp_path, tok):
+    """max_grad_norm=1.0 (TrainingArguments' default) with the balanced preset: windows are pipelined with a
+    predicted clip coefficient, checked after backward; the miss rate is logged."""
+    trainer, policy = _train(tmp_path, tok, vowel_reward, rapidfire_config="balanced", max_steps=3)
+    assert trainer.args.max_grad_norm == 1.0 and trainer._rf_opt.clip_prediction == "scale"
+    trainer.train()
+    last = trainer.state.log_history[-1]
+    stats = trainer._rf_opt.stats()
+    assert last["rapidfire/pipelined_steps"] > 0 and stats["clip_checks"] == stats["pipelined_steps"]
+    assert 0.0 <= last["rapidfire/clip_miss_rate"] <= 1.0
+    assert last["rapidfire/clip_miss_rate"] == stats["clip_misses"] / stats["clip_checks"]
+    assert all(torch.isfinite(p).all() for p in policy.parameters())

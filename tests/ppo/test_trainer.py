@@ -352,7 +352,7 @@ def test_clip_prediction_scale_pipelines_binding_windows(tmp_path, tokenizer):
     trainer = _trainer(tmp_path, tokenizer, rapidfire_config=cfg, max_grad_norm=1e-3, max_steps=3)
     opt = trainer._rf_opt
     assert opt.clip_prediction == "scale" and opt.clip_tolerance == 0.5
-    assert opt.pipeline_overlap == trainer.rf_config.gradient.overlap_factor  # the config reaches it
+    assert opt.pipeline_share == trainer.rf_config.gradient.overlap_factor  # the config reaches it
     assert opt.pipeline_depth == trainer.rf_config.gradient.pipeline_depth
     trainer.train()
     stats = opt.stats()

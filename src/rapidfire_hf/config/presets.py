@@ -39,7 +39,7 @@ _OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "balanced": {},
     "aggressive": {
-        "gradient": {"pipeline": True, "pipeline_depth": 16, "overlap_factor": 0.0, "sync_interval": 4},
+        "gradient": {"pipeline": True, "pipeline_depth": 16, "overlap_factor": 0.9, "sync_interval": 4},
         "memory": {"optimization": "aggressive", "compaction_threshold": 0.15, "prefetch_window": 4},
         "precision": {
             "mode": "adaptive",

@@ -190,18 +190,18 @@ class GradientConfig(_Section):
     )
     pipeline_depth: int = _field(
         4,
-        "With overlap_factor > 0: optimizer bucket steps that may be queued on the side stream at once "
-        "before backward waits for them (RapidFireOptimizer's pipeline_depth).",
+        "Most gradient buckets (of about bucket_mb each) the pipeline updates inside backward per optimizer "
+        "step, ahead of verification; the other buckets are updated in step() once the step is verified "
+        "(RapidFireOptimizer's pipeline_depth).",
         Int(min=1, max=MAX_PIPELINE_DEPTH),
     )
-    # default 0: on the H200 (benchmarks/optimizer/results/h200/overlap) the side stream made the 1.1B
-    # step slower, not faster (the optimizer kernels compete with backward's instead of hiding)
     overlap_factor: float = _field(
-        0.0,
-        "Share of the optimizer step allowed to overlap backward on CUDA (0: none, 1: all of it): the "
-        "gradient pipeline steps that share of the gradient bytes, first buckets of backward first, "
-        "on a side stream next to the rest of backward (RapidFireOptimizer's pipeline_overlap). "
-        "Measured slower on an H200 for a 1.1B Llama, hence 0 by default.",
+        0.5,
+        "Share of the optimizer step that overlaps backward (0: none, 1: all of it): the gradient pipeline "
+        "updates the buckets that start within this share of the gradient bytes, first buckets of "
+        "backward first, as soon as their gradients are complete; the rest are updated in step() after "
+        "verification. Only the overlapped buckets need a rollback snapshot, so the snapshot is about this "
+        "share of the parameters and optimizer state (RapidFireOptimizer's pipeline_share).",
         Float(0.0, 1.0),
     )
     sync_interval: int = _field(
@@ -219,10 +219,12 @@ class GradientConfig(_Section):
         Float(0.0, 65536.0),
     )
     clip_prediction: ClipPrediction = _field(
-        ClipPrediction.EXACT,
-        "Windows where max_grad_norm may bind: 'exact' steps them after backward with the exact clip "
-        "coefficient; 'scale' steps them in the pipeline with the coefficient predicted from the last "
-        "window, rolling back (PPO: replaying) a window whose prediction misses by more than clip_tolerance.",
+        ClipPrediction.SCALE,
+        "Windows where max_grad_norm may bind: 'scale' (the default) steps them in the pipeline with the "
+        "coefficient predicted from the last window, rolling back (PPO: replaying) a window whose "
+        "prediction misses by more than clip_tolerance (rapidfire/clip_miss_rate); 'exact' steps them "
+        "after backward with the exact clip coefficient, so under PPO's default max_grad_norm=1.0 most "
+        "windows are not pipelined.",
         Choice(ClipPrediction),
     )
     clip_tolerance: float = _field(

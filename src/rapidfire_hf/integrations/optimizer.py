@@ -64,7 +64,7 @@ def install_optimizer(trainer, optimizer_kwargs: dict[str, Any] | None = None) -
     kwargs = dict(optimizer_kwargs or {})
     grad_cfg = rf_state.config.gradient
     kwargs.setdefault("pipeline_bucket_mb", grad_cfg.bucket_mb)
-    kwargs.setdefault("pipeline_overlap", grad_cfg.overlap_factor)
+    kwargs.setdefault("pipeline_share", grad_cfg.overlap_factor)
     kwargs.setdefault("pipeline_depth", grad_cfg.pipeline_depth)
     kwargs.setdefault("clip_tolerance", grad_cfg.clip_tolerance)
     if args.max_grad_norm and args.max_grad_norm > 0 and kwargs.get("rollback", "auto") == "auto":

@@ -19,7 +19,13 @@ from rapidfire_hf.optim.inner import (
     normalize_param_groups,
     resolve_inner_class,
 )
-from rapidfire_hf.optim.pipeline import GradientPipeline, check_bucket_mb, check_overlap
+from rapidfire_hf.optim.pipeline import (
+    GradientPipeline,
+    check_bucket_mb,
+    check_depth,
+    check_overlap,
+    check_share,
+)
 from rapidfire_hf.optim.skips import SkipStreak
 from rapidfire_hf.optim.snapshot import WHERE as SNAPSHOT_WHERE
 from rapidfire_hf.optim.snapshot import Snapshot
@@ -62,7 +68,16 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             instead of after it in the same stream; above 0 a device snapshot is copied on that
             stream too, next to the following forward. ``step()`` joins the streams. The arithmetic
             is the same, so is the result. No effect on the CPU.
-        pipeline_depth: with ``pipeline_overlap``, bucket steps that may be queued on the side stream
+        pipeline_share: share (0 to 1) of the closing window's gradient bytes, first buckets of backward
+            first, stepped inside backward (config ``gradient.overlap_factor``). The other buckets keep
+            their gradients until ``step()``, which steps them once the window is verified (with the
+            true clip coefficient): they need no rollback snapshot, so the snapshot holds only the
+            parameters (and state) of the early buckets, and a failed window leaves them untouched. 1 (the
+            default) steps every bucket in backward, 0 none (no window is pipelined then).
+        pipeline_depth: at most this many buckets stepped inside backward per window, ahead of
+            verification (config ``gradient.pipeline_depth``; None: no limit); the rest wait for ``step()``
+            as with ``pipeline_share``.
+        side_stream_depth: with ``pipeline_overlap``, bucket steps that may be queued on the side stream
             before backward waits for them on the device (None: until ``step()``).
         accumulation_steps: backwards per window when not under accelerate (default: 1, or accelerate's
             ``sync_gradients`` when an ``Accelerator`` exists).
@@ -92,7 +107,8 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             missed clip prediction (replayed by the caller) do not count.
         clip_headroom: the pipeline steps in the hooks with coefficient 1 only when
             ``headroom * max(recent norms)`` stays below ``max_grad_norm``.
-        clip_prediction: what the pipeline does in windows where clipping may bind. ``"exact"`` defers
+        clip_prediction: what the pipeline does in windows where clipping may bind. None (the default):
+            ``"scale"`` when ``max_grad_norm`` is set and ``rollback="auto"``, else ``"exact"``. ``"exact"`` defers
             them to ``step()`` (the update is exactly ``clip_grad_norm_``'s). ``"scale"`` steps them in
             the hooks too, with the coefficient predicted from the last window's true norm
             (``max_grad_norm / last_norm``), and checks after backward that it lies within
@@ -127,7 +143,9 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         gradient_pipeline: bool = False,
         pipeline_bucket_mb: float = 256.0,
         pipeline_overlap: float = 0.0,
+        pipeline_share: float = 1.0,
         pipeline_depth: int | None = None,
+        side_stream_depth: int | None = None,
         accumulation_steps: int | None = None,
         max_grad_norm: float | None = None,
         rollback: str = "auto",
@@ -138,7 +156,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         warmup_steps: int = 10,
         max_consecutive_skips: int | None = 10,
         clip_headroom: float = 2.0,
-        clip_prediction: str = "exact",
+        clip_prediction: str | None = None,
         clip_tolerance: float = 0.05,
         enable_fused_kernels: bool | None = None,
         precision: str | None = None,
@@ -169,6 +187,8 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
                 raise ValueError(f"{name}={value!r}: must be a finite number > 0")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r}: must be an int >= 0")
+        if clip_prediction is None:  # predicted clipping wherever a miss can be undone
+            clip_prediction = "scale" if max_grad_norm is not None and rollback == "auto" else "exact"
         if clip_prediction not in CLIP_PREDICTION:
             raise ValueError(f"clip_prediction={clip_prediction!r}: choose one of {CLIP_PREDICTION}")
         if not 0.0 < clip_tolerance < 1.0:
@@ -181,11 +201,17 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             )
         self.pipeline_bucket_mb = check_bucket_mb(pipeline_bucket_mb)
         self.pipeline_overlap = check_overlap(pipeline_overlap)
-        if pipeline_depth is not None and (
-            isinstance(pipeline_depth, bool) or not isinstance(pipeline_depth, int) or pipeline_depth < 1
+        self.pipeline_share = check_share(pipeline_share)
+        self.pipeline_depth = check_depth(pipeline_depth)
+        if side_stream_depth is not None and (
+            isinstance(side_stream_depth, bool)
+            or not isinstance(side_stream_depth, int)
+            or side_stream_depth < 1
         ):
-            raise ValueError(f"pipeline_depth={pipeline_depth!r}: must be an int >= 1 or None (no limit)")
-        self.pipeline_depth = pipeline_depth
+            raise ValueError(
+                f"side_stream_depth={side_stream_depth!r}: must be an int >= 1 or None (no limit)"
+            )
+        self.side_stream_depth = side_stream_depth
         self._spec = optimizer
         self._inner_kwargs = dict(inner_kwargs)
         self._fused = enable_fused_kernels
@@ -220,6 +246,9 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         self._pipeline: GradientPipeline | None = None
         self._norm_history: list[float] = []
         self._applied_since_snapshot = 0
+        self._snapshot_params: list[
+            torch.Tensor
+        ] = []  # what the snapshot holds: the early buckets' parameters
         self._counters: Counter = Counter()
         self._deferred: Counter = Counter()
         self._seconds: Counter = Counter()
@@ -355,8 +384,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             self._counters = Counter(extra["counters"])
         if self._pipeline is not None:
             self._pipeline.rebuild(self.inner)  # load_state_dict replaced the groups and the state dict
-        self._applied_since_snapshot = self.snapshot_interval
-        self._maybe_snapshot()
+        self._applied_since_snapshot = self.snapshot_interval  # the next pipelined window snapshots afresh
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -381,14 +409,15 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
                 need_norms,
                 self.pipeline_bucket_mb,
                 overlap=self.pipeline_overlap,
-                max_in_flight=self.pipeline_depth,
+                max_in_flight=self.side_stream_depth,
+                share=self.pipeline_share,
+                depth=self.pipeline_depth,
             )
             self._pipeline.attach(self._inner)
             devices = {p.device for p in self._params if p.is_cuda}
             if self.pipeline_overlap > 0 and len(devices) == 1:
                 self._snapshot.shared_stream = self._pipeline.stream_for(devices.pop())
         self._pipeline.enabled = True
-        self._maybe_snapshot()
 
     def disable_pipeline(self) -> None:
         """Step in ``step()`` again from the next window on (a window already being stepped finishes)."""
@@ -481,16 +510,20 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         self._after_healthy(metrics, host)
 
     def _finish_pipelined(self, inner: torch.optim.Optimizer) -> None:
-        """Pipelined window: step parameters whose hooks did not fire, then verify what was applied."""
-        self._pipeline.step_leftovers(self._params)
-        self._pipeline.join()
-        norms = self._pipeline.ordered_norms()
+        """Pipelined window: verify what the hooks applied, then step the late buckets (parameters whose
+        hooks did not step them) with the true clip coefficient, or undo the early ones."""
+        pipeline = self._pipeline
+        pipeline.join()
+        params = self._params
+        if pipeline.need_norms:
+            pipeline.record_norms(pipeline.leftovers(params))
+        norms = pipeline.ordered_norms()
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
-        flags = {}
+        flags, true = {}, None
         if self.max_grad_norm is not None and total is not None:
+            true = torch.clamp(self.max_grad_norm / (total + CLIP_EPS), max=1.0)
             if self.clip_prediction == "scale":
                 # the hooks applied the predicted coefficient: within tolerance of clip_grad_norm_'s?
-                true = torch.clamp(self.max_grad_norm / (total + CLIP_EPS), max=1.0)
                 flags["clip_prediction"] = (self._coef_pred - true).abs() <= self.clip_tolerance * true
             else:
                 # the hooks applied coefficient 1: right iff clip_grad_norm_ would not have scaled
@@ -498,6 +531,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             self._counters["clip_checks"] += 1
         metrics, failed, host = self._verify(total, flags, read=bool(flags) or self.rollback == "auto")
         if not failed:
+            pipeline.step_leftovers(params, true)
             self._after_healthy(metrics, host)
             return
         if "clip_prediction" in failed and host:
@@ -505,7 +539,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             self._remember_norm(host[0])
         if self.rollback == "auto":
             start = time.perf_counter()
-            self._snapshot.restore(self._params, inner)
+            self._snapshot.restore(self._snapshot_params, inner)  # the late buckets were never stepped
             self._seconds["rollback"] += time.perf_counter() - start
             self._counters["rollbacks"] += 1
             self._skip("rollback", failed, metrics, host, steps_lost=self._applied_since_snapshot)
@@ -524,4 +558,5 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
                     {"grad_norm": host[0] if host else None},
                 )
             )
+            pipeline.step_leftovers(params, true)
             self._after_healthy(metrics, host)

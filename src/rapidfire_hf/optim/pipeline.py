@@ -87,13 +87,31 @@ def check_overlap(value) -> float:
     return float(value)
 
 
+def check_share(value) -> float:
+    """``pipeline_share`` as a float in [0, 1], or a ValueError that says what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"pipeline_share={value!r}: must be a number from 0 (no bucket stepped inside backward) to 1 "
+            "(every bucket stepped as soon as its gradients are complete)."
+        )
+    return float(value)
+
+
+def check_depth(value) -> int | None:
+    """``pipeline_depth`` as an int >= 1 or None, or a ValueError that says what is allowed."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"pipeline_depth={value!r}: must be an int >= 1 or None (no limit)")
+    return value
+
+
 class Bucket:
     """Parameters of one param group (and device) stepped together: one inner call, one norm call."""
 
-    __slots__ = ("index", "group_index", "params", "stepper", "hooked", "side")
+    __slots__ = ("index", "group_index", "params", "stepper", "hooked", "side", "early")
 
     def __init__(self, index: int, group_index: int, stepper: BucketStepper, hooked: int):
         self.side = False  # stepped on the side stream (GradientPipeline overlap)
+        self.early = True  # may be stepped inside backward (GradientPipeline share and depth)
         self.index = index
         self.group_index = group_index
         self.stepper = stepper
@@ -129,6 +147,11 @@ class GradientPipeline:
         max_in_flight: with ``overlap``, bucket steps that may be queued on the side stream before the
             backward stream waits for them (a device-side wait, no host sync); bounds the gradient
             memory still held for queued steps. None: no limit until ``join()``.
+        share: share (0 to 1) of the gradient bytes, counted over the buckets in the order their
+            gradients complete, whose buckets are stepped inside backward ("early" buckets: a bucket is
+            early when the bytes before it are below ``share`` of the total). The other buckets keep
+            their gradients until ``step()``, which steps them after the window is verified.
+        depth: at most this many early buckets (the first ones of backward); None: no limit.
     """
 
     def __init__(
@@ -140,8 +163,12 @@ class GradientPipeline:
         learn_order: bool = True,
         overlap: float = 0.0,
         max_in_flight: int | None = None,
+        share: float = 1.0,
+        depth: int | None = None,
     ):
         self.overlap = check_overlap(overlap)
+        self.share = check_share(share)
+        self.depth = check_depth(depth)
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"pipeline_depth={max_in_flight!r}: must be an int >= 1 or None (no limit)")
         self.max_in_flight = max_in_flight
@@ -156,6 +183,7 @@ class GradientPipeline:
         self.enabled = True
         self.hook_seconds = 0.0
         self.bucket_steps = 0  # inner step() calls made for buckets (hooks and leftovers)
+        self.hook_bucket_steps = 0  # of which inside backward (in the hooks)
         self.buckets: list[Bucket] = []
         self._inner: torch.optim.Optimizer | None = None
         self._lock = threading.Lock()
@@ -201,9 +229,15 @@ class GradientPipeline:
             buckets.append(Bucket(len(buckets), gi, stepper, sum(p in self._hooked for p in params)))
         total = sum(grad_nbytes(p) for b in buckets for p in b.params)
         done = 0
+        early = 0
         for b in buckets:  # the first `overlap` share of the bytes, in gradient order, on the side stream
+            before = done
             done += sum(grad_nbytes(p) for p in b.params)
             b.side = self.overlap > 0 and done <= self.overlap * total + 0.5
+            b.early = (
+                bool(b.hooked) and before < self.share * total and (self.depth is None or early < self.depth)
+            )
+            early += b.early
         self.buckets = buckets
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._fired.clear()
@@ -230,8 +264,8 @@ class GradientPipeline:
             if self._learning:
                 self._seen.append(p)
             bucket = self._bucket_of.get(p)
-            if not self._plan or bucket is None:
-                return
+            if not self._plan or bucket is None or not bucket.early:
+                return  # a late bucket keeps its gradient for step()
             if bucket.index in self._done:
                 todo = [p]  # a new gradient after its bucket was stepped this window: step it alone
             else:
@@ -246,10 +280,26 @@ class GradientPipeline:
         elapsed = time.perf_counter() - start
         with self._lock:
             self.hook_seconds += elapsed
+            self.hook_bucket_steps += 1
 
-    def step_bucket(self, bucket: Bucket, params: list[torch.Tensor] | None = None) -> None:
+    @property
+    def early_params(self) -> list[torch.Tensor]:
+        """The parameters the hooks may step inside backward (what a rollback snapshot must hold)."""
+        return [p for b in self.buckets if b.early for p in b.params]
+
+    def record_norms(self, params: list[torch.Tensor]) -> None:
+        """Record the gradient norms of ``params`` (one ``_foreach_norm``) without stepping them."""
+        params = [p for p in params if p.grad is not None]
+        if params:
+            for p, norm in zip(params, torch._foreach_norm([p.grad for p in params])):
+                self.norms[self._order[p]] = norm
+
+    def step_bucket(
+        self, bucket: Bucket, params: list[torch.Tensor] | None = None, scale: torch.Tensor | None = None
+    ) -> None:
         """Step ``params`` of ``bucket`` (default: all) that hold a gradient with one inner call, record
-        their gradient norms when needed (one ``_foreach_norm``), and free the gradients."""
+        their gradient norms when needed (one ``_foreach_norm``), and free the gradients. ``scale`` (a
+        device tensor) multiplies the gradients first instead of ``grad_scale``, norms unrecorded."""
         params = [p for p in (bucket.params if params is None else params) if p.grad is not None]
         if not params:
             return
@@ -267,12 +317,15 @@ class GradientPipeline:
             if full:  # the backward stream catches up with all but this step
                 current.wait_stream(stream)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if self.need_norms:
-                norms = torch._foreach_norm(grads)
-                for p, norm in zip(params, norms):
-                    self.norms[self._order[p]] = norm
-            if self.grad_scale != 1.0:  # the predicted clip coefficient (clip_prediction="scale")
-                torch._foreach_mul_(grads, self.grad_scale)
+            if scale is not None:  # a late bucket after verification: the true clip coefficient
+                torch._foreach_mul_(grads, scale)
+            else:
+                if self.need_norms:
+                    norms = torch._foreach_norm(grads)
+                    for p, norm in zip(params, norms):
+                        self.norms[self._order[p]] = norm
+                if self.grad_scale != 1.0:  # the predicted clip coefficient (clip_prediction="scale")
+                    torch._foreach_mul_(grads, self.grad_scale)
             bucket.stepper.step(params)
         for p in params:
             if stream is not None:
@@ -309,8 +362,9 @@ class GradientPipeline:
         step, or their bucket did not complete)."""
         return [p for p in params if p.grad is not None and p not in self.stepped]
 
-    def step_leftovers(self, params: list[torch.Tensor]) -> None:
-        """Step the :meth:`leftovers` of ``params``, one inner call per bucket (run from ``step()``)."""
+    def step_leftovers(self, params: list[torch.Tensor], scale: torch.Tensor | None = None) -> None:
+        """Step the :meth:`leftovers` of ``params``, one inner call per bucket (run from ``step()``);
+        ``scale``: see :meth:`step_bucket`."""
         todo = self.leftovers(params)
         if any(p not in self._bucket_of for p in todo):  # param groups changed behind the pipeline's back
             self.rebuild(self._inner)
@@ -318,7 +372,7 @@ class GradientPipeline:
         for p in todo:
             by_bucket.setdefault(self._bucket_of[p].index, []).append(p)
         for index, todo in by_bucket.items():
-            self.step_bucket(self.buckets[index], todo)
+            self.step_bucket(self.buckets[index], todo, scale)
 
     def ordered_norms(self) -> list[torch.Tensor]:
         return [self.norms[i] for i in sorted(self.norms)]

@@ -74,25 +74,31 @@ class VerificationMixin:
         if host:
             self._remember_norm(host[0])
         self._applied_since_snapshot += 1
-        self._maybe_snapshot()
 
-    def _needs_snapshots(self) -> bool:
-        # under several processes every window is deferred to step() (see _plan_window), where the
-        # verdict comes before the update: a snapshot would never be restored
-        return self.rollback == "auto" and self.pipeline_enabled and not _multi_process()
+    def _snapshot_ready(self, params: list[torch.Tensor]) -> bool:
+        """Whether the snapshot holds ``params`` at a verified state recent enough to restore."""
+        held = self._snapshot_params
+        return (
+            self._snapshot.taken
+            and self._applied_since_snapshot < self.snapshot_interval
+            and len(held) == len(params)
+            and all(a is b for a, b in zip(held, params))
+        )
 
-    def _maybe_snapshot(self) -> None:
-        """Snapshot the current (verified) state when the pipeline will need one to undo the next step."""
-        if self._inner is None or not self._needs_snapshots():
-            return
+    def _ensure_snapshot(self) -> bool:
+        """Before the hooks apply anything in a window: snapshot the parameters they may step (the early
+        buckets) and their state, unless a recent enough snapshot holds them. Returns False when
+        ``snapshot="auto"`` turned the pipeline off instead (defer the window)."""
         if self._snapshot_auto:
             self._decide_snapshot()
-            if not self._needs_snapshots():
-                return
-        if self._snapshot.taken and self._applied_since_snapshot < self.snapshot_interval:
-            return
-        self._snapshot.capture(self._params, self._inner, self._counters["steps"])
-        self._applied_since_snapshot = 0
+            if not self.pipeline_enabled:
+                return False
+        params = self._pipeline.early_params
+        if not self._snapshot_ready(params):
+            self._snapshot.capture(params, self._inner, self._counters["steps"])
+            self._snapshot_params = params
+            self._applied_since_snapshot = 0
+        return True
 
     def _decide_snapshot(self) -> None:
         """``snapshot="auto"``, once, before the first snapshot: keep it on the device when it fits (it is
@@ -135,15 +141,15 @@ class VerificationMixin:
             reason = "distributed"  # hooks fire before the gradient all-reduce has finished
         elif accelerate_flag("_mixed_precision", "AcceleratorState") == "fp16":
             reason = "fp16_loss_scaling"  # gradients are still scaled when the hooks fire
-        elif self.rollback == "auto" and (
-            not self._snapshot.taken or self._applied_since_snapshot >= self.snapshot_interval
-        ):
-            reason = "no_snapshot"
+        elif not any(b.early for b in self._pipeline.buckets):
+            reason = "no_early_bucket"  # pipeline_share 0: every bucket waits for step()
         coef = 1.0
         if reason is None and self.max_grad_norm is not None:
             coef = self._predict_clip_coef()
             if coef is None:
                 reason = "clip_may_bind"
+        if reason is None and self.rollback == "auto" and not self._ensure_snapshot():
+            reason = "snapshot_auto_pipeline_off"
         if reason is not None:
             self._deferred[reason] += 1
             return False
@@ -184,6 +190,10 @@ class VerificationMixin:
             "last_grad_norm": self._norm_history[-1] if self._norm_history else None,
             "hook_seconds": self._pipeline.hook_seconds if self._pipeline is not None else 0.0,
             "pipeline_buckets": len(self._pipeline.buckets) if self._pipeline is not None else 0,
+            "early_buckets": sum(b.early for b in self._pipeline.buckets)
+            if self._pipeline is not None
+            else 0,
+            "hook_bucket_steps": self._pipeline.hook_bucket_steps if self._pipeline is not None else 0,
             "bucket_steps": self._pipeline.bucket_steps if self._pipeline is not None else 0,
             "verify_seconds": self._seconds["verify"],
             "rollback_seconds": self._seconds["rollback"],

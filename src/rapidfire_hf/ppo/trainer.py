@@ -543,7 +543,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             weight_decay=args.weight_decay,
             gradient_pipeline=bool(self.rf_config.gradient.pipeline),
             pipeline_bucket_mb=self.rf_config.gradient.bucket_mb,
-            pipeline_overlap=self.rf_config.gradient.overlap_factor,
+            pipeline_share=self.rf_config.gradient.overlap_factor,
             pipeline_depth=self.rf_config.gradient.pipeline_depth,
             max_grad_norm=clip,
             rollback="auto",
@@ -952,6 +952,9 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         self.state.episode += args.local_batch_size * acc.num_processes
         metrics = self._metrics(exp, stats, (t0, t1, t2, t3))
         metrics["rapidfire/skipped_steps"] = self._skipped_steps()
+        if self._rf_opt is not None:  # predicted clip coefficients checked, and the share that missed
+            opt_stats = self._rf_opt.stats()
+            metrics["rapidfire/clip_miss_rate"] = opt_stats["clip_misses"] / max(1, opt_stats["clip_checks"])
         self._to_telemetry(update + 1, metrics)
         every = max(1, self.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
         if every and update % every == 0:
