@@ -152,6 +152,31 @@ def test_fused_value_mode_with_a_value_model_is_refused(tmp_path, tokenizer):
     assert "drop value_model" in message and "value_mode='separate'" in message
 
 
+def test_approx_kl_limit_without_a_rapidfire_optimizer_is_refused(tmp_path, tokenizer):
+    with pytest.raises(ConfigError) as info:
+        PPOTrainer(
+            args=ppo_args(tmp_path, value_mode="fused", approx_kl_limit=0.1),
+            processing_class=tokenizer,
+            model=build_tiny_llama(tokenizer),
+            reward_funcs=vowel_reward,
+            train_dataset=make_prompt_dataset(16),
+        )  # the default AdamW cannot roll a step back: the limit would do nothing
+    message = str(info.value)
+    assert info.value.key == "approx_kl_limit" and "got 0.1" in message
+    assert "RapidFireOptimizer" in message and "allowed: None with any optimizer" in message
+
+
+def test_approx_kl_limit_with_a_rapidfire_config_is_accepted(tmp_path, tokenizer):
+    trainer = PPOTrainer(
+        args=ppo_args(tmp_path, value_mode="fused", approx_kl_limit=0.1, rapidfire_config="conservative"),
+        processing_class=tokenizer,
+        model=build_tiny_llama(tokenizer),
+        reward_funcs=vowel_reward,
+        train_dataset=make_prompt_dataset(16),
+    )
+    assert trainer._rf_opt is not None
+
+
 # ------------------------------------------------------------------------------------- reward functions
 @pytest.fixture(scope="module")
 def scorer(tmp_path_factory, tokenizer):

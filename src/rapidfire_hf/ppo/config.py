@@ -96,6 +96,23 @@ def check_value_mode(args: PPOConfig, value_model: Any) -> None:
         )
 
 
+def check_optimizer_options(args: PPOConfig, rapidfire_optimizer: bool) -> None:
+    """Refuse options that only a ``RapidFireOptimizer`` applies when another optimizer is used.
+
+    Raises:
+        ConfigError: ``approx_kl_limit`` is set but the optimizer cannot roll a step back.
+    """
+    if args.approx_kl_limit is not None and not rapidfire_optimizer:
+        raise ConfigError(
+            "needs a RapidFireOptimizer to roll back a step whose approx-KL passes the limit, and the "
+            "optimizer is not one: pass optimizer=RapidFireOptimizer(...) or rapidfire_config=..., or drop "
+            "approx_kl_limit",
+            key="approx_kl_limit",
+            value=args.approx_kl_limit,
+            allowed="None with any optimizer, or a finite number > 0 with a RapidFireOptimizer",
+        )
+
+
 def check_fields(obj: Any, checks: Mapping[str, Check]) -> list[ConfigError]:
     """The errors of ``obj``'s attributes against ``checks`` (every field is checked; none is changed)."""
     errors = []

@@ -26,7 +26,7 @@ from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
 from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo import checkpoint as ckpt
-from rapidfire_hf.ppo.config import PPOConfig, check_value_mode
+from rapidfire_hf.ppo.config import PPOConfig, check_optimizer_options, check_value_mode
 from rapidfire_hf.ppo.core import (
     AdvantageOutput,
     compute_advantages,
@@ -505,6 +505,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
                 "pipelined gradients are already applied then. Pass RapidFireOptimizer(max_grad_norm=...) instead.",
                 args.max_grad_norm,
             )
+        check_optimizer_options(args, self._rf_opt is not None)
         if self._rf_opt is not None and args.approx_kl_limit is not None:
             limit = args.approx_kl_limit
             self._rf_opt.add_rule("approx_kl", lambda m: m["approx_kl"] < limit)
