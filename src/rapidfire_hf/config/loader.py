@@ -14,6 +14,12 @@ Resolution order, later wins:
 The prefixes ``RAPIDFIRE_GRADIENT_``, ``RAPIDFIRE_MEMORY_``, ``RAPIDFIRE_PRECISION_`` and
 ``RAPIDFIRE_LOGGING_`` belong to the configuration: an unknown name under them is an error (with the
 closest valid name), so that a typo is not silently ignored. Other ``RAPIDFIRE_*`` names are left alone.
+Names are case-sensitive: ``rapidfire_gradient_pipeline_depth`` is refused naming the upper-case
+spelling, and any other lower- or mixed-case ``rapidfire_*`` name gives a warning. An empty
+``RAPIDFIRE_PRECISION_FALLBACK`` is refused (it would drop the default NaN/Inf rule); ``none`` means no rules.
+
+A YAML file whose values, with aliases expanded, number more than ``MAX_DOCUMENT_VALUES`` is refused, and
+every error quotes at most a few hundred characters of a value (``errors.MAX_QUOTE``).
 """
 
 from __future__ import annotations
