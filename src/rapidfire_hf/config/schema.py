@@ -256,7 +256,11 @@ class MemoryConfig(_Section):
         Float(0.0, 1.0, open_low=True),
     )
     prefetch_window: int = _field(
-        2, "Batches prepared ahead of the training step (0: no prefetch).", Int(min=0, max=MAX_PREFETCH)
+        2,
+        "Batches prepared ahead of the one training: PPOTrainer's prompt batches, or the DataLoader batches "
+        "of enable_rapidfire's trainers, are collated (and on CUDA copied to the device from pinned memory "
+        "on a side stream) this many steps early; the order and contents do not change (0: no prefetch).",
+        Int(min=0, max=MAX_PREFETCH),
     )
     lowmem: LowMem = _field(
         LowMem.OFF,
