@@ -25,7 +25,7 @@ from benchmarks.common import write_json  # noqa: E402
 
 def smoke_result(folder: Path) -> dict:
     """Did the PPO smoke finish on every rank, with finite parameters equal across ranks?"""
-    ranks = [torch.load(p, weights_only=False) for p in sorted(folder.glob("ppo_rank*.pt"))]
+    ranks = [torch.load(p, weights_only=True) for p in sorted(folder.glob("ppo_rank*.pt"))]
     if not ranks:
         return {"finished": False}
     params = [r["params"] for r in ranks if r["params"].numel()]
@@ -52,7 +52,7 @@ def sft_result(folder: Path) -> dict:
     """Did SFTTrainer + enable_rapidfire train on every rank: finite losses and parameters, what the
     engine kept of rapidfire, and (on failure) where and why it broke."""
     ranks = sorted(
-        (torch.load(p, weights_only=False) for p in folder.glob("sft_rank*.pt")), key=lambda r: r["rank"]
+        (torch.load(p, weights_only=True) for p in folder.glob("sft_rank*.pt")), key=lambda r: r["rank"]
     )
     if not ranks:
         return {"status": "missing", "finished": False}

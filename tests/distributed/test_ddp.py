@@ -27,7 +27,7 @@ def results(request, tmp_path_factory):
     run_ranks("optim_ranks.py", out, "--device", request.param)
 
     def load(name):
-        return torch.load(out / f"{name}.pt", weights_only=False)
+        return torch.load(out / f"{name}.pt", weights_only=True)
 
     return load
 

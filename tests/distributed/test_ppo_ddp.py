@@ -14,7 +14,7 @@ from tests.distributed.launch import run_ranks
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_ddp")
     run_ranks("ppo_ranks.py", out, "--updates", "2")
-    return [torch.load(out / f"ppo_rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(out / f"ppo_rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def test_parameters_identical_across_ranks(ranks):

@@ -45,8 +45,8 @@ def runs(tmp_path_factory):
     procs = [_start(c) for c in cmds]  # both at once: most of the time is imports
     for proc, cmd in zip(procs, cmds):
         _finish(proc, cmd)
-    ddp = [torch.load(two / f"sft_rank{r}.pt", weights_only=False) for r in range(2)]
-    return ddp, torch.load(one / "sft_rank0.pt", weights_only=False), root
+    ddp = [torch.load(two / f"sft_rank{r}.pt", weights_only=True) for r in range(2)]
+    return ddp, torch.load(one / "sft_rank0.pt", weights_only=True), root
 
 
 def test_both_ranks_trained_with_rapidfire_under_ddp(runs):

@@ -60,10 +60,10 @@ def load_trial(sweep, trial, path: Path) -> None:
     from safetensors.torch import load_file
 
     sweep.bank.load_state_dict(trial.slot, load_file(str(path / "adapter_model.safetensors")))
-    trial.value_head.load_state_dict(torch.load(path / "value_head.pt", map_location=sweep.device))
-    trial.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=sweep.device))
-    trial.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    trial.perm_generator.set_state(torch.load(path / "rng_state.pt")["permutation"])
+    trial.value_head.load_state_dict(torch.load(path / "value_head.pt", sweep.device, weights_only=True))
+    trial.optimizer.load_state_dict(torch.load(path / "optimizer.pt", sweep.device, weights_only=True))
+    trial.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    trial.perm_generator.set_state(torch.load(path / "rng_state.pt", weights_only=True)["permutation"])
     trial.state = PPOTrainerState.load_from_json(str(path / "trainer_state.json"))
 
 
