@@ -184,13 +184,21 @@ def test_incomplete_checkpoint_is_refused_and_skipped(saved, tmp_path, caplog):
     assert "checkpoint-7" in caplog.text and "tmp-checkpoint-8" in caplog.text
 
 
-def test_save_total_limit_keeps_the_newest_complete(tmp_path):
+def test_save_total_limit_keeps_the_newest_complete(tmp_path, saved):
     make_trainer(tmp_path, max_steps=3, save_total_limit=2).train()
     assert sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name) == [
         "checkpoint-2",
         "checkpoint-3",
     ]
     assert all((tmp_path / n / MARKER).is_file() for n in ("checkpoint-2", "checkpoint-3"))
+    # a later-numbered checkpoint of an earlier run never pushes out the one just saved
+    shutil.copytree(saved["separate"], tmp_path / "checkpoint-9")
+    (tmp_path / "checkpoint-8").mkdir()  # incomplete: not counted, not deleted
+    make_trainer(tmp_path, max_steps=1, save_total_limit=1).train()
+    assert sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name) == [
+        "checkpoint-1",
+        "checkpoint-8",
+    ]
 
 
 # ------------------------------------------------------------------------------------- kill -9 mid-save
@@ -201,7 +209,7 @@ def child_main(out: str, kill_at: int, log: str) -> None:
         switch.watch(target)
     switch.arm_inside("rapidfire_hf.ppo.checkpoint.save", when=lambda trainer: trainer.state.global_step == 2)
     torch.set_num_threads(1)
-    make_trainer(out).train()
+    make_trainer(out, save_total_limit=1).train()
 
 
 def run_child(out: Path, kill_at: int, log: Path) -> int:
@@ -219,7 +227,7 @@ def run_child(out: Path, kill_at: int, log: Path) -> int:
 
 @pytest.mark.slow
 def test_kill_at_every_point_of_a_save_then_resume_is_exact(tmp_path, single_thread):
-    straight = make_trainer(tmp_path / "straight")
+    straight = make_trainer(tmp_path / "straight", save_total_limit=1)
     straight.train()
     expected = parameters(straight)
 
@@ -239,7 +247,7 @@ def test_kill_at_every_point_of_a_save_then_resume_is_exact(tmp_path, single_thr
             # an unfinished checkpoint-2 under its final name must be refused, never half-used
             with pytest.raises(CheckpointError):
                 make_trainer(out / "again").train(resume_from_checkpoint=str(out / "checkpoint-2"))
-        resumed = make_trainer(out)
+        resumed = make_trainer(out, save_total_limit=1)
         resumed.train(resume_from_checkpoint=True)
         assert resumed.state.global_step == 3, where
         try:

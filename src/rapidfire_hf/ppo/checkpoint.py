@@ -91,7 +91,7 @@ def save(trainer) -> Path:
         _write_marker(tmp, trainer.state.global_step, acc.num_processes)
         _publish(tmp, final)
         if args.save_total_limit:
-            _rotate(root, args.save_total_limit)
+            _rotate(root, args.save_total_limit, keep=final)
     acc.wait_for_everyone()
     return final
 
@@ -173,14 +173,19 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def _rotate(root: Path, limit: int) -> None:
-    """Delete the oldest complete checkpoints so that ``limit`` remain (incomplete ones are left alone)."""
-    complete = [p for _, p in _checkpoints(root) if (p / MARKER).is_file()]
-    for path in complete[limit:]:
-        doomed = path.with_name(_OLD_PREFIX + path.name)
-        os.replace(path, doomed)  # a kill during the deletion leaves no half checkpoint under its own name
-        shutil.rmtree(doomed)
-    if len(complete) > limit:
+def _rotate(root: Path, limit: int, keep: Path) -> None:
+    """Delete complete checkpoints so that ``limit`` remain: ``keep`` (just saved) and the newest others.
+
+    Incomplete folders are left alone; each deleted folder is renamed first, so a kill during the deletion
+    never leaves a half checkpoint under its own name.
+    """
+    others = [p for _, p in _checkpoints(root) if p != keep and (p / MARKER).is_file()]
+    doomed = others[max(limit - 1, 0) :]
+    for path in doomed:
+        gone = path.with_name(_OLD_PREFIX + path.name)
+        os.replace(path, gone)
+        shutil.rmtree(gone)
+    if doomed:
         _fsync(root)
 
 
@@ -220,7 +225,7 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 def _damaged(path: Path, what: str, error: BaseException | None = None) -> CheckpointError:
     detail = f" ({type(error).__name__}: {str(error)[:300]})" if error is not None else ""
     return CheckpointError(
-        f"cannot resume from {path.parent}: {path.name} {what}{detail}. The checkpoint is damaged or "
+        f"cannot resume from this checkpoint: {path} {what}{detail}. The checkpoint is damaged or "
         "incomplete: resume from another checkpoint-* folder, or delete this one "
         "(resume_from_checkpoint=True picks the newest complete checkpoint)."
     )
