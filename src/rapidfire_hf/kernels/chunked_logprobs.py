@@ -9,6 +9,10 @@ advantage, clipped), an entropy term and a temperature, and the GPU machine runs
 lacks ``F.linear_cross_entropy``. So: forward keeps only the per-token log-sum-exp, and backward
 recomputes each chunk's logits (one extra ``[chunk, H] x [H, V]`` matmul per chunk).
 
+Liger 0.8's ``chunked_loss`` PPO/GRPO losses (``LigerFusedLinearPPOBase``) chunk the head too, but compute
+their own clipped loss and its gradient inside forward; PPOTrainer's loss (``ppo.core.ppo_loss``, TRL 1.12's
+math with value clipping) takes per-token log-probs instead. The per-token piece inside Liger
+(``_ChunkedSelectiveLogProbFunction``) is private, gives no entropy, and Liger is an optional dependency.
 TRL 1.16 ships a comparable ``trl.kernels.ChunkedLogProbFunction`` (vocabulary tiles folded by a Triton
 kernel, bias and soft-capping supported). It is not used here: the project supports TRL from 1.12, which
 lacks it, and no GPU benchmark has compared the two yet; it is the candidate to switch to if one shows it
