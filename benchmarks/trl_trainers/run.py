@@ -481,10 +481,10 @@ def environment(args, rows: list[dict]) -> dict:
     """``benchmarks.common.environment`` with the GPU the child processes reported (this process has not
     touched CUDA) and the device label of the chart."""
     names = [r["device_name"] for r in rows if r.get("device_name")]
-    gpu = None if args.smoke else (names[0] if names else None)
-    return common_environment(
-        gpu=gpu, device="cpu (smoke)" if args.smoke else (names[0] if names else "cuda")
-    )
+    env = common_environment()
+    env["gpu"] = None if args.smoke else (names[0] if names else None)
+    env["device"] = "cpu (smoke)" if args.smoke else (names[0] if names else "cuda")
+    return env
 
 
 CSV_FIELDS = (
