@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "setup_allocator": "allocator",
     "MemoryCompactionCallback": "callback",
+    "activation_bytes": "checkpointing",
     "apply_selective_checkpointing": "checkpointing",
-    "keep_matmuls_policy": "checkpointing",
+    "auto_checkpointing": "checkpointing",
+    "cost_policy": "checkpointing",
     "selective_context_fn": "checkpointing",
     "OOMRecovery": "oom",
+    "accelerate_hold": "oom",
     "OOMRecoveryError": "oom",
     "batch_size": "oom",
-    "accelerate_hold": "oom",
     "run_with_oom_recovery": "oom",
     "split_batch": "oom",
     "BatchPrefetcher": "prefetch",
@@ -58,8 +60,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from rapidfire_hf.memory.allocator import setup_allocator  # noqa: F401
     from rapidfire_hf.memory.callback import MemoryCompactionCallback  # noqa: F401
     from rapidfire_hf.memory.checkpointing import (  # noqa: F401
+        activation_bytes,
         apply_selective_checkpointing,
-        keep_matmuls_policy,
+        auto_checkpointing,
+        cost_policy,
         selective_context_fn,
     )
     from rapidfire_hf.memory.oom import (  # noqa: F401
