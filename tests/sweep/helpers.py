@@ -30,7 +30,13 @@ COMMON = dict(
 TRIALS = {
     "kl0.01": {"kl_coef": 0.01},
     "kl0.2-lr3": {"kl_coef": 0.2, "learning_rate": 3e-3, "seed": 5},
-    "clip0.1": {"cliprange": 0.1, "num_ppo_epochs": 1, "per_device_train_batch_size": 2},
+    # rollout batch 8 in micro-batches of 2, two accumulated per optimizer step
+    "clip0.1": {
+        "cliprange": 0.1,
+        "num_ppo_epochs": 1,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+    },
 }
 
 

@@ -36,3 +36,16 @@ def test_trial_order_does_not_matter(tokenizer, tmp_path):
     backward = make_sweep(tokenizer, tmp_path / "bwd", {n: TRIALS[n] for n in reversed(names)}).train()
     for name in names:
         assert curves(forward[name]) == curves(backward[name])
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_model_generate_fallback_keeps_trials_apart(tokenizer, tmp_path, monkeypatch):
+    """Models the static engine cannot run generate trial by trial through model.generate."""
+    monkeypatch.setattr("rapidfire_hf.rollout.llama_forward.unsupported_reason", lambda model: "test")
+    two = {n: TRIALS[n] for n in list(TRIALS)[:2]}
+    together = make_sweep(tokenizer, tmp_path / "all", two, max_steps=2)
+    assert together.phases.engine.backend == "hf"
+    results = together.train()
+    for name, overrides in two.items():
+        alone = make_sweep(tokenizer, tmp_path / name, {name: overrides}, max_steps=2).train()[name]
+        assert curves(results[name]) == curves(alone)

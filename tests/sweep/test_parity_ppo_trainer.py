@@ -77,7 +77,10 @@ def _values_with_adapter(values):
 
 # micro-batches of 4 (one per optimizer step), and of 2 (two accumulated per step, with kl_coef and
 # clip range off their defaults)
-SETTINGS = [{}, {"per_device_train_batch_size": 2, "kl_coef": 0.2, "cliprange": 0.1}]
+SETTINGS = [
+    {},
+    {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "kl_coef": 0.2, "cliprange": 0.1},
+]
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["micro4", "micro2-accumulate"])

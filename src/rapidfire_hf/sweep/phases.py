@@ -295,11 +295,11 @@ def trial_metrics(trial, exp: Experience, stats: dict, times, eos_id, train_star
         "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
         "policy/entropy_avg": stats["entropy"].mean(),
         "val/ratio": stats["ratio"].mean(),
-        "val/ratio_var": stats["ratio"].var() if stats["ratio"].numel() > 1 else torch.zeros(()),
+        "val/ratio_var": stats["ratio"].var() if stats["ratio"].numel() > 1 else stats["ratio"].sum() * 0,
         "val/num_eos_tokens": (exp.rollout.responses == eos_id).sum().float(),
         "response_length": real.sum(1).mean(),
     }
-    metrics = {k: float(v) for k, v in device_metrics.items()}
+    metrics = dict(zip(device_metrics, torch.stack(list(device_metrics.values())).tolist()))  # one host sync
     t0, t1, t2, t3 = times
     b, width = exp.rollout.query_responses.shape
     metrics.update(
