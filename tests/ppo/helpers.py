@@ -23,5 +23,6 @@ def ppo_args(tmp_path, **overrides) -> PPOConfig:
         temperature=1.0,
         use_cpu=True,
         seed=3,
+        num_sample_generations=0,
     )
     return PPOConfig(**{**base, **overrides})

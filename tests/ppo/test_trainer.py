@@ -310,7 +310,7 @@ def test_sample_tables_use_the_eval_prompts(tmp_path, tokenizer, capsys):
     )
     trainer_eval.train()
     out = capsys.readouterr().out
-    assert out.count("samples at update") == 2 and "zzzz" in out and "qq" in out
+    assert out.count("completions at step") == 2 and "zzzz" in out and "qq" in out
 
 
 def test_adaptive_precision_runs_the_sensitivity_pass(tmp_path, tokenizer):

@@ -87,6 +87,7 @@ def _ppo_args(args, out_dir: Path):
         missing_eos_penalty=0.5,
         kl_coef=0.05,
         logging_steps=1,
+        num_sample_generations=0,  # the live table shows progress; samples would interleave with it
         report_to=[],
         disable_tqdm=True,
         seed=args.seed,

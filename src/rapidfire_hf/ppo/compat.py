@@ -84,10 +84,99 @@ def legacy_trainer_arguments(args, processing_class, model, legacy: dict):
             continue
         if given[new] is not None:
             raise TypeError(f"PPOTrainer got both {old}= and {new}=: pass {new}= only")
-        warnings.warn(f"PPOTrainer({old}=...) is the old TRL spelling: use {new}=", FutureWarning, stacklevel=3)
+        warnings.warn(
+            f"PPOTrainer({old}=...) is the old TRL spelling: use {new}=", FutureWarning, stacklevel=3
+        )
         given[new] = legacy[old]
     if given["args"] is None:
         raise TypeError("PPOTrainer needs args=PPOConfig(...)")
     if model is None:
         raise TypeError("PPOTrainer needs model= (the policy: a causal LM or a value-head model)")
     return given["args"], given["processing_class"]
+
+
+# pre-1.0 TRL PPOConfig name -> current name (same meaning)
+_RENAMED_CONFIG_FIELDS = {
+    "model_name": "sft_model_path",
+    "ppo_epochs": "num_ppo_epochs",
+    "init_kl_coef": "kl_coef",
+    "log_with": "report_to",
+    "tracker_project_name": "run_name",
+}
+# pre-1.0 TRL PPOConfig names with no counterpart here, and what to use instead
+_DROPPED_CONFIG_FIELDS = {
+    "adap_kl_ctrl": "an adaptive KL controller is not implemented: set a fixed kl_coef",
+    "target": "an adaptive KL controller is not implemented: set a fixed kl_coef",
+    "horizon": "an adaptive KL controller is not implemented: set a fixed kl_coef",
+    "target_kl": "use approx_kl_limit with a RapidFireOptimizer (a window above it is rolled back)",
+    "early_stopping": "use approx_kl_limit with a RapidFireOptimizer",
+    "forward_batch_size": "use local_rollout_forward_batch_size",
+    "steps": "use total_episodes (prompts) or max_steps (PPO updates)",
+    "query_dataset": "pass train_dataset to PPOTrainer",
+    "reward_model": "pass reward_model or reward_funcs to PPOTrainer",
+    "tracker_kwargs": "use report_to and the trackers' environment variables",
+    "accelerator_kwargs": "use accelerate's config (accelerate launch) or PPOConfig's own fields",
+    "optimize_cuda_cache": "memory is managed by rapidfire_hf.MemoryCompactionCallback (memory_management)",
+    "optimize_device_cache": "memory is managed by rapidfire_hf.MemoryCompactionCallback (memory_management)",
+    "kl_penalty": "use kl_estimator ('k1' or 'k3')",
+}
+
+
+def translate_legacy_config(kwargs: dict) -> dict:
+    """Map pre-1.0 TRL ``PPOConfig`` keywords to the current fields, each with a ``FutureWarning`` naming the
+    new name; old names that have no counterpart raise ``TypeError`` saying what to use.
+
+    The old batch sizes (``batch_size`` prompts per rollout, ``mini_batch_size`` rows per backward, with
+    ``gradient_accumulation_steps`` backwards per optimizer step) become ``per_device_train_batch_size =
+    mini_batch_size``, ``gradient_accumulation_steps = batch_size / mini_batch_size`` and
+    ``num_mini_batches = batch_size / (mini_batch_size * old gradient_accumulation_steps)``.
+    """
+    import warnings
+
+    if not any(
+        k in kwargs
+        for k in (*_RENAMED_CONFIG_FIELDS, *_DROPPED_CONFIG_FIELDS, "batch_size", "mini_batch_size")
+    ):
+        return kwargs
+    out = dict(kwargs)
+    dropped = {k: v for k, v in _DROPPED_CONFIG_FIELDS.items() if k in out}
+    if dropped:
+        raise TypeError(
+            "PPOConfig got old TRL argument(s) without a counterpart: "
+            + "; ".join(f"{k}: {hint}" for k, hint in dropped.items())
+        )
+    for old, new in _RENAMED_CONFIG_FIELDS.items():
+        if old in out:
+            if new in out:
+                raise TypeError(f"PPOConfig got both {old}= (old TRL name) and {new}=: pass {new}= only")
+            warnings.warn(
+                f"PPOConfig({old}=...) is the old TRL name: use {new}=", FutureWarning, stacklevel=3
+            )
+            out[new] = out.pop(old)
+    if "batch_size" in out or "mini_batch_size" in out:
+        batch = int(out.pop("batch_size", 128))
+        mini = int(out.pop("mini_batch_size", min(batch, 128)))
+        accumulate = int(out.pop("gradient_accumulation_steps", 1))
+        if min(batch, mini, accumulate) < 1 or batch % (mini * accumulate):
+            raise ValueError(
+                f"old TRL batch sizes batch_size={batch}, mini_batch_size={mini}, gradient_accumulation_steps="
+                f"{accumulate}: batch_size must be a multiple of mini_batch_size * gradient_accumulation_steps"
+            )
+        for name in ("per_device_train_batch_size", "num_mini_batches"):
+            if name in out:
+                raise TypeError(
+                    f"PPOConfig got the old batch_size/mini_batch_size and {name}=: use one spelling"
+                )
+        out.update(
+            per_device_train_batch_size=mini,
+            gradient_accumulation_steps=batch // mini,
+            num_mini_batches=batch // (mini * accumulate),
+        )
+        warnings.warn(
+            f"PPOConfig(batch_size={batch}, mini_batch_size={mini}) is the old TRL spelling: use "
+            f"per_device_train_batch_size={mini}, gradient_accumulation_steps={batch // mini}, "
+            f"num_mini_batches={batch // (mini * accumulate)}",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return out

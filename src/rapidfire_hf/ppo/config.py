@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +68,10 @@ FIELD_CHECKS: dict[str, Check] = {
     "max_prompt_length": Optional(Int(min=1), "no truncation"),
     "dataset_text_field": Str(),
     "num_sample_generations": Int(min=0),
+    "dataset_num_proc": Optional(Int(min=1), "tokenize in this process"),
+    "sft_model_path": Optional(Str(), "not given"),
+    "reward_model_path": Optional(Str(), "not given"),
+    "exp_name": Str(),
     "memory_management": Bool(),
     "max_oom_splits": Int(min=0, max=64),  # 64 halvings split any batch down to single rows
     "approx_kl_limit": Optional(_POSITIVE, "no approx-KL rule"),
@@ -148,7 +154,10 @@ class PPOConfig(TrainingArguments):
 
     # Defaults that differ from TrainingArguments (as in TRL 1.12).
     learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate of AdamW."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N PPO updates."})
+    logging_steps: float = field(
+        default=1,
+        metadata={"help": "Log every N PPO updates (1, the default, logs every update as TRL 1.12 does)."},
+    )
     save_strategy: str = field(default="no", metadata={"help": "'no' or 'steps' (every save_steps updates)."})
 
     # PPO (TRL 1.12 names and defaults).
@@ -197,9 +206,34 @@ class PPOConfig(TrainingArguments):
     )
     dataset_text_field: str = field(default="prompt", metadata={"help": "Column holding the prompt text."})
     num_sample_generations: int = field(
-        default=0,
+        default=10,
         metadata={
-            "help": "Print a table of sampled prompts, completions and scores this many times (0 = never)."
+            "help": "Show and log (W&B, TensorBoard) a table of prompts, completions and scores this many times "
+            "during training (generate_completions on the eval prompts, else the current rollout; 0 = never)."
+        },
+    )
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={
+            "help": "Processes that tokenize the prompt datasets (datasets' map num_proc); None: this one."
+        },
+    )
+    sft_model_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Path of the SFT policy for scripts such as examples/ppo.py; PPOTrainer takes the model."
+        },
+    )
+    reward_model_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Path of the reward model for scripts such as examples/ppo.py; PPOTrainer takes the model."
+        },
+    )
+    exp_name: str = field(
+        default="ppo",
+        metadata={
+            "help": "Experiment name: run_name defaults to '<exp_name>__<seed>__<unix time>' as in TRL."
         },
     )
 
@@ -282,6 +316,8 @@ class PPOConfig(TrainingArguments):
         errors = check_fields(self, FIELD_CHECKS)
         if errors:
             raise ConfigErrors("Invalid PPOConfig:", errors)
+        if self.run_name is None:  # the trackers' run name (W&B, TensorBoard), as TRL names PPO runs
+            self.run_name = f"{self.exp_name}__{self.seed}__{int(time.time())}"
         super().__post_init__()
         errors = self._cross_field_errors()
         if errors:
@@ -299,14 +335,6 @@ class PPOConfig(TrainingArguments):
                     f"{self.local_batch_size} is not divisible by num_mini_batches={self.num_mini_batches}"
                 )
             )
-        elif self.local_mini_batch_size % self.per_device_train_batch_size:
-            errors.append(
-                ConfigError(
-                    f"a mini-batch of {self.local_mini_batch_size} prompts is not a multiple of "
-                    f"per_device_train_batch_size={self.per_device_train_batch_size}: lower num_mini_batches "
-                    "or raise gradient_accumulation_steps"
-                )
-            )
         return errors
 
     @property
@@ -320,5 +348,19 @@ class PPOConfig(TrainingArguments):
 
     @property
     def micro_batches_per_step(self) -> int:
-        """Micro-batches accumulated into one optimizer step (one mini-batch)."""
-        return max(1, self.local_mini_batch_size // self.per_device_train_batch_size)
+        """Micro-batches accumulated into one optimizer step (one mini-batch). A mini-batch that is not a
+        multiple of ``per_device_train_batch_size`` ends with a smaller micro-batch, as in TRL."""
+        return max(1, math.ceil(self.local_mini_batch_size / self.per_device_train_batch_size))
+
+
+_dataclass_init = PPOConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_old_names(self, *args, **kwargs):
+    from rapidfire_hf.ppo.compat import translate_legacy_config
+
+    _dataclass_init(self, *args, **translate_legacy_config(kwargs))
+
+
+PPOConfig.__init__ = _init_with_old_names  # the pre-1.0 TRL names, mapped with a warning (ppo/compat.py)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,13 +20,18 @@ def prepare_prompt_dataset(
     name: str = "train_dataset",
     vocab_size: int | None = None,
     max_length: int | None = None,
+    num_proc: int | None = None,
 ):
     """Return ``dataset`` with an ``input_ids`` column (tokenizing ``text_field`` when needed), checked.
+
+    A conversational prompt (a list of ``{"role", "content"}`` messages) goes through the tokenizer's chat
+    template with the generation prompt added, as TRL's trainers do.
 
     Args:
         dataset: a ``datasets.Dataset``; a list of dicts (rows), a list of strings (prompts) or a dict of
             columns is converted to one.
         name: how errors name the dataset (``train_dataset``, ``eval_dataset``).
+        num_proc: processes for tokenizing (``datasets.Dataset.map``); None tokenizes in this process.
         vocab_size: token ids must be below this (the policy's embedding rows); None: not checked.
         max_length: the longest prompt allowed, in tokens (the model's positions minus the response
             length); None: not checked.
@@ -50,12 +56,25 @@ def prepare_prompt_dataset(
                 f"column, found {columns}. Rename your prompt column to '{text_field}' or set "
                 "PPOConfig(dataset_text_field=...)."
             )
-        _check_texts(dataset[text_field], name, text_field)
+        texts = dataset[text_field]
+        chat = bool(texts) and all(is_conversation(t) for t in texts)
+        if chat and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                f"{name}: '{text_field}' holds chat messages but the tokenizer has no chat_template: set "
+                "tokenizer.chat_template, or give the prompts as text"
+            )
+        if not chat:
+            _check_texts(texts, name, text_field)
 
         def tokenize(row):
+            if chat:
+                ids = tokenizer.apply_chat_template(
+                    row[text_field], add_generation_prompt=True, tokenize=True
+                )
+                return {"input_ids": list(ids["input_ids"] if isinstance(ids, Mapping) else ids)}
             return {"input_ids": tokenizer(row[text_field], add_special_tokens=True)["input_ids"]}
 
-        dataset = dataset.map(tokenize, desc="Tokenizing prompts")
+        dataset = dataset.map(tokenize, desc="Tokenizing prompts", num_proc=num_proc)
     if max_prompt_length is not None:
         dataset = dataset.map(lambda row: {"input_ids": row["input_ids"][-max_prompt_length:]})
     check_prompt_ids(dataset, name, vocab_size, max_length)
@@ -102,6 +121,15 @@ def as_dataset(data, name: str = "train_dataset", text_field: str = "prompt"):
         kinds = sorted({type(row).__name__ for row in data})
         raise TypeError(f"{name} is a list of {', '.join(kinds)}; expected {allowed}")
     raise TypeError(f"{name} is a {type(data).__name__}; expected {allowed}")
+
+
+def is_conversation(value) -> bool:
+    """Whether ``value`` is a list of chat messages (dicts with ``role`` and ``content``)."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
+    )
 
 
 def _check_texts(texts: list, name: str, text_field: str) -> None:

@@ -230,6 +230,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             module.full_mask = all_sdpa(roles)  # one mask kind for the compiled layers: no recompiles
 
         limits = prompt_limits(policy, args.response_length)  # ids in the vocabulary, prompts that fit
+        limits["num_proc"] = args.dataset_num_proc
         self.train_dataset = prepare_prompt_dataset(
             train_dataset, tok, args.dataset_text_field, args.max_prompt_length, **limits
         )
@@ -548,6 +549,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             pipeline_depth=self.rf_config.gradient.pipeline_depth,
             max_grad_norm=clip,
             rollback="auto",
+            sync_interval=grad_cfg.sync_interval,
             max_consecutive_skips=args.max_consecutive_skips,
             # predicting needs a clip to predict; without max_grad_norm the exact mode is the same
             clip_prediction=grad_cfg.clip_prediction.value if clip is not None else "exact",
@@ -744,9 +746,9 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             exp: the scored rollout.
             permutations: one row order per epoch (default: drawn from the trainer's seeded generator).
         """
-        args, acc, adv = self.args, self.accelerator, exp.adv
+        args, acc = self.args, self.accelerator
         qr, ctx = exp.rollout.query_responses, exp.rollout.queries.shape[1]
-        n, mb, micro = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
+        n, mb = args.local_batch_size, args.local_mini_batch_size
         shape = (args.num_ppo_epochs, args.num_mini_batches, args.micro_batches_per_step)
         stats = {k: torch.zeros(shape, device=acc.device) for k in _STAT_KEYS}
         self.model.train()
@@ -761,27 +763,42 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
                 else torch.randperm(n, generator=self._perm_generator)
             )
             for m, mb_start in enumerate(range(0, n, mb)):
-                mb_idx = perm[mb_start : mb_start + mb]
-                for _attempt in range(2):  # a second pass only replays a window the optimizer rolled back
-                    for u, start in enumerate(range(0, mb, micro)):
-                        idx = mb_idx[start : start + micro].to(qr.device)
-                        out, ent = self._micro_step(qr[idx], ctx, adv, idx)
-                        for key, value in zip(
-                            _STAT_KEYS,
-                            (
-                                out.approx_kl,
-                                out.pg_clipfrac,
-                                out.pg_loss,
-                                out.vf_loss,
-                                out.vf_clipfrac,
-                                ent,
-                                out.ratio_mean,
-                            ),
-                        ):
-                            stats[key][epoch, m, u] = value
-                    if not self._should_replay():
-                        break
+                self._train_windows(exp, stats, [(epoch, m, perm[mb_start : mb_start + mb])])
+        if self._rf_opt is not None and hasattr(self._rf_opt, "verify_now"):
+            # the rollout of the next update uses these weights: verify what is still unverified now
+            self._train_windows(exp, stats, self._replays(self._rf_opt.verify_now()))
+        self._window_rows = {}
         return stats
+
+    def _train_windows(self, exp, stats, windows) -> None:
+        """Run optimizer windows ``(epoch, mini-batch, rows)`` in order, and the windows the optimizer
+        asks to replay after a rollback (``last_rollback.replay``) before anything new."""
+        qr, ctx, adv = exp.rollout.query_responses, exp.rollout.queries.shape[1], exp.adv
+        mb, micro = self.args.local_mini_batch_size, self.args.per_device_train_batch_size
+        window_rows = self.__dict__.setdefault("_window_rows", {})  # optimizer step -> its window
+        queue = list(windows)
+        budget = 4 * max(1, self.args.num_ppo_epochs * self.args.num_mini_batches)  # replays per call
+        while queue:
+            epoch, m, mb_idx = queue.pop(0)
+            if self._rf_opt is not None:
+                window_rows[self._rf_opt.stats()["steps"]] = (epoch, m, mb_idx)
+            for u, start in enumerate(range(0, mb, micro)):
+                idx = mb_idx[start : start + micro].to(qr.device)
+                out, ent = self._micro_step(qr[idx], ctx, adv, idx)
+                values = (out.approx_kl, out.pg_clipfrac, out.pg_loss, out.vf_loss, out.vf_clipfrac, ent)
+                for key, value in zip(_STAT_KEYS, (*values, out.ratio_mean)):
+                    stats[key][epoch, m, u] = value
+            replays = self._replays(getattr(self._rf_opt, "last_rollback", None))
+            if replays and budget > 0:
+                budget -= len(replays)
+                queue[:0] = replays
+
+    def _replays(self, report) -> list:
+        """The windows ``(epoch, mini-batch, rows)`` a rollback report asks to run again, in order."""
+        if report is None:
+            return []
+        rows = self.__dict__.get("_window_rows", {})
+        return [rows[s] for s in report.replay if s in rows]
 
     def _micro_step(self, query_responses, ctx, adv, idx):
         """Forward, loss and backward of one micro-batch; the optimizer steps when its window closes.
@@ -868,13 +885,6 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             self._step_guard.drain()
             return self._step_guard.skipped
         return 0
-
-    def _should_replay(self) -> bool:
-        """True when the optimizer undid the last window because its clip prediction missed."""
-        opt = self._rf_opt
-        if opt is None or not opt.last_step_skipped or not opt.events:
-            return False
-        return "clip_prediction" in opt.events[-1].reasons
 
     def _optimizer_step(self):
         acc, args = self.accelerator, self.args
