@@ -95,3 +95,29 @@ def test_pipeline_runs_under_the_default_clipping(tmp_path, tok):
     assert 0.0 <= last["rapidfire/clip_miss_rate"] <= 1.0
     assert last["rapidfire/clip_miss_rate"] == stats["clip_misses"] / stats["clip_checks"]
     assert all(torch.isfinite(p).all() for p in policy.parameters())
+
+
+def test_sync_interval_equals_verifying_every_step(tmp_path, tok):
+    """gradient.sync_interval=2 verifies two optimizer steps with one read and undoes a failed pair; the
+    trainer replays the healthy windows, so with NaN scores in update 2 of 3 the weights equal those of
+    sync_interval=1 (bit-exact), and both skipped update 2's steps."""
+    results = []
+    for interval in (1, 2):
+        cfg = {"gradient": {"pipeline": True, "sync_interval": interval}}
+        trainer, policy = _train(
+            tmp_path / str(interval),
+            tok,
+            nan_reward(vowel_reward, calls=[2]),
+            rapidfire_config=cfg,
+            max_steps=3,
+            max_grad_norm=0.0,  # the predicted clip coefficient depends on when norms are read
+        )
+        assert trainer._rf_opt.sync_interval == interval
+        trainer.train()
+        results.append(([p.detach().clone() for p in policy.parameters()], trainer._rf_opt))
+    (ref, ref_opt), (got, opt) = results
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert ref_opt.stats()["skipped"] == STEPS_PER_UPDATE  # each window of update 2 skipped once
+    assert opt.stats()["snapshots"] < ref_opt.stats()["snapshots"]  # one per span, not one per step
+    assert opt.stats()["rollbacks"] >= 1 and opt.verify_now() is None

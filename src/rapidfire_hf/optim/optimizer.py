@@ -29,6 +29,7 @@ from rapidfire_hf.optim.pipeline import (
 from rapidfire_hf.optim.skips import SkipStreak
 from rapidfire_hf.optim.snapshot import WHERE as SNAPSHOT_WHERE
 from rapidfire_hf.optim.snapshot import Snapshot
+from rapidfire_hf.optim.spans import Rollback, SpanMixin
 from rapidfire_hf.optim.verification import CLIP_EPS, VerificationMixin
 
 ROLLBACK = ("off", "auto")
@@ -41,7 +42,7 @@ def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
     return to_full() if callable(to_full) else t
 
 
-class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
+class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that wraps an inner optimizer and adds the gradient pipeline, predicted
     clipping, health verification and bit-exact rollback.
 
@@ -96,6 +97,14 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             snapshot: each update is verified before it is applied).
         snapshot_interval: verified steps between snapshots; above 1 a rollback also undoes the good
             steps since the last snapshot (reported in the event as ``steps_lost``).
+        sync_interval: steps verified together with one host read (config ``gradient.sync_interval``;
+            needs ``rollback="auto"``). Above 1, each step is applied at once and its health flags stay on
+            the device; every ``sync_interval`` steps they are read together (on CUDA asynchronously,
+            consumed at the next window) and a failure restores the snapshot taken at the span's start.
+            ``last_rollback`` then lists what was undone and which steps the caller must replay (see
+            :mod:`rapidfire_hf.optim.spans`); call :meth:`verify_now` before saving or stopping.
+        async_verify: read a span's verdict with a non-blocking copy consumed at the next window (None:
+            on CUDA only; True forces it on the CPU too, where the copy is a plain read).
         grad_z_threshold: largest healthy z-score of the gradient norm.
         loss_z_threshold: largest healthy z-score of the observed loss (see :meth:`observe_loss`).
         warmup_steps: verified steps during which the z-score rules compare a value with the typical
@@ -151,6 +160,8 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         rollback: str = "auto",
         snapshot: str = "auto",
         snapshot_interval: int = 1,
+        sync_interval: int = 1,
+        async_verify: bool | None = None,
         grad_z_threshold: float = 6.0,
         loss_z_threshold: float = 6.0,
         warmup_steps: int = 10,
@@ -178,6 +189,13 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 or None (no clipping)")
         if not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(f"snapshot_interval={snapshot_interval!r}: must be an int >= 1")
+        if isinstance(sync_interval, bool) or not isinstance(sync_interval, int) or sync_interval < 1:
+            raise ValueError(f"sync_interval={sync_interval!r}: must be an int >= 1 (1: verify every step)")
+        if sync_interval > 1 and snapshot_interval > 1:
+            raise ValueError(
+                f"sync_interval={sync_interval} and snapshot_interval={snapshot_interval}: with sync_interval > 1 "
+                "the snapshot is taken at each verified boundary; leave snapshot_interval at 1."
+            )
         for name, value in (
             ("grad_z_threshold", grad_z_threshold),
             ("loss_z_threshold", loss_z_threshold),
@@ -232,6 +250,14 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.rollback = rollback
         self.snapshot_interval = snapshot_interval
+        self.sync_interval = sync_interval
+        self.async_verify = async_verify
+        self._span: list = []  # unverified steps of the current span (sync_interval > 1)
+        self._verdict = None  # a closed span's flags on their way to the host
+        self._discard = False  # the current window's gradients came from undone weights
+        self._span_snapshot_valid = False
+        self._report = Rollback([])  # what this step undid, published as last_rollback
+        self.last_rollback: Rollback | None = None
         self.clip_headroom = clip_headroom
         self.clip_prediction = clip_prediction
         self.clip_tolerance = clip_tolerance
@@ -356,6 +382,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.attach(self.inner)
         self._applied_since_snapshot = self.snapshot_interval  # the snapshot lacks the new parameters
+        self._span_snapshot_valid = False
 
     def _join(self) -> None:
         """Wait (on the device) for bucket steps still queued on the pipeline's side stream."""
@@ -385,6 +412,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         if self._pipeline is not None:
             self._pipeline.rebuild(self.inner)  # load_state_dict replaced the groups and the state dict
         self._applied_since_snapshot = self.snapshot_interval  # the next pipelined window snapshots afresh
+        self._span_snapshot_valid = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -476,7 +504,9 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         self.last_step_skipped = False
-        if self._pipeline is not None and self._pipeline.window_pipelined:
+        if self._span_mode:
+            self._span_step(inner)
+        elif self._pipeline is not None and self._pipeline.window_pipelined:
             self._finish_pipelined(inner)
         else:
             self._step_in_place(inner)
@@ -484,6 +514,7 @@ class RapidFireOptimizer(VerificationMixin, torch.optim.Optimizer):
         self._health.reset_window()
         if self._pipeline is not None:
             self._pipeline.reset_window()
+        self.last_rollback, self._report = (self._report if self._report.steps else None), Rollback([])
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         self._streak.check()

@@ -61,6 +61,10 @@ class VerificationMixin:
             details["loss"] = float(metrics["loss"])  # already off the hot path: this step failed
         step = self._counters["steps"]
         self.events.append(OptimizerEvent(step, kind, failed, details))
+        self._report.steps.append(step)
+        self._report.failed[step] = failed
+        if failed == ["clip_prediction"]:
+            self._report.replay.append(step)
         self._health.update_stats(metrics, failed)  # clipped, or nothing for non-finite values
         if failed != ["clip_prediction"]:  # a missed prediction is replayed, not lost
             self._streak.skipped(step, failed, details)
@@ -137,7 +141,11 @@ class VerificationMixin:
     def _plan_window(self) -> bool:
         """Called at the first closing hook: step in the hooks this window, or defer to ``step()``?"""
         reason = None
-        if _multi_process():
+        if self._span_mode and self._verdict is not None:  # the last span's verdict, before any update
+            self._resolve(mid_window=True)
+        if self._discard:
+            reason = "rolled_back"  # this window's gradients came from undone weights: replayed
+        elif _multi_process():
             reason = "distributed"  # hooks fire before the gradient all-reduce has finished
         elif accelerate_flag("_mixed_precision", "AcceleratorState") == "fp16":
             reason = "fp16_loss_scaling"  # gradients are still scaled when the hooks fire
@@ -148,7 +156,9 @@ class VerificationMixin:
             coef = self._predict_clip_coef()
             if coef is None:
                 reason = "clip_may_bind"
-        if reason is None and self.rollback == "auto" and not self._ensure_snapshot():
+        if reason is None and self._span_mode:
+            self._span_snapshot()
+        elif reason is None and self.rollback == "auto" and not self._ensure_snapshot():
             reason = "snapshot_auto_pipeline_off"
         if reason is not None:
             self._deferred[reason] += 1
