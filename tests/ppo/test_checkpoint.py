@@ -52,7 +52,7 @@ class StepCounter(TrainerCallback):
         self.steps += 1
 
 
-def make_trainer(out, value_mode="separate", callbacks=None, **kw) -> PPOTrainer:
+def make_trainer(out, value_mode="separate", callbacks=None, peft_config=None, **kw) -> PPOTrainer:
     """Batch 4 x accumulation 2, a checkpoint after every update, 3 updates."""
     tok = build_char_tokenizer()
     args = ppo_args(out, save_strategy="steps", save_steps=1, value_mode=value_mode, **{"max_steps": 3, **kw})
@@ -65,6 +65,7 @@ def make_trainer(out, value_mode="separate", callbacks=None, **kw) -> PPOTrainer
         reward_funcs=vowel_reward,
         train_dataset=make_prompt_dataset(32),
         callbacks=callbacks,
+        peft_config=peft_config,
     )
 
 
@@ -199,6 +200,30 @@ def test_save_total_limit_keeps_the_newest_complete(tmp_path, saved):
         "checkpoint-1",
         "checkpoint-8",
     ]
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def test_resume_with_lora_and_fused_value_is_bit_identical(tmp_path):
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+    straight = make_trainer(tmp_path / "a", value_mode="fused", peft_config=lora())
+    straight.train()
+    make_trainer(tmp_path / "b", value_mode="fused", peft_config=lora(), callbacks=[StopAt(2)]).train()
+    assert (tmp_path / "b" / "checkpoint-2" / "policy" / "adapter_model.safetensors").is_file()
+    resumed = make_trainer(tmp_path / "b", value_mode="fused", peft_config=lora())
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    assert_identical(parameters(straight), parameters(resumed))
 
 
 # ------------------------------------------------------------------------------------- kill -9 mid-save
