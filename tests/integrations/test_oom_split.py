@@ -32,7 +32,7 @@ def _train(build, kind, inject=None, **overrides):
 
 
 @pytest.mark.parametrize("call", [2, 1], ids=["closing-micro-batch", "first-micro-batch"])
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
 def test_oom_split_gives_the_same_steps_and_weights(build, kind, call):
     """Accumulation 2, pipeline on, no clipping: the window's micro-batch ``call`` runs out of memory."""
     kw = dict(max_grad_norm=0.0, gradient_accumulation_steps=2, optim="sgd", learning_rate=0.1, bf16=False)
@@ -43,7 +43,10 @@ def test_oom_split_gives_the_same_steps_and_weights(build, kind, call):
     assert opt.stats()["steps"] == ref_opt.stats()["steps"] == STEPS
     assert opt.stats()["pipelined_steps"] == ref_opt.stats()["pipelined_steps"] == STEPS
     torch.testing.assert_close(
-        torch.tensor(train_log(trainer)), torch.tensor(train_log(reference)), rtol=LOSS_RTOL, atol=0
+        torch.tensor(train_log(trainer)),
+        torch.tensor(train_log(reference)),
+        rtol=LOSS_RTOL,
+        atol=1e-7,  # GRPO's first loss is ~1e-9 (on-policy, zero-mean advantages): an absolute floor
     )
     for a, b in zip(reference.model.parameters(), trainer.model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=PARAM_ATOL)

@@ -118,11 +118,19 @@ def test_oom_in_backward_into_existing_gradients_is_refused():
 
 
 def test_split_batch_keeps_type_and_shared_values():
-    enc = BatchEncoding({"input_ids": torch.arange(10).view(5, 2), "texts": list("abcde"), "scale": 2.0})
+    enc = BatchEncoding(
+        {
+            "input_ids": torch.arange(10).view(5, 2),
+            "texts": list("abcde"),
+            "scale": 2.0,
+            "num_items_in_batch": torch.tensor(7),
+        }
+    )
     first, second = split_batch(enc)
     assert isinstance(first, BatchEncoding)
     assert first["input_ids"].tolist() == [[0, 1], [2, 3], [4, 5]] and second["texts"] == ["d", "e"]
     assert first["scale"] == second["scale"] == 2.0
+    assert first["num_items_in_batch"] is second["num_items_in_batch"]  # 0-d: given to both halves
     assert [t.tolist() for t in split_batch(torch.arange(4))] == [[0, 1], [2, 3]]
 
 

@@ -146,6 +146,7 @@ class OOMSplitTrainingStep(Trainer):
                     f"out of memory in a micro-batch of {type(self).__name__}, whose batches rapidfire_hf does not "
                     f"split (its loss may mix rows). {ADVICE}"
                 ) from err
+        model.train()  # as Trainer.training_step does first: GRPO/RLOO read the mode in _prepare_inputs
         prepared = self._prepare_inputs(inputs)  # once: GRPO/RLOO generate or take their buffer here
         compute_loss = self.compute_loss
 

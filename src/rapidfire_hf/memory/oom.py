@@ -50,7 +50,7 @@ def batch_size(batch: Any) -> int:
         return batch.shape[0]
     if isinstance(batch, Mapping):
         for value in batch.values():
-            if isinstance(value, (torch.Tensor, list, tuple)):
+            if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() > 0):
                 return batch_size(value)
         raise TypeError("cannot tell the batch size of a mapping without tensor or list values")
     if isinstance(batch, Sequence) and not isinstance(batch, str):
@@ -62,7 +62,7 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     """Split a batch in two halves along dim 0 (the first half gets the odd sample).
 
     Tensors and lists of the batch's length in a mapping are split; other values (scalars, ``None``,
-    tensors of another length) are given to both halves. The mapping type is kept when it can be built
+    0-d tensors, tensors of another length) are given to both halves. The mapping type is kept when it can be built
     from a dict (``dict``, ``BatchEncoding``).
     """
     n = batch_size(batch)
@@ -70,7 +70,8 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, Mapping):
         first, second = {}, {}
         for key, value in batch.items():
-            if isinstance(value, (torch.Tensor, list, tuple)) and len(value) == n:
+            rows = isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+            if rows and len(value) == n:
                 first[key], second[key] = value[:cut], value[cut:]
             else:
                 first[key] = second[key] = value
