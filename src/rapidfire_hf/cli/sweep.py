@@ -135,6 +135,12 @@ def run_demo_sweep(args) -> int:
     trials = demo_trials(args.sweep)
     tok, policy, _, _ = DemoTask(seed=args.seed).build()
     shared = _ppo_args(args, out_dir)
+    if shared.use_cpu:
+        import torch
+
+        # the demo model is tiny: a second intra-op thread only adds synchronisation (3 trials, 5 updates:
+        # 3.2 s of CPU time on one thread; with two threads on a loaded 2-core machine ~10x the wall time)
+        torch.set_num_threads(1)
     sweep = PPOSweep(
         args=shared,
         trials=trials,

@@ -66,6 +66,7 @@ class SweepPhases:
         self.stop = tokenizer.eos_token_id if shared.stop_token == "eos" else shared.stop_token_id
         self.decoder, self.lm_head = causal_lm_parts(model)
         self.device = next(model.parameters()).device
+        self._last_route = None
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, trials, batches: list[dict]) -> list[Rollout]:
@@ -84,7 +85,11 @@ class SweepPhases:
         if self.engine.backend == "static":
             q = torch.cat(queries)
             gens = [(x.shape[0], t.update_generator()) for t, x in zip(trials, queries)]
-            with self.bank.route([(t.slot, x.shape[0]) for t, x in zip(trials, queries)]):
+            route = [(t.slot, x.shape[0]) for t, x in zip(trials, queries)]
+            if route != self._last_route:  # recorded decode graphs (GPU) bake the route in: record anew
+                self.engine.release()
+                self._last_route = route
+            with self.bank.route(route):
                 out = self.engine.generate(q, q != self.pad, params, generator=gens)
             responses = out.responses.split([x.shape[0] for x in queries])
             logprobs = out.logprobs.split([x.shape[0] for x in queries])
