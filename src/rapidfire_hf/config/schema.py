@@ -206,7 +206,11 @@ class GradientConfig(_Section):
     )
     sync_interval: int = _field(
         1,
-        "Optimizer steps between host-device syncs that verify predicted updates (1: every step).",
+        "Optimizer steps verified together with one host read (1: every step). Above 1 each step is applied "
+        "at once with its health flags kept on the device; every this many steps they are read (on CUDA "
+        "without waiting: consumed at the next step) and a failure undoes the span from a snapshot taken at "
+        "its start, PPOTrainer replaying its healthy mini-batches (RapidFireOptimizer's sync_interval; the "
+        "trainers of enable_rapidfire, which cannot replay, verify every step).",
         Int(min=1, max=MAX_STEP_INTERVAL),
     )
     bucket_mb: float = _field(
