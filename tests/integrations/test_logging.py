@@ -18,11 +18,11 @@ HEADLINE = [
     "rapidfire/tokens_per_sec",
     "rapidfire/step_time_s",
     "rapidfire/memory/rss_gib",
-    "rapidfire/compactions",
-    "rapidfire/rollbacks",
-    "rapidfire/skipped_batches",
-    "rapidfire/precision_switches",
-    "rapidfire/pipeline_hidden_s",
+    "rapidfire/memory/compactions",
+    "rapidfire/optim/rollbacks",
+    "rapidfire/optim/skipped",
+    "rapidfire/precision/switches",
+    "rapidfire/optim/hook_seconds",
 ]
 
 
@@ -158,3 +158,13 @@ def test_missing_wandb_names_the_extra(monkeypatch):
     monkeypatch.setattr(imports, "is_available", lambda name: name != "wandb")
     with pytest.raises(ImportError, match=r"pip install 'rapidfire_hf\[wandb\]'"):
         WandbLogger()
+
+
+def test_each_counter_is_logged_under_one_name(build):
+    trainer = enable_rapidfire(build("sft", max_steps=2), config=PARITY_CONFIG)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][-1]
+    names = [k for k in logged if k.startswith("rapidfire/")]
+    assert "rapidfire/optim/rollbacks" in names
+    short = {"rapidfire/" + k.rsplit("/", 1)[-1] for k in names if k.count("/") > 1}
+    assert not short & set(names), f"counters logged twice: {sorted(short & set(names))}"

@@ -119,9 +119,9 @@ def _numeric(stats: Any) -> dict[str, float]:
 def part_metrics(trainer) -> dict[str, float]:
     """Counters reported by the rapidfire parts installed on ``trainer`` (optimizer, memory, precision).
 
-    Each part's own ``stats()`` keys are kept under ``optim/``, ``memory/`` and ``precision/``; the
-    headline counters are also given short names (``rollbacks``, ``skipped_batches``, ``compactions``,
-    ``precision_switches``, ``pipeline_hidden_s``) when a part reports them.
+    Each part's own ``stats()`` keys are kept under ``optim/``, ``memory/`` and ``precision/``, one name
+    per counter (e.g. ``optim/rollbacks``, ``optim/skipped``, ``optim/hook_seconds``: the optimizer time
+    spent inside backward's hooks, ``memory/compactions``, ``precision/switches``).
     """
     from rapidfire_hf.integrations.parts import find_rapidfire_optimizer, installed_parts
 
@@ -139,19 +139,6 @@ def part_metrics(trainer) -> dict[str, float]:
     if precision is not None:
         for key, value in _numeric(precision.stats()).items():
             out[f"precision/{key}"] = value
-    aliases = {
-        "rollbacks": ("optim/rollbacks",),
-        "skipped_batches": ("optim/skipped",),
-        # optimizer time spent inside backward's hooks: the step time the pipeline overlapped
-        "pipeline_hidden_s": ("optim/hook_seconds",),
-        "compactions": ("memory/compactions",),
-        "precision_switches": ("precision/switches",),
-    }
-    for short, keys in aliases.items():
-        for key in keys:
-            if key in out:
-                out[short] = out[key]
-                break
     return out
 
 
