@@ -136,11 +136,11 @@ def test_auto_measures_and_applies(tiny_policy, ids):
         return model(input_ids=ids[:1]).logits
 
     level, measured = auto_checkpointing([model], probe, rows=2, device="cpu", free_bytes=1 << 40)
-    assert level == "conservative" and not model.is_gradient_checkpointing
+    assert level == "conservative" and not model.model.layers[0].gradient_checkpointing
     assert measured["conservative"] > measured["balanced"] > measured["aggressive"]
     budget = int(2 * measured["balanced"] / 0.8) + 64  # fits balanced for 2 rows, not conservative
     level, _ = auto_checkpointing([model], probe, rows=2, device="cpu", free_bytes=budget)
-    assert level == "balanced" and model.is_gradient_checkpointing
+    assert level == "balanced" and model.model.layers[0].gradient_checkpointing
     assert activation_bytes(probe) == measured["balanced"]
 
 
@@ -162,3 +162,14 @@ def test_unknown_level_and_unsupported_model():
         apply_selective_checkpointing(torch.nn.Linear(2, 2), "max")
     with pytest.raises(TypeError, match="needs a transformers PreTrainedModel"):
         apply_selective_checkpointing(torch.nn.Linear(2, 2), "balanced")
+
+
+def test_auto_falls_back_to_balanced_when_it_cannot_measure(tiny_policy):
+    model = copy.deepcopy(tiny_policy).train()
+
+    def probe():
+        raise RuntimeError("no measuring here")
+
+    level, measured = auto_checkpointing([model], probe, rows=2, device="cpu", free_bytes=1 << 40)
+    assert level == "balanced" and measured == {}
+    assert model.model.layers[0].gradient_checkpointing

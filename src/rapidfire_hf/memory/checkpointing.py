@@ -47,6 +47,7 @@ LEVELS = ("conservative", "balanced", "aggressive", "auto")
 ORDER = ("conservative", "balanced", "aggressive")  # least recompute first
 # share of the free memory `auto` lets activations take (the rest absorbs fragmentation and temporaries)
 AUTO_HEADROOM = 0.8
+FALLBACK_LEVEL = "balanced"  # what `auto` applies when its measurement fails
 
 # (op name, index of the argument whose last dimension is the contraction)
 _MATMULS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_scaled_mm": 0, "matmul": 0}
@@ -275,13 +276,20 @@ def auto_checkpointing(
         free_bytes: the free memory to budget against (default: :func:`free_device_bytes`).
 
     Returns:
-        ``(level, activation bytes per row by level)``.
+        ``(level, activation bytes per row by level)``; ``FALLBACK_LEVEL`` and what was measured when a
+        measurement raised (logged as a warning).
     """
     measured = {}
-    for level in ORDER:
+    try:
+        for level in ORDER:
+            for m in models:
+                apply_selective_checkpointing(m, level)
+            measured[level] = activation_bytes(probe)
+    except Exception as err:  # e.g. a model whose forward refuses the measuring dispatch mode
+        logger.warning("rapidfire: memory.optimization=auto could not measure (%s); using balanced", err)
         for m in models:
-            apply_selective_checkpointing(m, level)
-        measured[level] = activation_bytes(probe)
+            apply_selective_checkpointing(m, FALLBACK_LEVEL)
+        return FALLBACK_LEVEL, measured
     free = free_device_bytes(device) if free_bytes is None else free_bytes
     budget = int(AUTO_HEADROOM * free) - reserve_bytes
     level = choose_level(measured, rows, budget)
