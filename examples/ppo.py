@@ -12,9 +12,10 @@ or inline JSON (``'{"gradient_pipeline": true}'``); a bad value is refused befor
 processes on a machine without a GPU need ``--use_cpu`` to form one DDP job; without it the script stops
 instead of running duplicate jobs.
 
-Without ``--model_name_or_path`` it trains the embedded demo policy (built from a config, no
-download) on the vowel task; with a local path it trains that causal LM. The reward is the rule-based
-``vowel_reward`` unless ``--reward_model_path`` names a local sequence-classification model.
+Without ``--model_name_or_path`` (or TRL's ``--sft_model_path``) it trains the embedded demo policy
+(built from a config, no download) on the vowel task; with a local path it trains that causal LM. The
+reward is the rule-based ``vowel_reward`` unless ``--reward_model_path`` names a local
+sequence-classification model.
 """
 
 from __future__ import annotations
@@ -39,9 +40,6 @@ class ScriptArguments:
     value_model_path: str | None = field(
         default=None, metadata={"help": "Local value model (default: fused head or demo)."}
     )
-    reward_model_path: str | None = field(
-        default=None, metadata={"help": "Local reward model (default: vowel_reward)."}
-    )
     dataset_path: str | None = field(
         default=None,
         metadata={"help": "A local JSON/JSONL/CSV file with a `prompt` column (default: synthetic)."},
@@ -60,6 +58,7 @@ class ScriptArguments:
 def load_models(script: ScriptArguments, args: PPOConfig):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+    script.model_name_or_path = script.model_name_or_path or args.sft_model_path
     if script.model_name_or_path is None:
         tok, policy, value, _ = DemoTask().build()
         return tok, policy, value if script.value_model_path is None else None
@@ -142,11 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         dataset = make_prompt_dataset(script.num_prompts)
     reward = {}
-    if script.reward_model_path:
+    if args.reward_model_path:
         from transformers import AutoModelForSequenceClassification
 
         reward["reward_model"] = AutoModelForSequenceClassification.from_pretrained(
-            script.reward_model_path, num_labels=1
+            args.reward_model_path, num_labels=1
         )
     else:
         reward["reward_funcs"] = vowel_reward
