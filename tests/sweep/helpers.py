@@ -44,7 +44,7 @@ def lora_config():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
-def make_sweep(tokenizer, out_dir, trials, dataset=None, **shared):
+def make_sweep(tokenizer, out_dir, trials, dataset=None, reward_model=None, **shared):
     """A PPOSweep on the vowel task with ``COMMON`` settings (``shared`` overrides them)."""
     args = PPOConfig(output_dir=str(out_dir), **{**COMMON, **shared})
     return PPOSweep(
@@ -52,7 +52,8 @@ def make_sweep(tokenizer, out_dir, trials, dataset=None, **shared):
         trials=trials,
         model=build_tiny_llama(tokenizer),
         processing_class=tokenizer,
-        reward_funcs=vowel_reward,
+        reward_funcs=None if reward_model is not None else vowel_reward,
+        reward_model=reward_model,
         train_dataset=dataset if dataset is not None else make_prompt_dataset(48),
         peft_config=lora_config(),
         progress=False,

@@ -17,7 +17,6 @@ from rapidfire_hf.ppo.modeling import (
     causal_lm_parts,
     policy_logprobs,
     response_logprobs,
-    reward_model_scores,
     sequence_inputs,
 )
 from rapidfire_hf.ppo.trainer import Experience, Rollout
@@ -35,14 +34,25 @@ def blocks(trials, rows_of) -> list[tuple[object, int, int]]:
     return out
 
 
-def chunk_owners(layout, start: int, end: int) -> list[tuple[object, int]]:
-    """``[(trial, rows), ...]`` of rows ``[start, end)`` of a batch laid out as ``layout`` (see :func:`blocks`)."""
-    owners = []
-    for t, s, e in layout:
-        lo, hi = max(s, start), min(e, end)
-        if lo < hi:
-            owners.append((t, hi - lo))
-    return owners
+def packs(layout, step: int) -> list[list[tuple[object, int, int]]]:
+    """The scoring forwards: each trial's rows cut in pieces of ``step`` as that trial alone cuts them, the
+    pieces of consecutive trials packed into forwards of at most ``step`` rows.
+
+    A piece never straddles two trials, so every small per-piece matmul (a value head, the reward model's
+    one-output head) sees exactly the rows it sees alone: CPU GEMMs of a few rows (``M < 8``) round
+    differently from the same rows inside a larger batch (one ulp, measured).
+    """
+    pieces = [(t, a, min(a + step, e)) for t, s, e in layout for a in range(s, e, step)]
+    out, rows = [], 0
+    for piece in pieces:
+        n = piece[2] - piece[1]
+        if out and rows + n <= step:
+            out[-1].append(piece)
+            rows += n
+        else:
+            out.append([piece])
+            rows = n
+    return out
 
 
 class SweepPhases:
@@ -122,21 +132,19 @@ class SweepPhases:
         step = self.shared.local_rollout_forward_batch_size
         ref_lp, values, scores = [], [], []
         with self._autocast():
-            for i in range(0, qr.shape[0], step):
-                chunk = qr[i : i + step]
+            for pieces in packs(layout, step):
+                lo, hi = pieces[0][1], pieces[-1][2]
+                chunk = qr[lo:hi]
                 ref_lp.append(
                     policy_logprobs(self.model, chunk, self.pad, ctx, self.shared.temperature, self.full_mask)
                 )
-                owners = chunk_owners(layout, i, i + chunk.shape[0])
-                segs = [(t.slot, n) for t, n in owners]
-                heads = [t.value_head for t, _ in owners]
+                segs = [(t.slot, e - s) for t, s, e in pieces]
                 with self.bank.route(segs):
                     hidden = self.decoder(**sequence_inputs(chunk, self.pad, self.full_mask), use_cache=False)
+                heads = [t.value_head for t, _, _ in pieces]
                 values.append(self._heads(heads, segs, hidden.last_hidden_state[:, ctx - 1 : -1]))
                 if self.reward_model is not None:
-                    scores.append(
-                        reward_model_scores(self.reward_model, post_qr[i : i + step], self.pad, ctx)
-                    )
+                    scores.append(self._reward_model_scores(post_qr[lo:hi], segs, ctx))
         ref_lp, values = torch.cat(ref_lp).float(), torch.cat(values).float()
         per_func = torch.cat(scores)[:, None] if scores else self._reward_funcs_scores(rollouts, posts)
         out = []
@@ -163,6 +171,17 @@ class SweepPhases:
             )
             out.append(Experience(rollout=r, adv=adv, postprocessed_responses=post))
         return out
+
+    def _reward_model_scores(self, post_qr: torch.Tensor, segs, ctx: int) -> torch.Tensor:
+        """The reward model's backbone once for the pack; its one-output head per piece (see :func:`packs`)."""
+        rm = self.reward_model
+        backbone = getattr(rm, rm.base_model_prefix)
+        hidden = backbone(
+            **sequence_inputs(post_qr, self.pad, self.full_mask), use_cache=False
+        ).last_hidden_state
+        last = first_true_indices(post_qr[:, ctx:] == self.pad) - 1 + ctx
+        final = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [rows, H]
+        return torch.cat([rm.score(x).squeeze(-1).float() for x in final.split([n for _, n in segs])])
 
     @staticmethod
     def _heads(heads, segs, hidden: torch.Tensor) -> torch.Tensor:
