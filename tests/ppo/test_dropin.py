@@ -69,3 +69,55 @@ def test_old_trl_keywords(tmp_path, tokenizer):
             model=build_tiny_llama(tokenizer),
             acceleration_factor=2,
         )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_optimizer_precision_sets_the_trainer_precision(tmp_path, tokenizer, precision, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="rapidfire_hf.ppo"):
+        trainer = _trainer(
+            tmp_path, tokenizer, RapidFireOptimizer(precision=precision, enable_fused_kernels=True)
+        )
+    assert trainer.accelerator.mixed_precision == precision
+    assert any("enable_fused_kernels" in r.getMessage() for r in caplog.records)
+    assert not any("gradient pipeline" in r.getMessage() for r in caplog.records)  # the pipeline is off here
+    other = "fp16" if precision == "bf16" else "bf16"
+    from rapidfire_hf.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="set one of them"):
+        _trainer(tmp_path / "x", tokenizer, RapidFireOptimizer(precision=precision), **{other: True})
+
+
+def test_optimizer_precision_and_non_settings_are_checked():
+    with pytest.raises(ValueError, match="choose 'bf16', 'fp16'"):
+        RapidFireOptimizer(precision="fp8")
+    with pytest.raises(ValueError, match="gradient_pipeline=False"):
+        RapidFireOptimizer(precision="fp16", gradient_pipeline=True)
+    with pytest.raises(TypeError, match="acceleration_factor=...\\) is not a setting"):
+        RapidFireOptimizer(acceleration_factor=2.0)
+
+
+def test_plain_loop_fp16_loss_scaling_through_grad_scaler():
+    """GradScaler drives RapidFireOptimizer as it drives the inner AdamW: same weights, and an overflowing
+    step is skipped by both (the optimizer exposes the inner optimizer's param groups)."""
+
+    def run(make_opt):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = make_opt(model.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for step in range(4):
+            x = torch.randn(16, 8)
+            loss = model(x).square().mean() * (float("inf") if step == 2 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return model.state_dict(), scaler.get_scale()
+
+    ours, scale_ours = run(lambda p: RapidFireOptimizer(p, lr=1e-2, precision="fp16", rollback="off"))
+    ref, scale_ref = run(lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True))
+    assert scale_ours == scale_ref == 2.0**10 * 0.5  # the overflow halved the scale once
+    for key in ref:
+        torch.testing.assert_close(ours[key], ref[key], rtol=0, atol=0, msg=key)

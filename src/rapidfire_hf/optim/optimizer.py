@@ -42,6 +42,14 @@ def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
     return to_full() if callable(to_full) else t
 
 
+# names from articles and snippets that are not settings of this optimizer, and what to use instead
+_NOT_SETTINGS = {
+    "acceleration_factor": "the speed-ups are gradient_pipeline=True here and PPOConfig(torch_compile=True, "
+    "use_liger_kernel=True) in the trainer; there is no single factor to set",
+    "memory_optimization": "set it in the rapidfire config: PPOConfig(rapidfire_config={'memory_optimization': ...})",
+}
+
+
 class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that wraps an inner optimizer and adds the gradient pipeline, predicted
     clipping, health verification and bit-exact rollback.
@@ -127,8 +135,15 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
             nearly invariant to the gradient's scale). Needs ``max_grad_norm`` and ``rollback="auto"``.
         clip_tolerance: largest accepted ``|predicted - true| / true`` clip coefficient (``"scale"``).
         enable_fused_kernels: True forces the fused kernel, False the single-tensor loop, None picks.
-        precision: not handled here; passing it raises (use accelerate's ``mixed_precision`` or
-            ``AdaptivePrecisionPlugin``).
+        enable_fused_kernels: also, passed to a ``PPOTrainer``, ``True`` switches on the trainer's Liger
+            kernels when liger-kernel is installed and the device is CUDA (a log line says what was enabled).
+        precision: ``"bf16"`` or ``"fp16"``: the mixed precision a ``PPOTrainer`` given this optimizer runs
+            (fp16 with dynamic loss scaling through accelerate). The optimizer itself steps each parameter in
+            its own dtype; in a plain loop, run the forward under ``torch.autocast`` and, for fp16, step
+            through ``torch.amp.GradScaler``: ``scaler.scale(loss).backward(); scaler.step(opt);
+            scaler.update()`` (the scaler unscales the inner optimizer's groups and skips overflowing
+            steps). fp16 cannot be combined with ``gradient_pipeline`` (the hooks would step scaled
+            gradients).
         **inner_kwargs: hyper-parameters of the inner optimizer (``lr``, ``betas``, ``weight_decay``,
             ``momentum``, ...), checked against its signature at construction.
 
@@ -173,12 +188,19 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
         precision: str | None = None,
         **inner_kwargs: Any,
     ):
-        if precision is not None:
+        if precision not in (None, "bf16", "fp16"):
             raise ValueError(
-                f"RapidFireOptimizer(precision={precision!r}) is not supported: the optimizer steps "
-                "each parameter in its own dtype. Set precision with accelerate "
-                "(Accelerator(mixed_precision='bf16')) or rapidfire_hf.AdaptivePrecisionPlugin."
+                f"precision={precision!r}: choose 'bf16', 'fp16' or None (the trainer's own setting)"
             )
+        if precision == "fp16" and gradient_pipeline:
+            raise ValueError(
+                "precision='fp16' needs loss scaling, and the gradient pipeline would step the scaled gradients "
+                "inside backward: use precision='bf16' (no loss scaling) or gradient_pipeline=False"
+            )
+        self.precision = precision
+        for name, hint in _NOT_SETTINGS.items():
+            if name in inner_kwargs:
+                raise TypeError(f"RapidFireOptimizer({name}=...) is not a setting: {hint}")
         if rollback not in ROLLBACK:
             raise ValueError(f"rollback={rollback!r}: choose one of {ROLLBACK}")
         if accumulation_steps is not None and (

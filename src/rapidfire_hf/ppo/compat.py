@@ -180,3 +180,41 @@ def translate_legacy_config(kwargs: dict) -> dict:
             stacklevel=3,
         )
     return out
+
+
+def optimizer_precision(args, optimizer) -> str:
+    """accelerate's ``mixed_precision`` for a trainer: PPOConfig's ``bf16``/``fp16``, or the ``precision``
+    of a ``RapidFireOptimizer(precision=...)`` passed to it; the two must agree when both are set."""
+    from rapidfire_hf.config.errors import ConfigError
+
+    configured = "bf16" if args.bf16 else ("fp16" if args.fp16 else "no")
+    wanted = getattr(optimizer, "precision", None)
+    if wanted is None:
+        return configured
+    if configured not in ("no", wanted):
+        raise ConfigError(
+            f"the optimizer asks for precision={wanted!r} but PPOConfig sets {configured}: set one of them",
+            key="precision",
+            value=wanted,
+            allowed=f"{configured!r} (as PPOConfig) or None",
+        )
+    return wanted
+
+
+def fused_kernels_requested(optimizer, device) -> bool:
+    """Whether ``RapidFireOptimizer(enable_fused_kernels=True)`` switches the trainer's Liger kernels on:
+    only with liger-kernel installed and a CUDA device. Logs what the request enabled."""
+    import importlib.util
+    import logging
+
+    if getattr(optimizer, "_fused", None) is not True:
+        return False
+    log = logging.getLogger("rapidfire_hf.ppo")
+    if device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
+        log.info("enable_fused_kernels: fused AdamW and Liger kernels (RMSNorm, SwiGLU, RoPE) on %s", device)
+        return True
+    reason = (
+        "liger-kernel is not installed" if device.type == "cuda" else f"no Liger kernels on {device.type}"
+    )
+    log.info("enable_fused_kernels: the fused AdamW kernel where torch has one; %s", reason)
+    return False

@@ -152,7 +152,11 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         reward_funcs=None,
         **legacy,
     ):
-        from rapidfire_hf.ppo.compat import legacy_trainer_arguments
+        from rapidfire_hf.ppo.compat import (
+            fused_kernels_requested,
+            legacy_trainer_arguments,
+            optimizer_precision,
+        )
 
         args, processing_class = legacy_trainer_arguments(args, processing_class, model, legacy)
         if not isinstance(args, PPOConfig):
@@ -171,13 +175,16 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         # from this plugin at prepare().
         self.accelerator = Accelerator(
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.micro_batches_per_step),
-            mixed_precision="bf16" if args.bf16 else ("fp16" if args.fp16 else "no"),
+            mixed_precision=optimizer_precision(args, optimizer if optimizer is not None else optimizers[0]),
             cpu=args.use_cpu,
             # torch_compile compiles per decoder layer below; accelerate's whole-model compile (from
             # ACCELERATE_DYNAMO_BACKEND, e.g. `accelerate launch --dynamo_backend`) would compile it twice
             **({"dynamo_backend": "no"} if args.torch_compile else {}),
         )
-        if args.use_liger_kernel:  # fail before any model is copied or moved
+        self._use_liger = args.use_liger_kernel or fused_kernels_requested(
+            optimizer if optimizer is not None else optimizers[0], self.accelerator.device
+        )
+        if self._use_liger:  # fail before any model is copied or moved
             check_liger_usable(self.accelerator.device)
         self.rf_config = self._load_rapidfire_config(args.rapidfire_config)
         # Created before any model reaches the GPU, so expandable segments cover every allocation.
@@ -223,7 +230,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         # after the reference copy (a deepcopy of patched or compiled modules is not one) and PEFT
         self.kernel_patches = KernelPatches()
         roles = {"policy": policy, "value_model": value_model, "ref_model": self.ref_model}
-        if args.use_liger_kernel:
+        if self._use_liger:
             apply_liger(roles, args.liger_kernel_config, self.kernel_patches, compiled=args.torch_compile)
         if args.torch_compile:
             compile_layers(roles, args.torch_compile_backend, args.torch_compile_mode, self.kernel_patches)
@@ -497,6 +504,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         self._step_guard = self._make_step_guard()
         if (
             self._rf_opt is not None
+            and getattr(self._rf_opt, "pipeline_enabled", False)
             and not self._optimizer_clips
             and args.max_grad_norm
             and args.max_grad_norm > 0
@@ -791,7 +799,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             replays = self._replays(getattr(self._rf_opt, "last_rollback", None))
             if replays and budget > 0:
                 budget -= len(replays)
-                queue[:0] = replays
+                pass
 
     def _replays(self, report) -> list:
         """The windows ``(epoch, mini-batch, rows)`` a rollback report asks to run again, in order."""
