@@ -76,3 +76,20 @@ def test_pairs_stay_whole_when_a_preference_batch_is_split():
     assert second["input_ids"].flatten().tolist() == [2, 5]
     assert first["ref_chosen_logps"].tolist() == [0.0, 1.0] and second["ref_chosen_logps"].tolist() == [2.0]
     assert first["beta"] == second["beta"] == 0.1
+
+
+def test_rollout_engine_generation_oom_halves_the_prompts_and_gives_the_same_completions(build, caplog):
+    """GRPO with the rollout engine: greedy generation of 3 prompts runs out of memory above 1 row; the
+    retry in halves gives the completions of the run without the OOM, token for token."""
+    trainer = enable_rapidfire(
+        build("grpo", generation_kwargs={"do_sample": False}), config=PARITY_CONFIG, rollout="hf"
+    )  # the hf backend runs the decoder's forward, where the OOM is injected
+    prompts = [trainer.processing_class(p)["input_ids"] for p in ["task: ab ->", "task: hello ->", "x"]]
+    reference, _ = trainer._generate_single_turn(prompts, None, {}, 1)
+    oom = oom_above_rows(causal_lm_parts(trainer.model)[0], 1, grad=False)
+    with caplog.at_level("WARNING", logger="rapidfire_hf.memory.oom"):
+        recovered, _ = trainer._generate_single_turn(prompts, None, {}, 1)
+    oom.remove()
+    assert oom.raised == 2  # 3 rows, then 2 rows
+    assert sum("OOM in generation" in r.getMessage() for r in caplog.records) == 2
+    assert recovered == reference

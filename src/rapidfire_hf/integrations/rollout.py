@@ -189,6 +189,8 @@ class RolloutPatch:
     def _generate_once(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         from trl.models import unwrap_model_for_generation
 
+        from rapidfire_hf.memory.oom import run_in_chunks
+
         tr = self.trainer
         ids, mask = _left_pad(prompt_ids, tr._tokenizer.pad_token_id, tr.pad_to_multiple_of)
         device = tr.accelerator.device
@@ -207,8 +209,19 @@ class RolloutPatch:
             stack.enter_context(torch.no_grad())
             if getattr(tr, "_dist", None) is not None:
                 stack.enter_context(tr._dist.summon_full_params(tr.model_wrapped, recurse=False))
-            out = self._engine_for(model).generate(ids.to(device), mask.to(device), sampling_params(tr))
-        completions = truncate_after_eos(out.responses, list(tr.eos_token_ids))
+            engine, params = self._engine_for(model), sampling_params(tr)
+            ids, mask = ids.to(device), mask.to(device)
+            # an OOM halves the prompts generated at once and retries (memory.oom.run_in_chunks)
+            parts = run_in_chunks(
+                lambda a, b: engine.generate(ids[a:b], mask[a:b], params).responses,
+                ids.shape[0],
+                ids.shape[0],
+                "generation",
+                on_oom=engine.release,
+                device=device,
+                advice="Lower max_completion_length or max_prompt_length.",
+            )
+        completions = truncate_after_eos(torch.cat(parts), list(tr.eos_token_ids))
         memory = getattr(getattr(tr, "_rapidfire", None), "parts", {}).get("memory")
         if memory is not None:
             # the rollout -> train boundary: the memory part releases the generation's cached blocks

@@ -24,6 +24,7 @@ _EXPORTS = {
     "accelerate_hold": "oom",
     "OOMRecoveryError": "oom",
     "batch_size": "oom",
+    "run_in_chunks": "oom",
     "run_with_oom_recovery": "oom",
     "split_batch": "oom",
     "BatchPrefetcher": "prefetch",
@@ -71,6 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover
         OOMRecoveryError,
         accelerate_hold,
         batch_size,
+        run_in_chunks,
         run_with_oom_recovery,
         split_batch,
     )

@@ -286,6 +286,61 @@ class OOMRecovery:
             p.grad = None
 
 
+def run_in_chunks(
+    run: Callable[[int, int], Any],
+    n: int,
+    chunk: int,
+    what: str,
+    on_oom: Callable[[], None] | None = None,
+    device: torch.device | None = None,
+    advice: str = "Lower the sequence length.",
+) -> list:
+    """``[run(start, stop) for consecutive chunks of n rows]`` of a no-grad phase, halving the chunk on OOM.
+
+    After an OOM the chunk is halved, ``on_oom`` runs (e.g. drop a KV cache built for the failed shape),
+    cached memory is released, the global RNG (CPU, and ``device`` when it is a CUDA device) is put back
+    to where it was before the failed chunk, and the rows of that chunk are run again; the smaller size
+    is kept for the rest of the call. Rows are computed independently, so the results are those of a run
+    with the smaller chunk from there on (the same as without the OOM unless ``run`` samples). Each retry
+    logs a warning.
+
+    Raises:
+        OOMRecoveryError: a single row does not fit; says ``advice``.
+    """
+    out, start = [], 0
+    while start < n:
+        stop = min(n, start + chunk)
+        cpu_rng = torch.random.get_rng_state()
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        cuda_rng = torch.cuda.get_rng_state(device) if on_cuda else None
+        try:
+            out.append(run(start, stop))
+        except torch.OutOfMemoryError as err:
+            message = str(err).splitlines()[0] if str(err) else "CUDA out of memory"
+            if stop - start < 2:
+                raise OOMRecoveryError(
+                    f"out of memory in {what} even on a single row ({message}). {advice}"
+                ) from None
+            if on_oom is not None:
+                on_oom()
+            torch.random.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, device)
+            returned = release_cached_memory(collect_garbage=True)
+            chunk = (stop - start + 1) // 2
+            logger.warning(
+                "rapidfire: OOM in %s on %d rows (%s); released %.0f MiB, retrying %d rows at a time",
+                what,
+                stop - start,
+                message,
+                returned / MiB,
+                chunk,
+            )
+            continue
+        start = stop
+    return out
+
+
 def run_with_oom_recovery(step_fn, batch, max_splits: int = 3, params=None, **kwargs):
     """One-shot form of :class:`OOMRecovery` (no memory of earlier splits). Same arguments."""
     return OOMRecovery(max_splits=max_splits, params=params, **kwargs)(step_fn, batch)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from rapidfire_hf.memory.oom import OOMRecovery, accelerate_hold, release_cached_memory
+from rapidfire_hf.memory.oom import OOMRecovery, accelerate_hold, run_in_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -94,44 +94,20 @@ class OOMRecoveryMixin:
         setting: str,
         on_oom: Callable[[], None] | None = None,
     ):
-        """``[run(start, stop) for consecutive chunks of n rows]``, halving the chunk after each OOM.
+        """``[run(start, stop) for consecutive chunks of n rows]``, halving the chunk after each OOM
+        (:func:`rapidfire_hf.memory.oom.run_in_chunks`: the RNG is put back before a retry)."""
 
-        The global RNG (CPU and the accelerator's CUDA device) is restored before a retry, so a chunk that
-        samples draws as a run with the smaller chunk size would from that chunk on.
-        """
-        device = self.accelerator.device
-        out, start = [], 0
-        while start < n:
-            stop = min(n, start + chunk)
-            cpu_rng = torch.random.get_rng_state()
-            cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-            try:
-                out.append(run(start, stop))
-            except torch.OutOfMemoryError as err:
-                message = str(err).splitlines()[0] if str(err) else "CUDA out of memory"
-                if stop - start < 2:
-                    raise RuntimeError(
-                        f"out of memory in {what} even on a single row ({message}): lower response_length "
-                        "or max_prompt_length."
-                    ) from None
-                if on_oom is not None:  # e.g. the rollout engine's KV cache for the failed shape
-                    on_oom()
-                torch.random.set_rng_state(cpu_rng)
-                if cuda_rng is not None:
-                    torch.cuda.set_rng_state(cuda_rng, device)
-                returned = release_cached_memory(collect_garbage=True)
-                chunk = (stop - start + 1) // 2
-                logger.warning(
-                    "rapidfire: OOM in %s on %d rows (%s); released %.0f MiB, retrying %d rows at a time "
-                    "for the rest of this update (%s)",
-                    what,
-                    stop - start,
-                    message,
-                    returned / 2**20,
-                    chunk,
-                    setting,
-                )
-                self._no_grad_oom_retries = getattr(self, "_no_grad_oom_retries", 0) + 1
-                continue
-            start = stop
-        return out
+        def count_and_release():
+            self._no_grad_oom_retries = getattr(self, "_no_grad_oom_retries", 0) + 1
+            if on_oom is not None:
+                on_oom()
+
+        return run_in_chunks(
+            run,
+            n,
+            chunk,
+            f"{what} ({setting}={chunk})",
+            on_oom=count_and_release,
+            device=self.accelerator.device,
+            advice="Lower response_length or max_prompt_length.",
+        )
