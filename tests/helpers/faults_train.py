@@ -157,3 +157,22 @@ def inf_in_grad_at(step: int, param: torch.Tensor):
         return loss
 
     return inject
+
+
+def nan_observed_loss(optimizer, calls):
+    """Make ``optimizer.observe_loss`` see a NaN on the calls numbered ``calls`` (1-based), once each: the
+    health rules fail for that window while its gradients stay clean (a fault the verification catches
+    and nothing else). ``optimizer.poisoned`` counts the NaNs handed over."""
+    chosen, observe = set(calls), optimizer.observe_loss
+    count = [0]
+
+    def observe_loss(loss):
+        count[0] += 1
+        if count[0] in chosen:
+            optimizer.poisoned += 1
+            loss = loss * float("nan")
+        observe(loss)
+
+    optimizer.poisoned = 0
+    optimizer.observe_loss = observe_loss
+    return optimizer

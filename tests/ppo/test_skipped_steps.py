@@ -18,7 +18,7 @@ from rapidfire_hf.demo import (
 )
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
 from rapidfire_hf.ppo import PPOTrainer
-from tests.helpers.faults_train import nan_reward
+from tests.helpers.faults_train import nan_observed_loss, nan_reward
 from tests.ppo.helpers import ppo_args
 
 STEPS_PER_UPDATE = 4  # ppo_args: 2 epochs x 2 mini-batches
@@ -121,3 +121,21 @@ def test_sync_interval_equals_verifying_every_step(tmp_path, tok):
     assert ref_opt.stats()["skipped"] == STEPS_PER_UPDATE  # each window of update 2 skipped once
     assert opt.stats()["snapshots"] < ref_opt.stats()["snapshots"]  # one per span, not one per step
     assert opt.stats()["rollbacks"] >= 1 and opt.verify_now() is None
+
+
+def test_sync_interval_replays_the_healthy_windows_of_a_failed_span(tmp_path, tok):
+    """One window's health check fails (its observed loss is NaN, its gradients clean): with
+    sync_interval=2 the span of two windows is undone and the healthy one replayed, so the weights equal
+    sync_interval=1 skipping that window alone (bit-exact)."""
+    results = []
+    for interval in (1, 2):
+        cfg = {"gradient": {"pipeline": True, "sync_interval": interval}}
+        trainer, policy = _train(
+            tmp_path / str(interval), tok, vowel_reward, rapidfire_config=cfg, max_steps=2, max_grad_norm=0.0
+        )
+        nan_observed_loss(trainer._rf_opt, calls=[2])  # the second window of update 1 (one micro-batch each)
+        trainer.train()
+        assert trainer._rf_opt.poisoned == 1 and trainer._rf_opt.stats()["skipped"] == 1
+        results.append([p.detach().clone() for p in policy.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
