@@ -77,9 +77,14 @@ def test_optimizer_precision_sets_the_trainer_precision(tmp_path, tokenizer, pre
 
     with caplog.at_level(logging.INFO, logger="rapidfire_hf.ppo"):
         trainer = _trainer(
-            tmp_path, tokenizer, RapidFireOptimizer(precision=precision, enable_fused_kernels=True)
+            tmp_path,
+            tokenizer,
+            RapidFireOptimizer(precision=precision, enable_fused_kernels=True),
+            max_steps=1,
         )
     assert trainer.accelerator.mixed_precision == precision
+    trainer.train()  # the snippet users copy trains
+    assert trainer.state.global_step == 1
     assert any("enable_fused_kernels" in r.getMessage() for r in caplog.records)
     assert not any("gradient pipeline" in r.getMessage() for r in caplog.records)  # the pipeline is off here
     other = "fp16" if precision == "bf16" else "bf16"
