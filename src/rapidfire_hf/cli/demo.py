@@ -142,6 +142,11 @@ def run_demo(args) -> int:
         f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} in {wall:.0f} s on "
         f"{summary['device']}; chart: {out_dir / 'demo_curves.png'}"
     )
+    if summary["pipelined_steps"] is not None:
+        live.console.print(
+            f"gradient pipeline: {summary['pipelined_steps']} optimizer steps pipelined, clip-prediction "
+            f"miss rate {summary['clip_miss_rate']:.1%}, {summary['skipped_steps']} steps skipped"
+        )
     plot_curves(
         history,
         out_dir / "demo_curves.png",
@@ -166,9 +171,24 @@ def _write_outputs(out_dir: Path, history: list[dict], wall: float, trainer) -> 
         "device": str(trainer.accelerator.device),
         "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
         "tokens_per_second_mean": sum(h["tokens_per_second"] for h in history) / len(history),
+        # the gradient pipeline (a rapidfire config): windows stepped inside backward, predicted clip misses
+        **_optimizer_summary(trainer),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _optimizer_summary(trainer) -> dict:
+    """Pipelined steps, clip-prediction miss rate and skipped steps of a RapidFireOptimizer (None without)."""
+    opt = getattr(trainer, "_rf_opt", None)
+    if opt is None:
+        return {"pipelined_steps": None, "clip_miss_rate": None, "skipped_steps": None}
+    stats = opt.stats()
+    return {
+        "pipelined_steps": stats["pipelined_steps"],
+        "clip_miss_rate": stats["clip_misses"] / max(1, stats["clip_checks"]),
+        "skipped_steps": stats["skipped"] - stats["clip_misses"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - `python -m rapidfire_hf.cli.demo`
