@@ -31,7 +31,7 @@ elements also stay 32-bit. ``rapidfire_lowmem3`` builds ``AdamW8bit`` without th
 
 Not counted (add them when comparing with a measurement): cuBLAS keeps a workspace per stream it ran
 a GEMM on (32 MiB on Hopper), and in the stored H200 runs the rollout engine's warm-up streams added one
-per rollout (``lowmem.clear_cublas_workspaces``); about 0.03 GiB (training) to 0.1 GiB (rollout) when
+per rollout (``memory.stats.clear_cublas_workspaces``); about 0.03 GiB (training) to 0.1 GiB (rollout) when
 they are cleared after each rollout.
 
 Generation is estimated from shapes (rapidfire_hf's static rollout engine: KV cache of batch x (prompt
@@ -281,7 +281,7 @@ def grpo_step(
 
 def generation_bytes(shape: dict, prefill_rows: int | None = None) -> dict:
     """Static rollout engine: KV cache + noise buffer + the prefill's largest transient (estimate);
-    ``prefill_rows``: the prefill runs that many prompts at a time (``lowmem.chunk_prefill``)."""
+    ``prefill_rows``: the prefill runs that many prompts at a time (``RolloutEngine(prefill_chunk_rows=...)``)."""
     b, p, c, h = shape["batch"], shape["prompt_len"], shape["completion_len"], shape["hidden"]
     hd = h // shape["heads"]
     kv = shape["layers"] * 2 * b * shape["kv_heads"] * (p + c) * hd * 2
@@ -315,7 +315,7 @@ def estimate(
 ) -> dict:
     """``rows`` is ``rapidfire_lowmem2``'s; ``lowmem3`` overrides ``LOWMEM3`` for ``rapidfire_lowmem3``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from rapidfire_hf.integrations.lowmem import apply_chunked_checkpointing
+    from rapidfire_hf.memory.chunked_checkpoint import apply_chunked_checkpointing
 
     checkpointing, optimizer, pipeline, state_offload = VARIANTS[variant]
     v3 = dict(LOWMEM3, **(lowmem3 or {})) if variant == "rapidfire_lowmem3" else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-GIB = 2.0**30
+from rapidfire_hf.utils.units import GIB
 
 
 def release_rollout_cache_after_each_rollout(
@@ -17,7 +17,7 @@ def release_rollout_cache_after_each_rollout(
 
     With ``state_offload`` (an ``OptimizerStateOffload``), the optimizer state is
     also moved to the host before each rollout and back after it. ``prefill_rows``
-    chunks the engine's prompt prefill (``lowmem.chunk_prefill``) and ``clear_workspaces`` frees cuBLAS's
+    chunks the engine's prompt prefill (``RolloutEngine.chunk_prefill``) and ``clear_workspaces`` frees cuBLAS's
     workspaces after each release. ``timings`` (a dict) collects per rollout the host seconds of the
     engine call (it ends with a device sync: the completions are read on the host) and of the
     offload / release / restore around it.
@@ -32,14 +32,9 @@ def release_rollout_cache_after_each_rollout(
 
     def chunk_prefill_once():
         engine = patch._engine
-        net = getattr(getattr(engine, "_static", None), "net", None)
-        if prefill_rows is None or net is None:
+        if prefill_rows is None or engine is None:
             return False
-        if getattr(net, "_rapidfire_prefill_rows", None) is None:
-            from rapidfire_hf.integrations.lowmem import chunk_prefill
-
-            chunk_prefill(net, prefill_rows)
-        return True
+        return engine.chunk_prefill(prefill_rows)  # RolloutEngine: the static backend only
 
     if prefill_rows is not None:
         engine_for = patch._engine_for
@@ -64,7 +59,7 @@ def release_rollout_cache_after_each_rollout(
             if patch._engine is not None:
                 patch._engine.release()
             if clear_workspaces:
-                from rapidfire_hf.integrations.lowmem import clear_cublas_workspaces
+                from rapidfire_hf.memory.stats import clear_cublas_workspaces
 
                 clear_cublas_workspaces()
             t3 = time.perf_counter()

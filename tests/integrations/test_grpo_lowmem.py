@@ -1,4 +1,5 @@
-"""rapidfire_hf.integrations.lowmem (the mechanisms of ``memory.lowmem``) against stock TRL GRPO (the
+"""The mechanisms of ``memory.lowmem`` (chunked offloaded checkpointing, optimizer-state offload, chunked
+prefill, bitsandbytes pieces) against stock TRL GRPO (the
 benchmark's memory model and helpers are tested in tests/benchmarks/).
 
 Correctness claim checked here: on a tiny Llama in fp32 on the CPU, TRL 1.16's own GRPO loss
@@ -18,6 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from rapidfire_hf.memory.chunked_checkpoint import apply_chunked_checkpointing, checkpoint_module_in_chunks
+from rapidfire_hf.memory.offload import HostOffloader, OptimizerStateOffload
+from rapidfire_hf.memory.stats import clear_cublas_workspaces
+from rapidfire_hf.optim.bnb import skip_bitsandbytes_sync_on_default_stream, use_8bit_embedding_state
+from rapidfire_hf.rollout.prefill import chunk_prefill
 from tests.benchmarks.loader import load_benchmark
 from tests.helpers import grpo_wiring
 
@@ -28,10 +34,6 @@ RTOL, ATOL = 1e-5, 1e-7
 def load(name: str):
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))  # run.py imports its sibling phases.py by name
-    if name == "lowmem":
-        from rapidfire_hf.integrations import lowmem
-
-        return lowmem
     return load_benchmark(f"grpo/{name}.py", keep_on_path=True)
 
 
@@ -77,11 +79,6 @@ def tiny_grpo(tokenizer, tmp_path, steps=2, hidden=64, layers=3, prompts=None, *
         processing_class=tokenizer,
     )
     return trainer
-
-
-@pytest.fixture(scope="module")
-def lowmem():
-    return load("lowmem")
 
 
 def grpo_trainer(tokenizer, tmp_path, device="cpu"):
@@ -153,12 +150,12 @@ def assert_same(reference, candidate):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])  # one row per chunk, a ragged last chunk, one chunk
-def test_grpo_loss_and_gradients_match_stock(lowmem, tokenizer, tmp_path, single_thread, rows):
+def test_grpo_loss_and_gradients_match_stock(tokenizer, tmp_path, single_thread, rows):
     trainer = grpo_trainer(tokenizer, tmp_path)
     inputs = grpo_inputs(len(tokenizer))
     stock = loss_and_grads(trainer, inputs)  # TRL's GRPO loss, no checkpointing
 
-    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=rows, offload=True)
+    offloader = apply_chunked_checkpointing(trainer.model, rows=rows, offload=True)
     fired = []
     for p in trainer.model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
@@ -173,7 +170,7 @@ def test_grpo_loss_and_gradients_match_stock(lowmem, tokenizer, tmp_path, single
     assert offloader.stats.saved == 8
 
 
-def test_bf16_gradients_are_as_close_to_fp32_as_stocks(lowmem, tokenizer, tmp_path, single_thread):
+def test_bf16_gradients_are_as_close_to_fp32_as_stocks(tokenizer, tmp_path, single_thread):
     """bf16 weights, as on the GPU: each chunk's weight-gradient GEMM rounds to bf16 (the partials are
     summed in fp32), so the gradient is not bit-equal to stock's; it is as far from the fp32 gradient
     as stock's own bf16 gradient is (within 25%; measured: 1% apart)."""
@@ -189,19 +186,19 @@ def test_bf16_gradients_are_as_close_to_fp32_as_stocks(lowmem, tokenizer, tmp_pa
     _, stock_grads = loss_and_grads(stock, inputs)
     chunked = grpo_trainer(tokenizer, tmp_path / "c")
     chunked.model.to(torch.bfloat16)
-    lowmem.apply_chunked_checkpointing(chunked.model, rows=2)
+    apply_chunked_checkpointing(chunked.model, rows=2)
     _, chunked_grads = loss_and_grads(chunked, inputs)
     assert all(g.dtype == torch.bfloat16 for g in chunked_grads.values())
     assert 0 < rel(chunked_grads, truth) <= 1.25 * rel(stock_grads, truth)
 
 
-def test_generation_and_no_grad_calls_run_the_original_forward(lowmem, tokenizer, tmp_path, single_thread):
+def test_generation_and_no_grad_calls_run_the_original_forward(tokenizer, tmp_path, single_thread):
     trainer = grpo_trainer(tokenizer, tmp_path)
     model = trainer.model
     ids = grpo_inputs(len(tokenizer))["prompt_ids"]
     with torch.no_grad():
         before = model(input_ids=ids).logits
-    offloader = lowmem.apply_chunked_checkpointing(model, rows=2)
+    offloader = apply_chunked_checkpointing(model, rows=2)
     with torch.no_grad():
         after = model(input_ids=ids).logits
         out = model.generate(ids, max_new_tokens=3, do_sample=False)  # uses the KV cache
@@ -209,12 +206,12 @@ def test_generation_and_no_grad_calls_run_the_original_forward(lowmem, tokenizer
     assert out.shape == (ids.shape[0], ids.shape[1] + 3)
     assert offloader.stats.saved == 0
     with pytest.raises(RuntimeError, match="already applied"):
-        lowmem.apply_chunked_checkpointing(model)
+        apply_chunked_checkpointing(model)
     with pytest.raises(ValueError, match="rows"):
-        lowmem.apply_chunked_checkpointing(grpo_trainer(tokenizer, tmp_path / "b").model, rows=0)
+        apply_chunked_checkpointing(grpo_trainer(tokenizer, tmp_path / "b").model, rows=0)
 
 
-def test_a_module_returning_a_tuple_gets_the_same_structure_back(lowmem, single_thread):
+def test_a_module_returning_a_tuple_gets_the_same_structure_back(single_thread):
     class Layer(torch.nn.Module):  # older transformers decoder layers return (hidden_states, None)
         def __init__(self):
             super().__init__()
@@ -231,7 +228,7 @@ def test_a_module_returning_a_tuple_gets_the_same_structure_back(lowmem, single_
     reference = [layer.lin.weight.grad.clone(), x.grad.clone()]
     layer.zero_grad()
     x.grad = None
-    lowmem._wrap(layer, 2, lowmem.HostOffloader())
+    checkpoint_module_in_chunks(layer, 2, HostOffloader())
     out = layer(x, attention_mask=mask)  # the mask's rows are cut with the batch
     assert isinstance(out, tuple) and out[1] is None
     out[0].sum().backward()
@@ -248,12 +245,12 @@ def _trained_optimizer(seed=0):
     return model, opt
 
 
-def test_optimizer_state_offload_round_trip_keeps_tensor_objects_and_the_next_step(lowmem):
+def test_optimizer_state_offload_round_trip_keeps_tensor_objects_and_the_next_step():
     model, opt = _trained_optimizer()
     twin, twin_opt = _trained_optimizer()
     state = {id(p): dict(s) for p, s in opt.state.items()}
     values = {(id(p), k): v.clone() for p, s in opt.state.items() for k, v in s.items()}
-    off = lowmem.OptimizerStateOffload(opt, include_cpu=True)
+    off = OptimizerStateOffload(opt, include_cpu=True)
     moved = off.offload()
     assert moved == sum(v.numel() * v.element_size() for v in values.values())
     assert all(v.untyped_storage().nbytes() == 0 for s in opt.state.values() for v in s.values())
@@ -272,11 +269,11 @@ def test_optimizer_state_offload_round_trip_keeps_tensor_objects_and_the_next_st
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     # CPU state is left alone unless asked (the benchmark moves GPU state only)
-    assert lowmem.OptimizerStateOffload(opt).offload() == 0
+    assert OptimizerStateOffload(opt).offload() == 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_optimizer_state_offload_with_bitsandbytes_8bit_state(lowmem, single_thread):
+def test_optimizer_state_offload_with_bitsandbytes_8bit_state(single_thread):
     import bitsandbytes as bnb
 
     def trained(offload: bool):
@@ -287,7 +284,7 @@ def test_optimizer_state_offload_with_bitsandbytes_8bit_state(lowmem, single_thr
             w.grad = torch.randn(64, 128, generator=torch.Generator().manual_seed(step))
             opt.step()
             if offload:
-                off = lowmem.OptimizerStateOffload(opt, include_cpu=True)
+                off = OptimizerStateOffload(opt, include_cpu=True)
                 assert off.offload() > 0 and opt.state[w]["state1"].untyped_storage().nbytes() == 0
                 off.restore()
         return w, opt
@@ -301,7 +298,7 @@ def test_optimizer_state_offload_with_bitsandbytes_8bit_state(lowmem, single_thr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(lowmem, tokenizer, tmp_path, single_thread):
+def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(tokenizer, tmp_path, single_thread):
     """The stack of chunked checkpointing and optimizer-state offload wired in by hand, with bitsandbytes' 8-bit AdamW (it runs on the CPU
     too): every window stepped in backward, embedding state 32-bit and the rest 8-bit as transformers
     sets it up, the state moved out and back around each rollout."""
@@ -311,13 +308,13 @@ def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(lowmem, tokenizer, t
     trainer = tiny_grpo(
         tokenizer, tmp_path, steps=3, hidden=128, layers=2, prompts=32, optim="adamw_8bit", learning_rate=1e-6
     )
-    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=3)
+    offloader = apply_chunked_checkpointing(trainer.model, rows=3)
     trainer = enable_rapidfire(
         trainer,
         config={"memory": {"optimization": "aggressive"}},
         optimizer_kwargs={"rollback": "off", "pipeline_bucket_mb": 0.05},  # several buckets at this size
     )
-    state_offload = grpo_wiring.LazyStateOffload(trainer, lowmem.OptimizerStateOffload, include_cpu=True)
+    state_offload = grpo_wiring.LazyStateOffload(trainer, OptimizerStateOffload, include_cpu=True)
     state_offload.install_wait(trainer.accelerator)
     assert grpo_wiring.release_rollout_cache_after_each_rollout(trainer, state_offload=state_offload)
     trainer.train()
@@ -334,13 +331,13 @@ def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(lowmem, tokenizer, t
     assert all(s["loss"] == s["loss"] for s in trainer.state.log_history if "loss" in s)  # finite
 
 
-def test_optimizer_state_offload_moves_a_shared_storage_once(lowmem):
+def test_optimizer_state_offload_moves_a_shared_storage_once():
     p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
     shared = torch.arange(16, dtype=torch.float32)  # like bitsandbytes' qmap, shared by every parameter
     opt = torch.optim.SGD([p, q], lr=0.1)
     opt.state[p] = {"qmap": shared, "m": torch.ones(4)}
     opt.state[q] = {"qmap": shared, "m": torch.ones(4)}
-    off = lowmem.OptimizerStateOffload(opt, include_cpu=True)
+    off = OptimizerStateOffload(opt, include_cpu=True)
     assert off.offload() == 16 * 4 + 2 * 4 * 4
     off.restore()
     assert torch.equal(opt.state[p]["qmap"], torch.arange(16, dtype=torch.float32))
@@ -349,11 +346,11 @@ def test_optimizer_state_offload_moves_a_shared_storage_once(lowmem):
 
 @pytest.mark.gpu
 @ONE_GPU
-def test_cuda_offload_and_prefetch_match_stock(lowmem, tokenizer, tmp_path):
+def test_cuda_offload_and_prefetch_match_stock(tokenizer, tmp_path):
     trainer = grpo_trainer(tokenizer, tmp_path, device="cuda")
     inputs = grpo_inputs(len(tokenizer), device="cuda")
     stock = loss_and_grads(trainer, inputs)
-    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=3, offload=True)
+    offloader = apply_chunked_checkpointing(trainer.model, rows=3, offload=True)
     for _ in range(2):
         assert_same(stock, loss_and_grads(trainer, inputs))
     stats = offloader.stats
@@ -368,7 +365,7 @@ def test_cuda_offload_and_prefetch_match_stock(lowmem, tokenizer, tmp_path):
     loss.backward()
     opt.step()
     values = {(id(p), k): v.clone() for p, s in opt.state.items() for k, v in s.items() if torch.is_tensor(v)}
-    off = lowmem.OptimizerStateOffload(opt)
+    off = OptimizerStateOffload(opt)
     assert off.offload() > 0
     torch.cuda.synchronize()
     off.restore()
@@ -384,19 +381,19 @@ def test_cuda_offload_and_prefetch_match_stock(lowmem, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("rows, forward_rows", [(3, 5), (8, 2)])  # wider and narrower forward chunks
 def test_forward_rows_apart_from_backward_rows_match_stock(
-    lowmem, tokenizer, tmp_path, single_thread, rows, forward_rows
+    tokenizer, tmp_path, single_thread, rows, forward_rows
 ):
     trainer = grpo_trainer(tokenizer, tmp_path)
     inputs = grpo_inputs(len(tokenizer))
     stock = loss_and_grads(trainer, inputs)
-    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=rows, forward_rows=forward_rows)
+    offloader = apply_chunked_checkpointing(trainer.model, rows=rows, forward_rows=forward_rows)
     assert_same(stock, loss_and_grads(trainer, inputs))
     assert offloader.stats.saved == 4
     with pytest.raises(ValueError, match="forward_rows"):
-        lowmem.apply_chunked_checkpointing(grpo_trainer(tokenizer, tmp_path / "b").model, forward_rows=0)
+        apply_chunked_checkpointing(grpo_trainer(tokenizer, tmp_path / "b").model, forward_rows=0)
 
 
-def test_chunk_prefill_fills_the_cache_and_samples_like_one_prefill(lowmem, tokenizer, single_thread):
+def test_chunk_prefill_fills_the_cache_and_samples_like_one_prefill(tokenizer, single_thread):
     """The static engine (on the CPU here, eager decode) with its prefill run 3 prompts at a time: the
     same KV cache rows, the same last hidden states, the same sampled tokens as one prefill."""
     from rapidfire_hf.demo import build_tiny_llama
@@ -413,7 +410,7 @@ def test_chunk_prefill_fills_the_cache_and_samples_like_one_prefill(lowmem, toke
         engine = RolloutEngine(model, tokenizer.pad_token_id, [], backend="static", decode_mode="eager")
         net = engine._static.net
         if rows is not None:
-            lowmem.chunk_prefill(net, rows)
+            chunk_prefill(net, rows)
         calls = []
         prefill = net.prefill
 
@@ -434,21 +431,21 @@ def test_chunk_prefill_fills_the_cache_and_samples_like_one_prefill(lowmem, toke
     torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=RTOL, atol=1e-6)
     with pytest.raises(RuntimeError, match="already"):
         engine = RolloutEngine(model, tokenizer.pad_token_id, [], backend="static", decode_mode="eager")
-        lowmem.chunk_prefill(engine._static.net, 2)
-        lowmem.chunk_prefill(engine._static.net, 2)
+        chunk_prefill(engine._static.net, 2)
+        chunk_prefill(engine._static.net, 2)
     with pytest.raises(ValueError, match="rows"):
-        lowmem.chunk_prefill(engine._static.net, 0)
+        chunk_prefill(engine._static.net, 0)
 
 
-def test_clear_cublas_workspaces_is_a_no_op_without_cuda(lowmem):
+def test_clear_cublas_workspaces_is_a_no_op_without_cuda():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         pytest.skip("CUDA is up: the call really clears (covered by the GPU run)")
-    assert lowmem.clear_cublas_workspaces() is False
+    assert clear_cublas_workspaces() is False
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(lowmem, tokenizer, tmp_path, single_thread):
-    """lowmem.use_8bit_embedding_state: AdamW8bit with the trainer's own optim='adamw_8bit' arguments, and
+def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(tokenizer, tmp_path, single_thread):
+    """use_8bit_embedding_state: AdamW8bit with the trainer's own optim='adamw_8bit' arguments, and
     the embedding's state 8-bit as well (transformers keeps it 32-bit for optim='adamw_8bit')."""
     import bitsandbytes as bnb
     from trl import GRPOConfig, GRPOTrainer
@@ -481,7 +478,7 @@ def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(lowmem, tokeniz
             processing_class=tokenizer,
         )
         if eight_bit_embedding:
-            info = lowmem.use_8bit_embedding_state(trainer)
+            info = use_8bit_embedding_state(trainer)
             assert "AdamW8bit" in info["optimizer_cls"] and "optim_bits" not in info["kwargs"]
         opt = trainer.create_optimizer()
         for p in trainer.model.parameters():
@@ -514,7 +511,7 @@ def test_8bit_embedding_state_keeps_the_trainers_hyperparameters(lowmem, tokeniz
 
 
 def test_reused_host_buffers_give_stocks_loss_and_gradients_step_after_step(
-    lowmem, tokenizer, tmp_path, single_thread
+    tokenizer, tmp_path, single_thread
 ):
     """HostOffloader(reuse_host_buffers=True), run through real copies to host buffers and back (copy_on_cpu):
     the first step creates one buffer per saved input (3 layers + the final norm), every later step takes
@@ -529,7 +526,7 @@ def test_reused_host_buffers_give_stocks_loss_and_gradients_step_after_step(
         b["advantages"] = torch.randn(b["advantages"].shape, generator=g)
         batches.append(b)
     stock = [loss_and_grads(trainer, b) for b in batches]
-    offloader = lowmem.apply_chunked_checkpointing(
+    offloader = apply_chunked_checkpointing(
         trainer.model, rows=3, forward_rows=5, reuse_host_buffers=True, copy_on_cpu=True
     )
     for n, (b, ref) in enumerate(zip(batches, stock), start=1):
@@ -547,14 +544,14 @@ def test_reused_host_buffers_give_stocks_loss_and_gradients_step_after_step(
     gc.collect()
     assert len([x for bufs in offloader._pool.values() for x in bufs]) == 4
     # without reuse every save gets a new buffer
-    plain = lowmem.apply_chunked_checkpointing(
+    plain = apply_chunked_checkpointing(
         grpo_trainer(tokenizer, tmp_path / "b").model, rows=3, copy_on_cpu=True
     )
     assert plain.reuse_host_buffers is False
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_skip_bitsandbytes_sync_keeps_other_streams_and_cpu_syncing(lowmem):
+def test_skip_bitsandbytes_sync_keeps_other_streams_and_cpu_syncing():
     """The wrapper is installed once, passes CPU tensors (and, on CUDA, a non-default current stream) to
     bitsandbytes' own sync_gpu, and an 8-bit AdamW step through it gives the same result as before."""
     import bitsandbytes.optim.optimizer as bnb_optimizer
@@ -565,9 +562,9 @@ def test_skip_bitsandbytes_sync_keeps_other_streams_and_cpu_syncing(lowmem):
         bnb_optimizer.sync_gpu = lambda t: seen.append(
             t.device.type
         )  # stands for the real sync: record calls
-        assert lowmem.skip_bitsandbytes_sync_on_default_stream() is True
+        assert skip_bitsandbytes_sync_on_default_stream() is True
         wrapped = bnb_optimizer.sync_gpu
-        assert lowmem.skip_bitsandbytes_sync_on_default_stream() is True and bnb_optimizer.sync_gpu is wrapped
+        assert skip_bitsandbytes_sync_on_default_stream() is True and bnb_optimizer.sync_gpu is wrapped
         wrapped(torch.zeros(1))
         assert seen == ["cpu"]
         if torch.cuda.is_available():
@@ -583,13 +580,13 @@ def test_skip_bitsandbytes_sync_keeps_other_streams_and_cpu_syncing(lowmem):
 
 @pytest.mark.gpu
 @ONE_GPU
-def test_cuda_reused_pinned_buffers_and_bnb_without_syncs_match(lowmem, tokenizer, tmp_path):
+def test_cuda_reused_pinned_buffers_and_bnb_without_syncs_match(tokenizer, tmp_path):
     """On the GPU: pooled pinned buffers survive a CUDA-graph capture (which empties torch's pinned cache) and
     later steps still match stock; AdamW8bit without its per-parameter syncs gives the same bits."""
     trainer = grpo_trainer(tokenizer, tmp_path, device="cuda")
     inputs = grpo_inputs(len(tokenizer), device="cuda")
     stock = loss_and_grads(trainer, inputs)
-    offloader = lowmem.apply_chunked_checkpointing(trainer.model, rows=3, reuse_host_buffers=True)
+    offloader = apply_chunked_checkpointing(trainer.model, rows=3, reuse_host_buffers=True)
     assert_same(stock, loss_and_grads(trainer, inputs))
     pool = [x.data_ptr() for bufs in offloader._pool.values() for x in bufs]
     assert len(pool) == 4 and all(x.is_pinned() for bufs in offloader._pool.values() for x in bufs)
@@ -616,7 +613,7 @@ def test_cuda_reused_pinned_buffers_and_bnb_without_syncs_match(lowmem, tokenize
         return w.detach().clone()
 
     before = steps()
-    lowmem.skip_bitsandbytes_sync_on_default_stream()
+    skip_bitsandbytes_sync_on_default_stream()
     assert torch.equal(steps(), before)
 
 

@@ -120,7 +120,7 @@ def _old_benchmark_wiring(trainer):
     chunk sizes."""
     import trl.trainer.utils as trl_utils
 
-    from rapidfire_hf.integrations.lowmem import apply_chunked_checkpointing
+    from rapidfire_hf.memory.chunked_checkpoint import apply_chunked_checkpointing
 
     trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = 64
     offloader = apply_chunked_checkpointing(

@@ -134,15 +134,10 @@ class RolloutPatch:
             self.timings.setdefault(key, [])
 
     def _chunk_prefill(self) -> bool:
-        """Chunk the current static engine's prefill (once per engine net); whether it is chunked."""
-        net = getattr(getattr(self._engine, "_static", None), "net", None)
-        if self.prefill_rows is None or net is None:
+        """Chunk the current engine's prefill (``RolloutEngine.chunk_prefill``); whether it is chunked."""
+        if self.prefill_rows is None or self._engine is None:
             return False
-        if getattr(net, "_rapidfire_prefill_rows", None) is None:
-            from rapidfire_hf.integrations.lowmem import chunk_prefill
-
-            chunk_prefill(net, self.prefill_rows)
-        return True
+        return self._engine.chunk_prefill(self.prefill_rows)
 
     def _engine_for(self, model):
         # The engine holds the training weights (no copy); rebuild only if the unwrapped model changes.
@@ -155,6 +150,7 @@ class RolloutPatch:
                 pad_token_id=tr._tokenizer.pad_token_id,
                 stop_token_ids=list(tr.eos_token_ids),
                 backend=self.backend,
+                prefill_chunk_rows=self.prefill_rows,
             )
             self._engine_model = model
         self._chunk_prefill()  # the engine is built at the first rollout: chunk it from there on
@@ -180,7 +176,7 @@ class RolloutPatch:
             self.timings["prefill_chunked_rollouts"].append(self._chunk_prefill())
             if self._engine is not None:
                 self._engine.release()
-            from rapidfire_hf.integrations.lowmem import clear_cublas_workspaces
+            from rapidfire_hf.memory.stats import clear_cublas_workspaces
 
             clear_cublas_workspaces()  # no recorded graph uses them after the release
             self.timings["engine_s"].append(t1 - t0)

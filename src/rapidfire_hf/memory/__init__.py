@@ -1,4 +1,5 @@
-"""Memory management: compaction callback, telemetry, OOM recovery, selective checkpointing, prefetch.
+"""Memory management: compaction callback, telemetry, OOM recovery, selective and chunked offloaded
+checkpointing, host offload of optimizer state, prefetch.
 
 See docs/architecture.md ("The parts"). Nothing here imports other rapidfire_hf parts except ``utils``;
 configuration arrives duck-typed (anything with ``compaction_threshold``, ``optimization``,
@@ -15,6 +16,10 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "setup_allocator": "allocator",
     "MemoryCompactionCallback": "callback",
+    "ChunkedCheckpoint": "chunked_checkpoint",
+    "apply_chunked_checkpointing": "chunked_checkpoint",
+    "checkpoint_module_in_chunks": "chunked_checkpoint",
+    "decoder_layers": "chunked_checkpoint",
     "activation_bytes": "checkpointing",
     "apply_selective_checkpointing": "checkpointing",
     "auto_checkpointing": "checkpointing",
@@ -27,8 +32,12 @@ _EXPORTS = {
     "run_in_chunks": "oom",
     "run_with_oom_recovery": "oom",
     "split_batch": "oom",
+    "HostOffloader": "offload",
+    "OffloadStats": "offload",
+    "OptimizerStateOffload": "offload",
     "BatchPrefetcher": "prefetch",
     "MemorySample": "stats",
+    "clear_cublas_workspaces": "stats",
     "compaction_reason": "stats",
     "release_cached_memory": "stats",
     "sample_memory": "stats",
@@ -67,6 +76,13 @@ if TYPE_CHECKING:  # pragma: no cover
         cost_policy,
         selective_context_fn,
     )
+    from rapidfire_hf.memory.chunked_checkpoint import (  # noqa: F401
+        ChunkedCheckpoint,
+        apply_chunked_checkpointing,
+        checkpoint_module_in_chunks,
+        decoder_layers,
+    )
+    from rapidfire_hf.memory.offload import HostOffloader, OffloadStats, OptimizerStateOffload  # noqa: F401
     from rapidfire_hf.memory.oom import (  # noqa: F401
         OOMRecovery,
         OOMRecoveryError,
@@ -79,6 +95,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rapidfire_hf.memory.prefetch import BatchPrefetcher  # noqa: F401
     from rapidfire_hf.memory.stats import (  # noqa: F401
         MemorySample,
+        clear_cublas_workspaces,
         compaction_reason,
         release_cached_memory,
         sample_memory,

@@ -9,6 +9,7 @@ import torch
 
 from rapidfire_hf.rollout.hf_backend import hf_generate
 from rapidfire_hf.rollout.llama_forward import unsupported_reason
+from rapidfire_hf.rollout.prefill import check_prefill_rows, chunk_prefill, prefill_rows
 from rapidfire_hf.rollout.types import RolloutOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class RolloutEngine:
             (force the static engine; also runs on CPU) or "hf" (``model.generate``).
         decode_mode: static engine only: "auto", "eager", "cuda_graph" or "compile".
         decode_attention: static engine only: "sdpa" (fused GQA attention on CUDA) or "matmul".
+        prefill_chunk_rows: static engine only: run the prompt prefill that many prompts at a time, which
+            divides the rollout's largest transient (one layer's MLP over every prompt token) by
+            ``batch / prefill_chunk_rows`` (``None``: all prompts at once; the hf backend ignores it).
 
     Example:
         >>> engine = RolloutEngine(policy, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
@@ -73,9 +77,12 @@ class RolloutEngine:
         backend: str = "auto",
         decode_mode: str = "auto",
         decode_attention: str = "sdpa",
+        prefill_chunk_rows: int | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if prefill_chunk_rows is not None:
+            check_prefill_rows(prefill_chunk_rows)
         # DDP: generation needs no gradient sync, so work on the wrapped module (same weights)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
@@ -96,8 +103,30 @@ class RolloutEngine:
             from rapidfire_hf.rollout.static_engine import StaticEngine
 
             self._static = StaticEngine(
-                model, self.pad_token_id, self.stop_token_ids, decode_mode, attention=decode_attention
+                model,
+                self.pad_token_id,
+                self.stop_token_ids,
+                decode_mode,
+                attention=decode_attention,
+                prefill_rows=prefill_chunk_rows,
             )
+
+    @property
+    def prefill_chunk_rows(self) -> int | None:
+        """Prompts per prefill chunk (``None``: not chunked, or the hf backend)."""
+        return prefill_rows(self._static.net) if self._static is not None else None
+
+    def chunk_prefill(self, rows: int) -> bool:
+        """Run the prefill ``rows`` prompts at a time from now on; whether it is chunked (static backend).
+
+        An engine already chunked keeps its chunk size.
+        """
+        check_prefill_rows(rows)
+        if self._static is None:
+            return False
+        if self.prefill_chunk_rows is None:
+            chunk_prefill(self._static.net, rows)
+        return True
 
     def release(self) -> None:
         """Free the static engine's KV cache, buffers and recorded graphs (rebuilt on the next call)."""

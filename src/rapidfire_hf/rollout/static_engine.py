@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from rapidfire_hf.rollout.llama_forward import StaticLlama
+from rapidfire_hf.rollout.prefill import chunk_prefill
 from rapidfire_hf.rollout.sampling import sample_tokens
 from rapidfire_hf.rollout.types import SamplingParams
 
@@ -87,6 +88,8 @@ class StaticEngine:
             benchmarks/rollout/results); eager elsewhere.
         prompt_bucket: prompts are left-padded to a multiple of this width so shapes repeat.
         attention: decode attention, "sdpa" (fused on CUDA) or "matmul" (see ``gqa_decode_attention``).
+        prefill_rows: run the prompt prefill that many prompts at a time (``rollout.prefill.chunk_prefill``;
+            ``None``: all at once).
     """
 
     def __init__(
@@ -97,8 +100,11 @@ class StaticEngine:
         decode_mode: str = "auto",
         prompt_bucket: int = 32,
         attention: str = "sdpa",
+        prefill_rows: int | None = None,
     ):
         self.net = StaticLlama(model, attention)
+        if prefill_rows is not None:
+            chunk_prefill(self.net, prefill_rows)
         self.model = model
         self.pad_token_id = pad_token_id
         self.stop_token_ids = list(stop_token_ids)

@@ -1,0 +1,3 @@
+"""Byte units shared by the parts' reports."""
+
+GIB = 2**30  # bytes in a GiB
