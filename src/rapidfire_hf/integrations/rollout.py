@@ -70,9 +70,10 @@ def truncate_after_eos(responses: torch.Tensor, eos_ids: list[int]) -> list[list
 
     The same rule as TRL's plain-generate branch, so completions have the same format.
     """
+    from rapidfire_hf.ppo.core import lengths_through_stop
+
     responses = responses.cpu()
-    is_eos = torch.isin(responses, torch.tensor(eos_ids))
-    lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, responses.size(1))
+    lengths = lengths_through_stop(responses, eos_ids)
     return [row[:n].tolist() for row, n in zip(responses, lengths.tolist())]
 
 

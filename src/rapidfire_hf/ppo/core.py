@@ -46,9 +46,25 @@ def truncate_after_stop(
     """
     if stop_token_id is None:
         return responses
-    stop_at = first_true_indices(responses == stop_token_id).unsqueeze(-1)  # [B, 1]
+    keep = lengths_through_stop(responses, [stop_token_id]).unsqueeze(-1)  # [B, 1]
     idx = torch.arange(responses.shape[1], device=responses.device)
-    return responses.masked_fill(idx > stop_at, pad_token_id)
+    return responses.masked_fill(idx >= keep, pad_token_id)
+
+
+def lengths_through_stop(responses: torch.Tensor, stop_token_ids: list[int]) -> torch.Tensor:
+    """Per row, the number of tokens up to and including the first stop token (``R`` where there is none).
+
+    Args:
+        responses: [B, R] token ids.
+        stop_token_ids: the token ids that end a response.
+
+    Returns:
+        [B] long.
+    """
+    is_stop = torch.isin(
+        responses, torch.tensor(stop_token_ids, dtype=responses.dtype, device=responses.device)
+    )
+    return (first_true_indices(is_stop) + 1).clamp_max(responses.shape[1])
 
 
 def response_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
