@@ -179,6 +179,8 @@ def test_split_in_accumulation_windows_steps_once_per_window(pipeline):
     model, opt, oom = _accumulated_run(oom_rows=4, pipeline=pipeline)
     assert oom.raised == 1  # the first micro-batch; the later ones are split up front
     assert opt.stats()["steps"] == ref_opt.stats()["steps"] == 2
+    # each parameter stepped by the inner AdamW once per window
+    assert {int(st["step"]) for st in opt.inner.state.values()} == {2}
     assert opt.stats()["pipelined_steps"] == ref_opt.stats()["pipelined_steps"]
     for p_ref, p in zip(reference.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(p, p_ref, atol=ATOL, rtol=RTOL)

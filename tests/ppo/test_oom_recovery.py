@@ -92,9 +92,15 @@ def test_oom_split_gives_the_same_optimizer_steps_and_update(tmp_path, tokenizer
     # update is split up front); the second update runs whole micro-batches again
     assert oom.rows == {2: [4, 4, 2, 2, 4, 4], 1: [4, 2, 2, 2, 2, 4, 4]}[call]
     assert opt.stats()["steps"] == ref_opt.stats()["steps"] == 2
+    assert _adamw_steps(opt) == _adamw_steps(ref_opt) == {2}  # the inner AdamW stepped each parameter twice
     assert opt.stats()["pipelined_steps"] == ref_opt.stats()["pipelined_steps"]
     for a, b in zip(_params(reference), _params(trainer), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=ATOL)
+
+
+def _adamw_steps(opt) -> set[int]:
+    """The step counts of the inner AdamW's parameters (one per optimizer step applied to each)."""
+    return {int(state["step"]) for state in opt.inner.state.values()}
 
 
 def test_gives_up_after_max_splits_with_a_message_naming_settings_that_act(tmp_path, tokenizer):
