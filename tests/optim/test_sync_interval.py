@@ -130,3 +130,15 @@ def test_sync_interval_one_reports_rollbacks_too():
 def test_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
         RapidFireOptimizer(make_model().parameters(), lr=1e-2, **kw)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_async_verify_with_sync_interval_one(pipeline):
+    """Every step applied before its verdict, read at the next window: a NaN at step K undoes K and K+1
+    (computed on K's weights) and K+1 is replayed; the run equals the one without batch K."""
+    model = make_model()
+    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=pipeline, async_verify=True)
+    rollbacks = []
+    train_with_replay(model, opt, list(range(STEPS)), bad={K}, rollbacks=rollbacks)
+    assert [(r.steps, r.replay) for r in rollbacks] == [([K, K + 1], [K + 1])]
+    assert_same_params(model, reference(skipped={K}))

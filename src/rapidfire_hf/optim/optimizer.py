@@ -112,7 +112,9 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
             ``last_rollback`` then lists what was undone and which steps the caller must replay (see
             :mod:`rapidfire_hf.optim.spans`); call :meth:`verify_now` before saving or stopping.
         async_verify: read a span's verdict with a non-blocking copy consumed at the next window (None:
-            on CUDA only; True forces it on the CPU too, where the copy is a plain read).
+            on CUDA, for ``sync_interval > 1``; True: always, and with ``sync_interval=1`` every step is
+            then applied before its verdict, a snapshot taken before each, and a failure undoes it and
+            the window after it, both listed in ``last_rollback``; False: read at the span's end).
         grad_z_threshold: largest healthy z-score of the gradient norm.
         loss_z_threshold: largest healthy z-score of the observed loss (see :meth:`observe_loss`).
         warmup_steps: verified steps during which the z-score rules compare a value with the typical

@@ -79,7 +79,9 @@ class SpanMixin:
 
     @property
     def _span_mode(self) -> bool:
-        return self.sync_interval > 1 and self.rollback == "auto"
+        """Spans of ``sync_interval`` steps; with ``sync_interval=1`` only when ``async_verify=True``
+        (each step then applied before its verdict, which arrives at the next window)."""
+        return self.rollback == "auto" and (self.sync_interval > 1 or self.async_verify is True)
 
     def _span_snapshot(self) -> None:
         """Before the first update of a span: snapshot every parameter and its state (a verified state)."""
