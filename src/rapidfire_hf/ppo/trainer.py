@@ -682,15 +682,14 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         # (a separate 7B policy then stays sharded under ZeRO-3 / FSDP2); the policy too when it is its
         # own reference (LoRA) or carries the value head
         needed = unwrapped.value_model if not unwrapped.fused and self.ref_model is not None else None
-        with (
-            gathered_for_generation(self.accelerator, self.model, needed),
-            self._reference_context() as ref,
-            self.accelerator.autocast(),
-        ):
+        with gathered_for_generation(self.accelerator, self.model, needed), self.accelerator.autocast():
 
             def score_rows(start, stop):
                 chunk = qr[start:stop]
-                lp = policy_logprobs(ref, chunk, pad, ctx, args.temperature, unwrapped.full_mask)
+                # only the reference log-probs run with the adapter off (LoRA); the values, from the fused
+                # head on the policy's hidden states, need the adapter on, as in training
+                with self._reference_context() as ref:
+                    lp = policy_logprobs(ref, chunk, pad, ctx, args.temperature, unwrapped.full_mask)
                 if self.reward_model is None:
                     return lp, self._values(unwrapped, chunk, ctx), None
                 rm = reward_model_scores(self.reward_model, post_qr[start:stop], pad, ctx)
@@ -799,7 +798,7 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
             replays = self._replays(getattr(self._rf_opt, "last_rollback", None))
             if replays and budget > 0:
                 budget -= len(replays)
-                pass
+                queue[:0] = replays
 
     def _replays(self, report) -> list:
         """The windows ``(epoch, mini-batch, rows)`` a rollback report asks to run again, in order."""
