@@ -437,6 +437,7 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
             self._pipeline.rebuild(self.inner)  # load_state_dict replaced the groups and the state dict
         self._applied_since_snapshot = self.snapshot_interval  # the next pipelined window snapshots afresh
         self._span_snapshot_valid = False
+        self._span, self._verdict, self._discard = [], None, False  # unverified steps of the old state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
