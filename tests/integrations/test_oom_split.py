@@ -53,7 +53,9 @@ def test_oom_split_gives_the_same_steps_and_weights(build, kind, call):
 
 
 def test_gives_up_naming_the_settings_that_act(build):
-    with pytest.raises(OOMRecoveryError, match="splitting the micro-batch 3 time") as err:
+    with pytest.raises(
+        OOMRecoveryError, match=r"chunk of 1 sample\(s\) after splitting the micro-batch 2 time"
+    ) as err:
         _train(build, "sft", inject=lambda m: oom_above_rows(m, 0, grad=True), max_grad_norm=0.0)
     message = str(err.value)
     assert "per_device_train_batch_size" in message and "gradient_checkpointing" in message
