@@ -197,16 +197,26 @@ def configs(args) -> list[dict]:
             ("rapidfire", "fused", "fused"),
         ):
             for peft in (None, "lora"):
-                rows.append(
-                    {
+                for batch in (
+                    args.size_batches_trl if system == "trl" else [args.size_batch_ours or args.size_batch]
+                ):
+                    row = {
                         **size,
+                        "batch": batch,
                         "system": system,
                         "value_mode": mode,
                         "peft": peft,
                         **({"lora": LORA} if peft else {}),
-                        "name": f"s7_{tag}_{peft or 'full'}",
+                        "name": f"s7_{tag}_{peft or 'full'}"
+                        + (f"_b{batch}" if batch != args.size_batch else ""),
                     }
-                )
+                    if system == "rapidfire":  # ours: its own micro-batch and generation/scoring chunks
+                        row["micro"] = min(args.size_micro_ours or args.size_micro, batch)
+                        if args.ours_gen_chunk:
+                            row["rollout_generation_batch_size"] = args.ours_gen_chunk
+                        if args.ours_score_chunk:
+                            row["score_chunk"] = args.ours_score_chunk
+                    rows.append(row)
     return rows
 
 
@@ -438,7 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "trainers collapse onto the pad token, results/cpu/learning_learn_small/)",
     )
     p.add_argument("--learn-kl-coef", type=float, default=0.01)
-    p.add_argument("--learn-target-mod", type=int, default=4, help="reward: share of response ids % N == 0")
+    p.add_argument("--learn-target-mod", type=int, default=4, help="reward: share of response ids %% N == 0")
     p.add_argument("--learn-temperature", type=float, default=1.0)
     p.add_argument(
         "--learn-max-grad-norm",
@@ -464,6 +474,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-shape", default="llama-7b", choices=SHAPES)
     p.add_argument("--size-batch", type=int, default=8)
     p.add_argument("--size-micro", type=int, default=8)
+    p.add_argument(
+        "--size-batches-trl",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=None,
+        help="size7b: stock TRL's rollout batches, one row each (default --size-batch)",
+    )
+    p.add_argument(
+        "--size-batch-ours", type=int, default=None, help="size7b: our rollout batch (default --size-batch)"
+    )
+    p.add_argument(
+        "--size-micro-ours", type=int, default=None, help="size7b: our micro-batch (default --size-micro)"
+    )
     p.add_argument("--size-updates", type=int, default=2, help="updates per size7b config (first is warm-up)")
     p.add_argument("--size-prompt-len", type=int, default=128)
     p.add_argument("--size-response-len", type=int, default=128)
@@ -522,6 +544,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "as TRL gets); rows get _s<N>",
     )
     args = p.parse_args(argv)
+    if args.size_batches_trl is None:
+        args.size_batches_trl = [args.size_batch]
     for flag in ("ours_gen_chunk", "ours_score_chunk"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
