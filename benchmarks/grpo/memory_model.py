@@ -57,8 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-GIB = 2.0**30
-MIB = 2.0**20
+from rapidfire_hf.utils.units import GIB, MIB
 
 
 class LiveBytes(TorchDispatchMode):
@@ -315,6 +314,10 @@ def estimate(
 ) -> dict:
     """``rows`` is ``rapidfire_lowmem2``'s; ``lowmem3`` overrides ``LOWMEM3`` for ``rapidfire_lowmem3``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # trl.trainer.utils before tracking: TRL's LM-head backward imports it on first use, and that import
+    # (transformers -> peft -> bitsandbytes) allocates tensors the tracker would count in a first estimate
+    import trl.trainer.utils  # noqa: F401
+
     from rapidfire_hf.memory.chunked_checkpoint import apply_chunked_checkpointing
 
     checkpointing, optimizer, pipeline, state_offload = VARIANTS[variant]

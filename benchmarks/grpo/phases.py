@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-GIB = 2.0**30
+from rapidfire_hf.utils.units import GIB
 
 
 class PhaseMemory:

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from phases import PhaseMemory, speed  # noqa: E402
 
 from benchmarks.common import environment, save_figure, write_json  # noqa: E402
+from rapidfire_hf.utils.units import GIB  # noqa: E402
 
 VARIANTS = ("stock", "rapidfire", "rapidfire_lowmem")
 DESCRIPTIONS = {
@@ -105,7 +106,6 @@ SMOKE = dict(
     steps=2,
 )
 GENERATIONS = 8
-GIB = 2.0**30
 
 
 def build_tokenizer(vocab: int | None):

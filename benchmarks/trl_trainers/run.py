@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from benchmarks.common import environment as common_environment  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
+from rapidfire_hf.utils.units import GIB  # noqa: E402
 
 TRAINERS = ("sft", "dpo")
 FULL = dict(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, vocab=32000, seq=2048)
@@ -276,7 +277,6 @@ def train_and_measure(trainer, tokens_per_step: int) -> dict:
     except torch.OutOfMemoryError:
         status = "OOM"
     wall = time.perf_counter() - start
-    gib = 2.0**30
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     after = step_s[1:] if status == "ok" else []
     return {
@@ -289,8 +289,8 @@ def train_and_measure(trainer, tokens_per_step: int) -> dict:
         "tokens_per_s_all_steps": tokens_per_step * len(step_s) / wall if after else None,
         "loss": [h["loss"] for h in logs],
         "grad_norm": [h.get("grad_norm") for h in logs],
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / gib if cuda else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib if cuda else None,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None,
         "last_log": logs[-1] if logs else {},
     }
 

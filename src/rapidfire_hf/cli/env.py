@@ -16,6 +16,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from rapidfire_hf.utils.units import GIB
+
 # packages rapidfire_hf needs, by distribution name
 CORE_PACKAGES = ("torch", "transformers", "accelerate", "trl", "peft", "datasets")
 # optional packages, by import name
@@ -83,10 +85,10 @@ def _memory() -> dict[str, float | None]:
         import psutil
 
         mem = psutil.virtual_memory()
-        return {"total_gib": round(mem.total / 2**30, 1), "available_gib": round(mem.available / 2**30, 1)}
+        return {"total_gib": round(mem.total / GIB, 1), "available_gib": round(mem.available / GIB, 1)}
     except ImportError:
         pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-        total = pages * os.sysconf("SC_PAGE_SIZE") / 2**30 if pages else None
+        total = pages * os.sysconf("SC_PAGE_SIZE") / GIB if pages else None
         return {"total_gib": round(total, 1) if total else None, "available_gib": None}
 
 
@@ -106,7 +108,7 @@ def _torch_info() -> dict[str, Any]:
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
             info["devices"].append(
-                f"cuda:{index} {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})"
+                f"cuda:{index} {props.name} ({props.total_memory / GIB:.0f} GiB, sm_{props.major}{props.minor})"
             )
         info["bf16_supported"] = torch.cuda.is_bf16_supported()
     mps = getattr(torch.backends, "mps", None)

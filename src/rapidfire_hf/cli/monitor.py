@@ -22,6 +22,8 @@ import math
 import re
 import time
 
+from rapidfire_hf.utils.units import GIB, MIB
+
 EXIT_OK, EXIT_NO_PROCESS, EXIT_NOT_RAPIDFIRE, EXIT_ENDED, EXIT_STREAM = 0, 3, 4, 5, 6
 MIN_INTERVAL_S = 0.1  # below this the view refreshes faster than anyone reads and burns a core
 # C0/C1 control characters (ESC starts every terminal escape sequence), DEL, and bidirectional overrides
@@ -146,7 +148,7 @@ def _snapshot(summary, pid: int) -> dict:
 def _gib(n) -> str:
     if not _number(n):
         return "-" if n is None else _text(n)
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**28 else f"{n / 2**20:.1f} MiB"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 4 else f"{n / MIB:.1f} MiB"
 
 
 def _text(value) -> str:

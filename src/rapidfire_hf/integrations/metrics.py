@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from rapidfire_hf.utils.units import GIB
+
 PREFIX = "rapidfire/"
 
 # Dense bf16 tensor-core peak per GPU, from the vendors' datasheets (FLOP/s). Matched as a substring of
@@ -84,19 +86,18 @@ def memory_metrics(device: torch.device | None) -> dict[str, float]:
 
     On a CUDA device the numbers come from the caching allocator; on a CPU only the process RSS is known.
     """
-    gib = 2.0**30
     out: dict[str, float] = {}
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         allocated = torch.cuda.memory_allocated(device)
         reserved = torch.cuda.memory_reserved(device)
-        out["memory/allocated_gib"] = allocated / gib
-        out["memory/reserved_gib"] = reserved / gib
-        out["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
+        out["memory/allocated_gib"] = allocated / GIB
+        out["memory/reserved_gib"] = reserved / GIB
+        out["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["memory/fragmentation"] = 1.0 - allocated / reserved if reserved else 0.0
     try:
         import psutil
 
-        out["memory/rss_gib"] = psutil.Process(os.getpid()).memory_info().rss / gib
+        out["memory/rss_gib"] = psutil.Process(os.getpid()).memory_info().rss / GIB
     except ImportError:  # psutil is a dependency; keep logging alive if someone removed it
         pass
     return out
