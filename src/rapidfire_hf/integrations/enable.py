@@ -6,7 +6,7 @@ import functools
 import logging
 from typing import Any
 
-from rapidfire_hf.integrations.parts import STATE_ATTR, RapidFireState, optional_attr
+from rapidfire_hf.integrations.parts import STATE_ATTR, RapidFireState
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +157,6 @@ def _check_lowmem(trainer, mode: str, rollout, optimizer_kwargs, options, cfg) -
             "memory.lowmem needs the gradient pipeline (gradient.pipeline: true): it frees each gradient "
             "as soon as its bucket is stepped"
         )
-    if optional_attr("rapidfire_hf.optim", "RapidFireOptimizer") is None:
-        problems.append("memory.lowmem needs RapidFireOptimizer (rapidfire_hf.optim is not installed)")
     if problems:
         raise RapidFireIntegrationError(
             f"cannot apply memory.lowmem={mode!r} to this {type(trainer).__name__}:\n- "
@@ -192,9 +190,7 @@ def _set_pipeline(trainer, enabled: bool) -> None:
 
 
 def _install_optimizer(trainer, state: RapidFireState, optimizer_kwargs: dict[str, Any] | None) -> None:
-    if optional_attr("rapidfire_hf.optim", "RapidFireOptimizer") is None:
-        state.skipped.append("RapidFireOptimizer (rapidfire_hf.optim is not installed)")
-    elif trainer.is_deepspeed_enabled:
+    if trainer.is_deepspeed_enabled:
         state.skipped.append("RapidFireOptimizer (DeepSpeed owns the optimizer)")
     else:
         from rapidfire_hf.integrations.optimizer import install_optimizer
@@ -203,20 +199,15 @@ def _install_optimizer(trainer, state: RapidFireState, optimizer_kwargs: dict[st
 
 
 def _install_memory(trainer, state: RapidFireState) -> None:
-    cls = optional_attr("rapidfire_hf.memory", "MemoryCompactionCallback")
-    if cls is None:
-        state.skipped.append("memory compaction (rapidfire_hf.memory is not installed)")
-        return
-    callback = cls(state.config.memory, telemetry_dir=state.config.logging.telemetry_dir)
+    from rapidfire_hf.memory import MemoryCompactionCallback
+
+    callback = MemoryCompactionCallback(state.config.memory, telemetry_dir=state.config.logging.telemetry_dir)
     trainer.add_callback(callback)
     state.parts["memory"] = callback
     state.installed.append(f"MemoryCompactionCallback ({state.config.memory.optimization.value})")
 
 
 def _install_oom(trainer, state: RapidFireState) -> None:
-    if optional_attr("rapidfire_hf.memory", "OOMRecovery") is None:
-        state.skipped.append("OOM split-and-retry (rapidfire_hf.memory is not installed)")
-        return
     from rapidfire_hf.integrations.oom import install_oom_recovery
 
     state.installed.append(install_oom_recovery(trainer))
@@ -230,11 +221,8 @@ def _install_memory_options(trainer, state: RapidFireState) -> None:
 
 
 def _install_precision(trainer, state: RapidFireState) -> None:
-    cls = optional_attr("rapidfire_hf.precision", "AdaptivePrecisionPlugin")
-    if cls is None:
-        state.skipped.append("adaptive precision (rapidfire_hf.precision is not installed)")
-        return
     from rapidfire_hf.integrations.callbacks import PrecisionPluginCallback, trainer_precision
+    from rapidfire_hf.precision import AdaptivePrecisionPlugin
 
     # The trainer's own autocast (args.bf16 / args.fp16) is the base precision the model computes in;
     # the plugin cannot change it from outside, so its `initial` follows the trainer.
@@ -247,7 +235,7 @@ def _install_precision(trainer, state: RapidFireState) -> None:
             initial,
             initial,
         )
-    callback = PrecisionPluginCallback(cls.from_config(prec, initial=initial), trainer)
+    callback = PrecisionPluginCallback(AdaptivePrecisionPlugin.from_config(prec, initial=initial), trainer)
     trainer.add_callback(callback)
     state.parts["precision"] = callback
     state.installed.append(f"AdaptivePrecisionPlugin ({prec.mode.value}, base precision {initial})")
@@ -256,9 +244,6 @@ def _install_precision(trainer, state: RapidFireState) -> None:
 def _install_rollout(trainer, state: RapidFireState, backend: str) -> None:
     if not hasattr(trainer, "_generate_single_turn"):
         return  # not a generating trainer: nothing to say
-    if optional_attr("rapidfire_hf.rollout", "RolloutEngine") is None:
-        state.skipped.append("rollout engine (rapidfire_hf.rollout is not installed)")
-        return
     from rapidfire_hf.integrations.rollout import install_rollout, supports_rollout
 
     reason = supports_rollout(trainer)

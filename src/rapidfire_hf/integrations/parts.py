@@ -1,45 +1,22 @@
-"""Lazy access to the other rapidfire parts, each optional, and the state ``enable_rapidfire`` leaves."""
+"""The state ``enable_rapidfire`` leaves on a trainer, and finding the ``RapidFireOptimizer`` it installed."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
+
+from rapidfire_hf.optim import RapidFireOptimizer
 
 STATE_ATTR = "_rapidfire"
 
 
-def try_import(module: str) -> ModuleType | None:
-    """Import a rapidfire part, or return ``None`` when that part is not in this installation.
-
-    Only the absence of the module itself counts as "not there"; an error raised inside the part (a
-    broken import of a third-party library, say) propagates, so it is not silently skipped.
-    """
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name and (module == err.name or module.startswith(err.name + ".")):
-            return None
-        raise
-
-
-def optional_attr(module: str, name: str) -> Any:
-    """``module.name`` or ``None`` when the part or the name does not exist (yet)."""
-    mod = try_import(module)
-    return getattr(mod, name, None) if mod is not None else None
-
-
-def find_rapidfire_optimizer(optimizer: Any) -> Any:
+def find_rapidfire_optimizer(optimizer: Any) -> RapidFireOptimizer | None:
     """The ``RapidFireOptimizer`` inside ``optimizer`` (through accelerate's wrapper), or ``None``."""
-    cls = optional_attr("rapidfire_hf.optim", "RapidFireOptimizer")
-    if cls is None:
-        return None
     seen = 0
     while (
         optimizer is not None and seen < 4
     ):  # AcceleratedOptimizer -> RapidFireOptimizer, at most a few levels
-        if isinstance(optimizer, cls):
+        if isinstance(optimizer, RapidFireOptimizer):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
         seen += 1
