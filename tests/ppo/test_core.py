@@ -213,6 +213,12 @@ def test_truncate_after_stop_hand_examples():
     )
 
 
+def test_lengths_through_stop_hand_examples():
+    responses = torch.tensor([[5, 2, 7, 3], [3, 5, 5, 5], [5, 6, 7, 8]])
+    assert core.lengths_through_stop(responses, [2, 3]).tolist() == [2, 1, 4]  # the first of either id
+    assert core.lengths_through_stop(responses, []).tolist() == [4, 4, 4]
+
+
 def test_first_true_indices_and_masks_hand_examples():
     bools = torch.tensor([[False, True, True], [False, False, False], [True, False, False]])
     assert core.first_true_indices(bools).tolist() == [1, 3, 0]
