@@ -76,7 +76,6 @@ def release_rollout_cache_after_each_rollout(
     return True
 
 
-
 class LazyStateOffload:
     """``OptimizerStateOffload`` of ``trainer.optimizer``, built at the first rollout (after create_optimizer)."""
 
@@ -115,5 +114,3 @@ class LazyStateOffload:
             "gib_per_rollout": [m / GIB for m in self.moved],
             "storages_not_movable": self.impl.skipped if self.impl is not None else 0,
         }
-
-

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-MiB = 1 << 20
+from rapidfire_hf.utils.units import MIB as MiB  # the name memory.oom/callback import
 
 
 @dataclass
