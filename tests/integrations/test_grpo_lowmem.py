@@ -1,6 +1,6 @@
-"""The mechanisms of ``memory.lowmem`` (chunked offloaded checkpointing, optimizer-state offload, chunked
-prefill, bitsandbytes pieces) against stock TRL GRPO (the
-benchmark's memory model and helpers are tested in tests/benchmarks/).
+"""The mechanisms of ``memory.lowmem`` inside TRL's GRPO (chunked offloaded checkpointing, the hand-wired stack,
+the 8-bit embedding state) against stock TRL GRPO. Each mechanism alone: tests/memory/test_offload.py,
+tests/rollout/test_prefill.py, tests/optim/test_bnb.py; the benchmark's memory model: tests/benchmarks/.
 
 Correctness claim checked here: on a tiny Llama in fp32 on the CPU, TRL 1.16's own GRPO loss
 (``GRPOTrainer._compute_loss``) and every parameter gradient are the same with the chunked, offloaded
@@ -21,9 +21,7 @@ import torch
 
 from rapidfire_hf.memory.chunked_checkpoint import apply_chunked_checkpointing, checkpoint_module_in_chunks
 from rapidfire_hf.memory.offload import HostOffloader, OptimizerStateOffload
-from rapidfire_hf.memory.stats import clear_cublas_workspaces
 from rapidfire_hf.optim.bnb import skip_bitsandbytes_sync_on_default_stream, use_8bit_embedding_state
-from rapidfire_hf.rollout.prefill import chunk_prefill
 from tests.benchmarks.loader import load_benchmark
 from tests.helpers import grpo_wiring
 
@@ -236,67 +234,6 @@ def test_a_module_returning_a_tuple_gets_the_same_structure_back(single_thread):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-6)
 
 
-def _trained_optimizer(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(4, 8)).sum().backward()
-    opt.step()
-    return model, opt
-
-
-def test_optimizer_state_offload_round_trip_keeps_tensor_objects_and_the_next_step():
-    model, opt = _trained_optimizer()
-    twin, twin_opt = _trained_optimizer()
-    state = {id(p): dict(s) for p, s in opt.state.items()}
-    values = {(id(p), k): v.clone() for p, s in opt.state.items() for k, v in s.items()}
-    off = OptimizerStateOffload(opt, include_cpu=True)
-    moved = off.offload()
-    assert moved == sum(v.numel() * v.element_size() for v in values.values())
-    assert all(v.untyped_storage().nbytes() == 0 for s in opt.state.values() for v in s.values())
-    with pytest.raises(RuntimeError, match="already offloaded"):
-        off.offload()
-    off.restore()
-    off.wait()
-    for p, s in opt.state.items():
-        for k, v in s.items():
-            assert v is state[id(p)][k]  # the same tensor object the optimizer (or a bucket view) holds
-            assert torch.equal(v, values[(id(p), k)])
-    for m, o in ((model, opt), (twin, twin_opt)):  # the next step is the one without offloading
-        o.zero_grad()
-        m(torch.ones(4, 8)).sum().backward()
-        o.step()
-    for a, b in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(a, b)
-    # CPU state is left alone unless asked (the benchmark moves GPU state only)
-    assert OptimizerStateOffload(opt).offload() == 0
-
-
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_optimizer_state_offload_with_bitsandbytes_8bit_state(single_thread):
-    import bitsandbytes as bnb
-
-    def trained(offload: bool):
-        torch.manual_seed(0)
-        w = torch.nn.Parameter(torch.randn(64, 128))  # >= 4096 elements: 8-bit state (uint8 + absmax + qmap)
-        opt = bnb.optim.AdamW([w], lr=1e-2, optim_bits=8)
-        for step in range(3):
-            w.grad = torch.randn(64, 128, generator=torch.Generator().manual_seed(step))
-            opt.step()
-            if offload:
-                off = OptimizerStateOffload(opt, include_cpu=True)
-                assert off.offload() > 0 and opt.state[w]["state1"].untyped_storage().nbytes() == 0
-                off.restore()
-        return w, opt
-
-    (w0, opt0), (w1, opt1) = trained(False), trained(True)
-    assert opt1.state[w1]["state1"].dtype == torch.uint8
-    assert torch.equal(w0, w1)
-    for k, v in opt0.state[w0].items():
-        if torch.is_tensor(v):
-            assert torch.equal(v, opt1.state[w1][k]), k
-
-
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
 def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(tokenizer, tmp_path, single_thread):
     """The stack of chunked checkpointing and optimizer-state offload wired in by hand, with bitsandbytes' 8-bit AdamW (it runs on the CPU
@@ -329,19 +266,6 @@ def test_lowmem2_stack_with_8bit_adamw_pipelines_every_step(tokenizer, tmp_path,
     assert len(moved) == 3 and moved[0] == 0 and moved[1] > 0  # no state before the first step
     assert offloader.stats.saved == 3 * 3
     assert all(s["loss"] == s["loss"] for s in trainer.state.log_history if "loss" in s)  # finite
-
-
-def test_optimizer_state_offload_moves_a_shared_storage_once():
-    p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
-    shared = torch.arange(16, dtype=torch.float32)  # like bitsandbytes' qmap, shared by every parameter
-    opt = torch.optim.SGD([p, q], lr=0.1)
-    opt.state[p] = {"qmap": shared, "m": torch.ones(4)}
-    opt.state[q] = {"qmap": shared, "m": torch.ones(4)}
-    off = OptimizerStateOffload(opt, include_cpu=True)
-    assert off.offload() == 16 * 4 + 2 * 4 * 4
-    off.restore()
-    assert torch.equal(opt.state[p]["qmap"], torch.arange(16, dtype=torch.float32))
-    assert opt.state[q]["qmap"] is shared
 
 
 @pytest.mark.gpu
@@ -391,56 +315,6 @@ def test_forward_rows_apart_from_backward_rows_match_stock(
     assert offloader.stats.saved == 4
     with pytest.raises(ValueError, match="forward_rows"):
         apply_chunked_checkpointing(grpo_trainer(tokenizer, tmp_path / "b").model, forward_rows=0)
-
-
-def test_chunk_prefill_fills_the_cache_and_samples_like_one_prefill(tokenizer, single_thread):
-    """The static engine (on the CPU here, eager decode) with its prefill run 3 prompts at a time: the
-    same KV cache rows, the same last hidden states, the same sampled tokens as one prefill."""
-    from rapidfire_hf.demo import build_tiny_llama
-    from rapidfire_hf.rollout import RolloutEngine, SamplingParams
-
-    model = build_tiny_llama(tokenizer, layers=2).eval()
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, len(tokenizer), (8, 7), generator=g)
-    mask = torch.ones_like(ids)
-    ids[0, :3], mask[0, :3] = tokenizer.pad_token_id, 0  # a left-padded prompt
-    params = SamplingParams(max_new_tokens=6, temperature=1.0)
-
-    def rollout(rows):
-        engine = RolloutEngine(model, tokenizer.pad_token_id, [], backend="static", decode_mode="eager")
-        net = engine._static.net
-        if rows is not None:
-            chunk_prefill(net, rows)
-        calls = []
-        prefill = net.prefill
-
-        def spy(input_ids, attention_mask, cos, sin, k_cache, v_cache):
-            out = prefill(input_ids, attention_mask, cos, sin, k_cache, v_cache)
-            calls.append((out.clone(), [k.clone() for k in k_cache], [v.clone() for v in v_cache]))
-            return out
-
-        net.prefill = spy
-        out = engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(0))
-        return out, calls[0]
-
-    (ref, (h0, k0, v0)), (got, (h1, k1, v1)) = rollout(None), rollout(3)
-    torch.testing.assert_close(h1, h0, rtol=RTOL, atol=1e-6)
-    for a, b in zip(k0 + v0, k1 + v1):
-        torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-6)
-    assert torch.equal(got.responses, ref.responses)
-    torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=RTOL, atol=1e-6)
-    with pytest.raises(RuntimeError, match="already"):
-        engine = RolloutEngine(model, tokenizer.pad_token_id, [], backend="static", decode_mode="eager")
-        chunk_prefill(engine._static.net, 2)
-        chunk_prefill(engine._static.net, 2)
-    with pytest.raises(ValueError, match="rows"):
-        chunk_prefill(engine._static.net, 0)
-
-
-def test_clear_cublas_workspaces_is_a_no_op_without_cuda():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        pytest.skip("CUDA is up: the call really clears (covered by the GPU run)")
-    assert clear_cublas_workspaces() is False
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
@@ -548,34 +422,6 @@ def test_reused_host_buffers_give_stocks_loss_and_gradients_step_after_step(
         grpo_trainer(tokenizer, tmp_path / "b").model, rows=3, copy_on_cpu=True
     )
     assert plain.reuse_host_buffers is False
-
-
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_skip_bitsandbytes_sync_keeps_other_streams_and_cpu_syncing():
-    """The wrapper is installed once, passes CPU tensors (and, on CUDA, a non-default current stream) to
-    bitsandbytes' own sync_gpu, and an 8-bit AdamW step through it gives the same result as before."""
-    import bitsandbytes.optim.optimizer as bnb_optimizer
-
-    original = bnb_optimizer.sync_gpu
-    seen = []
-    try:
-        bnb_optimizer.sync_gpu = lambda t: seen.append(
-            t.device.type
-        )  # stands for the real sync: record calls
-        assert skip_bitsandbytes_sync_on_default_stream() is True
-        wrapped = bnb_optimizer.sync_gpu
-        assert skip_bitsandbytes_sync_on_default_stream() is True and bnb_optimizer.sync_gpu is wrapped
-        wrapped(torch.zeros(1))
-        assert seen == ["cpu"]
-        if torch.cuda.is_available():
-            t = torch.zeros(1, device="cuda")
-            wrapped(t)
-            assert seen == ["cpu"]  # default stream: skipped
-            with torch.cuda.stream(torch.cuda.Stream()):
-                wrapped(t)
-            assert seen == ["cpu", "cuda"]
-    finally:
-        bnb_optimizer.sync_gpu = original
 
 
 @pytest.mark.gpu

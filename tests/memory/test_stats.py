@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from rapidfire_hf.memory.stats import MemorySample, MiB, compaction_reason, holdings, sample_memory
+from rapidfire_hf.memory.stats import (
+    MemorySample,
+    MiB,
+    clear_cublas_workspaces,
+    compaction_reason,
+    holdings,
+    sample_memory,
+)
 
 
 def cuda_sample(allocated: int, reserved: int) -> MemorySample:
@@ -101,3 +109,9 @@ def test_callback_pressure_fraction_is_validated_and_off_the_gpu_adds_no_conditi
     cb = MemoryCompactionCallback(pressure_fraction=0.5, telemetry=False, expandable_segments=False)
     if not torch.cuda.is_available():
         assert cb.min_reserved_bytes() is None
+
+
+def test_clear_cublas_workspaces_is_a_no_op_without_cuda():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pytest.skip("CUDA is up: the call really clears (covered by the GPU run)")
+    assert clear_cublas_workspaces() is False
