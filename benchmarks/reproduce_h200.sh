@@ -34,6 +34,7 @@ ENTRIES=(
   "ppo_speedups_b256|ppo_vs_trl/results/h200/speedups_b256|torch_compile / Liger / micro-batch 32 at batch 256"
   "ppo_fused_b4096|ppo_vs_trl/results/h200/fused_b4096_gen_chunks|fused value head at rollout batch 4096"
   "ppo_size7b|ppo_vs_trl/results/h200/size7b|7B shape, full fine-tuning and LoRA, every mode"
+  "ppo_size7b_512tok|ppo_vs_trl/results/h200/size7b_512tok|7B LoRA at 128+384 tokens: stock b8-64, ours fused b160-512"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
   "grpo_balanced|grpo/results/h200/balanced|GRPO balanced config (README row 6)"
@@ -74,6 +75,16 @@ entry() {  # the commands of one entry, writing into $1
     ppo_fused_b4096) $PPO --out "$o" --part throughput --updates 1 --timeout 195 --trl-batches "" --our-batches "" \
         --fused-batches 4096 --ours-decode-mode cuda_graph --ours-gen-chunk 512 ;;
     ppo_size7b) $PPO --out "$o" --part size7b --size-timeout 400 ;;
+    ppo_size7b_512tok)  # four calls on one GPU, each pairing a stock and an our batch; then the summary
+      local s7="--part size7b --size-prompt-len 128 --size-response-len 384 --size-updates 4 --size-timeout 300"
+      local ours="--only s7_fused_lora --size-micro-ours 8 --ours-score-chunk 16"
+      $PPO --out "$o/c1o" $s7 $ours --size-batch-ours 160 && $PPO --out "$o/c1t" $s7 --only s7_trl_lora --size-batches-trl 8
+      $PPO --out "$o/c2t" $s7 --only s7_trl_lora --size-batches-trl 16 && $PPO --out "$o/c2o" $s7 $ours --size-batch-ours 256 --ours-gen-chunk 256
+      $PPO --out "$o/c3t" $s7 --only s7_trl_lora --size-batches-trl 32
+      $PPO --out "$o/c4t" $s7 --only s7_trl_lora --size-batches-trl 64 && $PPO --out "$o/c4o" $s7 $ours --size-batch-ours 512 --ours-gen-chunk 256
+      for c in c1o:call1_ours_b160 c1t:call1_trl_b8 c2t:call2_trl_b16 c2o:call2_ours_b256 c3t:call3_trl_b32 \
+          c4t:call4_trl_b64 c4o:call4_ours_b512; do cp "$o/${c%%:*}/results.json" "$o/${c##*:}.json"; done
+      $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
     ppo_learning_sweep)
       local lr system seeds
       for spec in "3e-4 learn_trl 16" "3e-4 learn_rapidfire_separate 16" "3e-4 learn_rapidfire_fused 8" \

@@ -1,6 +1,7 @@
 """One table and one chart from every stored PPO throughput run in results/h200/ (same GPU, same workload).
 
     python benchmarks/ppo_vs_trl/summarize.py [--results benchmarks/ppo_vs_trl/results/h200]
+    python benchmarks/ppo_vs_trl/summarize.py --size7b benchmarks/ppo_vs_trl/results/h200/size7b_512tok
 
 Reads the row files that run.py wrote (any *.json with "rows" in the folder and the results.json of every
 sub-folder), keeps the throughput rows, and writes summary.csv and summary.png: tokens/s against rollout batch
@@ -44,10 +45,76 @@ def load_rows(folder: Path) -> list[dict]:
     return rows
 
 
+SIZE_FIELDS = ["file", "name", "system", "peft", "value_mode", "batch", "micro", "status", "tokens_per_s",
+               "timed_median_s", "timed_min_s", "timed_max_s", "gen_share", "peak_gib"]  # fmt: skip
+
+
+def size7b_summary(folder: Path) -> list[dict]:
+    """summary.csv and size7b.png of the size7b rows stored in ``folder/*.json`` (one file per run.py call):
+    tokens/s and peak memory against rollout batch per system, with the median/min/max of the timed updates
+    (every update after the first)."""
+    import statistics
+
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        for row in json.loads(path.read_text()).get("rows", []):
+            if row.get("part") != "size7b" or row.get("status") != "ok":
+                continue
+            timed = row["update_times"][1:]
+            rows.append(
+                {
+                    **row,
+                    "file": path.name,
+                    "timed_median_s": statistics.median(timed),
+                    "timed_min_s": min(timed),
+                    "timed_max_s": max(timed),
+                }  # fmt: skip
+            )
+    with open(folder / "summary.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=SIZE_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for (system, mode), label in LABELS.items():
+        pts = sorted(
+            (r["batch"], r["tokens_per_s"], r["peak_gib"])
+            for r in rows
+            if (r["system"], r["value_mode"]) == (system, mode)
+        )
+        if pts:
+            for ax, i in ((axes[0], 1), (axes[1], 2)):
+                ax.plot([p[0] for p in pts], [p[i] for p in pts], "o-", label=label)
+    for ax, ylabel in zip(axes, ("tokens / s (median of the timed updates)", "peak GiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rollout batch (prompts)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    shape = rows[0] if rows else {}
+    fig.suptitle(f"{shape.get('shape', '')} PPO, {shape.get('prompt_len')} prompt + {shape.get('response_len')} "
+                 "response tokens, one GPU")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(folder / "size7b.png", dpi=90)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results" / "h200")
-    folder = p.parse_args().results
+    p.add_argument(
+        "--size7b", type=Path, default=None, help="summarise the size7b rows of this folder instead"
+    )
+    parsed = p.parse_args()
+    if parsed.size7b is not None:
+        for row in size7b_summary(parsed.size7b):
+            print({k: row.get(k) for k in SIZE_FIELDS})
+        return
+    folder = parsed.results
     rows = load_rows(folder)
     fields = [
         "system",
