@@ -228,7 +228,8 @@ class GradientConfig(_Section):
         "coefficient predicted from the last window, rolling back (PPO: replaying) a window whose "
         "prediction misses by more than clip_tolerance (rapidfire/clip_miss_rate); 'exact' steps them "
         "after backward with the exact clip coefficient, so under PPO's default max_grad_norm=1.0 most "
-        "windows are not pipelined.",
+        "windows are not pipelined. enable_rapidfire's trainers, which cannot replay a window, always use 'exact' "
+        "(optimizer_kwargs={'clip_prediction': 'scale'} overrides it).",
         Choice(ClipPrediction),
     )
     clip_tolerance: float = _field(

@@ -67,8 +67,10 @@ def install_optimizer(trainer, optimizer_kwargs: dict[str, Any] | None = None) -
     kwargs.setdefault("pipeline_share", grad_cfg.overlap_factor)
     kwargs.setdefault("pipeline_depth", grad_cfg.pipeline_depth)
     kwargs.setdefault("clip_tolerance", grad_cfg.clip_tolerance)
-    if args.max_grad_norm and args.max_grad_norm > 0 and kwargs.get("rollback", "auto") == "auto":
-        kwargs.setdefault("clip_prediction", grad_cfg.clip_prediction.value)  # needs clipping and rollback
+    # A missed clip prediction rolls its window back; PPOTrainer replays it, transformers' Trainer cannot
+    # (the batch would be lost), so windows where clipping may bind are stepped exactly here unless the
+    # caller asks for prediction in optimizer_kwargs.
+    kwargs.setdefault("clip_prediction", "exact")
 
     def ensure_wrapped():
         if trainer.optimizer is not None and find_rapidfire_optimizer(trainer.optimizer) is None:
