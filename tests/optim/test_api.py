@@ -55,7 +55,7 @@ def test_instance_and_class_forms():
         ({"lr": 1e-3, "gradient_pipline": True}, TypeError, "gradient_pipline"),
         ({"optimizer": "sgd", "lr": 0.1, "betas": (0.9, 0.99)}, TypeError, "betas"),
         ({"optimizer": "lion"}, ValueError, "adamw8bit"),
-        ({"precision": "bf16"}, ValueError, "mixed_precision"),
+        ({"precision": "fp8"}, ValueError, "choose .bf16., .fp16."),
         ({"rollback": "sometimes"}, ValueError, "auto"),
         ({"snapshot": "disk"}, ValueError, "host"),
         ({"accumulation_steps": 0}, ValueError, "accumulation_steps"),
