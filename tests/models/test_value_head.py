@@ -166,3 +166,5 @@ def test_masked_statistics():
     inner = x[1:3]
     expected = (inner - inner.mean()) * torch.rsqrt(inner.var() + 1e-8)
     torch.testing.assert_close(masked_whiten(x, mask)[1:3], expected)
+    rows, row_mask = torch.tensor([[1.0, 2.0], [3.0, 5.0]]), torch.tensor([[1, 0], [1, 1]])
+    torch.testing.assert_close(masked_mean(rows, row_mask, axis=1), torch.tensor([1.0, 4.0]))  # TRL's keyword

@@ -81,8 +81,15 @@ def response_masks(sequence_lengths: torch.Tensor, response_length: int) -> tupl
     return idx > sequence_lengths.unsqueeze(1), idx > (sequence_lengths + 1).unsqueeze(1)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is True (over ``dim``, or over everything)."""
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, dim: int | None = None, *, axis: int | None = None
+) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is True (over ``dim``, or over everything); ``axis`` is TRL's
+    name for ``dim``."""
+    if axis is not None:
+        if dim is not None:
+            raise TypeError("masked_mean got both dim and axis: pass one")
+        dim = axis
     mask = mask.to(values.dtype)
     # An empty mask (every response empty) gives 0 instead of NaN; otherwise this is the plain mean.
     if dim is None:
