@@ -9,21 +9,12 @@ import os
 
 import torch
 
-from rapidfire_hf.demo import build_tiny_llama, build_tiny_value_model, make_prompt_dataset, vowel_reward
-from rapidfire_hf.ppo import PPOTrainer
-from tests.ppo.helpers import ppo_args
+from rapidfire_hf.demo import make_prompt_dataset, vowel_reward
+from tests.ppo.helpers import tiny_trainer
 
 
 def _trainer(tmp_path, tok, **kw):
-    return PPOTrainer(
-        args=ppo_args(tmp_path, **kw),
-        processing_class=tok,
-        model=build_tiny_llama(tok),
-        value_model=build_tiny_value_model(tok),
-        reward_funcs=vowel_reward,
-        train_dataset=make_prompt_dataset(16),
-        eval_dataset=make_prompt_dataset(5, seed=7),
-    )
+    return tiny_trainer(tmp_path, tok, trainer_kwargs={"eval_dataset": make_prompt_dataset(5, seed=7)}, **kw)
 
 
 def test_greedy_completions_equal_model_generate(tmp_path, tokenizer, single_thread):

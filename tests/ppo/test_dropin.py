@@ -9,19 +9,11 @@ import torch
 from rapidfire_hf.demo import build_tiny_llama, build_tiny_value_model, make_prompt_dataset, vowel_reward
 from rapidfire_hf.optim import RapidFireOptimizer
 from rapidfire_hf.ppo import PPOTrainer
-from tests.ppo.helpers import ppo_args
+from tests.ppo.helpers import ppo_args, tiny_trainer
 
 
 def _trainer(tmp_path, tok, optimizer=None, **kw):
-    return PPOTrainer(
-        args=ppo_args(tmp_path, **kw),
-        processing_class=tok,
-        model=build_tiny_llama(tok),
-        value_model=build_tiny_value_model(tok),
-        reward_funcs=vowel_reward,
-        train_dataset=make_prompt_dataset(16),
-        optimizer=optimizer,
-    )
+    return tiny_trainer(tmp_path, tok, trainer_kwargs={"optimizer": optimizer}, **kw)
 
 
 def test_optimizer_without_lr_takes_the_config_hyper_parameters(tmp_path, tokenizer, single_thread):

@@ -10,20 +10,13 @@ from rapidfire_hf.demo import build_tiny_llama, build_tiny_value_model, make_pro
 from rapidfire_hf.integrations.enable import RapidFireIntegrationError
 from rapidfire_hf.optim import RapidFireOptimizer
 from rapidfire_hf.ppo import PPOTrainer
-from tests.ppo.helpers import ppo_args
+from tests.ppo.helpers import ppo_args, tiny_trainer
 
 SHORT_FORM = {"gradient_pipeline": True, "memory_optimization": "aggressive", "precision": "adaptive"}
 
 
 def _build(tmp_path, tok, **kw):
-    return PPOTrainer(
-        args=ppo_args(tmp_path, **kw),
-        processing_class=tok,
-        model=build_tiny_llama(tok),
-        value_model=build_tiny_value_model(tok),
-        reward_funcs=vowel_reward,
-        train_dataset=make_prompt_dataset(32),
-    )
+    return tiny_trainer(tmp_path, tok, prompts=32, **kw)
 
 
 def _comparable(log_history):

@@ -8,20 +8,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from rapidfire_hf import AutoModelForCausalLMWithValueHead
-from rapidfire_hf.demo import build_tiny_llama, build_tiny_value_model, make_prompt_dataset, vowel_reward
-from rapidfire_hf.ppo import PPOTrainer
-from tests.ppo.helpers import ppo_args
+from tests.ppo.helpers import tiny_trainer
 
 
 def _trained(tmp_path, tok, value_mode="separate", peft_config=None):
-    trainer = PPOTrainer(
-        args=ppo_args(tmp_path / "run", value_mode=value_mode, max_steps=1),
-        processing_class=tok,
-        model=build_tiny_llama(tok),
-        value_model=build_tiny_value_model(tok) if value_mode == "separate" else None,
-        reward_funcs=vowel_reward,
-        train_dataset=make_prompt_dataset(16),
-        peft_config=peft_config,
+    trainer = tiny_trainer(
+        tmp_path / "run", tok, value_mode=value_mode, max_steps=1, trainer_kwargs={"peft_config": peft_config}
     )
     trainer.train()
     return trainer, trainer.accelerator.unwrap_model(trainer.model)
