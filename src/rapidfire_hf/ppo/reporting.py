@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rapidfire_hf.ppo.trainer import Experience
+    from rapidfire_hf.ppo.types import Experience
 
 
 class ReportingMixin:

@@ -13,12 +13,11 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradientAccumulationPlugin
-from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers import TrainerCallback, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.optimization import get_scheduler
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
@@ -28,7 +27,6 @@ from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo import checkpoint as ckpt
 from rapidfire_hf.ppo.config import PPOConfig, check_optimizer_options, check_value_mode
 from rapidfire_hf.ppo.core import (
-    AdvantageOutput,
     compute_advantages,
     first_true_indices,
     ppo_loss,
@@ -58,39 +56,10 @@ from rapidfire_hf.ppo.speedups import (
     check_liger_usable,
     compile_layers,
 )
+from rapidfire_hf.ppo.types import _STAT_KEYS, Experience, PPOTrainerState, Rollout, _sync_time, _to_float
 from rapidfire_hf.utils.logs import apply_logging_config
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PPOTrainerState(TrainerState):
-    """``TrainerState`` plus the number of prompts trained on so far."""
-
-    episode: int = 0
-
-
-@dataclass
-class Rollout:
-    """What generation produced for one batch of prompts (all on the training device)."""
-
-    queries: torch.Tensor  # [B, P] left-padded prompts
-    responses: torch.Tensor  # [B, R] generated tokens, pad after the stop token
-    logprobs: torch.Tensor  # [B, R] float32 sampled-token log-probs (temperature-scaled)
-    extra: dict | None = None  # non-tensor dataset columns, passed to reward functions
-
-    @property
-    def query_responses(self) -> torch.Tensor:
-        return torch.cat([self.queries, self.responses], dim=1)
-
-
-@dataclass
-class Experience:
-    """A scored rollout: everything the PPO epochs consume."""
-
-    rollout: Rollout
-    adv: AdvantageOutput
-    postprocessed_responses: torch.Tensor  # [B, R] truncated after the stop token
 
 
 def _split_value_head_model(model, value_model):
@@ -994,19 +963,6 @@ class PPOTrainer(OOMRecoveryMixin, ReportingMixin):
         from rapidfire_hf.ppo.export import push_to_hub
 
         return push_to_hub(self, commit_message, dataset_name)
-
-
-_STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
-
-
-def _to_float(v):
-    return float(v) if isinstance(v, (int, float)) else v
-
-
-def _sync_time(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # once per phase, to attribute time to phases
-    return time.perf_counter()
 
 
 def _disable_dropout(module: torch.nn.Module) -> None:
