@@ -155,12 +155,14 @@ class HealthMonitor:
         flags: dict[str, torch.Tensor] = {}
         if "loss" in metrics:
             flags["finite_loss"] = torch.isfinite(metrics["loss"])
-            if self.loss_stat.count > 0:
-                flags["loss_spike"] = metrics["loss_z"] <= self.loss_z_threshold
+            if self.loss_stat.count > 0:  # a non-finite loss is finite_loss's verdict alone
+                flags["loss_spike"] = (metrics["loss_z"] <= self.loss_z_threshold) | ~flags["finite_loss"]
         if "grad_norm" in metrics:
             flags["finite_grads"] = torch.isfinite(metrics["grad_norm"])
-            if self.grad_stat.count > 0:
-                flags["grad_norm_zscore"] = metrics["grad_norm_z"] <= self.grad_z_threshold
+            if self.grad_stat.count > 0:  # likewise a non-finite gradient norm is finite_grads' alone
+                flags["grad_norm_zscore"] = (metrics["grad_norm_z"] <= self.grad_z_threshold) | ~flags[
+                    "finite_grads"
+                ]
         for name, rule in self.rules.items():
             flags[name] = torch.as_tensor(rule(metrics)).to(torch.bool).reshape(())
         return flags
