@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rapidfire_hf.memory.chunked_checkpoint import apply_chunked_checkpointing, decoder_layers
+from rapidfire_hf.memory.chunked_checkpoint import apply_chunked_checkpointing
 from rapidfire_hf.memory.offload import HostOffloader
+from rapidfire_hf.models import decoder_layers
 from rapidfire_hf.optim.bnb import skip_bitsandbytes_sync_on_default_stream, use_8bit_embedding_state
 from rapidfire_hf.utils.units import GIB
 

@@ -39,6 +39,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from rapidfire_hf.models import unwrap_peft
+
 logger = logging.getLogger(__name__)
 
 # Recompute an op when its output costs fewer FLOPs than this per byte kept (see the module docstring).
@@ -106,13 +108,9 @@ def _plain(level) -> str:
     return getattr(level, "value", level)
 
 
-def _target(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _set(model, kwargs: dict | None) -> None:
     """Enable HF checkpointing with ``kwargs`` (``None``: disable it)."""
-    target = _target(model)
+    target = unwrap_peft(model)
     names = ("activation_checkpointing", "gradient_checkpointing")
     if kwargs is None:
         for name in names:

@@ -39,6 +39,7 @@ import functools
 import torch
 
 from rapidfire_hf.memory.offload import HostOffloader
+from rapidfire_hf.models import decoder_layers, final_norm
 
 
 def _split_kwargs(kwargs: dict, batch: int, rows: slice) -> dict:
@@ -193,16 +194,6 @@ def checkpoint_module_in_chunks(
     module._rapidfire_chunked_checkpoint = (rows, offloader)
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The decoder layers of an HF causal LM (``model.model.layers``; PEFT through its base model)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body = getattr(base, base.base_model_prefix, None) if hasattr(base, "base_model_prefix") else None
-    layers = getattr(body, "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(base).__name__}: no decoder layers found at .{base.base_model_prefix}.layers")
-    return list(layers)
-
-
 def apply_chunked_checkpointing(
     model,
     rows: int = 8,
@@ -245,8 +236,7 @@ def apply_chunked_checkpointing(
             raise RuntimeError("apply_chunked_checkpointing was already applied to this model")
         checkpoint_module_in_chunks(layer, chunking, offloader)
     if include_final_norm:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        norm = getattr(getattr(base, base.base_model_prefix), "norm", None)
+        norm = final_norm(model)
         if norm is not None:
             checkpoint_module_in_chunks(norm, chunking, offloader)
     return offloader

@@ -16,34 +16,11 @@ import torch
 from torch import nn
 
 from rapidfire_hf.kernels import chunked_logprobs, chunked_logprobs_and_entropy
+from rapidfire_hf.models import causal_lm_parts
 
 # Tokens whose logits exist at once in response_logprobs' kernel path: about 3 x 512 x V x 4 bytes of
 # transient fp32 (0.2 GB at V = 32000) instead of the B x R x V x 4 saved for backward by full logits.
 LOGPROB_CHUNK_TOKENS = 512
-
-
-def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (LoRA layers stay injected in its modules)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
-
-
-def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """``(decoder, lm_head)`` of a transformers causal LM (PEFT-wrapped or not).
-
-    Raises:
-        TypeError: the model has no decoder/output-embedding pair (not a causal LM).
-    """
-    base = unwrap_peft(model)
-    get_decoder = getattr(base, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if decoder is None or head is None or decoder is base:
-        raise TypeError(
-            f"{type(base).__name__} is not a supported causal LM: PPOTrainer needs a transformers model with "
-            "get_decoder() and get_output_embeddings() (an AutoModelForCausalLM)."
-        )
-    return decoder, head
 
 
 def sequence_inputs(

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rapidfire_hf.ppo.modeling import unwrap_peft
+from rapidfire_hf.models import decoder_layers as _decoder_layers
+from rapidfire_hf.models import unwrap_peft
 from rapidfire_hf.utils.imports import is_available
 
 logger = logging.getLogger(__name__)
@@ -207,18 +208,20 @@ def apply_liger(
 
 # ------------------------------------------------------------------ torch.compile
 def decoder_layers(model: nn.Module, role: str) -> nn.ModuleList:
-    """The repeated decoder blocks of a transformers model (causal LM or sequence classifier).
+    """The repeated decoder blocks of ``model`` (:func:`rapidfire_hf.models.decoder_layers`), checked for
+    ``torch_compile``.
 
     Raises:
-        TypeError: no ``layers`` ModuleList under the model's backbone.
+        TypeError: no non-empty ``layers`` ModuleList under the model's backbone.
     """
-    base = unwrap_peft(model)
-    backbone = getattr(base, getattr(base, "base_model_prefix", ""), None) or base
-    layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+    try:
+        layers = _decoder_layers(model)
+    except TypeError:
+        layers = None
+    if layers is None or len(layers) == 0:
         raise TypeError(
-            f"torch_compile=True compiles each decoder layer, but the {role} ({type(base).__name__}) has no "
-            "`layers` ModuleList under its backbone. Set torch_compile=False."
+            f"torch_compile=True compiles each decoder layer, but the {role} ({type(unwrap_peft(model)).__name__}) "
+            "has no `layers` ModuleList under its backbone. Set torch_compile=False."
         )
     return layers
 

@@ -13,7 +13,7 @@ import contextlib
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from rapidfire_hf.rollout.llama_forward import unwrap_causal_lm
+from rapidfire_hf.models import unwrap_peft
 from rapidfire_hf.rollout.sampling import process_logits
 from rapidfire_hf.rollout.types import SamplingParams
 
@@ -43,7 +43,7 @@ class _ProcessAndRecord(LogitsProcessor):
 @contextlib.contextmanager
 def _only_these_stops(model, stop_token_ids: list[int]):
     """``generate`` falls back to ``model.generation_config.eos_token_id`` when given none; hide it meanwhile."""
-    gen_config = unwrap_causal_lm(model).generation_config
+    gen_config = unwrap_peft(model).generation_config
     saved = gen_config.eos_token_id
     gen_config.eos_token_id = list(stop_token_ids) or None
     try:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from rapidfire_hf.kernels import gqa_decode_attention
 from rapidfire_hf.kernels.decode_attention import IMPLS
+from rapidfire_hf.models import unwrap_peft
 
 # model_type -> per-architecture switches; everything else about these models is shared
 SUPPORTED = {
@@ -22,14 +23,9 @@ SUPPORTED = {
 }
 
 
-def unwrap_causal_lm(model):
-    """The HF ``*ForCausalLM`` inside ``model`` (itself, or the base model of a PEFT wrapper)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def unsupported_reason(model) -> str | None:
     """Why the static engine cannot run ``model`` (None when it can)."""
-    lm = unwrap_causal_lm(model)
+    lm = unwrap_peft(model)
     cfg = getattr(lm, "config", None)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED:
@@ -71,7 +67,7 @@ class StaticLlama:
         if attention not in IMPLS:
             raise ValueError(f"attention must be one of {IMPLS}, got {attention!r}")
         self.attention = attention
-        lm = unwrap_causal_lm(model)
+        lm = unwrap_peft(model)
         cfg = lm.config
         self.body = lm.model
         self.lm_head = lm.get_output_embeddings()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from rapidfire_hf.models import causal_lm_parts
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
-from rapidfire_hf.ppo.modeling import causal_lm_parts
 from rapidfire_hf.ppo.trainer import _disable_dropout
 from rapidfire_hf.sweep import checkpoint as ckpt
 from rapidfire_hf.sweep import outputs

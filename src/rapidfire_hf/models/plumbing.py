@@ -1,0 +1,60 @@
+"""Where the pieces of a Hugging Face causal LM are: the model under a PEFT wrapper, its decoder layers, its
+final norm, and its ``(decoder, lm_head)`` pair. Every part asks here instead of walking the attributes itself.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (LoRA layers stay injected in its modules); any other
+    model is returned as it is."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _backbone(base: nn.Module) -> nn.Module:
+    """The decoder stack of an unwrapped model (``model.model`` for Llama: its ``base_model_prefix``), or
+    the model itself when it has none."""
+    return getattr(base, getattr(base, "base_model_prefix", ""), None) or base
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated decoder blocks of a transformers model (causal LM or sequence classifier, PEFT-wrapped
+    or not): the ``layers`` ModuleList of its backbone (``model.model.layers`` for Llama).
+
+    Raises:
+        TypeError: no ``layers`` ModuleList under the model's backbone.
+    """
+    base = unwrap_peft(model)
+    layers = getattr(_backbone(base), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        prefix = getattr(base, "base_model_prefix", "")
+        where = f".{prefix}.layers" if prefix else ".layers"
+        raise TypeError(f"{type(base).__name__}: no decoder layers found at {where} (no `layers` ModuleList)")
+    return layers
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm after the last decoder layer (``model.model.norm`` for Llama), or None when there is none."""
+    norm = getattr(_backbone(unwrap_peft(model)), "norm", None)
+    return norm if isinstance(norm, nn.Module) else None
+
+
+def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(decoder, lm_head)`` of a transformers causal LM (PEFT-wrapped or not).
+
+    Raises:
+        TypeError: the model has no decoder/output-embedding pair (not a causal LM).
+    """
+    base = unwrap_peft(model)
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if decoder is None or head is None or decoder is base:
+        raise TypeError(
+            f"{type(base).__name__} is not a supported causal LM: PPOTrainer needs a transformers model with "
+            "get_decoder() and get_output_embeddings() (an AutoModelForCausalLM)."
+        )
+    return decoder, head
