@@ -1,0 +1,266 @@
+"""How PPOTrainer builds its parts: input checks, PEFT, the reference model, quantized copies,
+the optimizer and scheduler, the memory callback and the precision plugin."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from accelerate.utils import DistributedType
+from transformers.optimization import get_scheduler
+
+from rapidfire_hf.ppo.config import check_optimizer_options, check_value_mode
+from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
+
+logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # the trainer's logger, as before the split
+
+
+def _split_value_head_model(model, value_model):
+    """``(policy, v_head)`` of a value-head model (``AutoModelForCausalLMWithValueHead``), else ``(model, None)``.
+
+    Its ``v_head`` becomes the fused value head, so a separate ``value_model`` beside it is refused.
+    """
+    from rapidfire_hf.models import PreTrainedModelWrapper
+
+    if not isinstance(model, PreTrainedModelWrapper):
+        return model, None
+    if value_model is not None:
+        raise ValueError(
+            f"model is a {type(model).__name__}, whose v_head is trained as the value head: pass value_model=None, "
+            "or pass model.pretrained_model with the separate value_model"
+        )
+    return model.pretrained_model, model.v_head
+
+
+class SetupMixin:
+    """Construction helpers of ``PPOTrainer``."""
+
+    @staticmethod
+    def _as_list(funcs):
+        if funcs is None:
+            return []
+        return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+
+    def _check_inputs(
+        self, tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model
+    ):
+        if tok is None or getattr(tok, "pad_token_id", None) is None:
+            raise ValueError(
+                "processing_class has no pad token: set one before building the trainer, e.g. "
+                "`tokenizer.add_special_tokens({'pad_token': '<pad>'})` and resize the model's embeddings "
+                "(reusing the EOS token as pad would mask real EOS tokens)."
+            )
+        if (reward_model is None) == (not self._as_list(reward_funcs)):
+            raise ValueError(
+                "Give exactly one of reward_model (a sequence-classification model) and reward_funcs "
+                f"(callables returning one float per completion); got reward_model={type(reward_model).__name__}, "
+                f"reward_funcs={reward_funcs!r}."
+            )
+        for f in self._as_list(reward_funcs):
+            if not callable(f):
+                raise TypeError(f"reward_funcs entries must be callables, got {type(f).__name__}")
+        if optimizer is not None and any(o is not None for o in optimizers):
+            raise ValueError("Pass either optimizer= or optimizers=(optimizer, scheduler), not both.")
+        if ref_model is not None and ref_model is model:
+            raise ValueError(
+                "ref_model is the same object as model: pass ref_model=None (a frozen copy is made)."
+            )
+        if value_model is not None and value_model is model:
+            raise ValueError(
+                "value_model is the same object as model: use PPOConfig(value_mode='fused') instead."
+            )
+        check_value_mode(self.args, value_model)
+        if self.args.stop_token == "eos" and tok.eos_token_id is None:
+            raise ValueError(
+                "stop_token='eos' but the tokenizer has no eos_token: set stop_token_id instead."
+            )
+        stop = tok.eos_token_id if self.args.stop_token == "eos" else self.args.stop_token_id
+        if stop is not None and stop == tok.pad_token_id:
+            raise ValueError(
+                f"The stop token id {stop} is also the pad token: PPO masks pad tokens, so the stop token would "
+                "vanish. Give the tokenizer a distinct pad token."
+            )
+
+    def _load_rapidfire_config(self, src):
+        if src is None:
+            return None
+        from rapidfire_hf.config import load_config
+        from rapidfire_hf.utils.logs import apply_logging_config
+
+        cfg = load_config(src)
+        apply_logging_config(cfg)  # logging.level
+        return cfg
+
+    def _make_memory_callback(self):
+        if not self.args.memory_management:
+            return None
+        from rapidfire_hf.memory import MemoryCompactionCallback
+
+        cfg = self.rf_config
+        return MemoryCompactionCallback(
+            cfg.memory if cfg is not None else None,
+            telemetry_dir=getattr(getattr(cfg, "logging", None), "telemetry_dir", None),
+        )
+
+    def _make_precision_plugin(self):
+        """The adaptive precision plugin when the rapidfire config asks for it (precision.mode adaptive)."""
+        cfg = self.rf_config
+        if cfg is None or str(getattr(cfg.precision.mode, "value", cfg.precision.mode)) != "adaptive":
+            return None
+        from rapidfire_hf.precision import AdaptivePrecisionPlugin
+
+        plugin = AdaptivePrecisionPlugin.from_config(cfg)
+        compact = (lambda: self.memory_callback.compact("precision_rule")) if self.memory_callback else None
+        return plugin.attach(
+            self.accelerator,
+            self.accelerator.unwrap_model(self.model),
+            self.optimizer,
+            compact_memory=compact,
+            handlers={"disable_pipeline": self.disable_pipeline, "enable_pipeline": self.enable_pipeline},
+        )
+
+    def _apply_peft(self, model, peft_config):
+        if peft_config is None:
+            return model
+        from peft import PeftConfig, get_peft_model
+
+        if not isinstance(peft_config, PeftConfig):
+            raise TypeError(
+                f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config).__name__}"
+            )
+        if hasattr(model, "peft_config"):
+            raise ValueError(
+                "model is already a PeftModel: pass the base model with peft_config, or no peft_config."
+            )
+        return get_peft_model(model, peft_config)
+
+    def _make_reference(self, policy, ref_model):
+        bits = self.args.ref_model_quantization
+        if self.is_peft:
+            if bits is not None:
+                raise ValueError(
+                    f"ref_model_quantization={bits!r} with LoRA: the reference is the adapter-disabled policy "
+                    "itself, not a separate model. Quantize the base model when loading it (QLoRA) instead."
+                )
+            if ref_model is None:
+                return None  # the adapter-disabled policy is the reference
+        if ref_model is not None:
+            ref_model.requires_grad_(False)
+            return self._maybe_quantize(ref_model, bits, "ref_model_quantization")
+        if bits is not None:  # a quantized frozen copy, without a full-precision one on the way
+            return self._maybe_quantize(policy, bits, "ref_model_quantization")
+        ref = copy.deepcopy(policy)
+        ref.requires_grad_(False)
+        return ref
+
+    def _maybe_quantize(self, model, bits: str | None, option: str):
+        """``model`` as given, or a frozen 8-bit/4-bit copy of it (see :mod:`rapidfire_hf.ppo.quantized`)."""
+        if model is None:
+            if bits is not None:
+                raise ValueError(
+                    f"{option}={bits!r} but there is no such model (reward_funcs score instead?)"
+                )
+            return None
+        if bits is None or is_quantized(model):
+            return model
+        if not hasattr(model, "save_pretrained"):
+            raise TypeError(
+                f"{option}={bits!r} needs a transformers model (save_pretrained/from_pretrained); got "
+                f"{type(model).__name__}. Load it quantized yourself or drop the option."
+            )
+        logger.info("rapidfire: holding the frozen %s in %s (%s)", type(model).__name__, bits, option)
+        return quantized_copy(model, bits, device=self.accelerator.device)
+
+    def _make_optimizer(self, module, optimizer, optimizers):
+        args = self.args
+        optimizer = optimizer if optimizer is not None else optimizers[0]
+        scheduler = optimizers[1]
+        self._optimizer_is_default = optimizer is None  # enable_rapidfire may rebuild a default one
+        params = [p for p in module.parameters() if p.requires_grad]
+        if optimizer is None and self.rf_config is not None:
+            optimizer = self._optimizer_from_config(params)
+        if optimizer is None:
+            optimizer = torch.optim.AdamW(
+                params,
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+                **self._default_adamw_kernel(),
+            )
+        elif getattr(optimizer, "is_bound", True) is False:
+            # what the optimizer was built without comes from PPOConfig, as for the default AdamW
+            optimizer.bind(
+                params,
+                defaults={
+                    "lr": args.learning_rate,
+                    "betas": (args.adam_beta1, args.adam_beta2),
+                    "eps": args.adam_epsilon,
+                    "weight_decay": args.weight_decay,
+                },
+            )
+        self._optimizer_clips = getattr(optimizer, "max_grad_norm", None) is not None
+        self._rf_opt = optimizer if hasattr(optimizer, "observe_loss") else None
+        self._step_guard = self._make_step_guard()
+        if (
+            self._rf_opt is not None
+            and getattr(self._rf_opt, "pipeline_enabled", False)
+            and not self._optimizer_clips
+            and args.max_grad_norm
+            and args.max_grad_norm > 0
+        ):
+            logger.warning(
+                "max_grad_norm=%s is applied by clip_grad_norm_ after backward; with a gradient pipeline the "
+                "pipelined gradients are already applied then. Pass RapidFireOptimizer(max_grad_norm=...) instead.",
+                args.max_grad_norm,
+            )
+        check_optimizer_options(args, self._rf_opt is not None)
+        if self._rf_opt is not None and args.approx_kl_limit is not None:
+            limit = args.approx_kl_limit
+            self._rf_opt.add_rule("approx_kl", lambda m: m["approx_kl"] < limit)
+        if scheduler is None:
+            scheduler = get_scheduler(
+                args.lr_scheduler_type,
+                optimizer,
+                num_warmup_steps=args.get_warmup_steps(self.num_updates),
+                num_training_steps=self.num_updates,
+            )
+        return optimizer, scheduler
+
+    def _default_adamw_kernel(self) -> dict:
+        """``fused=True`` for the default AdamW on one GPU or under DDP, as transformers' Trainer defaults
+        to (``adamw_torch_fused``). torch's default there is the foreach kernel, whose temporaries (e.g.
+        ``_foreach_sqrt`` of every second moment) hold a copy of the optimizer state during step(): on
+        the 7B shape with a separate value model (13.3B trainable parameters, bf16) that was the
+        difference between an OOM at 136.6 GiB and training (benchmarks/ppo_vs_trl, size7b). Sharded
+        engines (DeepSpeed, FSDP) keep torch's default."""
+        acc = self.accelerator
+        plain = acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+        return {"fused": True} if plain and acc.device.type == "cuda" else {}
+
+    def _optimizer_from_config(self, params):
+        """A RapidFireOptimizer with the trainer's hyper-parameters and the rapidfire config's pipeline."""
+        from rapidfire_hf.optim import RapidFireOptimizer
+
+        args, grad_cfg = self.args, self.rf_config.gradient
+        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        return RapidFireOptimizer(
+            params,
+            optimizer="adamw",
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+            gradient_pipeline=bool(self.rf_config.gradient.pipeline),
+            pipeline_bucket_mb=self.rf_config.gradient.bucket_mb,
+            pipeline_share=self.rf_config.gradient.overlap_factor,
+            pipeline_depth=self.rf_config.gradient.pipeline_depth,
+            max_grad_norm=clip,
+            rollback="auto",
+            sync_interval=grad_cfg.sync_interval,
+            max_consecutive_skips=args.max_consecutive_skips,
+            # predicting needs a clip to predict; without max_grad_norm the exact mode is the same
+            clip_prediction=grad_cfg.clip_prediction.value if clip is not None else "exact",
+            clip_tolerance=grad_cfg.clip_tolerance,
+        )
