@@ -14,7 +14,7 @@
 # Needs the package installed (pip install -e ".[test]"); for the stock PPO side trl==1.12.0 installed in
 # its own folder, never next to trl 1.16 (TRL112_PATH, default /tmp/site112; see
 # benchmarks/ppo_vs_trl/README.md); bitsandbytes for the GRPO low-memory rows, torchao for FP8, peft for the
-# 7B LoRA rows, deepspeed for the ZeRO engines. benchmarks/gpu_env.sh sets up a machine without internet from
+# 7B LoRA rows, deepspeed for the ZeRO engines. benchmarks/common/gpu_env.sh sets up a machine without internet from
 # carried wheels.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
