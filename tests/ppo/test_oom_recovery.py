@@ -112,10 +112,13 @@ def test_gives_up_after_max_splits_with_a_message_naming_settings_that_act(tmp_p
     assert "memory.optimization" not in message
 
 
-def test_telemetry_records_throughput_and_oom_splits(tmp_path, tokenizer):
+def test_telemetry_records_throughput_and_oom_splits(tmp_path, tokenizer, monkeypatch):
     """What `rapidfire monitor` reads: tokens/s per update and the OOM-split events."""
-    from rapidfire_hf.memory import get_telemetry
+    from rapidfire_hf.memory import get_telemetry, telemetry
 
+    # a writer of its own: the process-wide one may stream into an earlier test's (deleted) folder
+    monkeypatch.setattr(telemetry, "_DEFAULT", None)
+    monkeypatch.setenv("RAPIDFIRE_TELEMETRY_DIR", str(tmp_path / "telemetry"))
     _train(tmp_path, tokenizer, max_rows=2)
     # one stream per process (the first run of this pytest process chose its folder): read this run's tail
     lines = get_telemetry().path.read_text().splitlines()
