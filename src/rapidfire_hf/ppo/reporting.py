@@ -95,29 +95,8 @@ class ReportingMixin:
                 writer.flush()
 
     def _metrics(self, exp: Experience, stats: dict, times) -> dict:
-        acc, adv = self.accelerator, exp.adv
-        real = (~adv.padding_mask).float()
-        mean_kl = adv.kl.sum(1).mean()
-        non_score = adv.non_score_reward.sum(1).mean()
-        device_metrics = {
-            "objective/kl": mean_kl,
-            "objective/entropy": (-adv.logprobs * real).sum(1).mean(),
-            "objective/non_score_reward": non_score,
-            "objective/rlhf_reward": non_score + adv.scores.mean(),
-            "objective/scores": adv.scores.mean(),
-            "policy/approxkl_avg": stats["approx_kl"].mean(),
-            "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
-            "loss/policy_avg": stats["pg_loss"].mean(),
-            "loss/value_avg": stats["vf_loss"].mean(),
-            "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
-            "policy/entropy_avg": stats["entropy"].mean(),
-            "val/ratio": stats["ratio"].mean(),
-            "val/ratio_var": stats["ratio"].var()
-            if stats["ratio"].numel() > 1
-            else torch.zeros((), device=acc.device),
-            "val/num_eos_tokens": (exp.rollout.responses == self.processing_class.eos_token_id).sum().float(),
-            "response_length": real.sum(1).mean() + 0,
-        }
+        acc = self.accelerator
+        device_metrics = update_device_metrics(exp, stats, self.processing_class.eos_token_id)
         stacked = acc.gather_for_metrics(torch.stack(list(device_metrics.values())).unsqueeze(0)).mean(0)
         metrics = dict(zip(device_metrics, stacked.tolist()))  # the one host sync of the update
         metrics["val/num_eos_tokens"] *= acc.num_processes
@@ -157,3 +136,28 @@ class ReportingMixin:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+
+def update_device_metrics(exp: Experience, stats: dict, eos_id) -> dict:
+    """The per-update metrics of one scored rollout and its PPO statistics, as 0-d device tensors (read
+    with one host sync by the caller). Shared by PPOTrainer and PPOSweep's trials."""
+    adv = exp.adv
+    real = (~adv.padding_mask).float()
+    non_score = adv.non_score_reward.sum(1).mean()
+    return {
+        "objective/kl": adv.kl.sum(1).mean(),
+        "objective/entropy": (-adv.logprobs * real).sum(1).mean(),
+        "objective/non_score_reward": non_score,
+        "objective/rlhf_reward": non_score + adv.scores.mean(),
+        "objective/scores": adv.scores.mean(),
+        "policy/approxkl_avg": stats["approx_kl"].mean(),
+        "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
+        "loss/policy_avg": stats["pg_loss"].mean(),
+        "loss/value_avg": stats["vf_loss"].mean(),
+        "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
+        "policy/entropy_avg": stats["entropy"].mean(),
+        "val/ratio": stats["ratio"].mean(),
+        "val/ratio_var": stats["ratio"].var() if stats["ratio"].numel() > 1 else stats["ratio"].sum() * 0,
+        "val/num_eos_tokens": (exp.rollout.responses == eos_id).sum().float(),
+        "response_length": real.sum(1).mean(),
+    }

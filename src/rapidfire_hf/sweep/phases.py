@@ -19,6 +19,7 @@ from rapidfire_hf.ppo.modeling import (
     response_logprobs,
     sequence_inputs,
 )
+from rapidfire_hf.ppo.reporting import update_device_metrics
 from rapidfire_hf.ppo.trainer import Experience, Rollout
 
 _STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
@@ -303,26 +304,7 @@ def _schedule(trial):
 
 def trial_metrics(trial, exp: Experience, stats: dict, times, eos_id, train_start: float) -> dict:
     """The metrics ``PPOTrainer`` logs for one update, for one trial (times are the shared phases')."""
-    adv = exp.adv
-    real = (~adv.padding_mask).float()
-    non_score = adv.non_score_reward.sum(1).mean()
-    device_metrics = {
-        "objective/kl": adv.kl.sum(1).mean(),
-        "objective/entropy": (-adv.logprobs * real).sum(1).mean(),
-        "objective/non_score_reward": non_score,
-        "objective/rlhf_reward": non_score + adv.scores.mean(),
-        "objective/scores": adv.scores.mean(),
-        "policy/approxkl_avg": stats["approx_kl"].mean(),
-        "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
-        "loss/policy_avg": stats["pg_loss"].mean(),
-        "loss/value_avg": stats["vf_loss"].mean(),
-        "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
-        "policy/entropy_avg": stats["entropy"].mean(),
-        "val/ratio": stats["ratio"].mean(),
-        "val/ratio_var": stats["ratio"].var() if stats["ratio"].numel() > 1 else stats["ratio"].sum() * 0,
-        "val/num_eos_tokens": (exp.rollout.responses == eos_id).sum().float(),
-        "response_length": real.sum(1).mean(),
-    }
+    device_metrics = update_device_metrics(exp, stats, eos_id)
     metrics = dict(zip(device_metrics, torch.stack(list(device_metrics.values())).tolist()))  # one host sync
     t0, t1, t2, t3 = times
     b, width = exp.rollout.query_responses.shape
