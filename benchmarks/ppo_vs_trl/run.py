@@ -189,6 +189,7 @@ def configs(args) -> list[dict]:
         batch=args.size_batch,
         part="size7b",
         timeout=args.size_timeout,
+        reward=args.size_reward,
     )
     if "size7b" in parts:
         for system, mode, tag in (
@@ -216,6 +217,9 @@ def configs(args) -> list[dict]:
                             row["rollout_generation_batch_size"] = args.ours_gen_chunk
                         if args.ours_score_chunk:
                             row["score_chunk"] = args.ours_score_chunk
+                        for key in ("optimizer", "ref_quant", "reward_quant"):
+                            if getattr(args, f"ours_{key}"):
+                                row[key] = getattr(args, f"ours_{key}")
                     rows.append(row)
     return rows
 
@@ -490,6 +494,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-prompt-len", type=int, default=128)
     p.add_argument("--size-response-len", type=int, default=128)
     p.add_argument("--size-timeout", type=int, default=300, help="seconds per size7b configuration")
+    p.add_argument(
+        "--size-reward",
+        default="rule",
+        choices=["rule", "model"],
+        help="size7b reward, the same for both trainers: 'rule' (a rule reward behind a reward-model interface, "
+        "no weights) or 'model' (a sequence-classification model of the policy's shape, bf16, random init)",
+    )
     p.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
     p.add_argument("--only", default=None, help="run only configurations whose name starts with this prefix")
     p.add_argument(
@@ -542,6 +553,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="local_rollout_forward_batch_size of ours (rows per scoring forward; default: the rollout batch, "
         "as TRL gets); rows get _s<N>",
+    )
+    ours.add_argument(
+        "--ours-optimizer",
+        default=None,
+        choices=["adamw8bit", "adamw8bit_nopipe"],
+        help="size7b: our optimizer, RapidFireOptimizer over bitsandbytes' AdamW8bit with the gradient pipeline "
+        "(adamw8bit) or without it (adamw8bit_nopipe); default: the trainer's fused AdamW",
+    )
+    ours.add_argument(
+        "--ours-ref-quant", default=None, choices=["8bit", "4bit"], help="size7b: ref_model_quantization of ours"
+    )
+    ours.add_argument(
+        "--ours-reward-quant",
+        default=None,
+        choices=["8bit", "4bit"],
+        help="size7b: reward_model_quantization of ours (with --size-reward model)",
     )
     args = p.parse_args(argv)
     if args.size_batches_trl is None:

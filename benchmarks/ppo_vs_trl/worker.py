@@ -115,6 +115,10 @@ def build_models(cfg: dict, device: str):
             value = None
             if cfg["value_mode"] != "fused":
                 value = LlamaForSequenceClassification._from_config(conf, dtype=dtype)
+            if cfg.get("reward") == "model":  # a reward model of the policy's shape, one label
+                reward = LlamaForSequenceClassification._from_config(conf, dtype=dtype)
+                reward.requires_grad_(False)
+                return policy, ref, value, reward
         reward = RuleReward(cfg["prompt_len"], cfg["response_len"], cfg.get("target_mod", TARGET_MOD)).to(
             device
         )
@@ -329,6 +333,20 @@ def speedup_args(cfg: dict) -> dict:
     return out
 
 
+def our_optimizer(cfg: dict):
+    """The optimizer a user passes for ``cfg["optimizer"]`` (None: the trainer's default fused AdamW):
+    "adamw8bit" is ``RapidFireOptimizer(optimizer="adamw8bit", gradient_pipeline=True)`` (each bucket of
+    gradients applied and freed during backward, AdamW state in 8 bits), "adamw8bit_nopipe" the same
+    without the pipeline. Built unbound: the trainer binds it to its trainable parameters and PPOConfig's
+    learning rate, betas, eps and weight decay."""
+    kind = cfg.get("optimizer")
+    if kind is None:
+        return None
+    from rapidfire_hf import RapidFireOptimizer
+
+    return RapidFireOptimizer(optimizer="adamw8bit", gradient_pipeline=kind == "adamw8bit")
+
+
 def build_ours(cfg: dict, device: str):
     """Our PPOTrainer on the benchmark's models and data (also used by profile_ours.py)."""
     from rapidfire_hf import PPOConfig, PPOTrainer
@@ -341,6 +359,8 @@ def build_ours(cfg: dict, device: str):
         disable_tqdm=True,
         rollout_backend=cfg.get("rollout_backend", "auto"),
         **({"rapidfire_config": cfg["rapidfire_config"]} if cfg.get("rapidfire_config") else {}),
+        **({"ref_model_quantization": cfg["ref_quant"]} if cfg.get("ref_quant") else {}),
+        **({"reward_model_quantization": cfg["reward_quant"]} if cfg.get("reward_quant") else {}),
         **speedup_args(cfg),
     )
     trainer = PPOTrainer(
@@ -352,10 +372,20 @@ def build_ours(cfg: dict, device: str):
         value_model=None if fused else value,
         train_dataset=ds,
         peft_config=peft_config(cfg),
+        optimizer=our_optimizer(cfg),
     )
+    del policy, ref, value, reward  # the trainer holds what it uses (a quantized copy frees the original)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     trainer.remove_progress_callbacks()
     trainer.build_s = build_s
     return trainer
+
+
+def inner_optimizer_name(optimizer) -> str:
+    """The class that updates the weights: under accelerate's wrapper and RapidFireOptimizer, e.g. AdamW8bit."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    return type(getattr(opt, "_inner", opt)).__name__
 
 
 def run_ours(cfg: dict, device: str) -> dict:
@@ -386,6 +416,8 @@ def run_ours(cfg: dict, device: str) -> dict:
         "trainable_params": trainable,
         "build_s": trainer.build_s,
         "oom_splits": trainer._oom_splits,
+        "optimizer_class": inner_optimizer_name(trainer.optimizer),
+        "ref_class": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
         "speedups": trainer.kernel_patches.summary(),
     }
 
