@@ -30,14 +30,15 @@ ENTRIES=(
   "ppo_ours_compiled_decode|ppo_vs_trl/results/h200/ours_compiled_decode|ours with the compiled decode step"
   "ppo_fused_b256_compiled|ppo_vs_trl/results/h200/fused_b256_compiled|fused value head at batch 256"
   "ppo_small_batches|ppo_vs_trl/results/h200/small_batches|batch 8 and 32 with compile / Liger"
-  "ppo_best_b256|ppo_vs_trl/results/h200/best_b256|batch 256, best switches (README row 4)"
+  "ppo_best_b256|ppo_vs_trl/results/h200/best_b256|batch 256: stock, ours fused Liger + compile, 3 timed updates (README row 4)"
   "ppo_speedups_b256|ppo_vs_trl/results/h200/speedups_b256|torch_compile / Liger / micro-batch 32 at batch 256"
   "ppo_fused_b4096|ppo_vs_trl/results/h200/fused_b4096_gen_chunks|fused value head at rollout batch 4096"
   "ppo_size7b|ppo_vs_trl/results/h200/size7b|7B shape, full fine-tuning and LoRA, every mode"
   "ppo_size7b_512tok|ppo_vs_trl/results/h200/size7b_512tok|7B LoRA at 128+384 tokens: stock b8-64, ours fused b160-512"
+  "ppo_b8|ppo_vs_trl/results/h200/b8|batch 8, separate value model: stock and ours, 3 timed updates (README row 1)"
   "ppo_table_1b|ppo_vs_trl/results/h200/table_1b|1.1B PPO, stock b8-256 and ours in one call, 3 timed updates (README rows 1-4)"
   "ppo_size7b_full_rm|ppo_vs_trl/results/h200/size7b_full_rm|7B full fine-tuning, 128+384 tokens, 7B reward model: stock b8/b16, ours b160"
-  "ppo_size7b_lora_rm|ppo_vs_trl/results/h200/size7b_lora_rm|7B LoRA, 128+384 tokens, 7B reward model: stock b64 (b32 if b64 fails), ours b160/b256"
+  "ppo_size7b_lora_rm|ppo_vs_trl/results/h200/size7b_lora_rm|7B LoRA, 128+384 tokens, 7B reward model: stock b64 (b32 if b64 fails), ours fused b256"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
   "grpo_balanced|grpo/results/h200/balanced|GRPO balanced config (README row 6)"
@@ -67,8 +68,8 @@ entry() {  # the commands of one entry, writing into $1
     ppo_fused_b256_compiled) $PPO --out "$o" --trl-batches "" --our-batches "" --fused-batches 256 --learn-updates 0 --timeout 85 ;;
     ppo_small_batches) $PPO --out "$o" --part throughput --updates 2 --timeout 120 --trl-batches 8,32 --our-batches 32,8 \
         --fused-batches 32 --ours-variants compile --fused-variants liger+compile ;;
-    ppo_best_b256) $PPO --out "$o" --part throughput --updates 2 --timeout 220 --trl-batches 256 --our-batches 256 \
-        --fused-batches 256 --ours-variants compile --fused-variants liger+compile ;;
+    ppo_best_b256) $PPO --out "$o" --part throughput --updates 4 --timeout 200 --trl-batches 256 --our-batches "" \
+        --fused-batches 256 --fused-variants liger+compile ;;
     ppo_speedups_b256)
       $PPO --out "$o/a" --part throughput --trl-batches "" --updates 2 --ours-decode-mode cuda_graph --timeout 150 \
         --our-batches 256 --fused-batches 256 --ours-variants base,liger+compile --fused-variants base,liger+compile
@@ -88,6 +89,7 @@ entry() {  # the commands of one entry, writing into $1
       for c in c1o:call1_ours_b160 c1t:call1_trl_b8 c2t:call2_trl_b16 c2o:call2_ours_b256 c3t:call3_trl_b32 \
           c4t:call4_trl_b64 c4o:call4_ours_b512; do cp "$o/${c%%:*}/results.json" "$o/${c##*:}.json"; done
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
+    ppo_b8) $PPO --out "$o" --part throughput --updates 4 --timeout 120 --trl-batches 8 --our-batches 8 --fused-batches "" ;;
     ppo_table_1b)  # one call: stock and ours one after another, 1 warm-up + 3 timed updates per row
       $PPO --out "$o/a" --part throughput --updates 4 --timeout 150 --trl-batches 8,32,64,256 --our-batches 8,32,64 \
         --fused-batches 64
@@ -108,9 +110,7 @@ entry() {  # the commands of one entry, writing into $1
       $PPO --out "$o/trl_b64" $s7 --only s7_trl_lora --size-batches-trl 64 --size-timeout 200
       $PY -c "import json,sys; sys.exit(json.load(open('$o/trl_b64/results.json'))['rows'][0]['status'] != 'ok')" \
         || $PPO --out "$o/trl_b32" $s7 --only s7_trl_lora --size-batches-trl 32 --size-timeout 150
-      $PPO --out "$o/fused_b256" $s7 $ours --only s7_fused_lora --size-batch-ours 256 --ours-gen-chunk 256 --size-timeout 190
-      $PPO --out "$o/sep_b160" $s7 $ours --only s7_rapidfire_lora --size-batch-ours 160 --ours-gen-chunk 80 \
-        --ours-optimizer adamw8bit --size-timeout 170
+      $PPO --out "$o/fused_b256" $s7 $ours --only s7_fused_lora --size-batch-ours 256 --ours-gen-chunk 256 --size-timeout 300
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
     ppo_learning_sweep)
       local lr system seeds

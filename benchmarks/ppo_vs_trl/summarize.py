@@ -46,30 +46,56 @@ def load_rows(folder: Path) -> list[dict]:
 
 
 SIZE_FIELDS = ["file", "name", "system", "peft", "value_mode", "batch", "micro", "status", "tokens_per_s",
-               "timed_median_s", "timed_min_s", "timed_max_s", "gen_share", "peak_gib"]  # fmt: skip
+               "timed_median_s", "timed_min_s", "timed_max_s", "gen_share", "score_s", "train_s", "peak_gib",
+               "optimizer_class", "reward"]  # fmt: skip
+
+
+def _size7b_rows(folder: Path) -> list[dict]:
+    """The size7b rows of ``folder``: from ``*.json`` / ``*/results.json`` (every status), then the brief
+    per-configuration lines run.py printed into ``log.txt`` for a configuration whose row file is not stored
+    (``source`` says which; a log line has the median but not the single update times)."""
+    rows, seen = [], set()
+    for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/results.json")):
+        data = json.loads(path.read_text())
+        for row in data.get("rows", []) if isinstance(data, dict) else []:
+            if row.get("part") == "size7b":
+                rows.append({**row, "source": str(path.relative_to(folder))})
+                seen.add(row["name"])
+    log = folder / "log.txt"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        if line.startswith('{"name": "s7_'):
+            brief = json.loads(line)
+            if brief["name"] not in seen:
+                seen.add(brief["name"])
+                rows.append({**_from_name(brief["name"]), **brief, "source": "log.txt"})
+    return rows
+
+
+def _from_name(name: str) -> dict:
+    """system / value_mode / peft / batch of a size7b row name (s7_<trl|rapidfire|fused>_<full|lora>[_b<N>])."""
+    parts = name.split("_")
+    system, mode = {"trl": ("trl", "separate"), "rapidfire": ("rapidfire", "separate")}.get(
+        parts[1], ("rapidfire", "fused")
+    )
+    batch = next((int(x[1:]) for x in parts[3:] if x.startswith("b") and x[1:].isdigit()), 8)
+    return {"system": system, "value_mode": mode, "peft": None if parts[2] == "full" else parts[2], "batch": batch}
 
 
 def size7b_summary(folder: Path) -> list[dict]:
-    """summary.csv and size7b.png of the size7b rows stored in ``folder/*.json`` (one file per run.py call):
-    tokens/s and peak memory against rollout batch per system, with the median/min/max of the timed updates
-    (every update after the first)."""
+    """summary.csv and size7b.png of the size7b rows stored in ``folder`` (one sub-folder or file per run.py
+    call): per configuration its status, tokens/s with the median/min/max of the timed updates (every update
+    after the first), and peak memory; an OOM row is drawn at the memory it reached."""
     import statistics
 
     rows = []
-    for path in sorted(folder.glob("*.json")):
-        for row in json.loads(path.read_text()).get("rows", []):
-            if row.get("part") != "size7b" or row.get("status") != "ok":
-                continue
-            timed = row["update_times"][1:]
-            rows.append(
-                {
-                    **row,
-                    "file": path.name,
-                    "timed_median_s": statistics.median(timed),
-                    "timed_min_s": min(timed),
-                    "timed_max_s": max(timed),
-                }  # fmt: skip
-            )
+    for row in _size7b_rows(folder):
+        timed = (row.get("update_times") or [])[1:]
+        stats = (
+            {"timed_median_s": statistics.median(timed), "timed_min_s": min(timed), "timed_max_s": max(timed)}
+            if timed
+            else {"timed_median_s": row.get("s_per_update")}
+        )
+        rows.append({**row, "file": row["source"], **stats})
     with open(folder / "summary.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=SIZE_FIELDS, extrasaction="ignore")
         writer.writeheader()
@@ -79,25 +105,31 @@ def size7b_summary(folder: Path) -> list[dict]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for (system, mode), label in LABELS.items():
-        pts = sorted(
-            (r["batch"], r["tokens_per_s"], r["peak_gib"])
-            for r in rows
-            if (r["system"], r["value_mode"]) == (system, mode)
-        )
-        if pts:
-            for ax, i in ((axes[0], 1), (axes[1], 2)):
-                ax.plot([p[0] for p in pts], [p[i] for p in pts], "o-", label=label)
-    for ax, ylabel in zip(axes, ("tokens / s (median of the timed updates)", "peak GiB")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("rollout batch (prompts)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    shape = rows[0] if rows else {}
-    fig.suptitle(f"{shape.get('shape', '')} PPO, {shape.get('prompt_len')} prompt + {shape.get('response_len')} "
-                 "response tokens, one GPU")  # fmt: skip
+    def label(r):
+        who = LABELS[(r["system"], r["value_mode"])].replace("rapidfire, ", "ours, ")
+        return f"{who}, {r.get('peft') or 'full'}, batch {r['batch']}"
+
+    rows.sort(key=lambda r: (r.get("peft") or "", r["system"] != "trl", r["batch"]))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.5 * len(rows) + 2.2), sharey=True)
+    ys = list(range(len(rows)))
+    colors = ["C7" if r["system"] == "trl" else ("C1" if r["value_mode"] == "fused" else "C0") for r in rows]
+    axes[0].barh(ys, [r.get("tokens_per_s") or 0 for r in rows], color=colors)
+    axes[1].barh(ys, [r.get("peak_gib") or 0 for r in rows], color=colors)
+    for y, r in zip(ys, rows):
+        ok = r.get("status") == "ok"
+        axes[0].text(r.get("tokens_per_s") or 0, y, f" {r['tokens_per_s']:,.0f}" if ok else f" {r.get('status')}",
+                     va="center", fontsize=8)  # fmt: skip
+        axes[1].text(r.get("peak_gib") or 0, y, f" {r.get('peak_gib') or 0:.1f}", va="center", fontsize=8)
+    axes[0].set_yticks(ys, [label(r) for r in rows], fontsize=8)
+    axes[0].set_xlabel("tokens / s (median of the timed updates)")
+    axes[1].set_xlabel("peak GiB (OOM rows: what they reached)")
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="x")
+        ax.set_xlim(0, ax.get_xlim()[1] * 1.2)
+    shape = next((r for r in rows if r.get("shape")), {})
+    reward = "a reward model of the same shape" if shape.get("reward") == "model" else "a rule reward"
+    fig.suptitle(f"{shape.get('shape', '')} PPO, {shape.get('prompt_len', '')} prompt + "
+                 f"{shape.get('response_len', '')} response tokens, {reward}, one GPU")  # fmt: skip
     fig.tight_layout()
     fig.savefig(folder / "size7b.png", dpi=90)
     return rows
