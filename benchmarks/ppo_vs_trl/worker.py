@@ -418,6 +418,7 @@ def run_ours(cfg: dict, device: str) -> dict:
         "oom_splits": trainer._oom_splits,
         "optimizer_class": inner_optimizer_name(trainer.optimizer),
         "ref_class": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
+        "reward_class": type(trainer.reward_model).__name__,
         "speedups": trainer.kernel_patches.summary(),
     }
 

@@ -41,3 +41,17 @@ def test_bench_runs_the_ppo_size7b_part_in_smoke_mode(tmp_path, monkeypatch):
     assert rows["s7_rapidfire_lora"]["trainable_params"] < rows["s7_rapidfire_full"]["trainable_params"]
     assert rows["s7_rapidfire_lora"]["peft"] == "lora" and rows["s7_rapidfire_full"]["peft"] is None
     assert (tmp_path / "ppo_vs_trl.png").is_file() and (tmp_path / "results.csv").is_file()
+
+
+@pytest.mark.slow  # one subprocess, about 15 s on the CPU
+def test_size7b_reward_model_and_8bit_optimizer_reach_our_trainer(tmp_path, monkeypatch):
+    """--size-reward model scores with a sequence-classification model; --ours-optimizer adamw8bit makes
+    our trainer update the weights with bitsandbytes' AdamW8bit (under RapidFireOptimizer)."""
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.delenv("TRL112_PATH", raising=False)
+    extra = ["--part", "size7b", "--only", "s7_fused_full", "--size-reward", "model", "--ours-optimizer", "adamw8bit"]
+    assert main(["bench", "ppo", "--smoke", "--out", str(tmp_path), "--", *extra]) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["status"] == "ok", row.get("error")
+    assert row["optimizer_class"] == "AdamW8bit" and row["reward_class"] == "LlamaForSequenceClassification"
+    assert row["reward"] == "model" and row["optimizer"] == "adamw8bit"
