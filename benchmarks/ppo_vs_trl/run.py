@@ -562,7 +562,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(adamw8bit) or without it (adamw8bit_nopipe); default: the trainer's fused AdamW",
     )
     ours.add_argument(
-        "--ours-ref-quant", default=None, choices=["8bit", "4bit"], help="size7b: ref_model_quantization of ours"
+        "--ours-ref-quant",
+        default=None,
+        choices=["8bit", "4bit"],
+        help="size7b: ref_model_quantization of ours",
     )
     ours.add_argument(
         "--ours-reward-quant",

@@ -78,7 +78,12 @@ def _from_name(name: str) -> dict:
         parts[1], ("rapidfire", "fused")
     )
     batch = next((int(x[1:]) for x in parts[3:] if x.startswith("b") and x[1:].isdigit()), 8)
-    return {"system": system, "value_mode": mode, "peft": None if parts[2] == "full" else parts[2], "batch": batch}
+    return {
+        "system": system,
+        "value_mode": mode,
+        "peft": None if parts[2] == "full" else parts[2],
+        "batch": batch,
+    }
 
 
 def size7b_summary(folder: Path) -> list[dict]:

@@ -49,7 +49,16 @@ def test_size7b_reward_model_and_8bit_optimizer_reach_our_trainer(tmp_path, monk
     our trainer update the weights with bitsandbytes' AdamW8bit (under RapidFireOptimizer)."""
     pytest.importorskip("bitsandbytes")
     monkeypatch.delenv("TRL112_PATH", raising=False)
-    extra = ["--part", "size7b", "--only", "s7_fused_full", "--size-reward", "model", "--ours-optimizer", "adamw8bit"]
+    extra = [
+        "--part",
+        "size7b",
+        "--only",
+        "s7_fused_full",
+        "--size-reward",
+        "model",
+        "--ours-optimizer",
+        "adamw8bit",
+    ]
     assert main(["bench", "ppo", "--smoke", "--out", str(tmp_path), "--", *extra]) == 0
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["status"] == "ok", row.get("error")
