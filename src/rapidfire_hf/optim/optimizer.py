@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections import Counter, OrderedDict
@@ -13,41 +12,19 @@ import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from rapidfire_hf.optim.health import HealthMonitor, OptimizerEvent, Rule
-from rapidfire_hf.optim.inner import (
-    build_inner,
-    check_inner_kwargs,
-    normalize_param_groups,
-    resolve_inner_class,
-)
-from rapidfire_hf.optim.pipeline import (
-    GradientPipeline,
-    check_bucket_mb,
-    check_depth,
-    check_overlap,
-    check_share,
-)
+from rapidfire_hf.optim.inner import build_inner, normalize_param_groups, resolve_inner_class
+from rapidfire_hf.optim.options import check_options
+from rapidfire_hf.optim.pipeline import GradientPipeline
 from rapidfire_hf.optim.skips import SkipStreak
-from rapidfire_hf.optim.snapshot import WHERE as SNAPSHOT_WHERE
 from rapidfire_hf.optim.snapshot import Snapshot
 from rapidfire_hf.optim.spans import Rollback, SpanMixin
 from rapidfire_hf.optim.verification import CLIP_EPS, VerificationMixin
-
-ROLLBACK = ("off", "auto")
-CLIP_PREDICTION = ("exact", "scale")
 
 
 def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
     """A DTensor's global value as a plain tensor (a collective, no host sync); other tensors as they are."""
     to_full = getattr(t, "full_tensor", None)
     return to_full() if callable(to_full) else t
-
-
-# names from articles and snippets that are not settings of this optimizer, and what to use instead
-_NOT_SETTINGS = {
-    "acceleration_factor": "the speed-ups are gradient_pipeline=True here and PPOConfig(torch_compile=True, "
-    "use_liger_kernel=True) in the trainer; there is no single factor to set",
-    "memory_optimization": "set it in the rapidfire config: PPOConfig(rapidfire_config={'memory_optimization': ...})",
-}
 
 
 class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
@@ -190,85 +167,41 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
         precision: str | None = None,
         **inner_kwargs: Any,
     ):
-        if precision not in (None, "bf16", "fp16"):
-            raise ValueError(
-                f"precision={precision!r}: choose 'bf16', 'fp16' or None (the trainer's own setting)"
-            )
-        if precision == "fp16" and gradient_pipeline:
-            raise ValueError(
-                "precision='fp16' needs loss scaling, and the gradient pipeline would step the scaled gradients "
-                "inside backward: use precision='bf16' (no loss scaling) or gradient_pipeline=False"
-            )
+        checked = check_options(
+            params=params,
+            optimizer=optimizer,
+            inner_kwargs=inner_kwargs,
+            precision=precision,
+            gradient_pipeline=gradient_pipeline,
+            rollback=rollback,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            snapshot=snapshot,
+            snapshot_interval=snapshot_interval,
+            sync_interval=sync_interval,
+            grad_z_threshold=grad_z_threshold,
+            loss_z_threshold=loss_z_threshold,
+            clip_headroom=clip_headroom,
+            warmup_steps=warmup_steps,
+            max_consecutive_skips=max_consecutive_skips,
+            clip_prediction=clip_prediction,
+            clip_tolerance=clip_tolerance,
+            pipeline_bucket_mb=pipeline_bucket_mb,
+            pipeline_overlap=pipeline_overlap,
+            pipeline_share=pipeline_share,
+            pipeline_depth=pipeline_depth,
+            side_stream_depth=side_stream_depth,
+            enable_fused_kernels=enable_fused_kernels,
+        )
         self.precision = precision
-        for name, hint in _NOT_SETTINGS.items():
-            if name in inner_kwargs:
-                raise TypeError(f"RapidFireOptimizer({name}=...) is not a setting: {hint}")
-        if rollback not in ROLLBACK:
-            raise ValueError(f"rollback={rollback!r}: choose one of {ROLLBACK}")
-        if accumulation_steps is not None and (
-            not isinstance(accumulation_steps, int) or accumulation_steps < 1
-        ):
-            raise ValueError(f"accumulation_steps={accumulation_steps!r}: must be an int >= 1 or None")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 or None (no clipping)")
-        if not isinstance(snapshot_interval, int) or snapshot_interval < 1:
-            raise ValueError(f"snapshot_interval={snapshot_interval!r}: must be an int >= 1")
-        if isinstance(sync_interval, bool) or not isinstance(sync_interval, int) or sync_interval < 1:
-            raise ValueError(f"sync_interval={sync_interval!r}: must be an int >= 1 (1: verify every step)")
-        if sync_interval > 1 and snapshot_interval > 1:
-            raise ValueError(
-                f"sync_interval={sync_interval} and snapshot_interval={snapshot_interval}: with sync_interval > 1 "
-                "the snapshot is taken at each verified boundary; leave snapshot_interval at 1."
-            )
-        for name, value in (
-            ("grad_z_threshold", grad_z_threshold),
-            ("loss_z_threshold", loss_z_threshold),
-            ("clip_headroom", clip_headroom),
-        ):  # a NaN threshold would pass every check; a string would fail only at the first comparison
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"{name}={value!r}: must be a finite number > 0")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps!r}: must be an int >= 0")
-        if clip_prediction is None:  # predicted clipping wherever a miss can be undone
-            clip_prediction = "scale" if max_grad_norm is not None and rollback == "auto" else "exact"
-        if clip_prediction not in CLIP_PREDICTION:
-            raise ValueError(f"clip_prediction={clip_prediction!r}: choose one of {CLIP_PREDICTION}")
-        if not 0.0 < clip_tolerance < 1.0:
-            raise ValueError(f"clip_tolerance={clip_tolerance!r}: must be in (0, 1), e.g. 0.05 for 5%")
-        if clip_prediction == "scale" and (max_grad_norm is None or rollback != "auto"):
-            raise ValueError(
-                "clip_prediction='scale' needs max_grad_norm (there is nothing to predict without "
-                "clipping) and rollback='auto' (a missed prediction must be undone); got "
-                f"max_grad_norm={max_grad_norm!r}, rollback={rollback!r}."
-            )
-        self.pipeline_bucket_mb = check_bucket_mb(pipeline_bucket_mb)
-        self.pipeline_overlap = check_overlap(pipeline_overlap)
-        self.pipeline_share = check_share(pipeline_share)
-        self.pipeline_depth = check_depth(pipeline_depth)
-        if side_stream_depth is not None and (
-            isinstance(side_stream_depth, bool)
-            or not isinstance(side_stream_depth, int)
-            or side_stream_depth < 1
-        ):
-            raise ValueError(
-                f"side_stream_depth={side_stream_depth!r}: must be an int >= 1 or None (no limit)"
-            )
+        self.pipeline_bucket_mb = checked["pipeline_bucket_mb"]
+        self.pipeline_overlap = checked["pipeline_overlap"]
+        self.pipeline_share = checked["pipeline_share"]
+        self.pipeline_depth = checked["pipeline_depth"]
         self.side_stream_depth = side_stream_depth
         self._spec = optimizer
         self._inner_kwargs = dict(inner_kwargs)
         self._fused = enable_fused_kernels
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if inner_kwargs or enable_fused_kernels is not None:
-                raise TypeError(
-                    "An optimizer instance already has its hyper-parameters: do not also pass "
-                    f"{sorted(inner_kwargs) + (['enable_fused_kernels'] if enable_fused_kernels is not None else [])}."
-                )
-            if params is not None:
-                raise TypeError(
-                    "An optimizer instance already holds its parameters: do not also pass params."
-                )
-        else:
-            check_inner_kwargs(resolve_inner_class(optimizer), inner_kwargs)
         self._want_pipeline = gradient_pipeline
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
@@ -283,13 +216,11 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
         self._report = Rollback([])  # what this step undid, published as last_rollback
         self.last_rollback: Rollback | None = None
         self.clip_headroom = clip_headroom
-        self.clip_prediction = clip_prediction
+        self.clip_prediction = checked["clip_prediction"]
         self.clip_tolerance = clip_tolerance
         self._coef_pred = 1.0  # clip coefficient the hooks apply in the current pipelined window
         self._health = HealthMonitor(grad_z_threshold, loss_z_threshold, warmup_steps)
         self._streak = SkipStreak(max_consecutive_skips, "RapidFireOptimizer")
-        if snapshot not in ("auto", *SNAPSHOT_WHERE):
-            raise ValueError(f"snapshot={snapshot!r}: choose one of {('auto', *SNAPSHOT_WHERE)}")
         self._snapshot_auto = snapshot == "auto"
         self._snapshot = Snapshot("device" if self._snapshot_auto else snapshot)
         self._inner: torch.optim.Optimizer | None = None

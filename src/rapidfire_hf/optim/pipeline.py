@@ -43,8 +43,7 @@ from collections.abc import Callable
 import torch
 
 from rapidfire_hf.optim.inner import BucketStepper, grad_nbytes, plan_buckets
-
-MIB = 2**20
+from rapidfire_hf.utils.units import MIB
 
 
 def accelerate_flag(name: str, state_class: str = "GradientState"):

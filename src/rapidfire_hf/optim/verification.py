@@ -14,6 +14,7 @@ import torch
 
 from rapidfire_hf.optim.health import OptimizerEvent, read_verdict
 from rapidfire_hf.optim.pipeline import accelerate_flag
+from rapidfire_hf.utils.units import GIB
 
 CLIP_HISTORY = 8  # windows of gradient norms the clip prediction looks at
 CLIP_EPS = 1e-6  # the epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
@@ -121,10 +122,9 @@ class VerificationMixin:
         available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         if need <= SNAPSHOT_DEVICE_SHARE * available:
             return
-        gib = 2**30
         self.disable_pipeline()
         self._counters["snapshot_fallbacks"] += 1
-        details = {"need_gib": need / gib, "available_gib": available / gib}
+        details = {"need_gib": need / GIB, "available_gib": available / GIB}
         self.events.append(OptimizerEvent(self._counters["steps"], "snapshot_auto_pipeline_off", [], details))
         logger.warning(
             "RapidFireOptimizer(snapshot='auto'): a device snapshot for rollback plus the optimizer state "
@@ -132,9 +132,9 @@ class VerificationMixin:
             "off, so that rollback stays exact without a snapshot (each update is verified before it is "
             "applied). Pass snapshot='host' to keep the pipeline with the snapshot in pinned host memory, "
             "or rollback='off' to keep it without rollback.",
-            need / gib,
+            need / GIB,
             100 * SNAPSHOT_DEVICE_SHARE,
-            available / gib,
+            available / GIB,
             device,
         )
 
