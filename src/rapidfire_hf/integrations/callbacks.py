@@ -8,6 +8,8 @@ import logging
 import torch
 from transformers import TrainerCallback
 
+from rapidfire_hf.integrations.step_hooks import add_step_observer
+
 logger = logging.getLogger(__name__)
 
 # Trainer log keys -> metric names of the fallback rules (rapidfire_hf.config.rules.METRICS).
@@ -52,8 +54,9 @@ class PrecisionPluginCallback(TrainerCallback):
     - ``on_train_begin`` (after ``accelerator.prepare``): ``attach`` with the final model and optimizer;
       the plugin's ``disable_pipeline``/``enable_pipeline`` actions go to ``trainer.disable_pipeline()``
       and its ``compact_memory`` action to the memory callback when installed.
-    - the first micro-batches: ``calibrate`` (the sensitivity pass, on a few rows; a no-op in static mode
-      or fp32, and skipped when the weights themselves are not fp32).
+    - before each micro-batch's ``training_step`` (a step observer, ``rapidfire_hf.integrations.step_hooks``)
+      until calibration is done: ``calibrate`` (the sensitivity pass, on a few rows; a no-op in static
+      mode or fp32, and skipped when the weights themselves are not fp32); after it, its loss is kept.
     - before each optimizer step: ``observe_gradients`` (gradients the pipeline already applied are gone,
       so in pipelined windows only the rules on global metrics see data).
     - after each optimizer step: ``on_step_end(step, metrics)`` with the window's loss (a device tensor,
@@ -72,22 +75,16 @@ class PrecisionPluginCallback(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._attached = False
         self._calibrate = False
-        self._wrap_training_step(trainer)
+        add_step_observer(trainer, "precision", before=self._before_step, after=self._after_step)
 
-    def _wrap_training_step(self, trainer) -> None:
-        training_step = trainer.training_step
+    def _before_step(self, model, inputs) -> None:
+        if self._calibrate and not self.plugin.calibration_done:
+            batch = calibration_batch(inputs)
+            if batch is not None:
+                self.plugin.calibrate(batch)
 
-        @functools.wraps(training_step)
-        def step_with_precision(model, inputs, *args, **kwargs):
-            if self._calibrate and not self.plugin.calibration_done:
-                batch = calibration_batch(inputs)
-                if batch is not None:
-                    self.plugin.calibrate(batch)
-            loss = training_step(model, inputs, *args, **kwargs)
-            self._losses.append(loss.detach())
-            return loss
-
-        trainer.training_step = step_with_precision
+    def _after_step(self, loss) -> None:
+        self._losses.append(loss.detach())
 
     def stats(self) -> dict:
         return self.plugin.stats()

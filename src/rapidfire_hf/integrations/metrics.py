@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from rapidfire_hf.integrations.step_hooks import add_step_observer
 from rapidfire_hf.utils.units import GIB
 
 PREFIX = "rapidfire/"
@@ -178,9 +179,9 @@ class RapidFireMetricsCallback(TrainerCallback):
         self._wrap(trainer)
 
     def _wrap(self, trainer) -> None:
-        # Instance attributes shadow the class's methods: the TRL subclasses' own `log` (which merges
+        # An instance attribute shadows the class's method: the TRL subclasses' own `log` (which merges
         # their metrics) still runs, and so do reporters and log_history.
-        log, training_step = trainer.log, trainer.training_step
+        log = trainer.log
 
         @functools.wraps(log)
         def log_with_rapidfire(logs: dict[str, float], *args, **kwargs):
@@ -192,13 +193,11 @@ class RapidFireMetricsCallback(TrainerCallback):
                 logs.update(self.collect())
             return log(logs, *args, **kwargs)
 
-        @functools.wraps(training_step)
-        def counting_training_step(model, inputs, *args, **kwargs):
+        def count(model, inputs):
             self._tokens += count_tokens(inputs)
-            return training_step(model, inputs, *args, **kwargs)
 
         trainer.log = log_with_rapidfire
-        trainer.training_step = counting_training_step
+        add_step_observer(trainer, "metrics.tokens", before=count)
 
     @staticmethod
     def _is_training_log(logs: dict[str, float]) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rapidfire_hf.integrations.parts import STATE_ATTR, find_rapidfire_optimizer
+from rapidfire_hf.integrations.step_hooks import add_step_observer
 
 logger = logging.getLogger(__name__)
 
@@ -145,17 +146,14 @@ def _hook_grad_clipping(trainer) -> None:
 
 
 def _feed_loss(trainer) -> None:
-    training_step = trainer.training_step
+    """Hand each micro-batch's loss (detached) to the ``RapidFireOptimizer``'s ``observe_loss``."""
 
-    @functools.wraps(training_step)
-    def step_and_observe(model, inputs, *args, **kwargs):
-        loss = training_step(model, inputs, *args, **kwargs)
+    def observe(loss):
         opt = find_rapidfire_optimizer(trainer.optimizer)
         if opt is not None:
             opt.observe_loss(loss.detach())
-        return loss
 
-    trainer.training_step = step_and_observe
+    add_step_observer(trainer, "optimizer.loss", after=observe)
 
 
 def _fill(opt, pending: list[torch.Tensor]) -> None:
