@@ -95,3 +95,50 @@ def test_rollout_engine_generation_oom_halves_the_prompts_and_gives_the_same_com
     assert oom.raised == 2  # 3 rows, then 2 rows
     assert sum("OOM in generation" in r.getMessage() for r in caplog.records) == 2
     assert recovered == reference
+
+
+def _plain_trainer(tokenizer, tmp_path, cls):
+    """A ``transformers.Trainer`` (or a subclass of it that overrides nothing) on the tiny Llama."""
+    from datasets import Dataset
+    from rf_trainers import common_args
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    from rapidfire_hf.demo import build_tiny_llama
+
+    texts = [f"task: {w} -> {w[::-1]}" for w in ("abc", "defg", "hij", "klmno", "pqr", "stuv", "wxy", "zab")]
+    ds = Dataset.from_dict(dict(tokenizer(texts * 4, truncation=True, max_length=16)))
+    args = TrainingArguments(
+        **common_args(
+            tmp_path,
+            per_device_train_batch_size=4,
+            max_grad_norm=0.0,
+            optim="sgd",
+            learning_rate=0.1,
+            bf16=False,
+        )
+    )
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    return cls(model=build_tiny_llama(tokenizer), args=args, train_dataset=ds, data_collator=collator)
+
+
+@pytest.mark.parametrize("subclass", [False, True], ids=["Trainer", "subclass-without-training_step"])
+def test_plain_trainer_gets_the_split(tokenizer, tmp_path, subclass):
+    """``enable_rapidfire`` on ``transformers.Trainer`` itself (whose class the OOM split cannot follow in
+    its MRO) and on a subclass that does not override ``training_step`` (whose step the loss observer
+    wraps before the split's class exists): the injected OOM is split and the run matches the reference."""
+    from transformers import Trainer
+
+    cls = type("PlainSubclass", (Trainer,), {}) if subclass else Trainer
+
+    def run(inject):
+        trainer = enable_rapidfire(_plain_trainer(tokenizer, tmp_path, cls), config=PARITY_CONFIG)
+        oom = oom_on_calls(causal_lm_parts(trainer.model)[0], [1], grad=True) if inject else None
+        trainer.train()
+        return trainer, oom
+
+    reference, _ = run(False)
+    trainer, oom = run(True)
+    assert type(trainer).__name__ == cls.__name__
+    assert oom.raised == 1 and trainer.optimizer.optimizer.stats()["steps"] == STEPS
+    for a, b in zip(reference.model.parameters(), trainer.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=PARAM_ATOL)

@@ -185,9 +185,12 @@ def install_oom_recovery(trainer, max_splits: int = 3) -> str:
     """Give ``trainer`` the OOM split of :class:`OOMSplitTrainingStep`; returns a line for the summary log."""
     base = type(trainer)
     if not issubclass(base, OOMSplitTrainingStep):
+        # a plain Trainer: OOMSplitTrainingStep alone (it derives from Trainer); a subclass: its own
+        # training_step first, then the split, then Trainer's
+        bases = (OOMSplitTrainingStep,) if base is Trainer else (base, OOMSplitTrainingStep)
         trainer.__class__ = type(
             base.__name__,
-            (base, OOMSplitTrainingStep),
+            bases,
             {"__module__": base.__module__, "__qualname__": base.__qualname__},
         )
     memory = installed_parts(trainer).get("memory")

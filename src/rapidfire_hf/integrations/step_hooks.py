@@ -5,7 +5,8 @@ calibration and loss, the token count of the metrics) register a :class:`StepObs
 :func:`add_step_observer` instead of wrapping ``trainer.training_step`` themselves. The first
 registration on a trainer installs a single instance-attribute wrapper around the ``training_step`` the
 trainer had then (``trainer.training_step.__wrapped__`` is that method); later registrations only add to
-the trainer's list of observers.
+the trainer's list of observers. When that method was the class's own, the wrapper calls the method of
+the trainer's class at each step, so a class given to the trainer later (the OOM split) takes part.
 
 Order contract, per call of ``trainer.training_step(model, inputs, ...)``:
 
@@ -65,6 +66,9 @@ def step_observers(trainer) -> list[StepObserver]:
         return observers
     observers = []
     training_step = trainer.training_step
+    # the class's own method (no instance override yet) is looked up on each call, so a part that later
+    # gives the trainer a class of its own (the OOM split of integrations/oom.py) is still called
+    from_class = "training_step" not in vars(trainer)
 
     @functools.wraps(training_step)
     def observed_training_step(model, inputs, *args, **kwargs):
@@ -72,7 +76,8 @@ def step_observers(trainer) -> list[StepObserver]:
         for observer in hooks:
             if observer.before is not None:
                 observer.before(model, inputs)
-        loss = training_step(model, inputs, *args, **kwargs)
+        step = type(trainer).training_step.__get__(trainer) if from_class else training_step
+        loss = step(model, inputs, *args, **kwargs)
         for observer in hooks:
             if observer.after is not None:
                 observer.after(loss)
