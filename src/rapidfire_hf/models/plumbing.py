@@ -1,5 +1,6 @@
 """Where the pieces of a Hugging Face causal LM are: the model under a PEFT wrapper, its decoder layers, its
-final norm, and its ``(decoder, lm_head)`` pair. Every part asks here instead of walking the attributes itself.
+final norm, its ``(decoder, lm_head)`` pair, and a sequence classifier's ``(backbone, score)`` pair. Every part
+asks here instead of walking the attributes itself.
 """
 
 from __future__ import annotations
@@ -58,3 +59,27 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
             "get_decoder() and get_output_embeddings() (an AutoModelForCausalLM)."
         )
     return decoder, head
+
+
+def classifier_parts(model: nn.Module, role: str = "model") -> tuple[nn.Module, nn.Module]:
+    """``(backbone, score)`` of a transformers sequence-classification model (a value or reward model):
+    the module at its ``base_model_prefix`` (``model.model`` for Llama), which gives per-position hidden
+    states, and the ``score`` head that maps them to outputs.
+
+    Args:
+        model: e.g. an ``AutoModelForSequenceClassification`` with one label.
+        role: how the error names the model (``"value_model"``, ``"reward_model"``).
+
+    Raises:
+        TypeError: no backbone at ``base_model_prefix`` or no ``score`` module.
+    """
+    prefix = getattr(model, "base_model_prefix", None)
+    backbone = getattr(model, prefix, None) if prefix else None
+    score = getattr(model, "score", None)
+    if not isinstance(backbone, nn.Module) or not isinstance(score, nn.Module):
+        raise TypeError(
+            f"{role} ({type(model).__name__}) must be a transformers sequence-classification model (a backbone "
+            "at its base_model_prefix and a `score` head), e.g. AutoModelForSequenceClassification.from_pretrained"
+            "(path, num_labels=1)"
+        )
+    return backbone, score

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from rapidfire_hf.models.plumbing import classifier_parts
 from rapidfire_hf.ppo.core import compute_advantages, first_true_indices, ppo_loss, truncate_after_stop
 from rapidfire_hf.ppo.modeling import (
     causal_lm_parts,
@@ -175,14 +176,13 @@ class SweepPhases:
 
     def _reward_model_scores(self, post_qr: torch.Tensor, segs, ctx: int) -> torch.Tensor:
         """The reward model's backbone once for the pack; its one-output head per piece (see :func:`packs`)."""
-        rm = self.reward_model
-        backbone = getattr(rm, rm.base_model_prefix)
+        backbone, score = classifier_parts(self.reward_model, "reward_model")
         hidden = backbone(
             **sequence_inputs(post_qr, self.pad, self.full_mask), use_cache=False
         ).last_hidden_state
         last = first_true_indices(post_qr[:, ctx:] == self.pad) - 1 + ctx
         final = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [rows, H]
-        return torch.cat([rm.score(x).squeeze(-1).float() for x in final.split([n for _, n in segs])])
+        return torch.cat([score(x).squeeze(-1).float() for x in final.split([n for _, n in segs])])
 
     @staticmethod
     def _heads(heads, segs, hidden: torch.Tensor) -> torch.Tensor:
