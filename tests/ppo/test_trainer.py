@@ -367,7 +367,7 @@ def test_rollout_and_scoring_gather_only_what_they_run(tmp_path, tokenizer, monk
     scoring with a separate reference model the value model alone (the fused head needs the policy)."""
     from contextlib import contextmanager
 
-    from rapidfire_hf.ppo import trainer as trainer_module
+    from rapidfire_hf.ppo import rollout_phase, scoring
 
     seen = []
 
@@ -376,7 +376,8 @@ def test_rollout_and_scoring_gather_only_what_they_run(tmp_path, tokenizer, monk
         seen.append(submodule)
         yield accelerator.unwrap_model(model)
 
-    monkeypatch.setattr(trainer_module, "gathered_for_generation", recording_gather)
+    monkeypatch.setattr(rollout_phase, "gathered_for_generation", recording_gather)
+    monkeypatch.setattr(scoring, "gathered_for_generation", recording_gather)
     trainer = _trainer(tmp_path, tokenizer, value_mode=value_mode, max_steps=1)
     trainer.train()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)

@@ -1,4 +1,5 @@
-"""What PPOTrainer reports: per-update metrics (one host sync per update), logs and sample tables."""
+"""What PPOTrainer reports: per-update metrics (one host sync per update), logs, sample tables and
+the telemetry `rapidfire monitor` reads."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class ReportingMixin:
-    """Metrics, logging and sample tables of ``PPOTrainer``."""
+    """Metrics, logging, sample tables and telemetry of ``PPOTrainer``."""
 
     def show_samples(self, exp: Experience, rows: int = 4) -> None:
         """Print a few prompts, completions and scores of a scored rollout and log them as a table."""
@@ -136,6 +137,28 @@ class ReportingMixin:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def _to_telemetry(self, step: int, metrics: dict) -> None:
+        """Feed `rapidfire monitor`: tokens/s every update, and rollback / OOM-split events as they happen."""
+        if self.memory_callback is None:
+            return
+        from rapidfire_hf.memory import get_telemetry
+
+        telemetry = get_telemetry()
+        telemetry.metrics(
+            step,
+            {
+                "tokens_per_s": metrics["tokens_per_second"],
+                "kl": metrics["objective/kl"],
+                "reward": metrics["objective/scores"],
+            },
+        )
+        seen = self._telemetry_seen
+        for key, event in (("rapidfire/rollbacks", "rollback"), ("rapidfire/oom_splits", "oom_split")):
+            new = int(metrics.get(key, 0)) - seen.get(key, 0)
+            if new > 0:
+                telemetry.event(event, step=step, count=new)
+                seen[key] = int(metrics[key])
 
 
 def update_device_metrics(exp: Experience, stats: dict, eos_id) -> dict:

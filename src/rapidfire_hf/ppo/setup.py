@@ -1,19 +1,33 @@
-"""How PPOTrainer builds its parts: input checks, PEFT, the reference model, quantized copies,
-the optimizer and scheduler, the memory callback and the precision plugin."""
+"""How PPOTrainer builds its parts: input checks, PEFT, the reference model, quantized copies, the
+policy-and-value module (with its kernel patches), the prompt datasets and their order, the optimizer
+and scheduler, device placement, the callbacks, the memory callback and the precision plugin."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 
 import torch
 from accelerate.utils import DistributedType
+from transformers.integrations import get_reporting_integration_callbacks
 from transformers.optimization import get_scheduler
+from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
+from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
 from rapidfire_hf.ppo.config import check_optimizer_options, check_value_mode
+from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset, prompt_limits
+from rapidfire_hf.ppo.modeling import (
+    PolicyAndValue,
+    ValueHead,
+    causal_lm_parts,
+    check_value_model,
+    value_head_dtype,
+)
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
+from rapidfire_hf.ppo.speedups import KernelPatches, all_sdpa, apply_liger, compile_layers
 
-logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # the trainer's logger, as before the split
+logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
 
 
 def _split_value_head_model(model, value_model):
@@ -31,6 +45,12 @@ def _split_value_head_model(model, value_model):
             "or pass model.pretrained_model with the separate value_model"
         )
     return model.pretrained_model, model.v_head
+
+
+def _disable_dropout(module: torch.nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
 
 
 class SetupMixin:
@@ -81,6 +101,17 @@ class SetupMixin:
                 f"The stop token id {stop} is also the pad token: PPO masks pad tokens, so the stop token would "
                 "vanish. Give the tokenizer a distinct pad token."
             )
+
+    def _reward_functions(self, reward_funcs) -> list:
+        """``reward_funcs`` as a list, with one ``reward_weights`` entry per function when weights are given."""
+        funcs = self._as_list(reward_funcs)
+        weights = self.args.reward_weights
+        if weights is not None and len(weights) != len(funcs):
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries but there are {len(funcs)} "
+                "reward functions: give one weight per function."
+            )
+        return funcs
 
     def _load_rapidfire_config(self, src):
         if src is None:
@@ -171,6 +202,108 @@ class SetupMixin:
             )
         logger.info("rapidfire: holding the frozen %s in %s (%s)", type(model).__name__, bits, option)
         return quantized_copy(model, bits, device=self.accelerator.device)
+
+    def _make_module(self, policy, value_model, given_head) -> PolicyAndValue:
+        """The trained module: the policy with a separate value model, the value head a value-head model
+        came with, or a new value head (``value_mode='fused'``). Dropout is turned off in it and in the
+        frozen models, then gradient checkpointing, Liger kernels and ``torch_compile`` are applied."""
+        args, precision = self.args, self.accelerator.mixed_precision
+        if value_model is not None:
+            check_value_model(value_model, policy)
+            module = PolicyAndValue(policy, value_model=value_model)
+        elif given_head is not None:
+            module = PolicyAndValue(policy, value_head=given_head.to(value_head_dtype(policy, precision)))
+        elif args.value_mode == "fused":
+            head = ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
+            module = PolicyAndValue(policy, value_head=head.to(value_head_dtype(policy, precision)))
+        else:
+            raise ValueError(
+                "value_model is None: pass a value model (e.g. AutoModelForSequenceClassification with num_labels=1) "
+                "or set PPOConfig(value_mode='fused') to train a value head on the policy."
+            )
+        for m in (module, self.ref_model, self.reward_model):
+            if m is not None:
+                _disable_dropout(m)
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+            )
+        # after the reference copy (a deepcopy of patched or compiled modules is not one) and PEFT
+        self.kernel_patches = KernelPatches()
+        roles = {"policy": policy, "value_model": value_model, "ref_model": self.ref_model}
+        if self._use_liger:
+            apply_liger(roles, args.liger_kernel_config, self.kernel_patches, compiled=args.torch_compile)
+        if args.torch_compile:
+            compile_layers(roles, args.torch_compile_backend, args.torch_compile_mode, self.kernel_patches)
+            module.full_mask = all_sdpa(roles)  # one mask kind for the compiled layers: no recompiles
+        return module
+
+    def _prepare_prompts(self, policy, train_dataset, eval_dataset, data_collator) -> None:
+        """The tokenized train and eval prompts, their collator, the prompt order over the ranks and the
+        number of updates (``max_steps``, else ``total_episodes`` or ``num_train_epochs`` of prompts)."""
+        args, acc, tok = self.args, self.accelerator, self.processing_class
+        limits = prompt_limits(policy, args.response_length)  # ids in the vocabulary, prompts that fit
+        limits["num_proc"] = args.dataset_num_proc
+        self.train_dataset = prepare_prompt_dataset(
+            train_dataset, tok, args.dataset_text_field, args.max_prompt_length, **limits
+        )
+        # As in TRL's PPO, the eval prompts serve the sample tables of `num_sample_generations`.
+        self.eval_dataset = None
+        if eval_dataset is not None:
+            self.eval_dataset = prepare_prompt_dataset(
+                eval_dataset,
+                tok,
+                args.dataset_text_field,
+                args.max_prompt_length,
+                name="eval_dataset",
+                **limits,
+            )
+        self.data_collator = data_collator or (lambda rows: collate_prompts(rows, self.pad_token_id))
+        self.prompt_order = PromptOrder(
+            len(self.train_dataset),
+            args.local_batch_size * acc.num_processes,
+            args.seed,
+            acc.process_index,
+            acc.num_processes,
+        )
+        total = args.total_episodes or int(args.num_train_epochs * len(self.train_dataset))
+        self.num_updates = (
+            args.max_steps
+            if args.max_steps > 0
+            else max(1, math.ceil(total / (args.local_batch_size * acc.num_processes)))
+        )
+
+    def _prepare_models(self, module) -> None:
+        """``accelerate.prepare`` of the trained module and the optimizer; the frozen models go to the
+        device in eval mode."""
+        args, acc = self.args, self.accelerator
+        ds_plugin = getattr(acc.state, "deepspeed_plugin", None)
+        if ds_plugin is not None and ds_plugin.is_auto("train_micro_batch_size_per_gpu"):
+            # accelerate reads this from a prepared dataloader; PPO prepares none (prompts are indexed).
+            ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        self.model, self.optimizer = acc.prepare(module, self.optimizer)
+        for name in ("ref_model", "reward_model"):
+            frozen = getattr(self, name)
+            if frozen is not None:  # bitsandbytes models are placed at load time and refuse .to()
+                setattr(self, name, (frozen if is_quantized(frozen) else frozen.to(acc.device)).eval())
+
+    def _make_callback_handler(self, callbacks) -> CallbackHandler:
+        """transformers' default callbacks, those of ``report_to``, the progress bar (or printer), the
+        memory callback and ``callbacks``, in that order."""
+        args = self.args
+        reporting = get_reporting_integration_callbacks(args.report_to)
+        progress = PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK
+        return CallbackHandler(
+            DEFAULT_CALLBACKS
+            + reporting
+            + [progress]
+            + [c for c in [self.memory_callback] if c]
+            + list(callbacks or []),
+            self.model,
+            self.processing_class,
+            self.optimizer,
+            self.lr_scheduler,
+        )
 
     def _make_optimizer(self, module, optimizer, optimizers):
         args = self.args
