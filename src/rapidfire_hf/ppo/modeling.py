@@ -17,6 +17,7 @@ from torch import nn
 
 from rapidfire_hf.kernels import chunked_logprobs, chunked_logprobs_and_entropy
 from rapidfire_hf.models import causal_lm_parts
+from rapidfire_hf.models.plumbing import classifier_parts
 
 # Tokens whose logits exist at once in response_logprobs' kernel path: about 3 x 512 x V x 4 bytes of
 # transient fp32 (0.2 GB at V = 32000) instead of the B x R x V x 4 saved for backward by full logits.
@@ -153,14 +154,14 @@ def value_head_dtype(policy: nn.Module, mixed_precision: str) -> torch.dtype:
 
 def check_value_model(value_model: nn.Module, policy: nn.Module) -> None:
     """Raise a clear error when ``value_model`` cannot give one value per position."""
-    prefix = getattr(value_model, "base_model_prefix", None)
-    score = getattr(value_model, "score", None)
-    if prefix is None or not hasattr(value_model, prefix) or not isinstance(score, nn.Module):
+    try:
+        _, score = classifier_parts(value_model, "value_model")
+    except TypeError:
         raise TypeError(
             f"value_model ({type(value_model).__name__}) must be a transformers sequence-classification model "
             "(e.g. AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)) with a `score` head, "
             "or pass value_model=None with PPOConfig(value_mode='fused')."
-        )
+        ) from None
     out = getattr(score, "out_features", None)
     if out != 1:
         raise ValueError(
@@ -217,9 +218,9 @@ def value_positions(
     value_model: nn.Module, inputs: dict[str, torch.Tensor], context_length: int
 ) -> torch.Tensor:
     """Values of the states before each response token from a sequence-classification model. [B, R]"""
-    backbone = getattr(value_model, value_model.base_model_prefix)
+    backbone, score = classifier_parts(value_model, "value_model")
     hidden = backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
-    return value_model.score(hidden[:, context_length - 1 : -1]).squeeze(-1)
+    return score(hidden[:, context_length - 1 : -1]).squeeze(-1)
 
 
 @torch.no_grad()
@@ -228,14 +229,14 @@ def reward_model_scores(
 ) -> torch.Tensor:
     """Score of each row at its last real token (the token before the first response pad). [B]"""
     inputs = sequence_inputs(query_responses, pad_token_id)
-    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    backbone, score = classifier_parts(reward_model, "reward_model")
     hidden = backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
     responses = query_responses[:, context_length:]
     from rapidfire_hf.ppo.core import first_true_indices
 
     last = first_true_indices(responses == pad_token_id) - 1 + context_length
     rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
+    return score(hidden[rows, last]).squeeze(-1).float()
 
 
 @torch.no_grad()
