@@ -15,6 +15,7 @@ def test_bench_list(capsys):
     assert "ppo" in out and "grpo" in out and "optimizer" in out
 
 
+@pytest.mark.slow  # 13 s on a 2-core CPU
 def test_bench_runs_the_ppo_script_in_smoke_mode(tmp_path, monkeypatch):
     monkeypatch.delenv("TRL112_PATH", raising=False)  # stock side is skipped without trl 1.12
     assert main(["bench", "ppo", "--smoke", "--out", str(tmp_path), "--", "--only", "tp_rapidfire"]) == 0

@@ -38,6 +38,7 @@ def smoke(tmp_path_factory):
     return out, json.loads((out / "largest_model.json").read_text())
 
 
+@pytest.mark.slow  # 23 s on a 2-core CPU
 def test_smoke_runs_finish_and_report(smoke):
     out, results = smoke
     runs = {r["name"]: r for r in results["runs"]}
@@ -74,6 +75,7 @@ def test_smoke_runs_finish_and_report(smoke):
         assert (out / "ddp2_separate.ranks" / f"pid{r}").is_file()
 
 
+@pytest.mark.slow  # 8 s on a 2-core CPU
 def test_failed_runs_become_rows(tmp_path):
     script = str(BENCH / "ppo_throughput.py")
     cmds = {

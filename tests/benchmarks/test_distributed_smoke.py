@@ -6,9 +6,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 
 
+@pytest.mark.slow  # 99 s on a 2-core CPU
 def test_run_sh_smoke_writes_results_and_chart(tmp_path):
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmarks/distributed/run.sh"), str(tmp_path), "--smoke"],

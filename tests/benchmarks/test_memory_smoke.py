@@ -107,6 +107,7 @@ def test_workloads_cli_passes_variant_lists(tmp_path):
     assert result["callback_settings"]["callback_t0.15"]["compaction_threshold"] == 0.15
 
 
+@pytest.mark.slow  # 6 s on a 2-core CPU
 def test_smoke_run_writes_results_with_fair_timing(tmp_path, capsys):
     run = load("run")
     assert run.main(["--out", str(tmp_path), "--smoke"]) == 0

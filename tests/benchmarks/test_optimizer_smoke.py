@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.benchmarks.loader import load_benchmark
 
 
@@ -23,6 +25,7 @@ def test_references_pair_like_with_like():
     assert {bench.reference_of(n) for n in names} <= names  # every reference exists
 
 
+@pytest.mark.slow  # 18 s on a 2-core CPU
 def test_smoke_run_writes_paired_ratios(tmp_path):
     bench = load()
     only = [
@@ -54,6 +57,7 @@ def test_smoke_run_writes_paired_ratios(tmp_path):
     assert results["variants"]["rf_pipeline_on"]["stats"]["pipelined_steps"] > 0
 
 
+@pytest.mark.slow  # 8 s on a 2-core CPU
 def test_interleaved_steps_pair_each_step_with_its_reference(tmp_path):
     bench = load()
     only = ["torch_adamw", "rf_pipeline_on", "rf_pipeline_rollback"]

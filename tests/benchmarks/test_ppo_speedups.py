@@ -108,6 +108,7 @@ def test_single_switches_and_bad_input():
     assert all(r["compile_backend"] == "aot_eager" for r in ours)
 
 
+@pytest.mark.slow  # 6 s on a 2-core CPU
 def test_merge_and_summary_keep_variants_apart(tmp_path):
     base = {
         "part": "throughput",

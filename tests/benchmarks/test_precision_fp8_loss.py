@@ -27,6 +27,7 @@ def _ran(loss: dict) -> dict:
     return {k: v for k, v in loss["variants"].items() if "loss" in v}
 
 
+@pytest.mark.slow  # 7 s on a 2-core CPU
 def test_compiled_loss_run_bf16_weights(tmp_path, run_module):
     steps = 3
     run_module.main(

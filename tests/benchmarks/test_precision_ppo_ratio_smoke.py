@@ -6,9 +6,12 @@ import csv
 import json
 import math
 
+import pytest
+
 from tests.benchmarks.loader import load_benchmark
 
 
+@pytest.mark.slow  # 24 s on a 2-core CPU
 def test_ppo_ratio_smoke(tmp_path):
     module = load_benchmark("precision/ppo_ratio.py")
     module.main(["--out", str(tmp_path), "--smoke"])

@@ -10,6 +10,7 @@ import pytest
 from tests.benchmarks.loader import load_benchmark
 
 
+@pytest.mark.slow  # 8 s on a 2-core CPU
 def test_benchmark_smoke(tmp_path):
     module = load_benchmark("precision/run.py")
     module.main(["--out", str(tmp_path), "--smoke", "--fp8-loss-steps", "3"])

@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rapidfire_hf.cli.main import main
 
 
+@pytest.mark.slow  # 112 s on a 2-core CPU
 def test_demo_learns_and_writes_outputs(tmp_path):
     out = tmp_path / "demo"
     assert main(["demo", "--steps", "30", "--output-dir", str(out), "--cpu"]) == 0
@@ -21,6 +24,7 @@ def test_demo_learns_and_writes_outputs(tmp_path):
     assert "objective/scores" in header and "objective/kl" in header
 
 
+@pytest.mark.slow  # 26 s on a 2-core CPU
 def test_demo_with_a_local_model_path_and_config(tmp_path, tiny_model_dir):
     """--model loads any local causal LM (fused value head) and --config takes a YAML file."""
     from pathlib import Path
@@ -57,6 +61,7 @@ def test_demo_with_a_local_model_path_and_config(tmp_path, tiny_model_dir):
     assert "gradient pipeline:" in proc.stdout and "miss rate" in proc.stdout
 
 
+@pytest.mark.slow  # 11 s on a 2-core CPU
 def test_demo_rejects_a_missing_model_path(tmp_path):
     proc = subprocess.run(
         [

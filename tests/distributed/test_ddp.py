@@ -32,6 +32,7 @@ def results(request, tmp_path_factory):
     return load
 
 
+@pytest.mark.slow  # 22 s on a 2-core CPU
 def test_engine_detected_as_ddp(results):
     assert results("engine") == {"engine": "ddp", "world": 2}
 

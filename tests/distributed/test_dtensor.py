@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import os, socket, torch, torch.distributed as dist
@@ -58,6 +60,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 6 s on a 2-core CPU
 def test_dtensor_gradients_are_verified_and_sharded_weights_skip_the_sensitivity_pass():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]

@@ -17,6 +17,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"ppo_rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+@pytest.mark.slow  # 23 s on a 2-core CPU
 def test_parameters_identical_across_ranks(ranks):
     a, b = ranks[0]["params"], ranks[1]["params"]
     assert a.numel() > 10_000 and torch.isfinite(a).all()

@@ -49,6 +49,7 @@ def runs(tmp_path_factory):
     return ddp, torch.load(one / "sft_rank0.pt", weights_only=True), root
 
 
+@pytest.mark.slow  # 37 s on a 2-core CPU
 def test_both_ranks_trained_with_rapidfire_under_ddp(runs):
     ddp, _, _ = runs
     for r, res in enumerate(ddp):

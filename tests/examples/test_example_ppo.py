@@ -94,6 +94,7 @@ def _torchrun(out: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="the duplicate-job case needs a machine without a GPU"
 )
+@pytest.mark.slow  # 15 s on a 2-core CPU
 def test_two_cpu_processes_without_use_cpu_stop_naming_the_flag(tmp_path):
     proc = _torchrun(tmp_path / "out")
     assert proc.returncode != 0

@@ -52,6 +52,7 @@ def replay_generations(trainer, calls, returns_logprobs: bool) -> None:
     trainer._generate_single_turn = replay
 
 
+@pytest.mark.slow  # 17 s on a 2-core CPU
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_matches_stock_on_the_same_completions(build, kind):
     rapid = enable_rapidfire(build(kind, max_grad_norm=0.0), config=PARITY_CONFIG, rollout="static")

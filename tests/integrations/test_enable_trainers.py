@@ -29,6 +29,7 @@ def _max_param_diff(a, b) -> float:
     [("sft", 0.0), ("sft", 1.0), ("dpo", 0.0), ("dpo", 1.0), ("reward", 0.0)],
     ids=["sft-no-clip", "sft-clip", "dpo-no-clip", "dpo-clip", "reward-no-clip"],
 )
+@pytest.mark.slow  # 15 s on a 2-core CPU
 def test_matches_stock_trainer(build, kind, max_grad_norm):
     stock = build(kind, max_grad_norm=max_grad_norm)
     stock.train()

@@ -31,6 +31,7 @@ def _train(build, kind, inject=None, **overrides):
     return trainer, oom
 
 
+@pytest.mark.slow  # 8 s on a 2-core CPU
 @pytest.mark.parametrize("call", [2, 1], ids=["closing-micro-batch", "first-micro-batch"])
 @pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
 def test_oom_split_gives_the_same_steps_and_weights(build, kind, call):
@@ -121,6 +122,7 @@ def _plain_trainer(tokenizer, tmp_path, cls):
     return cls(model=build_tiny_llama(tokenizer), args=args, train_dataset=ds, data_collator=collator)
 
 
+@pytest.mark.slow  # two trainings per case, about 25 s on a 2-core CPU
 @pytest.mark.parametrize("subclass", [False, True], ids=["Trainer", "subclass-without-training_step"])
 def test_plain_trainer_gets_the_split(tokenizer, tmp_path, subclass):
     """``enable_rapidfire`` on ``transformers.Trainer`` itself (whose class the OOM split cannot follow in

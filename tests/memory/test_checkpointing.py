@@ -129,6 +129,7 @@ def test_choose_level_takes_least_recompute_that_fits():
     assert choose_level(per_row, rows=4, budget=10) == "aggressive"  # nothing fits: the most recompute
 
 
+@pytest.mark.slow  # 5 s on a 2-core CPU
 def test_auto_measures_and_applies(tiny_policy, ids):
     model = copy.deepcopy(tiny_policy).train()
 
