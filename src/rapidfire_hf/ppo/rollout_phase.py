@@ -9,6 +9,20 @@ from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo.types import Rollout
 
 
+def sampling_params(args, sampling: bool = True):
+    """The rollout's ``SamplingParams`` from a PPOConfig: ``response_length`` new tokens at its temperature
+    (+1e-7, so that 0 stays finite), top-k and top-p; greedy when not ``sampling``."""
+    from rapidfire_hf.rollout import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.response_length,
+        temperature=args.temperature + 1e-7,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        do_sample=sampling,
+    )
+
+
 class RolloutMixin:
     """Prompt batches and generation of ``PPOTrainer``."""
 
@@ -23,7 +37,7 @@ class RolloutMixin:
 
     def rollout(self, batch: dict, sampling: bool = True) -> Rollout:
         """Generate responses for a batch of prompts with the current policy (greedy when not ``sampling``)."""
-        from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+        from rapidfire_hf.rollout import RolloutEngine
 
         args, device = self.args, self.accelerator.device
         queries = batch["input_ids"].to(device)
@@ -36,13 +50,7 @@ class RolloutMixin:
                 backend=self._rollout_backend(),
                 decode_mode=args.rollout_decode_mode,
             )
-        params = SamplingParams(
-            max_new_tokens=args.response_length,
-            temperature=args.temperature + 1e-7,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            do_sample=sampling,
-        )
+        params = sampling_params(args, sampling)
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
         # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
         # rollout_generation_batch_size bounds the KV cache: chunks of prompts, one after the other

@@ -21,6 +21,7 @@ from rapidfire_hf.ppo.modeling import (
     sequence_inputs,
 )
 from rapidfire_hf.ppo.reporting import update_device_metrics
+from rapidfire_hf.ppo.rollout_phase import sampling_params
 from rapidfire_hf.ppo.trainer import Experience, Rollout
 
 _STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
@@ -83,16 +84,8 @@ class SweepPhases:
     # ------------------------------------------------------------------ rollout
     def rollout(self, trials, batches: list[dict]) -> list[Rollout]:
         """Sample each trial's prompts with its own adapter and its own noise, in one decode."""
-        from rapidfire_hf.rollout import SamplingParams
-
         a = self.shared
-        params = SamplingParams(
-            max_new_tokens=a.response_length,
-            temperature=a.temperature + 1e-7,
-            top_k=a.top_k,
-            top_p=a.top_p,
-            do_sample=True,
-        )
+        params = sampling_params(a)
         queries = [b["input_ids"].to(self.device) for b in batches]
         if self.engine.backend == "static":
             q = torch.cat(queries)
