@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+from rapidfire_hf.cli.demo_config import demo_ppo_config
+
 DEMO_HELP = "Train PPO on the embedded demo task (no downloads; minutes on a laptop CPU)."
 
 
@@ -66,37 +68,6 @@ def _load_models(args):
     return tok, policy, None, "fused"
 
 
-def _ppo_args(args, out_dir: Path):
-    import torch
-
-    from rapidfire_hf.ppo import PPOConfig
-
-    use_gpu = torch.cuda.is_available() and not args.cpu
-    micro = min(args.batch_size, 16)
-    return PPOConfig(
-        output_dir=str(out_dir),
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=max(1, args.batch_size // micro),
-        num_mini_batches=max(1, args.batch_size // micro),
-        num_ppo_epochs=4,
-        learning_rate=args.learning_rate,
-        max_steps=args.steps,
-        response_length=args.response_length,
-        temperature=1.0,
-        stop_token="eos",
-        missing_eos_penalty=0.5,
-        kl_coef=0.05,
-        logging_steps=1,
-        num_sample_generations=0,  # the live table shows progress; samples would interleave with it
-        report_to=[],
-        disable_tqdm=True,
-        seed=args.seed,
-        use_cpu=not use_gpu,
-        bf16=use_gpu and torch.cuda.is_bf16_supported(),
-        rapidfire_config=args.config,
-    )
-
-
 def run_demo(args) -> int:
     from rapidfire_hf.demo import make_prompt_dataset, vowel_reward
     from rapidfire_hf.ppo import PPOTrainer
@@ -111,7 +82,7 @@ def run_demo(args) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok, policy, value, value_mode = _load_models(args)
-    ppo_args = _ppo_args(args, out_dir)
+    ppo_args = demo_ppo_config(args, out_dir)
     ppo_args.value_mode = value_mode
     live = LiveTableCallback(
         columns={

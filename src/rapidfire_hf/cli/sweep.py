@@ -124,7 +124,7 @@ def run_demo_sweep(args) -> int:
     """`rapidfire demo --sweep ...`: the demo task as a sweep of LoRA trials on one tiny base model."""
     from peft import LoraConfig
 
-    from rapidfire_hf.cli.demo import _ppo_args
+    from rapidfire_hf.cli.demo_config import demo_ppo_config
     from rapidfire_hf.demo import DemoTask, make_prompt_dataset, vowel_reward
     from rapidfire_hf.sweep import PPOSweep
 
@@ -134,7 +134,7 @@ def run_demo_sweep(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     trials = demo_trials(args.sweep)
     tok, policy, _, _ = DemoTask(seed=args.seed).build()
-    shared = _ppo_args(args, out_dir)
+    shared = demo_ppo_config(args, out_dir)
     if shared.use_cpu:
         import torch
 

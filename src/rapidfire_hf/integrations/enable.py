@@ -6,13 +6,9 @@ import functools
 import logging
 from typing import Any
 
-from rapidfire_hf.integrations.parts import STATE_ATTR, RapidFireState
+from rapidfire_hf.integrations.parts import STATE_ATTR, RapidFireIntegrationError, RapidFireState
 
 logger = logging.getLogger(__name__)
-
-
-class RapidFireIntegrationError(RuntimeError):
-    """``enable_rapidfire`` was called on a trainer it cannot safely change."""
 
 
 def _check_fresh(trainer) -> None:
@@ -72,7 +68,7 @@ def enable_rapidfire(
       trainer's arguments (both change the math against stock TRL; it never sets them for you).
 
     On rapidfire_hf's own ``PPOTrainer`` it applies ``config`` as ``PPOConfig(rapidfire_config=config)``
-    would have (``rapidfire_hf.ppo.enable``); the rollout engine is PPOTrainer's own.
+    would have (``rapidfire_hf.integrations.ppo_trainer``); the rollout engine is PPOTrainer's own.
 
     Args:
         trainer: a trainer that has not started training.
@@ -107,7 +103,7 @@ def enable_rapidfire(
     from rapidfire_hf.utils.logs import set_log_level
 
     if isinstance(trainer, PPOTrainer):
-        from rapidfire_hf.ppo.enable import enable_on_ppo_trainer
+        from rapidfire_hf.integrations.ppo_trainer import enable_on_ppo_trainer
 
         if optimizer_kwargs or lowmem_options:
             raise ValueError(

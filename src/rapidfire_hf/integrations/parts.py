@@ -1,4 +1,5 @@
-"""The state ``enable_rapidfire`` leaves on a trainer, and finding the ``RapidFireOptimizer`` it installed."""
+"""The state ``enable_rapidfire`` leaves on a trainer, finding the ``RapidFireOptimizer`` it installed, and
+the error it raises for a trainer it cannot change."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from typing import Any
 from rapidfire_hf.optim import RapidFireOptimizer
 
 STATE_ATTR = "_rapidfire"
+
+
+class RapidFireIntegrationError(RuntimeError):
+    """``enable_rapidfire`` was called on a trainer it cannot safely change."""
 
 
 def find_rapidfire_optimizer(optimizer: Any) -> RapidFireOptimizer | None:

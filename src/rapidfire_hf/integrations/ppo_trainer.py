@@ -22,8 +22,8 @@ def enable_on_ppo_trainer(trainer, config: Any = None):
         ConfigError: the config is invalid.
     """
     from rapidfire_hf.config import load_config
-    from rapidfire_hf.integrations.enable import RapidFireIntegrationError
     from rapidfire_hf.integrations.optimizer import has_stepped
+    from rapidfire_hf.integrations.parts import RapidFireIntegrationError
 
     if getattr(trainer, "_rapidfire_enabled", False):
         raise RapidFireIntegrationError(
