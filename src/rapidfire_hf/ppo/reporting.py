@@ -101,19 +101,10 @@ class ReportingMixin:
         stacked = acc.gather_for_metrics(torch.stack(list(device_metrics.values())).unsqueeze(0)).mean(0)
         metrics = dict(zip(device_metrics, stacked.tolist()))  # the one host sync of the update
         metrics["val/num_eos_tokens"] *= acc.num_processes
-        t0, t1, t2, t3 = times
-        b, width = exp.rollout.query_responses.shape
         metrics.update(
-            {
-                "time/rollout": t1 - t0,
-                "time/scoring": t2 - t1,
-                "time/training": t3 - t2,
-                "time/update": t3 - t0,
-                "tokens_per_second": b * width * acc.num_processes / max(t3 - t0, 1e-9),
-                "eps": self.state.episode / max(time.perf_counter() - self._train_start, 1e-9),
-                "lr": self.lr_scheduler.get_last_lr()[0],
-                "episode": self.state.episode,
-            }
+            update_host_metrics(
+                exp, times, self.state.episode, self._train_start, self.lr_scheduler, acc.num_processes
+            )
         )
         if self._rf_opt is not None:
             opt_stats = self._rf_opt.stats()
@@ -159,6 +150,26 @@ class ReportingMixin:
             if new > 0:
                 telemetry.event(event, step=step, count=new)
                 seen[key] = int(metrics[key])
+
+
+def update_host_metrics(
+    exp: Experience, times, episode: int, train_start: float, scheduler, processes: int = 1
+) -> dict:
+    """The host-side metrics of one update: the phases' seconds from ``times`` = (start, after rollout,
+    after scoring, end), tokens/s over all ``processes``, episodes/s since ``train_start``, the learning
+    rate and the episode count. The same keys for PPOTrainer and each PPOSweep trial."""
+    t0, t1, t2, t3 = times
+    b, width = exp.rollout.query_responses.shape
+    return {
+        "time/rollout": t1 - t0,
+        "time/scoring": t2 - t1,
+        "time/training": t3 - t2,
+        "time/update": t3 - t0,
+        "tokens_per_second": b * width * processes / max(t3 - t0, 1e-9),
+        "eps": episode / max(time.perf_counter() - train_start, 1e-9),
+        "lr": scheduler.get_last_lr()[0],
+        "episode": episode,
+    }
 
 
 def update_device_metrics(exp: Experience, stats: dict, eos_id) -> dict:

@@ -8,8 +8,6 @@ each trial's block with that trial's settings; the statistics are those ``PPOTra
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from rapidfire_hf.models.plumbing import classifier_parts
@@ -20,7 +18,7 @@ from rapidfire_hf.ppo.modeling import (
     response_logprobs,
     sequence_inputs,
 )
-from rapidfire_hf.ppo.reporting import update_device_metrics
+from rapidfire_hf.ppo.reporting import update_device_metrics, update_host_metrics
 from rapidfire_hf.ppo.rollout_phase import sampling_params
 from rapidfire_hf.ppo.trainer import Experience, Rollout
 
@@ -299,18 +297,5 @@ def trial_metrics(trial, exp: Experience, stats: dict, times, eos_id, train_star
     """The metrics ``PPOTrainer`` logs for one update, for one trial (times are the shared phases')."""
     device_metrics = update_device_metrics(exp, stats, eos_id)
     metrics = dict(zip(device_metrics, torch.stack(list(device_metrics.values())).tolist()))  # one host sync
-    t0, t1, t2, t3 = times
-    b, width = exp.rollout.query_responses.shape
-    metrics.update(
-        {
-            "time/rollout": t1 - t0,
-            "time/scoring": t2 - t1,
-            "time/training": t3 - t2,
-            "time/update": t3 - t0,
-            "tokens_per_second": b * width / max(t3 - t0, 1e-9),
-            "eps": trial.state.episode / max(time.perf_counter() - train_start, 1e-9),
-            "lr": trial.scheduler.get_last_lr()[0],
-            "episode": trial.state.episode,
-        }
-    )
+    metrics.update(update_host_metrics(exp, times, trial.state.episode, train_start, trial.scheduler))
     return metrics
