@@ -53,6 +53,19 @@ def _disable_dropout(module: torch.nn.Module) -> None:
             m.p = 0.0
 
 
+def default_adamw(args, params, **kernel) -> torch.optim.AdamW:
+    """torch AdamW over ``params`` with the PPOConfig's learning rate, betas, eps and weight decay;
+    ``kernel`` picks torch's implementation (``fused=True``, or nothing for torch's default)."""
+    return torch.optim.AdamW(
+        params,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        **kernel,
+    )
+
+
 class SetupMixin:
     """Construction helpers of ``PPOTrainer``."""
 
@@ -314,14 +327,7 @@ class SetupMixin:
         if optimizer is None and self.rf_config is not None:
             optimizer = self._optimizer_from_config(params)
         if optimizer is None:
-            optimizer = torch.optim.AdamW(
-                params,
-                lr=args.learning_rate,
-                betas=(args.adam_beta1, args.adam_beta2),
-                eps=args.adam_epsilon,
-                weight_decay=args.weight_decay,
-                **self._default_adamw_kernel(),
-            )
+            optimizer = default_adamw(args, params, **self._default_adamw_kernel())
         elif getattr(optimizer, "is_bound", True) is False:
             # what the optimizer was built without comes from PPOConfig, as for the default AdamW
             optimizer.bind(

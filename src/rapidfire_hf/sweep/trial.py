@@ -21,6 +21,7 @@ from transformers.optimization import get_scheduler
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import PromptOrder
 from rapidfire_hf.ppo.modeling import ValueHead
+from rapidfire_hf.ppo.setup import default_adamw
 from rapidfire_hf.ppo.trainer import PPOTrainerState
 
 # PPOConfig fields a trial may override. Everything else is shared: the decode (response_length,
@@ -146,14 +147,7 @@ def num_updates(args: PPOConfig, num_prompts: int) -> int:
 
 def make_optimizer(args: PPOConfig, params, updates: int):
     """AdamW and the LR schedule ``PPOTrainer`` builds by default (torch's default kernel on CPU)."""
-    opt = torch.optim.AdamW(
-        params,
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        weight_decay=args.weight_decay,
-        **({"fused": True} if params[0].device.type == "cuda" else {}),
-    )
+    opt = default_adamw(args, params, **({"fused": True} if params[0].device.type == "cuda" else {}))
     sched = get_scheduler(
         args.lr_scheduler_type,
         opt,
