@@ -110,3 +110,21 @@ def test_allocator_left_alone_when_user_configured_it(monkeypatch):
         "no-cuda" if not torch.cuda.is_available() else ("runtime" if torch.cuda.is_initialized() else "env")
     )
     assert MemoryCompactionCallback(telemetry=False).allocator_setup == expected
+
+
+def test_process_wide_writer_follows_each_runs_folder(tmp_path, tiny_policy, monkeypatch):
+    """Two trainings in one process with the default (process-wide) writer: each run's records land in
+    its own <output_dir>/telemetry, not in the folder the first run opened."""
+    import rapidfire_hf.memory.telemetry as telemetry_module
+
+    monkeypatch.delenv("RAPIDFIRE_TELEMETRY_DIR", raising=False)
+    monkeypatch.setattr(telemetry_module, "_DEFAULT", TelemetryWriter(register=False))
+    for run in ("first", "second"):
+        train(tiny_policy, tmp_path / run, MemoryCompactionCallback(), steps=2)
+    telemetry_module.get_telemetry().close()
+    for run in ("first", "second"):
+        (stream,) = (tmp_path / run / "out" / "telemetry").glob("*.jsonl")
+        recs = [json.loads(line) for line in stream.read_text().splitlines()]
+        begins = [r for r in recs if r["kind"] == "event" and r["name"] == "train_begin"]
+        assert len(begins) == 1, run  # its own run's records only
+        assert [r["step"] for r in recs if r["kind"] == "memory" and r["where"] == "step_end"] == [1, 2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
@@ -114,6 +115,7 @@ class MemoryCompactionCallback(TrainerCallback):
         self._min_reserved: int | None | bool = False  # False: not computed yet
         self.sample_every = sample_every
         self.telemetry = get_telemetry() if telemetry is None or telemetry is True else telemetry or None
+        self._shared_telemetry = telemetry is None or telemetry is True  # the process-wide writer
         self.telemetry_dir = telemetry_dir
         self.allocator_setup = setup_allocator(expandable_segments)
         self.compactions: list[dict] = []
@@ -230,8 +232,14 @@ class MemoryCompactionCallback(TrainerCallback):
         """
         self.attach(model, optimizer)
         self._step = step
+        if self.telemetry is not None:
+            # the process-wide writer follows each run's folder (an earlier trainer of this process may
+            # have opened it in its own); a writer the caller built keeps its directory
+            own = None if self._shared_telemetry else self.telemetry.directory
+            directory = Path(self.telemetry_dir or own or default_telemetry_dir(output_dir))
+            if self.telemetry.is_open and self.telemetry.directory != directory:
+                self.telemetry.close()
         if self.telemetry is not None and not self.telemetry.is_open:
-            directory = self.telemetry_dir or self.telemetry.directory or default_telemetry_dir(output_dir)
             path = self.telemetry.open(directory)
             logger.info(
                 "rapidfire: memory telemetry in %s (watch with `rapidfire monitor --pid <pid>`)", path
