@@ -94,3 +94,12 @@ def test_bank_errors(tokenizer):
         AdapterBank(get_peft_model(build_tiny_llama(tokenizer), lora_config()), lora_config())
     with pytest.raises(ValueError, match="use_dora"):
         AdapterBank(build_tiny_llama(tokenizer), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+
+
+@pytest.mark.parametrize("key", ["ref_adapter_name", "model_adapter_name"])
+def test_sweep_refuses_the_adapter_keys(tokenizer, tmp_path, key):
+    """Each trial trains its own adapter against the shared base: PPOConfig's adapter names do not apply."""
+    from .helpers import make_sweep
+
+    with pytest.raises(ValueError, match=rf"{key} do not apply; drop them from the PPOConfig"):
+        make_sweep(tokenizer, tmp_path, {"a": {}}, **{key: "ref"})

@@ -71,6 +71,9 @@ FIELD_CHECKS: dict[str, Check] = {
     "dataset_num_proc": Optional(Int(min=1), "tokenize in this process"),
     "sft_model_path": Optional(Str(), "not given"),
     "reward_model_path": Optional(Str(), "not given"),
+    "model_adapter_name": Optional(Str(), "the PEFT model's active adapter"),
+    "ref_adapter_name": Optional(Str(), "the adapter-disabled base is the reference"),
+    "ds3_gather_for_generation": Bool(),
     "exp_name": Str(),
     "memory_management": Bool(),
     "max_oom_splits": Int(min=0, max=64),  # 64 halvings split any batch down to single rows
@@ -228,6 +231,28 @@ class PPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Path of the reward model for scripts such as examples/ppo.py; PPOTrainer takes the model."
+        },
+    )
+    model_adapter_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "With a PeftModel holding several adapters: the adapter to train (made active at "
+            "construction, and again after each reference pass). None keeps the model's active adapter."
+        },
+    )
+    ref_adapter_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "With a PeftModel holding several adapters: the adapter whose policy is the frozen "
+            "reference (active during the reference pass). None: the adapter-disabled base is the reference."
+        },
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "DeepSpeed ZeRO-3: gather the policy's weights for generation (the rollout engine needs "
+            "them whole). False, generation from sharded weights, is refused under ZeRO-3; other engines "
+            "ignore the key, as TRL does."
         },
     )
     exp_name: str = field(

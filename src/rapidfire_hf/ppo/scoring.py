@@ -26,12 +26,19 @@ class ScoringMixin:
 
     @contextmanager
     def _reference_context(self):
-        """The reference policy: the separate reference model, or the policy with its adapter off (LoRA)."""
-        if self.ref_model is None:
+        """The reference policy: the separate reference model; with LoRA, the policy with the
+        ``ref_adapter_name`` adapter active (the training adapter again afterwards), or with its adapters off."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.args.ref_adapter_name is not None:
+            self.policy.set_adapter(self.args.ref_adapter_name)
+            try:
+                yield self.policy
+            finally:
+                self.policy.set_adapter(self._train_adapter)
+        else:
             with self.policy.disable_adapter():
                 yield self.policy
-        else:
-            yield self.ref_model
 
     @torch.no_grad()
     def score(self, rollout: Rollout) -> Experience:

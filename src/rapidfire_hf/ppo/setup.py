@@ -179,6 +179,50 @@ class SetupMixin:
             )
         return get_peft_model(model, peft_config)
 
+    def _select_adapters(self, policy, ref_model) -> str | None:
+        """Check ``model_adapter_name`` / ``ref_adapter_name`` against the PeftModel's adapters, make the
+        training adapter active, and return its name (None without PEFT)."""
+        args = self.args
+        names = {"model_adapter_name": args.model_adapter_name, "ref_adapter_name": args.ref_adapter_name}
+        given = {k: v for k, v in names.items() if v is not None}
+        if not self.is_peft:
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} name adapters of a PeftModel, but the model is not one: pass a PeftModel "
+                    "holding those adapters (peft.PeftModel.from_pretrained + load_adapter), or drop them."
+                )
+            return None
+        adapters = sorted(policy.peft_config)
+        for key, name in given.items():
+            if name not in adapters:
+                raise ValueError(f"{key}={name!r}: the PeftModel has no such adapter (it has {adapters})")
+        train = args.model_adapter_name or policy.active_adapter
+        if args.ref_adapter_name is not None:
+            if ref_model is not None:
+                raise ValueError(
+                    f"ref_adapter_name={args.ref_adapter_name!r} and a ref_model were both given: the reference "
+                    "is one or the other; drop one."
+                )
+            if args.ref_adapter_name == train:
+                raise ValueError(
+                    f"ref_adapter_name={args.ref_adapter_name!r} is the adapter being trained: the reference must "
+                    "be another adapter (or None: the adapter-disabled base)."
+                )
+        if args.model_adapter_name is not None:
+            policy.set_adapter(train)  # the adapter trained; set_adapter makes only it require gradients
+        return train
+
+    def _check_generation_gather(self) -> None:
+        """Refuse ``ds3_gather_for_generation=False`` under ZeRO-3 (the rollout engine needs whole weights)."""
+        from rapidfire_hf.distributed.features import Engine, detect_engine
+
+        if not self.args.ds3_gather_for_generation and detect_engine(self.accelerator) is Engine.ZERO3:
+            raise ValueError(
+                "ds3_gather_for_generation=False (generation from ZeRO-3-sharded weights) is not supported: "
+                "rapidfire's rollout engine generates from gathered weights. Keep it True; for a policy larger "
+                "than one GPU, bound the KV cache with rollout_generation_batch_size or use FSDP2."
+            )
+
     def _make_reference(self, policy, ref_model):
         bits = self.args.ref_model_quantization
         if self.is_peft:

@@ -115,6 +115,7 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
         )
         if self._use_liger:  # fail before any model is copied or moved
             check_liger_usable(self.accelerator.device)
+        self._check_generation_gather()
         self.rf_config = self._load_rapidfire_config(args.rapidfire_config)
         # Created before any model reaches the GPU, so expandable segments cover every allocation.
         self.memory_callback = self._make_memory_callback()
@@ -122,6 +123,7 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
         model, given_head = _split_value_head_model(model, value_model)
         policy = self._apply_peft(model, peft_config)
         self.is_peft = hasattr(policy, "peft_config")
+        self._train_adapter = self._select_adapters(policy, ref_model)
         self.ref_model = self._make_reference(policy, ref_model)
         self.reward_model = self._maybe_quantize(
             reward_model, args.reward_model_quantization, "reward_model_quantization"

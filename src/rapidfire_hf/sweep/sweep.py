@@ -92,6 +92,12 @@ class PPOSweep:
             )
         if not trials:
             raise ValueError("trials is empty: give at least one {name: {overrides}} entry")
+        adapters = [k for k in ("model_adapter_name", "ref_adapter_name") if getattr(args, k) is not None]
+        if adapters:
+            raise ValueError(
+                f"PPOSweep gives each trial its own adapter on the shared base, whose reference is the base "
+                f"itself: {', '.join(adapters)} do not apply; drop them from the PPOConfig."
+            )
         funcs = (
             []
             if reward_funcs is None
