@@ -66,6 +66,18 @@ def train(
     return model
 
 
+def adamw_reference(steps: int, skipped=()) -> nn.Module:
+    """The plain reference: ``make_model()`` trained by torch AdamW (lr 1e-2, foreach) on batches
+    ``0..steps-1`` except ``skipped`` (the steps a RapidFireOptimizer run dropped)."""
+    model = make_model()
+    train(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True),
+        [i for i in range(steps) if i not in skipped],
+    )
+    return model
+
+
 def assert_same_params(a: nn.Module, b: nn.Module) -> None:
     """Bit-exact equality, with the largest difference in the message when it fails."""
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):

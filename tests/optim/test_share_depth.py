@@ -5,24 +5,17 @@ snapshot holds. Every setting gives the inner optimizer's result alone (bit-exac
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rapidfire_hf.optim import RapidFireOptimizer
 from tests.helpers.faults_train import scale_loss_at
-from tests.optim.helpers import assert_same_params, loss_of, make_model, train
+from tests.optim.helpers import adamw_reference, assert_same_params, loss_of, make_model, train
 
 STEPS = 8
 N_PARAMS = 6  # make_model: three Linear layers; pipeline_bucket_mb=0 gives one bucket per parameter
 
 
 def reference(skipped=()):
-    model = make_model()
-    train(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True),
-        [i for i in range(STEPS) if i not in skipped],
-    )
-    return model
+    return adamw_reference(STEPS, skipped)
 
 
 def run(inject=None, **kw):

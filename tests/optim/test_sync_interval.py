@@ -9,19 +9,13 @@ import pytest
 import torch
 
 from rapidfire_hf.optim import RapidFireOptimizer, spans
-from tests.optim.helpers import assert_same_params, loss_of, make_model, train
+from tests.optim.helpers import adamw_reference, assert_same_params, loss_of, make_model, train
 
 STEPS, K, N = 16, 9, 4
 
 
 def reference(skipped=()):
-    model = make_model()
-    train(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True),
-        [i for i in range(STEPS) if i not in skipped],
-    )
-    return model
+    return adamw_reference(STEPS, skipped)
 
 
 def train_with_replay(model, opt, batches, bad=(), rollbacks=None):
