@@ -36,10 +36,10 @@ ENTRIES=(
   "ppo_size7b|ppo_vs_trl/results/h200/size7b|7B shape, full fine-tuning and LoRA, every mode"
   "ppo_size7b_512tok|ppo_vs_trl/results/h200/size7b_512tok|7B LoRA at 128+384 tokens: stock b8-64, ours fused b160-512"
   "ppo_b8|ppo_vs_trl/results/h200/b8|batch 8, separate value model: stock and ours, 3 timed updates (README row 1)"
-  "ppo_table_1b|ppo_vs_trl/results/h200/table_1b|1.1B PPO, stock b8-256 and ours in one call, 3 timed updates (not run yet)"
+  "ppo_table_1b|ppo_vs_trl/results/h200/table_1b|1.1B PPO, stock b8-256 next to ours in each run.py call, 3 timed updates (README rows 1-3)"
   "ppo_size7b_full_rm|ppo_vs_trl/results/h200/size7b_full_rm|7B full fine-tuning, 128+384 tokens, 7B reward model: stock b8/b16, ours b160"
   "ppo_size7b_lora_rm|ppo_vs_trl/results/h200/size7b_lora_rm|7B LoRA, 128+384 tokens, 7B reward model: stock b64 (b32 if b64 fails), ours fused b256"
-  "ppo_size7b_limits_rm|ppo_vs_trl/results/h200/size7b_limits_rm|7B, 128+384 tokens, 7B reward model: stock LoRA b128, ours separate LoRA b160, ours fused full b256 (not run yet)"
+  "ppo_size7b_limits_rm|ppo_vs_trl/results/h200/size7b_limits_rm|7B, 128+384 tokens, 7B reward model: stock LoRA b128, ours separate LoRA b160, ours fused full b256"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
   "grpo_balanced|grpo/results/h200/balanced|GRPO balanced config (README row 6)"
@@ -91,12 +91,13 @@ entry() {  # the commands of one entry, writing into $1
           c4t:call4_trl_b64 c4o:call4_ours_b512; do cp "$o/${c%%:*}/results.json" "$o/${c##*:}.json"; done
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
     ppo_b8) $PPO --out "$o" --part throughput --updates 4 --timeout 120 --trl-batches 8 --our-batches 8 --fused-batches "" ;;
-    ppo_table_1b)  # one call: stock and ours one after another, 1 warm-up + 3 timed updates per row
+    ppo_table_1b)  # stock and ours one after another in each call, 1 warm-up + 3 timed updates per row (~17 min)
       $PPO --out "$o/a" --part throughput --updates 4 --timeout 150 --trl-batches 8,32,64,256 --our-batches 8,32,64 \
-        --fused-batches 64
-      $PPO --out "$o/b" --part throughput --updates 4 --timeout 150 --trl-batches "" --our-batches "" \
+        --fused-batches ""
+      $PPO --out "$o/c" --part throughput --updates 4 --timeout 120 --trl-batches 64 --our-batches "" --fused-batches 64
+      $PPO --out "$o/d" --part throughput --updates 4 --timeout 150 --trl-batches 256 --our-batches "" \
         --fused-batches 256 --fused-variants liger+compile
-      $PPO merge "$o" "$o/a/results.json" "$o/b/results.json" ;;
+      $PY benchmarks/ppo_vs_trl/summarize.py --same-run "$o" ;;
     ppo_size7b_full_rm)  # full fine-tuning; ours with RapidFireOptimizer(adamw8bit, gradient pipeline)
       local s7="--part size7b --size-prompt-len 128 --size-response-len 384 --size-updates 4 --size-reward model"
       local ours="--size-micro-ours 8 --ours-score-chunk 16 --ours-gen-chunk 80 --ours-optimizer adamw8bit --size-batch-ours 160"
@@ -118,7 +119,7 @@ entry() {  # the commands of one entry, writing into $1
       local ours="--size-micro-ours 8 --ours-score-chunk 16 --ours-gen-chunk 80 --ours-optimizer adamw8bit"
       $PPO --out "$o/trl_lora_b128" $s7 --only s7_trl_lora --size-batches-trl 128 --size-timeout 300
       $PPO --out "$o/sep_lora_b160" $s7 $ours --only s7_rapidfire_lora --size-batch-ours 160 --size-timeout 240
-      $PPO --out "$o/fused_full_b256" $s7 $ours --only s7_fused_full --size-batch-ours 256 --size-timeout 300
+      $PPO --out "$o/fused_full_b256" $s7 $ours --only s7_fused_full --size-batch-ours 256 --size-timeout 440
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
     ppo_learning_sweep)
       local lr system seeds

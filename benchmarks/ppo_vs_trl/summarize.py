@@ -2,6 +2,7 @@
 
     python benchmarks/ppo_vs_trl/summarize.py [--results benchmarks/ppo_vs_trl/results/h200]
     python benchmarks/ppo_vs_trl/summarize.py --size7b benchmarks/ppo_vs_trl/results/h200/size7b_512tok
+    python benchmarks/ppo_vs_trl/summarize.py --same-run benchmarks/ppo_vs_trl/results/h200/table_1b
 
 Reads the row files that run.py wrote (any *.json with "rows" in the folder and the results.json of every
 sub-folder), keeps the throughput rows, and writes summary.csv and summary.png: tokens/s against rollout batch
@@ -140,13 +141,100 @@ def size7b_summary(folder: Path) -> list[dict]:
     return rows
 
 
+SAME_RUN_FIELDS = ["file", "batch", "ours", "stock_tokens_per_s", "stock_min", "stock_max", "ours_tokens_per_s",
+                   "ours_min", "ours_max", "ratio", "stock_peak_gib", "ours_peak_gib"]  # fmt: skip
+
+
+def _tokens_per_s_range(row: dict) -> tuple[float, float, float]:
+    """Median / min / max tokens/s of a throughput row over its timed updates (every update after the first)."""
+    import statistics
+
+    tokens = row["batch"] * (row["prompt_len"] + row["response_len"])
+    timed = (row.get("update_times") or [])[1:]
+    if not timed:
+        return row["tokens_per_s"], row["tokens_per_s"], row["tokens_per_s"]
+    return tokens / statistics.median(timed), tokens / max(timed), tokens / min(timed)
+
+
+def same_run_summary(folder: Path) -> list[dict]:
+    """same_run.csv and same_run.png of ``folder``: each of our throughput rows next to the stock TRL row of
+    the same batch **from the same results file** (one run.py call, one after another on one GPU), with the
+    median / min / max tokens/s of the timed updates and the ratio of the medians. Our rows without a stock
+    row in their own file get no ratio."""
+    out = []
+    for path in sorted(folder.glob("*/results.json")):
+        rows = [r for r in json.loads(path.read_text())["rows"] if r.get("part") == "throughput"]
+        ok = [r for r in rows if r.get("status") == "ok"]
+        stock = {r["batch"]: r for r in ok if r["system"] == "trl"}
+        for r in ok:
+            if r["system"] == "trl" and any(o["system"] != "trl" and o["batch"] == r["batch"] for o in ok):
+                continue  # drawn with its pair below
+            base = stock.get(r["batch"]) if r["system"] != "trl" else r
+            row = {"file": str(path.relative_to(folder)), "batch": r["batch"]}
+            if base is not None:
+                med, lo, hi = _tokens_per_s_range(base)
+                row |= {"stock_tokens_per_s": med, "stock_min": lo, "stock_max": hi,
+                        "stock_peak_gib": base.get("peak_gib")}  # fmt: skip
+            if r["system"] != "trl":
+                med, lo, hi = _tokens_per_s_range(r)
+                label = f"{r['value_mode']} value" + (
+                    f" [{r['variant']}]" if r.get("variant", "base") != "base" else ""
+                )
+                row |= {"ours": label, "ours_tokens_per_s": med, "ours_min": lo, "ours_max": hi,
+                        "ours_peak_gib": r.get("peak_gib")}  # fmt: skip
+                if base is not None:
+                    row["ratio"] = med / row["stock_tokens_per_s"]
+            out.append(row)
+    out.sort(key=lambda r: (r["batch"], r.get("ours") or "", r["file"]))
+    with open(folder / "same_run.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=SAME_RUN_FIELDS)
+        writer.writeheader()
+        writer.writerows(out)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 0.55 * len(out) + 2))
+    for y, r in enumerate(out):
+        for key, color, dy in (
+            ("stock", "C7", 0.2),
+            ("ours", "C1" if "fused" in (r.get("ours") or "") else "C0", -0.2),
+        ):
+            med = r.get(f"{key}_tokens_per_s")
+            if med is None:
+                continue
+            err = [[med - r[f"{key}_min"]], [r[f"{key}_max"] - med]]
+            ax.barh(y + dy, med, height=0.38, color=color, xerr=err, capsize=2)
+        text = f" {r['ratio']:.2f}x" if r.get("ratio") else ""
+        ax.text(max(r.get("ours_tokens_per_s") or 0, r.get("stock_tokens_per_s") or 0), y, text, va="center")
+    ax.set_yticks(range(len(out)), [f"b{r['batch']} {r.get('ours') or 'stock only'} ({r['file'].split('/')[0]})"
+                                    for r in out], fontsize=8)  # fmt: skip
+    ax.set_xlabel(
+        "tokens / s: median of the timed updates, whiskers min-max (grey: stock TRL 1.12, same file)"
+    )
+    ax.set_title("PPO, stock TRL against ours in the same run, one GPU")
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.15)
+    fig.tight_layout()
+    fig.savefig(folder / "same_run.png", dpi=100)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results" / "h200")
     p.add_argument(
         "--size7b", type=Path, default=None, help="summarise the size7b rows of this folder instead"
     )
+    p.add_argument(
+        "--same-run", type=Path, default=None, help="pair each of our rows with stock's row of its own file"
+    )
     parsed = p.parse_args()
+    if parsed.same_run is not None:
+        for row in same_run_summary(parsed.same_run):
+            print({k: row.get(k) for k in SAME_RUN_FIELDS})
+        return
     if parsed.size7b is not None:
         for row in size7b_summary(parsed.size7b):
             print({k: row.get(k) for k in SIZE_FIELDS})
