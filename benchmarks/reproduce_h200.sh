@@ -35,7 +35,7 @@ ENTRIES=(
   "ppo_fused_b4096|ppo_vs_trl/results/h200/fused_b4096_gen_chunks|fused value head at rollout batch 4096"
   "ppo_size7b|ppo_vs_trl/results/h200/size7b|7B shape, full fine-tuning and LoRA, every mode"
   "ppo_size7b_512tok|ppo_vs_trl/results/h200/size7b_512tok|7B LoRA at 128+384 tokens: stock b8-64, ours fused b160-512"
-  "ppo_b8|ppo_vs_trl/results/h200/b8|batch 8, separate value model: stock and ours, 3 timed updates (README row 1)"
+  "ppo_b8|ppo_vs_trl/results/h200/b8|batch 8, separate value model: stock and ours, 3 timed updates"
   "ppo_table_1b|ppo_vs_trl/results/h200/table_1b|1.1B PPO, stock b8-256 next to ours in each run.py call, 3 timed updates (README rows 1-3)"
   "ppo_size7b_full_rm|ppo_vs_trl/results/h200/size7b_full_rm|7B full fine-tuning, 128+384 tokens, 7B reward model: stock b8/b16, ours b160"
   "ppo_size7b_lora_rm|ppo_vs_trl/results/h200/size7b_lora_rm|7B LoRA, 128+384 tokens, 7B reward model: stock b64 (b32 if b64 fails), ours fused b256"
