@@ -2,6 +2,7 @@
 
     python benchmarks/ppo_vs_trl/summarize.py [--results benchmarks/ppo_vs_trl/results/h200]
     python benchmarks/ppo_vs_trl/summarize.py --size7b benchmarks/ppo_vs_trl/results/h200/size7b_512tok
+    python benchmarks/ppo_vs_trl/summarize.py --size7b OUT --from FOLDER [FOLDER ...]   # one table of several
     python benchmarks/ppo_vs_trl/summarize.py --same-run benchmarks/ppo_vs_trl/results/h200/table_1b
 
 Reads the row files that run.py wrote (any *.json with "rows" in the folder and the results.json of every
@@ -87,14 +88,21 @@ def _from_name(name: str) -> dict:
     }
 
 
-def size7b_summary(folder: Path) -> list[dict]:
+def size7b_summary(folder: Path, sources: list[Path] | None = None) -> list[dict]:
     """summary.csv and size7b.png of the size7b rows stored in ``folder`` (one sub-folder or file per run.py
-    call): per configuration its status, tokens/s with the median/min/max of the timed updates (every update
-    after the first), and peak memory; an OOM row is drawn at the memory it reached."""
+    call), or, with ``sources``, of the rows stored in each of those folders (one table of several entries,
+    written into ``folder``): per configuration its status, tokens/s with the median/min/max of the timed
+    updates (every update after the first), and peak memory; an OOM row is drawn at the memory it reached."""
     import statistics
 
+    found = (
+        [{**r, "source": f"{src.name}/{r['source']}"} for src in sources for r in _size7b_rows(src)]
+        if sources
+        else _size7b_rows(folder)
+    )
+    folder.mkdir(parents=True, exist_ok=True)
     rows = []
-    for row in _size7b_rows(folder):
+    for row in found:
         timed = (row.get("update_times") or [])[1:]
         stats = (
             {"timed_median_s": statistics.median(timed), "timed_min_s": min(timed), "timed_max_s": max(timed)}
@@ -228,6 +236,14 @@ def main() -> None:
         "--size7b", type=Path, default=None, help="summarise the size7b rows of this folder instead"
     )
     p.add_argument(
+        "--from",
+        dest="sources",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="with --size7b OUT: one table of the size7b rows of these folders, written into OUT",
+    )
+    p.add_argument(
         "--same-run", type=Path, default=None, help="pair each of our rows with stock's row of its own file"
     )
     parsed = p.parse_args()
@@ -236,7 +252,7 @@ def main() -> None:
             print({k: row.get(k) for k in SAME_RUN_FIELDS})
         return
     if parsed.size7b is not None:
-        for row in size7b_summary(parsed.size7b):
+        for row in size7b_summary(parsed.size7b, parsed.sources):
             print({k: row.get(k) for k in SIZE_FIELDS})
         return
     folder = parsed.results

@@ -49,3 +49,25 @@ def test_pairs_only_within_a_file_and_drops_the_warmup(tmp_path):
     with open(tmp_path / "same_run.csv") as fh:
         assert len(list(csv.DictReader(fh))) == len(rows) == 3
     assert (tmp_path / "same_run.png").stat().st_size > 0
+
+
+def _size7b(name, system, batch, times, status="ok"):
+    return {"part": "size7b", "name": name, "system": system, "value_mode": "separate", "batch": batch,
+            "status": status, "update_times": times, "tokens_per_s": 1.0, "peak_gib": 2.0}  # fmt: skip
+
+
+def test_size7b_table_of_several_folders_keeps_each_rows_source(tmp_path):
+    _write(tmp_path / "lora", "trl_b64", [_size7b("s7_trl_lora_b64", "trl", 64, [9.0, 3.0, 1.0, 2.0])])
+    _write(
+        tmp_path / "full", "ours", [_size7b("s7_rapidfire_full_b160", "rapidfire", 160, [9.0, 5.0, 4.0, 6.0])]
+    )
+    (tmp_path / "full" / "log.txt").write_text(  # a row whose file is not stored: its printed line
+        '{"name": "s7_trl_full_b16", "status": "oom", "peak_gib": 138.8}\n'
+    )
+    rows = summarize.size7b_summary(tmp_path / "table", [tmp_path / "lora", tmp_path / "full"])
+    by = {r["name"]: r for r in rows}
+    assert set(by) == {"s7_trl_lora_b64", "s7_rapidfire_full_b160", "s7_trl_full_b16"}
+    assert by["s7_trl_lora_b64"]["file"] == "lora/trl_b64/results.json"
+    assert (by["s7_trl_lora_b64"]["timed_median_s"], by["s7_trl_lora_b64"]["timed_max_s"]) == (2.0, 3.0)
+    assert by["s7_trl_full_b16"]["file"] == "full/log.txt" and by["s7_trl_full_b16"]["batch"] == 16
+    assert (tmp_path / "table" / "summary.csv").exists() and (tmp_path / "table" / "size7b.png").exists()
