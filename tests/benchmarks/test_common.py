@@ -22,10 +22,28 @@ from benchmarks.common import (  # noqa: E402
 )
 
 
+def test_code_digest_changes_with_a_file_and_only_then(tmp_path):
+    from benchmarks.common.env import code_digest
+
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "sub" / "run.sh").write_text("echo hi\n")
+    first = code_digest([tmp_path / "pkg"])
+    (tmp_path / "pkg" / "notes.txt").write_text("not code")  # other files do not count
+    assert code_digest([tmp_path / "pkg"]) == first
+    (tmp_path / "pkg" / "sub" / "run.sh").write_text("echo ho\n")
+    assert code_digest([tmp_path / "pkg"]) != first
+    (tmp_path / "pkg" / "sub" / "run.sh").write_text("echo hi\n")
+    assert code_digest([tmp_path / "pkg"]) == first
+    (tmp_path / "pkg" / "a.py").rename(tmp_path / "pkg" / "b.py")  # same bytes, other file
+    assert code_digest([tmp_path / "pkg"]) != first
+
+
 def test_environment_names_versions_date_and_command(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     env = environment(smoke=True)
     assert {"gpu", "torch", "transformers", "python", "date", "command"} <= set(env)
+    assert len(env["code_sha256"]) == 64
     assert env["omp_num_threads"] == "1" and env["smoke"] is True
     assert env["gpu"] is None or isinstance(env["gpu"], str)
 
