@@ -40,6 +40,7 @@ ENTRIES=(
   "ppo_size7b_full_rm|ppo_vs_trl/results/h200/size7b_full_rm|7B full fine-tuning, 128+384 tokens, 7B reward model: stock b8/b16, ours b160"
   "ppo_size7b_lora_rm|ppo_vs_trl/results/h200/size7b_lora_rm|7B LoRA, 128+384 tokens, 7B reward model: stock b64 (b32 if b64 fails), ours fused b256"
   "ppo_size7b_limits_rm|ppo_vs_trl/results/h200/size7b_limits_rm|7B, 128+384 tokens, 7B reward model: stock LoRA b128, ours separate LoRA b160, ours fused full b256"
+  "ppo_size7b_quant_rm|ppo_vs_trl/results/h200/size7b_quant_rm|7B full separate with a 4-bit reference and 8-bit reward model: ours b160 and b256 (not run yet)"
   "ppo_size7b_table|ppo_vs_trl/results/h200/size7b_table|README's 7B table: the three entries above, then one summary.csv / size7b.png of their rows"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
@@ -121,6 +122,13 @@ entry() {  # the commands of one entry, writing into $1
       $PPO --out "$o/trl_lora_b128" $s7 --only s7_trl_lora --size-batches-trl 128 --size-timeout 300
       $PPO --out "$o/sep_lora_b160" $s7 $ours --only s7_rapidfire_lora --size-batch-ours 160 --size-timeout 240
       $PPO --out "$o/fused_full_b256" $s7 $ours --only s7_fused_full --size-batch-ours 256 --size-timeout 440
+      $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
+    ppo_size7b_quant_rm)  # what the frozen models' quantization buys the memory-bound mode (~8 min)
+      local s7="--part size7b --size-prompt-len 128 --size-response-len 384 --size-updates 4 --size-reward model"
+      local ours="--size-micro-ours 8 --ours-score-chunk 16 --ours-gen-chunk 80 --ours-optimizer adamw8bit"
+      ours="$ours --ours-ref-quant 4bit --ours-reward-quant 8bit --only s7_rapidfire_full"
+      $PPO --out "$o/sep_b160" $s7 $ours --size-batch-ours 160 --size-timeout 220
+      $PPO --out "$o/sep_b256" $s7 $ours --size-batch-ours 256 --size-timeout 300
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
     ppo_size7b_table)  # about 25 minutes: more than one device call, so each entry can also run on its own
       local part
