@@ -9,7 +9,7 @@
 # prints its exit status; a failing entry does not stop the others. Compare OUT/<entry>/ with the stored
 # folder that --list names. Entries whose stored results came from two calls (stock on one GPU, ours on
 # another) run here as one call, so their ratios become same-run. Entries starting with dist_ need two GPUs
-# and run only when named.
+# and run only when named, as does ppo_size7b_table (three entries of the list, then one table of them).
 #
 # Needs the package installed (pip install -e ".[test]"); for the stock PPO side trl==1.12.0 installed in
 # its own folder, never next to trl 1.16 (TRL112_PATH, default /tmp/site112; see
@@ -193,7 +193,8 @@ OUT=$1; shift
 mkdir -p "$OUT"
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
-  for e in "${ENTRIES[@]}"; do name=${e%%|*}; [[ $name == dist_* ]] || names+=("$name"); done
+  # dist_* need two GPUs; ppo_size7b_table repeats three entries of the list: both run only when named
+  for e in "${ENTRIES[@]}"; do name=${e%%|*}; [[ $name == dist_* || $name == ppo_size7b_table ]] || names+=("$name"); done
 fi
 $PY -c "import sys; sys.path.insert(0, '.'); import json; from benchmarks.common import environment; print(json.dumps(environment()))" \
   > "$OUT/environment.json"

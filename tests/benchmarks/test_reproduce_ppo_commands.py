@@ -57,3 +57,10 @@ def test_every_ppo_entry_command_parses_and_selects_a_configuration(tmp_path):
     table = [a for a in commands if any("/ppo_table_1b/" in x for x in a) and a[0].endswith("run.py")]
     assert len(table) == 3
     assert checked >= 40
+
+
+def test_the_default_run_leaves_out_two_gpu_and_repeating_entries(tmp_path):
+    commands = _recorded_commands(tmp_path, [])
+    outs = [x for argv in commands for x in argv if str(tmp_path / "out") in x]
+    assert any("/ppo_size7b_lora_rm/" in x for x in outs)  # each 7B entry runs once, on its own
+    assert not any("/ppo_size7b_table/" in x or "/dist_" in x for x in outs)
