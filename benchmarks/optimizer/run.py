@@ -487,9 +487,13 @@ def interleaved_summary(variants: dict) -> str:
     ]
     for name, r in variants.items():
         ref = r.get("vs_reference")
-        tail = "" if ref is None else (
-            f"{ref['median']:8.3f} {ref['median_ci95'][0]:9.3f}-{ref['median_ci95'][1]:.3f} "
-            f"{ref['q25']:9.3f}-{ref['q75']:.3f}  vs {ref['reference']}"
+        tail = (
+            ""
+            if ref is None
+            else (
+                f"{ref['median']:8.3f} {ref['median_ci95'][0]:9.3f}-{ref['median_ci95'][1]:.3f} "
+                f"{ref['q25']:9.3f}-{ref['q75']:.3f}  vs {ref['reference']}"
+            )
         )
         lines.append(f"{name:28s} {r['step_ms_p50']:9.1f} {r['opt_ms_p50']:9.2f} {tail}")
     return "\n".join(lines)
