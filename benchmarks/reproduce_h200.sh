@@ -42,6 +42,7 @@ ENTRIES=(
   "ppo_size7b_limits_rm|ppo_vs_trl/results/h200/size7b_limits_rm|7B, 128+384 tokens, 7B reward model: stock LoRA b128, ours separate LoRA b160, ours fused full b256"
   "ppo_size7b_quant_rm|ppo_vs_trl/results/h200/size7b_quant_rm|7B full separate with a 4-bit reference and 8-bit reward model: ours b160 and b256 (not run yet)"
   "ppo_size7b_table|ppo_vs_trl/results/h200/size7b_table|README's 7B table: the three entries above, then one summary.csv / size7b.png of their rows"
+  "ppo_sweep|ppo_vs_trl/results/h200/sweep|LoRA sweeps, 1.1B: N trials one after another (stock, ours) vs PPOSweep (not run yet)"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
   "grpo_balanced|grpo/results/h200/balanced|GRPO balanced config (README row 6)"
@@ -137,6 +138,10 @@ entry() {  # the commands of one entry, writing into $1
       done
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" --from "$o/ppo_size7b_lora_rm" "$o/ppo_size7b_full_rm" \
         "$o/ppo_size7b_limits_rm" ;;
+    ppo_sweep)  # two calls of about 6 and 8 minutes; each ratio pairs rows of one call
+      $PPO --out "$o/a" --part sweep --sweep-systems trl,sweep --sweep-trials 4 --timeout 200
+      $PPO --out "$o/b" --part sweep --sweep-systems rapidfire,sweep --sweep-trials 2,4,8 --timeout 200
+      $PY benchmarks/ppo_vs_trl/summarize.py --sweep "$o" ;;
     ppo_learning_sweep)
       local lr system seeds
       for spec in "3e-4 learn_trl 16" "3e-4 learn_rapidfire_separate 16" "3e-4 learn_rapidfire_fused 8" \

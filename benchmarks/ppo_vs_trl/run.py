@@ -5,7 +5,7 @@
     python benchmarks/ppo_vs_trl/run.py --out /tmp/ppo_smoke --smoke      # tiny shape on CPU
     TRL112_PATH=/tmp/site112 python benchmarks/ppo_vs_trl/run.py --out DIR --part size7b   # 7B part
 
-Three parts (`--part`, default "throughput,learning"; size7b runs only when asked for), each
+Four parts (`--part`, default "throughput,learning"; size7b and sweep run only when asked for), each
 configuration in its own subprocess (clean peak-memory numbers; an OOM ends only that configuration):
 
 * throughput: the 1.1B Llama shape of the README's numbers (hidden 2048, 22 layers, 32 heads, 4 KV heads, vocab
@@ -22,6 +22,10 @@ configuration in its own subprocess (clean peak-memory numbers; an OOM ends only
   policy, through each trainer's `peft_config`; the reference is then the adapter-disabled base, and a
   separate value model is still trained in full, as both trainers ship): status ok / oom / error, peak
   GPU memory, s/update, tokens/s. What fits on one GPU is the finding; an OOM row is a result.
+* sweep: N LoRA trials that differ in kl_coef and seed, each at one rollout batch: stock TRL running
+  them one after another, ours (`PPOTrainer`) one after another, and `PPOSweep` training all N on one
+  shared base. The sequential cost of N trials is the sum of their seconds per update; `summarize.py
+  --sweep` sets it against one PPOSweep round (`--sweep-trials`, `--sweep-batch`, `--sweep-systems`).
 
 Writes results.json (GPU, versions, date, command, one row per configuration), results.csv and
 ppo_vs_trl.png into --out.
@@ -55,7 +59,7 @@ SHAPES = {
 }
 
 
-PARTS = ("throughput", "learning", "size7b")
+PARTS = ("throughput", "learning", "size7b", "sweep")
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
@@ -221,6 +225,58 @@ def configs(args) -> list[dict]:
                             if getattr(args, f"ours_{key}"):
                                 row[key] = getattr(args, f"ours_{key}")
                     rows.append(row)
+    return rows + (sweep_configs(args) if "sweep" in parts else [])
+
+
+SWEEP_KL = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)  # trial i's kl_coef (then 1.0 + i)
+
+
+def sweep_configs(args) -> list[dict]:
+    """Part "sweep": N LoRA trials (trial i: kl_coef SWEEP_KL[i], seed i) run three ways, each trial at
+    rollout batch --sweep-batch: stock TRL one trial after another (sw_trl_t<i>, LoRA with its separate
+    value model), our PPOTrainer one trial after another (sw_rapidfire_t<i>, LoRA, fused value head) and
+    PPOSweep with all N trials on one base (sw_sweep_n<N>). The sequential rows run once for the largest N;
+    the N-trial cost of a sequential sweep is the sum over its first N trials (summarize.py --sweep)."""
+    base = dict(
+        shape=args.sweep_shape,
+        prompt_len=args.prompt_len,
+        response_len=args.response_len,
+        updates=args.sweep_updates,
+        micro=min(args.micro, args.sweep_batch),
+        batch=args.sweep_batch,
+        part="sweep",
+        peft="lora",
+        lora=LORA,
+        reward=args.sweep_reward,
+    )
+    kl = [SWEEP_KL[i] if i < len(SWEEP_KL) else 1.0 + i for i in range(max(args.sweep_trials))]
+    rows = []
+    for system, mode, tag in (("trl", "separate", "trl"), ("rapidfire", "fused", "rapidfire")):
+        if tag in args.sweep_systems:
+            rows += [
+                {
+                    **base,
+                    "system": system,
+                    "value_mode": mode,
+                    "name": f"sw_{tag}_t{i}",
+                    "trial": i,
+                    "kl_coef": kl[i],
+                    "seed": i,
+                }  # fmt: skip
+                for i in range(max(args.sweep_trials))
+            ]
+    if "sweep" in args.sweep_systems:
+        rows += [
+            {
+                **base,
+                "system": "sweep",
+                "value_mode": "fused",
+                "name": f"sw_sweep_n{n}",
+                "trials": n,
+                "trial_kl": kl[:n],
+            }  # fmt: skip
+            for n in args.sweep_trials
+        ]
     return rows
 
 
@@ -473,7 +529,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--part",
         type=lambda s: [x for x in s.split(",") if x],
         default=["throughput", "learning"],
-        help=f"comma-separated parts to run, of {', '.join(PARTS)} (size7b only when named)",
+        help=f"comma-separated parts to run, of {', '.join(PARTS)} (size7b and sweep only when named)",
     )
     p.add_argument("--size-shape", default="llama-7b", choices=SHAPES)
     p.add_argument("--size-batch", type=int, default=8)
@@ -500,6 +556,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["rule", "model"],
         help="size7b reward, the same for both trainers: 'rule' (a rule reward behind a reward-model interface, "
         "no weights) or 'model' (a sequence-classification model of the policy's shape, bf16, random init)",
+    )
+    p.add_argument(
+        "--sweep-trials",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[4],
+        help="sweep: numbers of trials N, one PPOSweep row each (the sequential rows run max(N) trials)",
+    )
+    p.add_argument("--sweep-batch", type=int, default=32, help="sweep: rollout batch of each trial")
+    p.add_argument("--sweep-updates", type=int, default=4, help="sweep: updates per trial (first is warm-up)")
+    p.add_argument("--sweep-shape", default="llama-1.1b", choices=SHAPES)
+    p.add_argument("--sweep-reward", default="rule", choices=["rule", "model"], help="as --size-reward")
+    p.add_argument(
+        "--sweep-systems",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["trl", "rapidfire", "sweep"],
+        help="sweep: which of trl (stock, one trial after another), rapidfire (ours, one after another) "
+        "and sweep (PPOSweep) to run",
     )
     p.add_argument("--timeout", type=int, default=240, help="seconds per configuration")
     p.add_argument("--only", default=None, help="run only configurations whose name starts with this prefix")
@@ -589,6 +662,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ours-variants replaces --ours-liger/--ours-compile/--ours-micro: give one or the others")
     if args.fused_variants is None:
         args.fused_variants = args.ours_variants
+    if set(args.sweep_systems) - {"trl", "rapidfire", "sweep"} or not args.sweep_systems:
+        p.error(f"--sweep-systems {args.sweep_systems}: choose from trl, rapidfire, sweep")
+    if not args.sweep_trials or min(args.sweep_trials) < 1 or args.sweep_batch < 1:
+        p.error("--sweep-trials needs numbers >= 1 and --sweep-batch must be >= 1")
     unknown = set(args.part) - set(PARTS)
     if unknown:
         p.error(f"unknown --part {sorted(unknown)}; choose from {', '.join(PARTS)}")
@@ -598,6 +675,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.trl_batches, args.our_batches, args.fused_batches = [8], [8], [8]
         args.learn_updates, args.learn_batch, args.learn_prompt_len, args.learn_response_len = 3, 8, 8, 8
         args.size_shape, args.size_prompt_len, args.size_response_len, args.size_micro = "smoke", 8, 8, 4
+        args.sweep_shape, args.sweep_updates, args.sweep_batch = "smoke", 2, 4
         if args.ours_compile_backend is None:  # inductor on a 2-core CPU takes minutes per graph
             args.ours_compile_backend = "aot_eager"
     return args

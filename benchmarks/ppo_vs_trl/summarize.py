@@ -4,6 +4,7 @@
     python benchmarks/ppo_vs_trl/summarize.py --size7b benchmarks/ppo_vs_trl/results/h200/size7b_512tok
     python benchmarks/ppo_vs_trl/summarize.py --size7b OUT --from FOLDER [FOLDER ...]   # one table of several
     python benchmarks/ppo_vs_trl/summarize.py --same-run benchmarks/ppo_vs_trl/results/h200/table_1b
+    python benchmarks/ppo_vs_trl/summarize.py --sweep OUT      # the sweep part: N trials in a row vs PPOSweep
 
 Reads the row files that run.py wrote (any *.json with "rows" in the folder and the results.json of every
 sub-folder), keeps the throughput rows, and writes summary.csv and summary.png: tokens/s against rollout batch
@@ -229,6 +230,78 @@ def same_run_summary(folder: Path) -> list[dict]:
     return out
 
 
+SWEEP_FIELDS = ["file", "trials", "batch", "trl_seq_s", "ours_seq_s", "sweep_s", "sweep_min_s", "sweep_max_s",
+                "trl_tokens_per_s", "ours_tokens_per_s", "sweep_tokens_per_s", "vs_trl", "vs_ours",
+                "trl_peak_gib", "ours_peak_gib", "sweep_peak_gib"]  # fmt: skip
+
+
+def sweep_summary(folder: Path) -> list[dict]:
+    """sweep.csv and sweep.png of the sweep part's rows in ``folder``: per PPOSweep row of N trials, the
+    seconds one update of all N trials takes run one after another (the sum of the medians of trials
+    t0..t<N-1>, stock TRL and ours, from the **same results file**) against one PPOSweep round (its
+    median, min and max over the timed rounds), as tokens/s and ratios. A sequential side with a missing or
+    failed trial row gets no number."""
+    import statistics
+
+    out = []
+    for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/results.json")):
+        data = json.loads(path.read_text())
+        rows = [
+            r for r in (data.get("rows", []) if isinstance(data, dict) else []) if r.get("part") == "sweep"
+        ]
+        ok = {r["name"]: r for r in rows if r.get("status") == "ok"}
+        for r in (r for r in rows if r["system"] == "sweep" and r.get("status") == "ok"):
+            n, tokens = r["trials"], r["batch"] * (r["prompt_len"] + r["response_len"])
+            timed = r["update_times"][1:] or r["update_times"]
+            row = {"file": str(path.relative_to(folder)), "trials": n, "batch": r["batch"],
+                   "sweep_s": statistics.median(timed), "sweep_min_s": min(timed), "sweep_max_s": max(timed),
+                   "sweep_peak_gib": r.get("peak_gib")}  # fmt: skip
+            row["sweep_tokens_per_s"] = n * tokens / row["sweep_s"]
+            for tag in ("trl", "ours"):
+                trial_rows = [ok.get(f"sw_{'rapidfire' if tag == 'ours' else tag}_t{i}") for i in range(n)]
+                if all(t is not None for t in trial_rows):
+                    seq = sum(t["s_per_update"] for t in trial_rows)
+                    peaks = [t.get("peak_gib") for t in trial_rows if t.get("peak_gib") is not None]
+                    row |= {f"{tag}_seq_s": seq, f"{tag}_tokens_per_s": n * tokens / seq,
+                            f"vs_{tag}": seq / row["sweep_s"], f"{tag}_peak_gib": max(peaks, default=None)}  # fmt: skip
+            out.append(row)
+    out.sort(key=lambda r: (r["file"], r["trials"]))
+    with open(folder / "sweep.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=SWEEP_FIELDS)
+        writer.writeheader()
+        writer.writerows(out)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
+    sides = (("trl", "stock TRL 1.12, one trial after another", "C7"),
+             ("ours", "rapidfire PPOTrainer, one trial after another", "C0"),
+             ("sweep", "rapidfire PPOSweep, all trials at once", "C1"))  # fmt: skip
+    for k, (tag, label, color) in enumerate(sides):
+        xs = [i + (k - 1) * 0.27 for i in range(len(out))]
+        tps = [r.get(f"{tag}_tokens_per_s") or 0 for r in out]
+        ax.bar(xs, tps, width=0.27, color=color, label=label)
+        bx.bar(xs, [r.get(f"{tag}_peak_gib") or 0 for r in out], width=0.27, color=color, label=label)
+        for x, r in zip(xs, out):
+            if tag == "sweep":
+                text = "  ".join(
+                    f"{v:.2f}x {w}" for w, v in (("stock", r.get("vs_trl")), ("ours", r.get("vs_ours"))) if v
+                )
+                ax.annotate(text, (x, r["sweep_tokens_per_s"]), ha="center", va="bottom", fontsize=7)
+    labels = [f"{r['trials']} trials x {r['batch']}\n{r['file'].split('/')[0]}" for r in out]
+    for a, title in ((ax, "tokens / s over all trials (median update)"), (bx, "peak GiB")):
+        a.set_xticks(range(len(out)), labels, fontsize=8)
+        a.set_title(title)
+        a.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle("LoRA PPO sweeps on one GPU: N trials one after another against PPOSweep, same run")
+    fig.tight_layout()
+    fig.savefig(folder / "sweep.png", dpi=100)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results" / "h200")
@@ -246,7 +319,12 @@ def main() -> None:
     p.add_argument(
         "--same-run", type=Path, default=None, help="pair each of our rows with stock's row of its own file"
     )
+    p.add_argument("--sweep", type=Path, default=None, help="summarise the sweep part's rows of this folder")
     parsed = p.parse_args()
+    if parsed.sweep is not None:
+        for row in sweep_summary(parsed.sweep):
+            print({k: row.get(k) for k in SWEEP_FIELDS})
+        return
     if parsed.same_run is not None:
         for row in same_run_summary(parsed.same_run):
             print({k: row.get(k) for k in SAME_RUN_FIELDS})

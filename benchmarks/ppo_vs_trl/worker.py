@@ -36,9 +36,10 @@ class RuleRewardBackbone(nn.Module):
         self.record = False
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        # a 4-D mask (PPOSweep's on SDPA models) adds nothing here: the special ids it masks are not counted
         mask = (
             attention_mask.bool()
-            if attention_mask is not None
+            if attention_mask is not None and attention_mask.dim() == 2
             else torch.ones_like(input_ids, dtype=torch.bool)
         )
         in_response = torch.arange(input_ids.shape[1], device=input_ids.device) >= self.prompt_len
@@ -104,8 +105,9 @@ def build_models(cfg: dict, device: str):
 
     dtype = model_dtype(cfg, device)
     conf = llama_config(cfg["shape_kwargs"], cfg["prompt_len"] + cfg["response_len"] + 8)
-    torch.manual_seed(cfg.get("seed", 0))  # the model init; the learning part runs several seeds
-    if cfg["part"] == "size7b":
+    # the model init; the learning part runs several seeds; a sweep's trials all start from one base
+    torch.manual_seed(0 if cfg["part"] == "sweep" else cfg.get("seed", 0))
+    if cfg["part"] in ("size7b", "sweep"):
         with torch.device(device):  # straight into the target dtype on the device: no fp32 7B copy
             policy = LlamaForCausalLM._from_config(conf, dtype=dtype)
             ref = None
@@ -185,6 +187,7 @@ def common_args(cfg: dict, device: str) -> dict:
         num_mini_batches=1,  # one optimizer step per PPO epoch in both (TRL 1.12 steps once per
         # gradient_accumulation_steps micro-batches, whatever num_mini_batches says; ours once per mini-batch)
         **(learn if learning else {}),
+        **({"kl_coef": cfg["kl_coef"]} if cfg["part"] == "sweep" and "kl_coef" in cfg else {}),
         total_episodes=cfg["batch"] * cfg["updates"],
         response_length=cfg["response_len"],
         # TRL generates and scores in chunks of this many rows; ours scores in them (--ours-score-chunk
@@ -312,6 +315,7 @@ def run_trl(cfg: dict, device: str) -> dict:
         "trl_version": trl.__version__,
         "trainable_params": trainable,
         "build_s": build_s,
+        "kl_coef_applied": trainer.args.kl_coef,
     }
 
 
@@ -382,6 +386,38 @@ def build_ours(cfg: dict, device: str):
     return trainer
 
 
+def run_sweep(cfg: dict, device: str) -> dict:
+    """``PPOSweep`` with ``cfg["trials"]`` LoRA trials (trial i: kl_coef ``cfg["trial_kl"][i]``, seed i) on
+    one base: each round is one update of every trial. Times are trial t0's log (the round is shared)."""
+    import rapidfire_hf
+    from rapidfire_hf import PPOConfig, PPOSweep
+
+    tok, (policy, _ref, _value, reward), build_s, ds = build_inputs(cfg, device)
+    args = PPOConfig(
+        **common_args(cfg, device), value_mode="fused", disable_tqdm=True,
+        rollout_backend=cfg.get("rollout_backend", "auto"),
+    )  # fmt: skip
+    trials = {f"t{i}": {"kl_coef": kl, "seed": i} for i, kl in enumerate(cfg["trial_kl"])}
+    sweep = PPOSweep(
+        args=args, trials=trials, model=policy, processing_class=tok, train_dataset=ds,
+        peft_config=peft_config(cfg), reward_model=reward, progress=False,
+    )  # fmt: skip
+    results = sweep.train()
+    logs = [h for h in results["t0"].log_history if "time/update" in h]
+    return {
+        "update_times": [h["time/update"] for h in logs],
+        "gen_times": [h["time/rollout"] for h in logs],
+        "score_times": [h["time/scoring"] for h in logs],
+        "train_times": [h["time/training"] for h in logs],
+        "rewards": [h["objective/scores"] for h in logs],
+        "trial_updates": {name: r.global_step for name, r in results.items()},
+        "trial_kl_applied": {name: t.args.kl_coef for name, t in sweep.trials.items()},
+        "rapidfire_version": rapidfire_hf.__version__,
+        "trainable_params": sum(p.numel() for p in sweep.model.parameters() if p.requires_grad),
+        "build_s": build_s,
+    }
+
+
 def inner_optimizer_name(optimizer) -> str:
     """The class that updates the weights: under accelerate's wrapper and RapidFireOptimizer, e.g. AdamW8bit."""
     opt = getattr(optimizer, "optimizer", optimizer)
@@ -415,6 +451,7 @@ def run_ours(cfg: dict, device: str) -> dict:
         "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
         "trainable_params": trainable,
         "build_s": trainer.build_s,
+        "kl_coef_applied": trainer.args.kl_coef,
         "oom_splits": trainer._oom_splits,
         "optimizer_class": inner_optimizer_name(trainer.optimizer),
         "ref_class": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
@@ -429,7 +466,8 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        out = run_trl(cfg, device) if cfg["system"] == "trl" else run_ours(cfg, device)
+        run = {"trl": run_trl, "sweep": run_sweep}.get(cfg["system"], run_ours)
+        out = run(cfg, device)
     except Exception as e:  # written as a row (OOM included), so the runner records it and goes on
         oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
         # Liger's kernels are Triton kernels: on a CPU (smoke) the trainer refuses them, a skip, not a failure
@@ -467,7 +505,8 @@ def main() -> None:
         "s_per_update": s,
         "gen_share": statistics.median(gens) / s if gens else None,
         **phases,
-        "tokens_per_s": cfg["batch"] * (cfg["prompt_len"] + cfg["response_len"]) / s,
+        # a PPOSweep round updates every trial: its rows are trials x batch
+        "tokens_per_s": cfg["batch"] * cfg.get("trials", 1) * (cfg["prompt_len"] + cfg["response_len"]) / s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         **({"gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30} if device == "cuda" else {}),
         "reward_first": out["rewards"][0] if out["rewards"] else None,
