@@ -42,7 +42,7 @@ ENTRIES=(
   "ppo_size7b_limits_rm|ppo_vs_trl/results/h200/size7b_limits_rm|7B, 128+384 tokens, 7B reward model: stock LoRA b128, ours separate LoRA b160, ours fused full b256"
   "ppo_size7b_quant_rm|ppo_vs_trl/results/h200/size7b_quant_rm|7B full separate with a 4-bit reference and 8-bit reward model: ours b160 and b256 (not run yet)"
   "ppo_size7b_gen_chunks|ppo_vs_trl/results/h200/size7b_gen_chunks|7B full fused b256: generation in chunks of 128 and 256 prompts instead of 80 (not run yet)"
-  "ppo_size7b_trl_full_b4|ppo_vs_trl/results/h200/size7b_trl_full_b4|7B full fine-tuning, 7B reward model: stock TRL at rollout batch 4 (not run yet)"
+  "ppo_size7b_full_b4|ppo_vs_trl/results/h200/size7b_full_b4|7B full fine-tuning, 7B reward model: stock TRL at rollout batch 4, then ours fused at 160, one call (not run yet)"
   "ppo_size7b_table|ppo_vs_trl/results/h200/size7b_table|README's 7B table: the three entries above, then one summary.csv / size7b.png of their rows"
   "ppo_sweep|ppo_vs_trl/results/h200/sweep|LoRA sweeps, 1.1B: N trials one after another (stock, ours) vs PPOSweep (not run yet)"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
@@ -139,9 +139,12 @@ entry() {  # the commands of one entry, writing into $1
       $PPO --out "$o/gen128" $s7 $ours --size-batch-ours 256 --ours-gen-chunk 128 --size-timeout 240
       $PPO --out "$o/gen256" $s7 $ours --size-batch-ours 256 --ours-gen-chunk 256 --size-timeout 240
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
-    ppo_size7b_trl_full_b4)  # stock ran out of memory at 8 and 16; its weights and AdamW state take ~125 GiB
-      $PPO --out "$o" --part size7b --size-prompt-len 128 --size-response-len 384 --size-updates 4 --size-reward model \
-        --only s7_trl_full --size-batches-trl 4 --size-micro 4 --size-timeout 300 ;;
+    ppo_size7b_full_b4)  # stock ran out of memory at 8 and 16; its weights and AdamW state take ~125 GiB (~7 min)
+      local s7="--part size7b --size-prompt-len 128 --size-response-len 384 --size-updates 4 --size-reward model"
+      $PPO --out "$o/trl_b4" $s7 --only s7_trl_full --size-batches-trl 4 --size-micro 4 --size-timeout 240
+      $PPO --out "$o/fused_b160" $s7 --size-micro-ours 8 --ours-score-chunk 16 --ours-gen-chunk 80 \
+        --ours-optimizer adamw8bit --size-batch-ours 160 --only s7_fused_full --size-timeout 200
+      $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
     ppo_size7b_table)  # about 25 minutes: more than one device call, so each entry can also run on its own
       local part
       for part in ppo_size7b_lora_rm ppo_size7b_full_rm ppo_size7b_limits_rm; do
