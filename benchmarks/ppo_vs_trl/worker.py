@@ -36,7 +36,7 @@ class RuleRewardBackbone(nn.Module):
         self.record = False
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
-        # a 4-D mask (PPOSweep's on SDPA models) adds nothing here: the special ids it masks are not counted
+        # a 4-D mask (what PPOSweep gives SDPA models) adds nothing here: the special ids it masks are not counted
         mask = (
             attention_mask.bool()
             if attention_mask is not None and attention_mask.dim() == 2

@@ -90,3 +90,30 @@ def test_two_row_trials_within_fp32_tolerance(tokenizer, tmp_path):
         for key in ours:
             assert ours[key] == pytest.approx(theirs[key], rel=0, abs=1e-5), key
         assert max_abs_diff(together.adapter_state_dict(name), alone.adapter_state_dict(name)) < 1e-5
+
+
+def _mask_dims(reward_model) -> list[int]:
+    """The attention-mask ranks the reward model's backbone is called with (a forward pre-hook)."""
+    from rapidfire_hf.models.plumbing import classifier_parts
+
+    dims = []
+    backbone, _ = classifier_parts(reward_model, "reward_model")
+    backbone.register_forward_pre_hook(
+        lambda mod, args, kwargs: dims.append(kwargs["attention_mask"].dim()), with_kwargs=True
+    )
+    return dims
+
+
+@pytest.mark.parametrize("attention, rank", [("sdpa", 4), ("eager", 2)])
+def test_reward_model_gets_the_mask_its_own_attention_takes(tokenizer, tmp_path, attention, rank):
+    """The 4-D mask only where the reward model itself attends through SDPA (flash attention takes only
+    the 2-D one), whatever the policy uses."""
+    from rapidfire_hf.demo import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tokenizer)
+    rm.set_attn_implementation(attention)
+    dims = _mask_dims(rm)
+    sweep = make_sweep(tokenizer, tmp_path, {"a": {}}, reward_model=rm, max_steps=1)
+    assert sweep.model.config._attn_implementation == "sdpa"
+    sweep.train()
+    assert dims and set(dims) == {rank}

@@ -67,12 +67,16 @@ class SweepPhases:
         engine: a ``RolloutEngine`` on ``model`` (static backend: one decode for every trial), or None to
             generate trial by trial with ``model.generate``.
         reward_model / reward_funcs: one of them, shared by every trial.
+        full_mask / reward_full_mask: give the policy's / the reward model's forwards the 4-D mask
+            (:func:`rapidfire_hf.ppo.modeling.sequence_inputs`; SDPA models only).
     """
 
-    def __init__(self, model, bank, shared, tokenizer, engine, reward_model, reward_funcs, full_mask):
+    def __init__(
+        self, model, bank, shared, tokenizer, engine, reward_model, reward_funcs, full_mask, reward_full_mask
+    ):
         self.model, self.bank, self.shared, self.tok = model, bank, shared, tokenizer
         self.engine, self.reward_model, self.reward_funcs = engine, reward_model, reward_funcs
-        self.full_mask = full_mask
+        self.full_mask, self.reward_full_mask = full_mask, reward_full_mask  # 4-D masks: see sweep._full_mask
         self.pad = tokenizer.pad_token_id
         self.stop = tokenizer.eos_token_id if shared.stop_token == "eos" else shared.stop_token_id
         self.decoder, self.lm_head = causal_lm_parts(model)
@@ -169,7 +173,7 @@ class SweepPhases:
         """The reward model's backbone once for the pack; its one-output head per piece (see :func:`packs`)."""
         backbone, score = classifier_parts(self.reward_model, "reward_model")
         hidden = backbone(
-            **sequence_inputs(post_qr, self.pad, self.full_mask), use_cache=False
+            **sequence_inputs(post_qr, self.pad, self.reward_full_mask), use_cache=False
         ).last_hidden_state
         last = first_true_indices(post_qr[:, ctx:] == self.pad) - 1 + ctx
         final = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [rows, H]

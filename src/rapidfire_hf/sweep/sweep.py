@@ -127,8 +127,9 @@ class PPOSweep:
         self.prompt_width = max(len(ids) for ids in self.train_dataset["input_ids"])
         self.hidden_size = causal_lm_parts(self.model)[0].config.hidden_size
         self.phases = SweepPhases(
-            self.model, self.bank, args, tok, self._make_engine(), reward_model, funcs, self._full_mask()
-        )
+            self.model, self.bank, args, tok, self._make_engine(), reward_model, funcs,
+            full_mask=_full_mask(self.model), reward_full_mask=_full_mask(reward_model),
+        )  # fmt: skip
         self.trials: dict[str, Trial] = {}
         self._slots = 0
         self._pending: list[tuple] = []
@@ -153,11 +154,6 @@ class PPOSweep:
             backend="static" if reason is None else "hf",
             decode_mode=self.args.rollout_decode_mode,
         )
-
-    def _full_mask(self) -> bool:
-        """Always the 4-D mask on SDPA models: with the 2-D one, transformers switches to ``is_causal``
-        attention for a chunk without padding, so a trial's arithmetic would depend on its neighbours' rows."""
-        return getattr(self.model.config, "_attn_implementation", None) == "sdpa"
 
     def _add(self, name: str, overrides: dict, source: Trial | None = None, parent_overrides=None) -> Trial:
         check_trial_name(name)
@@ -329,6 +325,13 @@ class PPOSweep:
     def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
         """Trial ``name``'s LoRA weights under peft's keys (loadable with ``set_peft_model_state_dict``)."""
         return self.bank.state_dict(self._trial(name).slot)
+
+
+def _full_mask(model) -> bool:
+    """Whether ``model`` gets the 4-D mask: always on SDPA models, where with the 2-D one transformers
+    switches to ``is_causal`` attention for a chunk without padding, so a trial's arithmetic would depend
+    on its neighbours' rows; never on others (flash attention takes only the 2-D mask)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
 
 
 def _sync_time(device) -> float:
