@@ -45,6 +45,7 @@ ENTRIES=(
   "ppo_size7b_full_b4|ppo_vs_trl/results/h200/size7b_full_b4|7B full fine-tuning, 7B reward model: stock TRL at rollout batch 4, then ours fused at 160, one call (not run yet)"
   "ppo_size7b_table|ppo_vs_trl/results/h200/size7b_table|README's 7B table: the three entries above, then one summary.csv / size7b.png of their rows"
   "ppo_sweep|ppo_vs_trl/results/h200/sweep|LoRA sweeps, 1.1B: N trials one after another (stock, ours) vs PPOSweep (not run yet)"
+  "ppo_sweep_7b|ppo_vs_trl/results/h200/sweep_7b|LoRA sweeps, 7B: 4 trials one after another (ours) vs PPOSweep (not run yet)"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
   "grpo_balanced|grpo/results/h200/balanced|GRPO balanced config (README row 6)"
@@ -155,6 +156,9 @@ entry() {  # the commands of one entry, writing into $1
     ppo_sweep)  # two calls of about 6 and 8 minutes; each ratio pairs rows of one call
       $PPO --out "$o/a" --part sweep --sweep-systems trl,sweep --sweep-trials 4 --timeout 200
       $PPO --out "$o/b" --part sweep --sweep-systems rapidfire,sweep --sweep-trials 2,4,8 --timeout 200
+      $PY benchmarks/ppo_vs_trl/summarize.py --sweep "$o" ;;
+    ppo_sweep_7b)  # about 9 minutes; the 7B shape's models built on the GPU in bf16
+      $PPO --out "$o" --part sweep --sweep-shape llama-7b --sweep-systems rapidfire,sweep --sweep-trials 4 --timeout 240
       $PY benchmarks/ppo_vs_trl/summarize.py --sweep "$o" ;;
     ppo_learning_sweep)
       local lr system seeds
