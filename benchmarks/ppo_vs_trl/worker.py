@@ -386,6 +386,14 @@ def build_ours(cfg: dict, device: str):
     return trainer
 
 
+def update_series(log_history: list[dict]) -> dict:
+    """Per update of our trainer's (or a sweep trial's) log: seconds of the update and its phases, reward."""
+    logs = [h for h in log_history if "time/update" in h]
+    keys = {"update": "time/update", "gen": "time/rollout", "score": "time/scoring", "train": "time/training"}
+    series = {f"{name}_times": [h[key] for h in logs] for name, key in keys.items()}
+    return {**series, "rewards": [h["objective/scores"] for h in logs]}
+
+
 def run_sweep(cfg: dict, device: str) -> dict:
     """``PPOSweep`` with ``cfg["trials"]`` LoRA trials (trial i: kl_coef ``cfg["trial_kl"][i]``, seed i) on
     one base: each round is one update of every trial. Times are trial t0's log (the round is shared)."""
@@ -403,13 +411,8 @@ def run_sweep(cfg: dict, device: str) -> dict:
         peft_config=peft_config(cfg), reward_model=reward, progress=False,
     )  # fmt: skip
     results = sweep.train()
-    logs = [h for h in results["t0"].log_history if "time/update" in h]
     return {
-        "update_times": [h["time/update"] for h in logs],
-        "gen_times": [h["time/rollout"] for h in logs],
-        "score_times": [h["time/scoring"] for h in logs],
-        "train_times": [h["time/training"] for h in logs],
-        "rewards": [h["objective/scores"] for h in logs],
+        **update_series(results["t0"].log_history),
         "trial_updates": {name: r.global_step for name, r in results.items()},
         "trial_kl_applied": {name: t.args.kl_coef for name, t in sweep.trials.items()},
         "rapidfire_version": rapidfire_hf.__version__,
@@ -442,11 +445,7 @@ def run_ours(cfg: dict, device: str) -> dict:
         extra["stats"] = learning_stats(logs, trainer.reward_model)
     return {
         **extra,
-        "update_times": [h["time/update"] for h in logs],
-        "gen_times": [h["time/rollout"] for h in logs],
-        "rewards": [h["objective/scores"] for h in logs],
-        "score_times": [h["time/scoring"] for h in logs],
-        "train_times": [h["time/training"] for h in logs],
+        **update_series(logs),
         "rapidfire_version": rapidfire_hf.__version__,
         "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
         "trainable_params": trainable,
