@@ -36,10 +36,9 @@ class RuleRewardBackbone(nn.Module):
         self.record = False
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
-        # a 4-D mask (what PPOSweep gives SDPA models) adds nothing here: the special ids it masks are not counted
         mask = (
             attention_mask.bool()
-            if attention_mask is not None and attention_mask.dim() == 2
+            if attention_mask is not None
             else torch.ones_like(input_ids, dtype=torch.bool)
         )
         in_response = torch.arange(input_ids.shape[1], device=input_ids.device) >= self.prompt_len
