@@ -37,12 +37,25 @@ def _decode(row: dict, path: Path) -> str | None:
     return "compiled decode" if "compiled" in path.parent.name + path.stem else "CUDA-graph decode"
 
 
-def load_rows(folder: Path) -> list[dict]:
-    rows = []
+def _row_files(folder: Path, part: str):
+    """``(path, rows)`` of every row file run.py wrote into ``folder`` (``*.json`` and ``*/results.json``),
+    with the rows of ``part`` (every status)."""
     for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/results.json")):
         data = json.loads(path.read_text())
-        for row in data.get("rows", []) if isinstance(data, dict) else []:
-            if row.get("part") == "throughput" and row.get("status") == "ok":
+        rows = data.get("rows", []) if isinstance(data, dict) else []
+        yield path, [r for r in rows if r.get("part") == part]
+
+
+def _timed_seconds(row: dict) -> list[float]:
+    """Seconds of a row's timed updates: every update after the first (the warm-up)."""
+    return (row.get("update_times") or [])[1:]
+
+
+def load_rows(folder: Path) -> list[dict]:
+    rows = []
+    for path, part_rows in _row_files(folder, "throughput"):
+        for row in part_rows:
+            if row.get("status") == "ok":
                 source = str(path.relative_to(folder))
                 rows.append({**row, "source": source, "decode": _decode(row, path)})
     return rows
@@ -58,12 +71,10 @@ def _size7b_rows(folder: Path) -> list[dict]:
     per-configuration lines run.py printed into ``log.txt`` for a configuration whose row file is not stored
     (``source`` says which; a log line has the median but not the single update times)."""
     rows, seen = [], set()
-    for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/results.json")):
-        data = json.loads(path.read_text())
-        for row in data.get("rows", []) if isinstance(data, dict) else []:
-            if row.get("part") == "size7b":
-                rows.append({**row, "source": str(path.relative_to(folder))})
-                seen.add(row["name"])
+    for path, part_rows in _row_files(folder, "size7b"):
+        for row in part_rows:
+            rows.append({**row, "source": str(path.relative_to(folder))})
+            seen.add(row["name"])
     log = folder / "log.txt"
     for line in log.read_text().splitlines() if log.exists() else []:
         if line.startswith('{"name": "s7_'):
@@ -104,7 +115,7 @@ def size7b_summary(folder: Path, sources: list[Path] | None = None) -> list[dict
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
     for row in found:
-        timed = (row.get("update_times") or [])[1:]
+        timed = _timed_seconds(row)
         stats = (
             {"timed_median_s": statistics.median(timed), "timed_min_s": min(timed), "timed_max_s": max(timed)}
             if timed
@@ -159,7 +170,7 @@ def _tokens_per_s_range(row: dict) -> tuple[float, float, float]:
     import statistics
 
     tokens = row["batch"] * (row["prompt_len"] + row["response_len"])
-    timed = (row.get("update_times") or [])[1:]
+    timed = _timed_seconds(row)
     if not timed:
         return row["tokens_per_s"], row["tokens_per_s"], row["tokens_per_s"]
     return tokens / statistics.median(timed), tokens / max(timed), tokens / min(timed)
@@ -171,8 +182,7 @@ def same_run_summary(folder: Path) -> list[dict]:
     median / min / max tokens/s of the timed updates and the ratio of the medians. Our rows without a stock
     row in their own file get no ratio."""
     out = []
-    for path in sorted(folder.glob("*/results.json")):
-        rows = [r for r in json.loads(path.read_text())["rows"] if r.get("part") == "throughput"]
+    for path, rows in _row_files(folder, "throughput"):
         ok = [r for r in rows if r.get("status") == "ok"]
         stock = {r["batch"]: r for r in ok if r["system"] == "trl"}
         for r in ok:
@@ -244,15 +254,11 @@ def sweep_summary(folder: Path) -> list[dict]:
     import statistics
 
     out = []
-    for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/results.json")):
-        data = json.loads(path.read_text())
-        rows = [
-            r for r in (data.get("rows", []) if isinstance(data, dict) else []) if r.get("part") == "sweep"
-        ]
+    for path, rows in _row_files(folder, "sweep"):
         ok = {r["name"]: r for r in rows if r.get("status") == "ok"}
         for r in (r for r in rows if r["system"] == "sweep" and r.get("status") == "ok"):
             n, tokens = r["trials"], r["batch"] * (r["prompt_len"] + r["response_len"])
-            timed = r["update_times"][1:] or r["update_times"]
+            timed = _timed_seconds(r) or r["update_times"]
             row = {"file": str(path.relative_to(folder)), "trials": n, "batch": r["batch"],
                    "sweep_s": statistics.median(timed), "sweep_min_s": min(timed), "sweep_max_s": max(timed),
                    "sweep_peak_gib": r.get("peak_gib")}  # fmt: skip
