@@ -43,8 +43,6 @@ def code_digest(roots) -> str:
     for root in map(Path, roots):
         files = sorted(f for f in root.rglob("*") if f.suffix in (".py", ".sh", ".yaml") and f.is_file())
         for f in files:
-            if "__pycache__" in f.parts:
-                continue
             h.update(f"{root.name}/{f.relative_to(root).as_posix()}\0".encode())
             h.update(f.read_bytes())
     return h.hexdigest()

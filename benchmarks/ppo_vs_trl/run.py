@@ -262,7 +262,7 @@ def sweep_configs(args) -> list[dict]:
                     "trial": i,
                     "kl_coef": kl[i],
                     "seed": i,
-                }  # fmt: skip
+                }
                 for i in range(max(args.sweep_trials))
             ]
     if "sweep" in args.sweep_systems:
@@ -274,7 +274,7 @@ def sweep_configs(args) -> list[dict]:
                 "name": f"sw_sweep_n{n}",
                 "trials": n,
                 "trial_kl": kl[:n],
-            }  # fmt: skip
+            }
             for n in args.sweep_trials
         ]
     return rows
