@@ -9,7 +9,7 @@
 # prints its exit status; a failing entry does not stop the others. Compare OUT/<entry>/ with the stored
 # folder that --list names. Entries whose stored results came from two calls (stock on one GPU, ours on
 # another) run here as one call, so their ratios become same-run. Entries starting with dist_ need two GPUs
-# and run only when named, as does ppo_size7b_table (three entries of the list, then one table of them).
+# and run only when named, as does ppo_size7b_table (five entries of the list, then one table of them).
 #
 # Needs the package installed (pip install -e ".[test]"); for the stock PPO side trl==1.12.0 installed in
 # its own folder, never next to trl 1.16 (TRL112_PATH, default /tmp/site112; see
@@ -43,7 +43,7 @@ ENTRIES=(
   "ppo_size7b_quant_rm|ppo_vs_trl/results/h200/size7b_quant_rm|7B full separate with a 4-bit reference and 8-bit reward model: ours b160 and b256"
   "ppo_size7b_gen_chunks|ppo_vs_trl/results/h200/size7b_gen_chunks|7B full fused b256: generation in chunks of 128 and 256 prompts instead of 80"
   "ppo_size7b_full_b4|ppo_vs_trl/results/h200/size7b_full_b4|7B full fine-tuning, 7B reward model: stock TRL at rollout batch 4, then ours fused at 160, one call"
-  "ppo_size7b_table|ppo_vs_trl/results/h200/size7b_table|README's 7B table: the three entries above, then one summary.csv / size7b.png of their rows"
+  "ppo_size7b_table|ppo_vs_trl/results/h200/size7b_table|README's 7B table: the five 7B entries above, then one summary.csv / size7b.png of their rows"
   "ppo_sweep|ppo_vs_trl/results/h200/sweep|LoRA sweeps, 1.1B: N trials one after another (stock, ours) vs PPOSweep (not run yet)"
   "ppo_sweep_7b|ppo_vs_trl/results/h200/sweep_7b|LoRA sweeps, 7B: 4 trials one after another (ours) vs PPOSweep (not run yet)"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
@@ -146,13 +146,13 @@ entry() {  # the commands of one entry, writing into $1
       $PPO --out "$o/fused_b160" $s7 --size-micro-ours 8 --ours-score-chunk 16 --ours-gen-chunk 80 \
         --ours-optimizer adamw8bit --size-batch-ours 160 --only s7_fused_full --size-timeout 200
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
-    ppo_size7b_table)  # about 25 minutes: more than one device call, so each entry can also run on its own
+    ppo_size7b_table)  # about 40 minutes: more than one device call, so each entry can also run on its own
       local part
-      for part in ppo_size7b_lora_rm ppo_size7b_full_rm ppo_size7b_limits_rm; do
+      for part in ppo_size7b_lora_rm ppo_size7b_full_rm ppo_size7b_limits_rm ppo_size7b_full_b4 ppo_size7b_gen_chunks; do
         mkdir -p "$o/$part" && ( entry "$o/$part" $part ) > "$o/$part/log.txt" 2>&1
       done
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" --from "$o/ppo_size7b_lora_rm" "$o/ppo_size7b_full_rm" \
-        "$o/ppo_size7b_limits_rm" ;;
+        "$o/ppo_size7b_limits_rm" "$o/ppo_size7b_full_b4" "$o/ppo_size7b_gen_chunks" ;;
     ppo_sweep)  # two calls of about 6 and 8 minutes; each ratio pairs rows of one call
       $PPO --out "$o/a" --part sweep --sweep-systems trl,sweep --sweep-trials 4 --timeout 200
       $PPO --out "$o/b" --part sweep --sweep-systems rapidfire,sweep --sweep-trials 2,4,8 --timeout 200
@@ -216,7 +216,7 @@ OUT=$1; shift
 mkdir -p "$OUT"
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
-  # dist_* need two GPUs; ppo_size7b_table repeats three entries of the list: both run only when named
+  # dist_* need two GPUs; ppo_size7b_table repeats five entries of the list: both run only when named
   for e in "${ENTRIES[@]}"; do name=${e%%|*}; [[ $name == dist_* || $name == ppo_size7b_table ]] || names+=("$name"); done
 fi
 $PY -c "import sys; sys.path.insert(0, '.'); import json; from benchmarks.common import environment; print(json.dumps(environment()))" \

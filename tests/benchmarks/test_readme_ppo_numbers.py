@@ -60,7 +60,7 @@ def test_7b_table_is_size7b_table():
     with open(H200 / "size7b_table" / "summary.csv") as fh:
         stored = [r for r in csv.DictReader(fh) if r["status"] == "ok"]
     shown = re.findall(r"batch (\d+): ([\d,]+) tok/s, ([\d.]+) GiB", table)
-    assert len(shown) == len(stored) == 6
+    assert len(shown) == 7
     for batch, tps, gib in shown:
         assert any(
             r["batch"] == batch
@@ -68,6 +68,8 @@ def test_7b_table_is_size7b_table():
             and f"{float(r['peak_gib']):.1f}" == gib
             for r in stored
         ), (batch, tps, gib)
-    ratio = re.search(r"\*\*([\d.]+)×\*\*", table).group(1)
-    by = {r["name"]: float(r["tokens_per_s"]) for r in stored}
-    assert ratio == f"{by['s7_fused_lora_b256'] / by['s7_trl_lora_b64']:.1f}"
+    by = {(r["file"].split("/")[0], r["name"]): float(r["tokens_per_s"]) for r in stored}
+    ratios = re.findall(r"\*\*([\d.]+)×\*\*", table)
+    lora = by["size7b_lora_rm", "s7_fused_lora_b256"] / by["size7b_lora_rm", "s7_trl_lora_b64"]
+    full = by["size7b_full_b4", "s7_fused_full_b160"] / by["size7b_full_b4", "s7_trl_full_b4"]
+    assert ratios == [f"{lora:.1f}", f"{full:.1f}"]
