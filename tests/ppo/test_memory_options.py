@@ -1,6 +1,7 @@
-"""PPOTrainer and memory.optimization / memory.prefetch_window: the training forwards are checkpointed per
-level (less activation memory, bit-exact training), the user's gradient_checkpointing is kept, ``auto``
-follows free memory, and prompt batches arrive prefetched in the same order with the same contents."""
+"""PPOTrainer and memory.optimization / memory.checkpointing / memory.prefetch_window: a forced policy
+checkpoints the training forwards (less activation memory, bit-exact training), no level recomputes a run
+that fits, a level recomputes only when memory is short, the user's gradient_checkpointing is kept, and
+prompt batches arrive prefetched in the same order with the same contents."""
 
 from __future__ import annotations
 
@@ -44,20 +45,29 @@ def training_forward_bytes(trainer) -> int:
     return activation_bytes(lambda: module(qr, trainer.pad_token_id, ctx, 1.0, with_entropy=True))
 
 
-def test_levels_checkpoint_the_training_forwards_and_train_bit_exact(tmp_path, tokenizer):
+def test_forced_checkpointing_checkpoints_the_training_forwards_and_trains_bit_exact(tmp_path, tokenizer):
     held, weights = {}, {}
-    for level in LEVELS:
-        trainer = make_trainer(tmp_path / level, tokenizer, {"optimization": level, "prefetch_window": 0})
+    for policy in ("off", "elementwise", "matmuls"):
+        memory = {"checkpointing": policy, "planner": False, "prefetch_window": 0}
+        trainer = make_trainer(tmp_path / policy, tokenizer, memory)
         trainer.train()
-        assert trainer.checkpointing == (None if level == "conservative" else level)
+        assert trainer.checkpointing == (None if policy == "off" else policy)
         value_layer = trainer.accelerator.unwrap_model(trainer.model).value_model.model.layers[0]
-        assert value_layer.gradient_checkpointing == (level != "conservative")  # the value model too
-        held[level] = training_forward_bytes(trainer)
-        weights[level] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    assert held["conservative"] > held["balanced"] > held["aggressive"], held
-    for level in ("balanced", "aggressive"):  # recompute gives the same gradients: the same update
-        for name, w in weights["conservative"].items():
-            assert torch.equal(weights[level][name], w), (level, name)
+        assert value_layer.gradient_checkpointing == (policy != "off")  # the value model too
+        held[policy] = training_forward_bytes(trainer)
+        weights[policy] = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    assert held["off"] > held["elementwise"] > held["matmuls"], held
+    for policy in ("elementwise", "matmuls"):  # recompute gives the same gradients: the same update
+        for name, w in weights["off"].items():
+            assert torch.equal(weights[policy][name], w), (policy, name)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_no_level_recomputes_a_run_that_fits(tmp_path, tokenizer, level):
+    trainer = make_trainer(tmp_path, tokenizer, {"optimization": level})
+    trainer.train()
+    assert trainer.checkpointing is None and trainer.plan.checkpointing == "none" and trainer.plan.fits
+    assert not trainer.policy.model.layers[0].gradient_checkpointing
 
 
 def test_user_gradient_checkpointing_is_respected(tmp_path, tokenizer):
@@ -75,13 +85,24 @@ def test_no_rapidfire_config_no_checkpointing(tmp_path, tokenizer):
     assert trainer.checkpointing is None and not trainer.policy.model.layers[0].gradient_checkpointing
 
 
-@pytest.mark.parametrize(("free", "expected"), [(None, "conservative"), (1, "aggressive")])
-def test_auto_follows_free_memory(tmp_path, tokenizer, monkeypatch, free, expected):
+@pytest.mark.parametrize(
+    ("level", "free", "expected"),
+    [
+        ("auto", None, None),
+        ("balanced", 1, "matmuls"),
+        ("aggressive", 1, "matmuls"),
+        ("conservative", 1, None),
+    ],
+)
+def test_a_level_recomputes_only_when_memory_is_short(
+    tmp_path, tokenizer, monkeypatch, level, free, expected
+):
     if free is not None:  # a device with (almost) no free memory left
         monkeypatch.setattr("rapidfire_hf.memory.checkpointing.free_device_bytes", lambda device: free)
-    trainer = make_trainer(tmp_path, tokenizer, {"optimization": "auto"})
+    trainer = make_trainer(tmp_path, tokenizer, {"optimization": level})
     trainer.train()
     assert trainer.checkpointing == expected  # a CPU run: the host's available RAM is the budget
+    assert trainer.plan.fits == (free is None)  # conservative may not recompute: it says it does not fit
 
 
 def record_rollouts(trainer):

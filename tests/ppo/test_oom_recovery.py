@@ -75,7 +75,9 @@ def test_oom_split_gives_the_same_optimizer_steps_and_update(tmp_path, tokenizer
     """2 micro-batches per window, 2 windows: an OOM in the forward of one micro-batch of the first
     window (call 2 closes it). The split must neither step the optimizer on a half (3 steps for 2
     windows, the pipeline applying a partial gradient) nor change the update."""
-    kw = dict(optimizer="rapidfire", rapidfire_config=config, max_grad_norm=0.0)
+    # the user's split kept (memory.planner off): the rows below are the user's micro-batches
+    cfg = {"preset": config, "memory": {"planner": False}}
+    kw = dict(optimizer="rapidfire", rapidfire_config=cfg, max_grad_norm=0.0)
     reference = _build(tmp_path / "ref", tokenizer, **kw)
     reference.train()
     trainer = _build(tmp_path / "oom", tokenizer, **kw)
@@ -94,6 +96,22 @@ def test_oom_split_gives_the_same_optimizer_steps_and_update(tmp_path, tokenizer
     assert opt.stats()["steps"] == ref_opt.stats()["steps"] == 2
     assert _adamw_steps(opt) == _adamw_steps(ref_opt) == {2}  # the inner AdamW stepped each parameter twice
     assert opt.stats()["pipelined_steps"] == ref_opt.stats()["pipelined_steps"]
+    for a, b in zip(_params(reference), _params(trainer), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=ATOL)
+
+
+def test_oom_split_of_a_merged_forward_gives_the_same_update(tmp_path, tokenizer):
+    """The planner puts both micro-batches of a window (4 + 4 rows) in one forward; an OOM in the second
+    update's forward splits it back into 4 + 4, each normalised by its own micro-batch: the same update."""
+    kw = dict(optimizer="rapidfire", rapidfire_config="balanced", max_grad_norm=0.0)
+    reference = _build(tmp_path / "ref", tokenizer, **kw)
+    reference.train()
+    assert reference.plan.merge == 2
+    trainer = _build(tmp_path / "oom", tokenizer, **kw)
+    oom = only_during(oom_on_calls(causal_lm_parts(trainer.policy)[0], [2], grad=True), trainer, "optimize")
+    trainer.train()
+    assert oom.raised == 1 and oom.rows == [8, 8, 4, 4]
+    assert trainer._rf_opt.stats()["steps"] == reference._rf_opt.stats()["steps"] == 2
     for a, b in zip(_params(reference), _params(trainer), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=ATOL)
 

@@ -12,6 +12,7 @@ from rapidfire_hf.config.loader import env_overrides, env_variables, load_config
 from rapidfire_hf.config.presets import PRESET_DESCRIPTIONS, PRESETS
 from rapidfire_hf.config.rules import LAYER_METRICS, METRICS, FallbackRule
 from rapidfire_hf.config.schema import (
+    Checkpointing,
     DType,
     GradientConfig,
     LoggingConfig,
@@ -33,6 +34,7 @@ __all__ = [
     "LoggingConfig",
     "METRICS",
     "MemoryConfig",
+    "Checkpointing",
     "MemoryLevel",
     "PRESETS",
     "PRESET_DESCRIPTIONS",

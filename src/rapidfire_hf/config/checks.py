@@ -146,6 +146,28 @@ class Optional(Check):
 
 
 @dataclass(frozen=True)
+class AutoOr(Check):
+    """``"auto"`` (left to the throughput planner), or a value ``inner`` accepts."""
+
+    inner: Check
+
+    @property
+    def allowed(self) -> str:
+        return f"'auto' (the planner chooses) or {self.inner.allowed}"
+
+    def __call__(self, key: str, value: Any) -> Any:
+        if value == "auto":
+            return value
+        try:
+            return self.inner(key, value)
+        except ConfigError:
+            self.fail(key, value)
+
+    def parse_env(self, text: str) -> Any:
+        return "auto" if text.strip().lower() == "auto" else self.inner.parse_env(text)
+
+
+@dataclass(frozen=True)
 class Str(Check):
     """A non-empty string."""
 

@@ -37,6 +37,15 @@ class MemoryLevel(str, Enum):
     AUTO = "auto"
 
 
+class Checkpointing(str, Enum):
+    """``memory.checkpointing``: activation recompute chosen by the planner, or forced."""
+
+    AUTO = "auto"
+    OFF = "off"
+    ELEMENTWISE = "elementwise"
+    MATMULS = "matmuls"
+
+
 class LowMem(str, Enum):
     """``memory.lowmem``: the low-memory GRPO/RLOO stack of ``enable_rapidfire`` (off by default)."""
 
@@ -248,12 +257,29 @@ class MemoryConfig(_Section):
 
     optimization: MemoryLevel = _field(
         MemoryLevel.BALANCED,
-        "How hard to save memory: the selective activation checkpointing PPOTrainer and enable_rapidfire "
-        "apply to the trained models' decoder layers (conservative: none; balanced: recompute element-wise "
-        "ops, keep matmul and attention outputs; aggressive: also recompute matmuls and attention cheaper "
-        "than 4096 FLOPs per byte kept; auto: the least recompute whose measured activations fit in free "
-        "device memory; not applied when gradient_checkpointing=True), and how often compaction may run.",
+        "A target, not an order: how much of the device the run may plan to use and which trades it may make "
+        "to fit what you asked (conservative: 80% of the device, smaller generation/scoring chunks only; "
+        "balanced and auto: 85%, chunks and activation recompute; aggressive: 92%, the same trades). No level "
+        "recomputes activations that fit (rapidfire_hf.memory.planner); it also sets how often compaction "
+        "may run.",
         Choice(MemoryLevel),
+    )
+    checkpointing: Checkpointing = _field(
+        Checkpointing.AUTO,
+        "Selective activation checkpointing of the trained models' decoder layers. 'auto': none when the "
+        "planned peak fits the level's target, else the least recompute that fits. Force it to keep memory "
+        "free for something else: 'elementwise' (recompute element-wise ops, keep matmul and attention "
+        "outputs), 'matmuls' (also recompute matmuls and attention cheaper than 4096 FLOPs per byte kept); "
+        "'off' never recomputes. Not applied when gradient_checkpointing=True (HF's full checkpointing).",
+        Choice(Checkpointing),
+    )
+    planner: bool = _field(
+        True,
+        "The throughput planner (PPOTrainer): from a measured one-row probe and the free memory it chooses "
+        "how each mini-batch is split into micro-batches, the scoring chunk and the generation chunk to "
+        "maximise tokens/s within the level's target; your explicit settings are kept. False keeps your "
+        "per_device_train_batch_size split exactly, and 'auto' chunks take TRL's defaults.",
+        Bool(),
     )
     compaction_threshold: float = _field(
         0.3,

@@ -1,9 +1,10 @@
 """``memory.optimization`` and ``memory.prefetch_window`` in a ``transformers.Trainer`` / TRL trainer.
 
 - :func:`install_checkpointing`: selective activation checkpointing of ``trainer.model``'s decoder layers
-  (``rapidfire_hf.memory.checkpointing``). A trainer whose ``gradient_checkpointing`` is on keeps HF's full
-  checkpointing (TRL's configs default to ``True``: set it ``False`` to let ``memory.optimization``
-  choose); ``memory.lowmem`` brings its own checkpointing. ``auto`` is measured at ``on_train_begin`` on
+  (``rapidfire_hf.memory.checkpointing``) only where the level's target needs it. A trainer whose
+  ``gradient_checkpointing`` is on keeps HF's full checkpointing (TRL's configs default to ``True``: set it
+  ``False`` to let ``memory.optimization`` choose); ``memory.lowmem`` brings its own checkpointing. The
+  least recompute that fits is measured at ``on_train_begin`` on
   a one-row forward of random token ids at the trainer's sequence length (``max_length``, else
   ``max_prompt_length + max_completion_length``, else 512).
 - :func:`install_prefetch`: the training loop takes its batches through a ``BatchPrefetcher``
@@ -47,8 +48,9 @@ def probe_length(args) -> int:
 class AutoCheckpointingCallback(TrainerCallback):
     """Resolves ``memory.optimization: auto`` once the model sits on its training device."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, memory):
         self.trainer = trainer
+        self.memory = memory  # the MemoryConfig: its level (target) and checkpointing
         self.level: str | None = None
         self.measured: dict[str, int] = {}
 
@@ -68,7 +70,12 @@ class AutoCheckpointingCallback(TrainerCallback):
 
         try:
             self.level, self.measured = auto_checkpointing(
-                [model], probe, args.per_device_train_batch_size, device
+                [model],
+                probe,
+                args.per_device_train_batch_size,
+                device,
+                level=self.memory.optimization,
+                checkpointing=self.memory.checkpointing,
             )
         finally:
             model.train(was_training)
@@ -76,14 +83,15 @@ class AutoCheckpointingCallback(TrainerCallback):
 
 def install_checkpointing(trainer, state) -> None:
     """Apply ``state.config.memory.optimization`` to ``trainer.model`` (recorded in ``state``)."""
-    level = state.config.memory.optimization.value
-    if state.config.memory.lowmem.value != "off":
+    memory = state.config.memory
+    level = memory.optimization.value
+    if memory.lowmem.value != "off":
         state.skipped.append(
             f"memory.optimization={level} checkpointing (memory.lowmem checkpoints its own way)"
         )
         return
     try:
-        applied = configure_checkpointing([trainer.model], level, trainer.args)
+        applied = configure_checkpointing([trainer.model], level, trainer.args, memory.checkpointing)
     except TypeError as err:
         state.skipped.append(f"memory.optimization={level} checkpointing ({err})")
         return
@@ -93,10 +101,13 @@ def install_checkpointing(trainer, state) -> None:
             "layer; set it False to let memory.optimization choose)"
         )
     elif applied == "auto":
-        callback = AutoCheckpointingCallback(trainer)
+        callback = AutoCheckpointingCallback(trainer, memory)
         trainer.add_callback(callback)
         state.parts["checkpointing"] = callback
-        state.installed.append("activation checkpointing memory.optimization=auto (chosen at train begin)")
+        state.installed.append(
+            f"activation checkpointing: the least recompute that fits memory.optimization={level} "
+            "(measured at train begin; none when the run fits)"
+        )
     else:
         state.parts["checkpointing"] = applied
         state.installed.append(f"selective activation checkpointing ({applied or 'none: conservative'})")

@@ -11,21 +11,23 @@ costs to recompute one byte of its output: ``FLOPs per output element / bytes pe
 - attention (``scaled_dot_product_*``) costs about ``4 * L_kv`` per output element (``Q K^T`` and ``P V``);
 - everything else (norms, activations, rotary embeddings, casts, element-wise ops) costs O(1).
 
-An op whose output costs at least the level's threshold per byte is kept (``MUST_SAVE``); a cheaper one
-is recomputed in backward (``PREFER_RECOMPUTE``). ``memory.optimization`` sets the threshold:
+An op whose output costs at least the policy's threshold per byte is kept (``MUST_SAVE``); a cheaper one
+is recomputed in backward (``PREFER_RECOMPUTE``). The policies, least recompute first:
 
-- ``conservative``: no checkpointing (nothing recomputed).
-- ``balanced``: recompute below 16 FLOPs/byte: the element-wise work only; every matmul and attention
-  output is kept (a matmul with ``K >= 32`` in fp32, ``K >= 16`` in bf16, is above it).
-- ``aggressive``: recompute below 4096 FLOPs/byte: also the matmuls with a short contraction and attention
-  over short sequences. On a 1.1B Llama in bf16 (hidden 2048, MLP 5632) that recomputes the q/k/v/o,
-  gate and up projections (2048 FLOPs/byte) and keeps the down projection (5632) and attention from
-  2048 tokens on; on a small model it recomputes every op (full checkpointing of each layer).
-- ``auto``: the least recompute that fits: :func:`choose_level` picks the first of conservative,
-  balanced, aggressive whose measured activation bytes (:func:`activation_bytes` on one row, times the
-  rows of a micro-batch) fit in the free memory of the device (``torch.cuda.mem_get_info`` plus the
-  allocator's cached free blocks on CUDA; ``psutil.virtual_memory().available`` on a CPU, whose "device"
-  memory is host RAM), less a reserve for what the first optimizer step still allocates.
+- ``none`` (level name ``conservative``): no checkpointing (nothing recomputed).
+- ``elementwise`` (``balanced``): recompute below 16 FLOPs/byte: the element-wise work only; every
+  matmul and attention output is kept (a matmul with ``K >= 32`` in fp32, ``K >= 16`` in bf16, is above it).
+- ``matmuls`` (``aggressive``): recompute below 4096 FLOPs/byte: also the matmuls with a short contraction
+  and attention over short sequences. On a 1.1B Llama in bf16 (hidden 2048, MLP 5632) that recomputes the
+  q/k/v/o, gate and up projections (2048 FLOPs/byte) and keeps the down projection (5632) and attention
+  from 2048 tokens on; on a small model it recomputes every op (full checkpointing of each layer).
+
+Which policy a run gets is not the level's to order: ``memory.optimization`` is a target
+(``rapidfire_hf.memory.planner``) and :func:`auto_checkpointing` applies the least recompute whose
+measured activation bytes (:func:`activation_bytes` on one row, times the rows of a micro-batch) fit the
+level's share of the device, less what the run holds and what its first optimizer step still allocates.
+Measured at 1.1B, rollout batch 64 on one H200 (issue 27): checkpointing that fit without it made a PPO
+update 1.6-1.7x slower to save at most 5 GiB. ``memory.checkpointing`` forces a policy.
 """
 
 from __future__ import annotations
@@ -47,9 +49,15 @@ logger = logging.getLogger(__name__)
 RECOMPUTE_BELOW = {"balanced": 16.0, "aggressive": 4096.0}
 LEVELS = ("conservative", "balanced", "aggressive", "auto")
 ORDER = ("conservative", "balanced", "aggressive")  # least recompute first
-# share of the free memory `auto` lets activations take (the rest absorbs fragmentation and temporaries)
-AUTO_HEADROOM = 0.8
-FALLBACK_LEVEL = "balanced"  # what `auto` applies when its measurement fails
+# the policy names of memory.checkpointing -> the cost-policy level implementing each
+POLICY_LEVEL = {
+    "none": "conservative",
+    "off": "conservative",
+    "elementwise": "balanced",
+    "matmuls": "aggressive",
+}
+LEVEL_POLICY = {"conservative": "none", "balanced": "elementwise", "aggressive": "matmuls"}
+FALLBACK_LEVEL = "conservative"  # what `auto` applies when its measurement fails: no recompute, as stock
 
 # (op name, index of the argument whose last dimension is the contraction)
 _MATMULS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_scaled_mm": 0, "matmul": 0}
@@ -149,7 +157,7 @@ def apply_selective_checkpointing(model, level: str) -> str | None:
         ValueError: For an unknown level, or ``auto``.
         TypeError: For a model without HF checkpointing support.
     """
-    level = _plain(level)
+    level = POLICY_LEVEL.get(_plain(level), _plain(level))
     if level not in ORDER:
         allowed = ", ".join(ORDER)
         raise ValueError(
@@ -233,10 +241,12 @@ def activation_bytes(forward: Callable[[], object]) -> int:
     return held
 
 
-def choose_level(bytes_per_row: dict[str, int], rows: int, budget: int) -> str:
-    """The first of conservative, balanced, aggressive whose ``rows`` x activation bytes fit ``budget``
-    (aggressive when none does)."""
-    return next((lv for lv in ORDER if bytes_per_row[lv] * rows <= budget), "aggressive")
+def choose_level(bytes_per_row: dict[str, int], rows: int, budget: int, allowed=ORDER) -> str:
+    """The first of ``allowed`` (least recompute first) whose planned training peak for ``rows`` rows
+    (``TRAIN_PEAK_FACTOR`` x activation bytes) fits ``budget``; the last of ``allowed`` when none does."""
+    from rapidfire_hf.memory.planner import TRAIN_PEAK_FACTOR
+
+    return next((lv for lv in allowed if TRAIN_PEAK_FACTOR * bytes_per_row[lv] * rows <= budget), allowed[-1])
 
 
 def free_device_bytes(device: torch.device | str | None) -> int:
@@ -251,6 +261,38 @@ def free_device_bytes(device: torch.device | str | None) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def level_budget(device, level, reserve_bytes: int = 0, free_bytes: int | None = None):
+    """The :class:`rapidfire_hf.memory.planner.Budget` of ``level`` on ``device``: the level's share of the
+    device (on a CPU, of the RAM available now), what the run holds there now, and ``reserve_bytes``.
+    ``free_bytes`` (tests) replaces the measurement: the target is then that many bytes, nothing held."""
+    from rapidfire_hf.memory.planner import Budget, level_target
+
+    share = level_target(level).device_share
+    if free_bytes is not None:
+        return Budget(target_bytes=int(share * free_bytes), held_bytes=0, reserve_bytes=reserve_bytes)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        held = int(torch.cuda.memory_allocated(device))
+        # never plan with more than the driver can still give (another process may hold memory)
+        target = min(int(share * total), held + free_device_bytes(device))
+        return Budget(target_bytes=target, held_bytes=held, reserve_bytes=reserve_bytes)
+    return Budget(
+        target_bytes=int(share * free_device_bytes(device)), held_bytes=0, reserve_bytes=reserve_bytes
+    )
+
+
+def allowed_levels(level, checkpointing="auto") -> tuple[str, ...]:
+    """The cost-policy levels a run may apply: the one ``memory.checkpointing`` forces, else none and
+    (when ``memory.optimization`` allows recompute) the two recompute levels, least recompute first."""
+    from rapidfire_hf.memory.planner import level_target
+
+    forced = _plain(checkpointing)
+    if forced != "auto":
+        return (POLICY_LEVEL[forced],)
+    return ORDER if level_target(level).recompute else ("conservative",)
+
+
 def auto_checkpointing(
     models: list,
     probe: Callable[[], object],
@@ -258,49 +300,63 @@ def auto_checkpointing(
     device: torch.device | str | None,
     reserve_bytes: int = 0,
     free_bytes: int | None = None,
+    level="balanced",
+    checkpointing="auto",
 ) -> tuple[str, dict[str, int]]:
-    """Resolve ``memory.optimization: auto``: measure, choose, apply.
+    """Resolve the checkpointing of ``memory.optimization=level``: measure, choose, apply.
 
-    Each level is applied to ``models`` in turn and :func:`activation_bytes` measures ``probe()`` (one
-    training forward of a single row); the level chosen by :func:`choose_level` for ``rows`` rows and a
-    budget of ``AUTO_HEADROOM * free - reserve_bytes`` is then applied.
+    Each policy the level allows is applied to ``models`` in turn and :func:`activation_bytes` measures
+    ``probe()`` (one training forward of a single row); the least recompute whose ``rows`` rows fit the
+    level's budget (:func:`level_budget`) is then applied.
 
     Args:
         models: the models whose decoder layers are checkpointed (e.g. the policy and the value model).
         probe: a one-row training forward through them.
         rows: rows of a training micro-batch.
-        device: where training runs (its free memory sets the budget).
+        device: where training runs (its memory sets the budget).
         reserve_bytes: memory still to come before the first backward (e.g. gradients and optimizer state).
-        free_bytes: the free memory to budget against (default: :func:`free_device_bytes`).
+        free_bytes: the memory to budget against (default: measured on ``device``).
+        level: the ``memory.optimization`` level (its target and whether it may recompute).
+        checkpointing: ``memory.checkpointing`` (a forced policy is applied without measuring).
 
     Returns:
         ``(level, activation bytes per row by level)``; ``FALLBACK_LEVEL`` and what was measured when a
         measurement raised (logged as a warning).
     """
+    allowed = allowed_levels(level, checkpointing)
+    if len(allowed) == 1:
+        for m in models:
+            apply_selective_checkpointing(m, allowed[0])
+        return allowed[0], {}
     measured = {}
     try:
-        for level in ORDER:
+        for lv in allowed:
             for m in models:
-                apply_selective_checkpointing(m, level)
-            measured[level] = activation_bytes(probe)
+                apply_selective_checkpointing(m, lv)
+            measured[lv] = activation_bytes(probe)
     except Exception as err:  # e.g. a model whose forward refuses the measuring dispatch mode
-        logger.warning("rapidfire: memory.optimization=auto could not measure (%s); using balanced", err)
+        logger.warning(
+            "rapidfire: memory.optimization=%s could not measure activations (%s); no checkpointing",
+            _plain(level),
+            err,
+        )
         for m in models:
             apply_selective_checkpointing(m, FALLBACK_LEVEL)
         return FALLBACK_LEVEL, measured
-    free = free_device_bytes(device) if free_bytes is None else free_bytes
-    budget = int(AUTO_HEADROOM * free) - reserve_bytes
-    level = choose_level(measured, rows, budget)
+    budget = level_budget(device, level, reserve_bytes, free_bytes)
+    chosen = choose_level(measured, rows, budget.train_bytes, allowed)
     for m in models:
-        apply_selective_checkpointing(m, level)
+        apply_selective_checkpointing(m, chosen)
     logger.info(
-        "rapidfire: memory.optimization=auto chose %s (activation bytes per row %s x %d rows, budget %d)",
-        level,
+        "rapidfire: memory.optimization=%s chose checkpointing %s (activation bytes per row %s x %d rows, "
+        "room %d)",
+        _plain(level),
+        LEVEL_POLICY[chosen],
         measured,
         rows,
-        budget,
+        budget.train_bytes,
     )
-    return level, measured
+    return chosen, measured
 
 
 def user_checkpointing(args) -> bool:
@@ -313,19 +369,22 @@ def user_checkpointing(args) -> bool:
 USER_CHECKPOINTING = "gradient_checkpointing"
 
 
-def configure_checkpointing(models: list, level, args=None) -> str | None:
-    """What the trainers call with ``memory.optimization``: apply a fixed level to ``models`` now.
+def configure_checkpointing(models: list, level, args=None, checkpointing="auto") -> str | None:
+    """What the trainers call with ``memory.optimization``: apply a forced policy now, or defer.
 
     Args:
         models: the trained models whose decoder layers to checkpoint.
-        level: a ``memory.optimization`` value.
+        level: a ``memory.optimization`` value (validated here).
         args: the trainer's ``TrainingArguments``: with ``gradient_checkpointing=True`` (HF's full
             checkpointing of every layer, already enabled by the trainer) nothing is changed.
+        checkpointing: ``memory.checkpointing``: ``auto`` (the level's rule, resolved by measuring),
+            ``off``, ``elementwise`` or ``matmuls`` (applied now).
 
     Returns:
-        ``USER_CHECKPOINTING`` when the user's own checkpointing is kept, ``None`` for conservative, the
-        level applied, or ``"auto"`` (nothing applied yet: the caller resolves it with
-        :func:`auto_checkpointing` once a training forward can be measured).
+        ``USER_CHECKPOINTING`` when the user's own checkpointing is kept, ``None`` for no checkpointing,
+        the level applied, or ``"auto"`` (nothing applied yet: the caller resolves it with
+        :func:`auto_checkpointing` once a training forward can be measured). A level that may not
+        recompute (``conservative``) turns checkpointing off at once.
     """
     level = _plain(level)
     if level not in LEVELS:
@@ -337,9 +396,10 @@ def configure_checkpointing(models: list, level, args=None) -> str | None:
             level,
         )
         return USER_CHECKPOINTING
-    if level == "auto":
+    allowed = allowed_levels(level, checkpointing)
+    if len(allowed) > 1:
         return "auto"
     applied = None
     for m in models:
-        applied = apply_selective_checkpointing(m, level)
+        applied = apply_selective_checkpointing(m, allowed[0])
     return applied

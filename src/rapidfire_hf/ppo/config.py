@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from rapidfire_hf.config.checks import Among, Bool, Check, Float, FloatList, Int, Optional, Str
+from rapidfire_hf.config.checks import Among, AutoOr, Bool, Check, Float, FloatList, Int, Optional, Str
 from rapidfire_hf.config.errors import ConfigError, ConfigErrors
 
 _POSITIVE = Float(0.0, math.inf, open_low=True)
@@ -47,7 +47,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "seed": Int(min=0, max=2**32 - 1),  # numpy's seed range (transformers.set_seed seeds numpy)
     "num_mini_batches": Int(min=1),
     "total_episodes": Optional(Int(min=1), "num_train_epochs * len(train_dataset)"),
-    "local_rollout_forward_batch_size": Int(min=1),
+    "local_rollout_forward_batch_size": AutoOr(Int(min=1)),
     "response_length": Int(min=1),
     "stop_token": Optional(Among(("eos",)), "no stop token; use stop_token_id for other tokens"),
     "stop_token_id": Optional(Int(min=0), "no stop token"),
@@ -84,7 +84,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "reward_model_quantization": _QUANTIZATION,
     "rollout_backend": Among(("auto", "static", "hf")),
     "rollout_decode_mode": Among(("auto", "compile", "cuda_graph", "eager")),
-    "rollout_generation_batch_size": Optional(Int(min=1), "the whole rollout batch at once"),
+    "rollout_generation_batch_size": AutoOr(Optional(Int(min=1), "the whole rollout batch at once")),
 }
 
 
@@ -171,8 +171,12 @@ class PPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Prompts to train on in total (default: num_train_epochs * len(train_dataset))."},
     )
-    local_rollout_forward_batch_size: int = field(
-        default=64, metadata={"help": "Rows per no-grad forward in the scoring phase (per device)."}
+    local_rollout_forward_batch_size: int | str = field(
+        default="auto",
+        metadata={
+            "help": "Rows per no-grad forward in the scoring phase (per device). 'auto': the throughput planner "
+            "chooses the largest chunk that fits (memory.planner; TRL's 64 without a rapidfire config)."
+        },
     )
     response_length: int = field(
         default=53, metadata={"help": "Maximum number of generated response tokens."}
@@ -321,12 +325,13 @@ class PPOConfig(TrainingArguments):
             "four batch shapes, then CUDA graph alone), 'compile', 'cuda_graph' or 'eager'."
         },
     )
-    rollout_generation_batch_size: int | None = field(
-        default=None,
+    rollout_generation_batch_size: int | str | None = field(
+        default="auto",
         metadata={
             "help": "Prompts generated at once (per device); None generates the whole rollout batch together. "
             "The rollout engine's KV cache grows with this (about 11.5 MB per sequence for a 1.1B Llama at "
-            "512 tokens), so set it to run rollout batches larger than one generation fits."
+            "512 tokens). 'auto': the throughput planner bounds it to fit (the whole batch without a rapidfire "
+            "config)."
         },
     )
     rapidfire_config: Any = field(

@@ -11,10 +11,27 @@ import torch
 from accelerate.utils import DistributedType
 
 from rapidfire_hf.ppo.core import ppo_loss
-from rapidfire_hf.ppo.memory_options import setup_checkpointing
+from rapidfire_hf.ppo.planning import plan_run
 from rapidfire_hf.ppo.types import _STAT_KEYS, Experience
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
+
+
+def micro_batch_parts(whole: int, micro: int, offset: int, length: int) -> list[tuple[int, int, int, int]]:
+    """The user's micro-batches (``micro`` rows each, the last maybe fewer) that rows
+    ``[offset, offset + length)`` of a training forward of ``whole`` rows touch: ``(lo, hi, g_lo, g_hi)``
+    with ``lo:hi`` the rows in the piece and ``g_lo:g_hi`` the micro-batch's rows in the whole forward."""
+    parts = []
+    for g_lo in range(0, whole, micro):
+        g_hi = min(g_lo + micro, whole)
+        lo, hi = max(g_lo, offset), min(g_hi, offset + length)
+        if lo < hi:
+            parts.append((lo - offset, hi - offset, g_lo, g_hi))
+    return parts
+
+
+def _add(a, b):
+    return type(a)(**{f: getattr(a, f) + getattr(b, f) for f in vars(a)})
 
 
 class OptimizationMixin:
@@ -30,13 +47,14 @@ class OptimizationMixin:
             permutations: one row order per epoch (default: drawn from the trainer's seeded generator).
         """
         args, acc = self.args, self.accelerator
-        qr, ctx = exp.rollout.query_responses, exp.rollout.queries.shape[1]
+        ctx = exp.rollout.queries.shape[1]
         n, mb = args.local_batch_size, args.local_mini_batch_size
-        shape = (args.num_ppo_epochs, args.num_mini_batches, args.micro_batches_per_step)
+        if self.plan is None:  # optimize() called outside train(): plan (and apply) now
+            plan_run(self, exp.rollout.queries)
+        steps = -(-mb // self.plan.train_rows)  # forwards per optimizer step (merged micro-batches)
+        shape = (args.num_ppo_epochs, args.num_mini_batches, steps)
         stats = {k: torch.zeros(shape, device=acc.device) for k in _STAT_KEYS}
         self.model.train()
-        if not getattr(self, "_checkpointing_set", False):  # memory.optimization, once
-            setup_checkpointing(self, qr, ctx)
         if self._oom_recovery is not None:  # memory may differ after the rollout: try whole micro-batches
             self._oom_recovery.reset()
         for epoch in range(args.num_ppo_epochs):
@@ -57,7 +75,7 @@ class OptimizationMixin:
         """Run optimizer windows ``(epoch, mini-batch, rows)`` in order, and the windows the optimizer
         asks to replay after a rollback (``last_rollback.replay``) before anything new."""
         qr, ctx, adv = exp.rollout.query_responses, exp.rollout.queries.shape[1], exp.adv
-        mb, micro = self.args.local_mini_batch_size, self.args.per_device_train_batch_size
+        mb, micro = self.args.local_mini_batch_size, self.plan.train_rows
         window_rows = self.__dict__.setdefault("_window_rows", {})  # optimizer step -> its window
         queue = list(windows)
         budget = 4 * max(1, self.args.num_ppo_epochs * self.args.num_mini_batches)  # replays per call
@@ -100,25 +118,43 @@ class OptimizationMixin:
             self._optimizer_step()
         return out, entropy.mean()
 
-    def _forward_backward(self, query_responses, ctx, adv, idx, counts=None):
+    def _forward_backward(self, query_responses, ctx, adv, idx, whole=None, offset=0):
+        """Forward, loss and backward of rows ``idx``: the whole training forward (``whole`` None), or
+        the piece of ``whole`` starting at row ``offset`` (OOM recovery). The loss is the mean of the
+        losses of the user's micro-batches in ``whole`` (one, or ``plan.merge`` of them), each normalised
+        by that micro-batch's own token counts, so pieces and merged forwards give the gradient the user's
+        split gives (``micro_batch_parts``)."""
         args = self.args
         lp, vpred, entropy = self.model(
             query_responses, self.pad_token_id, ctx, args.temperature, with_entropy=True
         )
-        out = ppo_loss(
-            lp,
-            adv.logprobs[idx],
-            adv.advantages[idx],
-            vpred,
-            adv.values[idx],
-            adv.returns[idx],
-            adv.padding_mask[idx],
-            adv.padding_mask_p1[idx],
-            cliprange=args.cliprange,
-            cliprange_value=args.cliprange_value,
-            vf_coef=args.vf_coef,
-            counts=counts,
-        )
+        whole = idx if whole is None else whole
+        parts = micro_batch_parts(len(whole), args.per_device_train_batch_size, offset, len(idx))
+        out = None
+        for lo, hi, g_lo, g_hi in parts:
+            rows, group = idx[lo:hi], whole[g_lo:g_hi]
+            counts = None
+            if (hi - lo) != (g_hi - g_lo):  # a piece of this micro-batch: its whole counts
+                pad, p1 = adv.padding_mask[group], adv.padding_mask_p1[group]
+                counts = ((~pad).sum().clamp_min(1), (~p1).sum().clamp_min(1), pad.numel())
+            part = ppo_loss(
+                lp[lo:hi],
+                adv.logprobs[rows],
+                adv.advantages[rows],
+                vpred[lo:hi],
+                adv.values[rows],
+                adv.returns[rows],
+                adv.padding_mask[rows],
+                adv.padding_mask_p1[rows],
+                cliprange=args.cliprange,
+                cliprange_value=args.cliprange_value,
+                vf_coef=args.vf_coef,
+                counts=counts,
+            )
+            out = part if out is None else _add(out, part)
+        groups = -(-len(whole) // args.per_device_train_batch_size)
+        if groups > 1:  # the mean over the merged micro-batches
+            out = type(out)(**{f: v / groups for f, v in vars(out).items()})
         self.accelerator.backward(out.loss)
         out.loss = out.loss.detach()
         return out, entropy.detach()

@@ -30,9 +30,10 @@ TRAIN_ADVICE = (
 
 def _split_rows(chunk: dict) -> tuple[dict, dict]:
     cut = (len(chunk["idx"]) + 1) // 2
+    offset = chunk.get("offset", 0)
     return (
-        {"qr": chunk["qr"][:cut], "idx": chunk["idx"][:cut]},
-        {"qr": chunk["qr"][cut:], "idx": chunk["idx"][cut:]},
+        {"qr": chunk["qr"][:cut], "idx": chunk["idx"][:cut], "offset": offset},
+        {"qr": chunk["qr"][cut:], "idx": chunk["idx"][cut:], "offset": offset + cut},
     )
 
 
@@ -73,17 +74,14 @@ class OOMRecoveryMixin:
         """``_forward_backward`` of one micro-batch, split in pieces on OOM; ``(LossOutput, entropy)``."""
         if getattr(self, "_oom_recovery", None) is None:
             self._oom_recovery = self._make_oom_recovery()
-        counts = []
 
         def step(chunk, weight):
-            if len(chunk["idx"]) == len(idx):  # the whole micro-batch: the plain masked means
+            if len(chunk["idx"]) == len(idx):  # the whole training forward
                 return self._forward_backward(chunk["qr"], ctx, adv, chunk["idx"])
-            if not counts:  # a piece: divide by the whole micro-batch's counts
-                pad, p1 = adv.padding_mask[idx], adv.padding_mask_p1[idx]
-                counts.append(((~pad).sum().clamp_min(1), (~p1).sum().clamp_min(1), pad.numel()))
-            return self._forward_backward(chunk["qr"], ctx, adv, chunk["idx"], counts[0])
+            # a piece: each micro-batch it touches is normalised by that micro-batch's whole counts
+            return self._forward_backward(chunk["qr"], ctx, adv, chunk["idx"], idx, chunk["offset"])
 
-        return self._oom_recovery(step, {"qr": query_responses, "idx": idx})
+        return self._oom_recovery(step, {"qr": query_responses, "idx": idx, "offset": 0})
 
     def _no_grad_in_chunks(
         self,

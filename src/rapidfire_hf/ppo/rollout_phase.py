@@ -37,6 +37,7 @@ class RolloutMixin:
 
     def rollout(self, batch: dict, sampling: bool = True) -> Rollout:
         """Generate responses for a batch of prompts with the current policy (greedy when not ``sampling``)."""
+        from rapidfire_hf.ppo.planning import unplanned_run
         from rapidfire_hf.rollout import RolloutEngine
 
         args, device = self.args, self.accelerator.device
@@ -53,8 +54,9 @@ class RolloutMixin:
         params = sampling_params(args, sampling)
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
         # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
-        # rollout_generation_batch_size bounds the KV cache: chunks of prompts, one after the other
-        chunk = args.rollout_generation_batch_size or queries.shape[0]
+        # rollout_generation_batch_size (or the plan) bounds the KV cache: chunks of prompts, one after another
+        plan = self.plan or unplanned_run(self, queries.shape[1])
+        chunk = plan.generation_rows or queries.shape[0]
 
         def generate_rows(start, stop):
             part = queries[start:stop]

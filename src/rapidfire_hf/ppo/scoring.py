@@ -17,6 +17,7 @@ from rapidfire_hf.ppo.modeling import (
     sequence_inputs,
     value_positions,
 )
+from rapidfire_hf.ppo.planning import unplanned_run
 from rapidfire_hf.ppo.rewards import reward_funcs_scores
 from rapidfire_hf.ppo.types import Experience, Rollout
 
@@ -49,7 +50,7 @@ class ScoringMixin:
         post = truncate_after_stop(rollout.responses, self.stop_token_id, pad)
         post_qr = torch.cat([rollout.queries, post], dim=1)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        step = args.local_rollout_forward_batch_size
+        step = (self.plan or unplanned_run(self, ctx)).scoring_rows
         # what scoring runs of the trained module: with a separate reference model, only the value model
         # (a separate 7B policy then stays sharded under ZeRO-3 / FSDP2); the policy too when it is its
         # own reference (LoRA) or carries the value head

@@ -27,6 +27,7 @@ from rapidfire_hf.ppo import checkpoint as ckpt
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.memory_options import PromptPrefetch
 from rapidfire_hf.ppo.optimization import OptimizationMixin
+from rapidfire_hf.ppo.planning import plan_run
 from rapidfire_hf.ppo.recovery import OOMRecoveryMixin
 from rapidfire_hf.ppo.reporting import ReportingMixin
 from rapidfire_hf.ppo.rollout_phase import RolloutMixin
@@ -146,6 +147,7 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
         self._oom_recovery = None  # built at the first micro-batch (rapidfire_hf.memory.OOMRecovery)
         self._telemetry_seen: dict[str, int] = {}
         self._rollout_engine = None
+        self.plan = None  # the throughput plan, made at the first update (ppo/planning.py)
         from rapidfire_hf.distributed import attach_sync_debug, describe_engine
 
         self.engine_support = describe_engine(acc)  # says which features hold under DDP/ZeRO/FSDP
@@ -225,7 +227,11 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
     def _one_update(self, update: int) -> dict:
         args, acc = self.args, self.accelerator
         t0 = time.perf_counter()
-        rollout = self.rollout(self._next_batch(update))
+        batch = self._next_batch(update)
+        planned_now = self.plan is None
+        if planned_now:  # memory.optimization as a target: micro-batches, chunks, checkpointing
+            plan_run(self, batch["input_ids"])
+        rollout = self.rollout(batch)
         t1 = _sync_time(acc.device)
         exp = self.score(rollout)
         if self.precision_plugin is not None and not self.precision_plugin.calibration_done:
@@ -238,6 +244,8 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
         self.state.episode += args.local_batch_size * acc.num_processes
         metrics = self._metrics(exp, stats, (t0, t1, t2, t3))
         metrics["rapidfire/skipped_steps"] = self._skipped_steps()
+        if planned_now and self.plan.planned:
+            metrics.update(self.plan.metrics())
         if self._rf_opt is not None:  # predicted clip coefficients checked, and the share that missed
             opt_stats = self._rf_opt.stats()
             metrics["rapidfire/clip_miss_rate"] = opt_stats["clip_misses"] / max(1, opt_stats["clip_checks"])

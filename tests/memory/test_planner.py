@@ -1,0 +1,107 @@
+"""The throughput planner's decisions against stated memory budgets (rapidfire_hf.memory.planner)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidfire_hf.memory.planner import GIB, MAX_TRAIN_TOKENS, Asked, Budget, Probe, Workload, make_plan
+
+# the 1.1B Llama shape at 128 + 384 tokens, rollout batch 256, the user's micro-batch 8
+WORK = Workload(
+    rollout_rows=256,
+    mini_rows=256,
+    micro_rows=8,
+    prompt_tokens=128,
+    response_tokens=384,
+    hidden=2048,
+    layers=22,
+    vocab=32000,
+    kv_bytes_per_token=2 * 22 * 4 * 64 * 2,
+    itemsize=2,
+)
+# activation bytes per row as measured on a 1.1B-like model: recompute keeps less
+PROBE = Probe({"none": 400 * 2**20, "elementwise": 250 * 2**20, "matmuls": 80 * 2**20})
+
+
+def plan(budget_gib: float, **asked):
+    return make_plan(WORK, Asked(**asked), PROBE, Budget(target_bytes=int(budget_gib * GIB)), "balanced")
+
+
+def test_a_large_budget_recomputes_nothing_and_merges_micro_batches():
+    p = plan(100)
+    assert p.checkpointing == "none" and p.fits
+    # merged up to the token cap: 32 rows x 512 tokens = 16384
+    assert p.train_rows == MAX_TRAIN_TOKENS // WORK.tokens and p.merge == p.train_rows // 8
+    assert p.generation_rows == 256 and p.scoring_rows == 256
+    assert p.planned_peak_bytes <= p.target_bytes
+
+
+def test_a_small_budget_recomputes_and_chunks():
+    p = plan(1)
+    assert p.checkpointing == "matmuls"  # 8 rows x 400 MiB x 1.3 is far above 1 GiB; 8 x 80 x 1.3 fits
+    assert p.train_rows == 8 and p.merge == 1  # never merges while recomputing
+    assert p.generation_rows < 256 and p.scoring_rows < 256
+    assert 256 % p.generation_rows == 0 or -(-256 // p.generation_rows) * p.generation_rows >= 256
+
+
+def test_least_recompute_that_fits():
+    assert plan(3).checkpointing == "elementwise"  # 8 x 250 MiB x 1.3 = 2.5 GiB fits, 8 x 400 x 1.3 not
+    assert plan(4.5).checkpointing == "none"
+
+
+def test_nothing_fits_says_so():
+    p = plan(0.01)
+    assert not p.fits and p.checkpointing == "matmuls" and "DOES NOT FIT" in p.table()
+
+
+def test_explicit_settings_are_kept():
+    p = plan(100, scoring_rows=16, generation_rows=64)
+    assert (p.scoring_rows, p.generation_rows) == (16, 64)
+    assert plan(100, generation_rows=0).generation_rows == 256  # None given explicitly: the whole batch
+
+
+def test_planner_off_keeps_the_split_and_trl_chunks():
+    p = plan(100, planner=False)
+    assert (p.train_rows, p.merge, p.checkpointing) == (8, 1, "none")
+    assert (p.scoring_rows, p.generation_rows) == (64, 256)
+
+
+def test_forced_checkpointing_is_applied_and_not_spent_on_batch():
+    p = make_plan(WORK, Asked(checkpointing="elementwise"), Probe({"elementwise": 250 * 2**20}),
+                  Budget(100 * GIB))  # fmt: skip
+    assert p.checkpointing == "elementwise" and p.merge == 1
+
+
+def test_a_level_without_recompute_never_recomputes():
+    p = make_plan(WORK, Asked(), Probe({"none": 400 * 2**20}), Budget(1 * GIB), "conservative")
+    assert p.checkpointing == "none" and not p.fits
+
+
+def test_merge_divides_the_micro_batches_of_a_mini_batch():
+    work = Workload(**{**WORK.__dict__, "mini_rows": 24, "rollout_rows": 24})  # 3 micro-batches of 8
+    p = make_plan(work, Asked(), PROBE, Budget(100 * GIB))
+    assert p.merge in (1, 3) and 3 % p.merge == 0
+
+
+def test_deepspeed_keeps_the_micro_batch():
+    assert plan(100, merge=False).merge == 1
+
+
+def test_held_memory_and_reserve_count_against_the_target():
+    free = make_plan(WORK, Asked(), PROBE, Budget(20 * GIB))
+    held = make_plan(WORK, Asked(), PROBE, Budget(20 * GIB, held_bytes=12 * GIB, reserve_bytes=4 * GIB))
+    assert (free.checkpointing, free.train_rows) == ("none", 32)  # 32 x 400 MiB x 1.3 = 16.3 GiB
+    assert (held.checkpointing, held.train_rows) == ("elementwise", 8)  # 4 GiB left: 8 x 250 x 1.3
+
+
+def test_unknown_level_is_refused():
+    with pytest.raises(ValueError, match="memory.optimization='fast'"):
+        make_plan(WORK, Asked(), PROBE, Budget(GIB), "fast")
+
+
+def test_table_and_metrics():
+    p = plan(100)
+    text = p.table()
+    assert "training micro-batch" in text and "generation chunk" in text and "GiB" in text
+    m = p.metrics()
+    assert m["rapidfire/plan/train_rows"] == p.train_rows and m["rapidfire/plan/recompute"] == 0
