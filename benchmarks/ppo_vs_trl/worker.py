@@ -455,6 +455,7 @@ def run_ours(cfg: dict, device: str) -> dict:
         "ref_class": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
         "reward_class": type(trainer.reward_model).__name__,
         "speedups": trainer.kernel_patches.summary(),
+        "plan": trainer.plan.to_dict() if trainer.plan is not None else None,
     }
 
 

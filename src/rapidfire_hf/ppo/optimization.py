@@ -47,7 +47,6 @@ class OptimizationMixin:
             permutations: one row order per epoch (default: drawn from the trainer's seeded generator).
         """
         args, acc = self.args, self.accelerator
-        ctx = exp.rollout.queries.shape[1]
         n, mb = args.local_batch_size, args.local_mini_batch_size
         if self.plan is None:  # optimize() called outside train(): plan (and apply) now
             plan_run(self, exp.rollout.queries)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call of benchmarks/presets on the H200 (run from the repository root with .whl/ and
+# .whl-trl112/ carried; ../shared/gpu/wheels.sh trl112 fetches them):
+#   bash benchmarks/presets/h200.sh OUT b64     # 1.1B, batch 64, separate value: stock, none, every config
+#   bash benchmarks/presets/h200.sh OUT b256    # 1.1B, batch 256, fused value + Liger + compile
+#   bash benchmarks/presets/h200.sh OUT b8      # 1.1B, batch 8, separate value
+set -u
+OUT=${1:?output folder}; shift
+source benchmarks/common/gpu_env.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site112 .whl-trl112/*.whl \
+  .whl/datasets* .whl/dill* .whl/multiprocess* 2>&1 | tail -2
+export TRL112_PATH=/tmp/site112
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+for part in "$@"; do
+  case "$part" in
+    b64) python3 benchmarks/presets/run.py --out "$OUT/b64" --batch 64 --timeout 150 \
+           --rows none,balanced,aggressive,conservative,advanced,snippet,aggressive-noplan,trl ;;
+    b256) python3 benchmarks/presets/run.py --out "$OUT/b256" --batch 256 --value-mode fused --liger --compile \
+           --timeout 200 --rows none,balanced,aggressive,snippet,trl ;;
+    b8) python3 benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout 120 \
+           --rows none,balanced,aggressive,conservative,advanced,snippet,trl ;;
+    *) echo "unknown part $part (b64, b256, b8)"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,183 @@
+"""benchmarks/presets: what each rapidfire config costs or pays in one PPO run, next to stock TRL 1.12.
+
+Every row is one configuration of ``benchmarks/ppo_vs_trl/worker.py`` (its own interpreter, the same
+models, prompts and rule reward as the ppo_vs_trl suite), run one after another in one call:
+
+- ``trl``: stock TRL 1.12 PPO at the same batch (needs ``TRL112_PATH``; ``skipped`` otherwise);
+- ``none``: our PPOTrainer with no rapidfire config (the user's micro-batch, TRL's chunks);
+- each preset (``conservative``, ``balanced``, ``aggressive``), ``config/advanced.yaml`` and the articles'
+  snippet (``{"gradient_pipeline": True, "memory_optimization": "aggressive", "precision": "adaptive"}``),
+  with the throughput planner (the default) and, as ``<name>-noplan``, with ``memory.planner: false``.
+
+Tokens/s = rollout batch x (prompt + response) / median s per update of the updates after the first.
+Each row stores the plan the trainer printed. Writes ``results.json``, ``results.csv`` and ``presets.png``.
+
+    python benchmarks/presets/run.py --out OUT --batch 64 --rows trl,none,conservative,balanced,aggressive
+    python benchmarks/presets/run.py --out OUT --smoke   # CPU: the tiny shape, two rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import bar_chart, environment, write_csv, write_json  # noqa: E402
+from benchmarks.ppo_vs_trl.run import SHAPES, run_one  # noqa: E402
+
+SNIPPET = {"gradient_pipeline": True, "memory_optimization": "aggressive", "precision": "adaptive"}
+CONFIGS = {
+    "none": None,
+    "conservative": "conservative",
+    "balanced": "balanced",
+    "aggressive": "aggressive",
+    "advanced": str(ROOT / "config" / "advanced.yaml"),
+    "snippet": SNIPPET,
+}
+ROW_NAMES = ("trl", *CONFIGS, *(f"{n}-noplan" for n in CONFIGS if n != "none"))
+
+
+def rapidfire_config(name: str):
+    """The rapidfire_config a row passes (a ``-noplan`` row: the same with ``memory.planner: false``)."""
+    base, _, flag = name.partition("-")
+    config = CONFIGS[base]
+    if flag != "noplan":
+        return config
+    if isinstance(config, dict):
+        return {**config, "memory": {"planner": False}} if "memory" in config else _nested(config)
+    return {"preset": config, "memory": {"planner": False}} if config in CONFIGS else _yaml_noplan(config)
+
+
+def _nested(short: dict) -> dict:
+    from rapidfire_hf.config import load_config
+
+    data = load_config(short).to_dict()
+    data["memory"]["planner"] = False
+    return data
+
+
+def _yaml_noplan(path: str) -> dict:
+    from rapidfire_hf.config import load_config
+
+    data = load_config(path).to_dict()
+    data["memory"]["planner"] = False
+    return data
+
+
+def row_config(name: str, args) -> dict:
+    """The worker configuration of row ``name``."""
+    cfg = {
+        "name": f"{name}_b{args.batch}",
+        "row": name,
+        "part": "throughput",
+        "shape": args.shape,
+        "shape_kwargs": SHAPES[args.shape],
+        "prompt_len": args.prompt_len,
+        "response_len": args.response_len,
+        "updates": args.updates,
+        "batch": args.batch,
+        "micro": min(args.micro, args.batch),
+        "value_mode": args.value_mode,
+        "system": "trl" if name == "trl" else "rapidfire",
+        "rollout_backend": "auto",
+        "liger": args.liger and name != "trl",
+        "compile": args.compile and name != "trl",
+    }
+    if name != "trl":
+        cfg["rapidfire_config"] = rapidfire_config(name)
+        cfg["score_chunk"] = "auto"  # the chunks are left to the trainer (the planner, or TRL's default)
+        cfg["rollout_generation_batch_size"] = "auto"
+    return cfg
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for results.json / results.csv / presets.png")
+    p.add_argument("--rows", default="trl,none,conservative,balanced,aggressive,advanced,snippet",
+                   help=f"comma-separated rows, in order; known: {', '.join(ROW_NAMES)}")
+    p.add_argument("--batch", type=int, default=64, help="rollout batch (prompts per update)")
+    p.add_argument("--micro", type=int, default=8, help="per_device_train_batch_size (the user's micro-batch)")
+    p.add_argument("--shape", default="llama-1.1b", choices=sorted(SHAPES))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--response-len", type=int, default=384)
+    p.add_argument("--updates", type=int, default=4, help="updates per row; the first is the warm-up")
+    p.add_argument("--value-mode", default="separate", choices=("separate", "fused"))
+    p.add_argument("--liger", action="store_true", help="ours with use_liger_kernel=True")
+    p.add_argument("--compile", action="store_true", help="ours with torch_compile=True")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per row")
+    p.add_argument("--smoke", action="store_true", help="CPU: the tiny smoke shape, 8 + 8 tokens, batch 8")
+    args = p.parse_args(argv)
+    args.rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in args.rows if r not in ROW_NAMES]
+    if unknown:
+        p.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROW_NAMES)}")
+    if args.smoke:
+        args.shape, args.prompt_len, args.response_len, args.batch, args.micro = "smoke", 8, 8, 8, 2
+        args.updates = min(args.updates, 3)
+    return args
+
+
+def summary_row(row: dict, baseline: dict | None) -> dict:
+    plan = row.get("plan") or {}
+    tps = row.get("tokens_per_s")
+    base = baseline.get("tokens_per_s") if baseline else None
+    return {
+        "row": row.get("row"),
+        "batch": row.get("batch"),
+        "status": row.get("status"),
+        "s_per_update": row.get("s_per_update"),
+        "tokens_per_s": tps,
+        "vs_none": tps / base if tps and base else None,
+        "peak_gib": row.get("peak_gib"),
+        "train_s": row.get("train_s"),
+        "score_s": row.get("score_s"),
+        "plan_train_rows": plan.get("train_rows"),
+        "plan_checkpointing": plan.get("checkpointing"),
+        "plan_scoring_rows": plan.get("scoring_rows"),
+        "plan_generation_rows": plan.get("generation_rows"),
+        "plan_peak_gib": plan.get("planned_peak_bytes", 0) / 2**30 if plan else None,
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, env = [], environment()
+    env["command"] = " ".join(["python", "benchmarks/presets/run.py", *(argv or sys.argv[1:])])
+    for i, name in enumerate(args.rows, 1):
+        print(f"[{i}/{len(args.rows)}] {name} at batch {args.batch} ...", flush=True)
+        row = run_one(row_config(name, args), out, args.timeout)
+        row.pop("shape_kwargs", None)
+        rows.append(row)
+        none = next((r for r in rows if r.get("row") == "none" and r.get("status") == "ok"), None)
+        s = summary_row(row, none)
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()}, flush=True)
+        summary = [summary_row(r, none) for r in rows]
+        write_json(out / "results.json", {"environment": env, "rows": rows, "summary": summary})
+        write_csv(out / "results.csv", summary)
+    plot(summary, out / "presets.png", args)
+
+
+def plot(summary: list[dict], path: Path, args) -> None:
+    ok = [r for r in summary if r["status"] == "ok"]
+    if not ok:
+        return
+    none = next((r["tokens_per_s"] for r in ok if r["row"] == "none"), None)
+    bar_chart(
+        path,
+        [f"{r['row']} ({r['peak_gib'] or 0:.1f} GiB)" for r in ok],
+        [r["tokens_per_s"] for r in ok],
+        f"PPO {args.shape}, rollout batch {args.batch}, {args.prompt_len}+{args.response_len} tokens, "
+        f"{args.value_mode} value (ratio: to no config)",
+        "tokens / s (median of the updates after the first)",
+        reference=none,
+    )
+
+
+if __name__ == "__main__":
+    main()
