@@ -19,7 +19,6 @@ Each row stores the plan the trainer printed. Writes ``results.json``, ``results
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -97,10 +96,15 @@ def row_config(name: str, args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for results.json / results.csv / presets.png")
-    p.add_argument("--rows", default="trl,none,conservative,balanced,aggressive,advanced,snippet",
-                   help=f"comma-separated rows, in order; known: {', '.join(ROW_NAMES)}")
+    p.add_argument(
+        "--rows",
+        default="trl,none,conservative,balanced,aggressive,advanced,snippet",
+        help=f"comma-separated rows, in order; known: {', '.join(ROW_NAMES)}",
+    )
     p.add_argument("--batch", type=int, default=64, help="rollout batch (prompts per update)")
-    p.add_argument("--micro", type=int, default=8, help="per_device_train_batch_size (the user's micro-batch)")
+    p.add_argument(
+        "--micro", type=int, default=8, help="per_device_train_batch_size (the user's micro-batch)"
+    )
     p.add_argument("--shape", default="llama-1.1b", choices=sorted(SHAPES))
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--response-len", type=int, default=384)

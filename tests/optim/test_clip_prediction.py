@@ -19,7 +19,7 @@ MAX_NORM = 0.05  # far below this model's gradient norms (~1): clipping binds at
 STEPS = 6
 
 
-def _scaled_run(tolerance: float, scale_of_step=lambda step: 1.0):
+def _scaled_run(tolerance: float, scale_of_step=lambda step: 1.0, backoff: int = 0):
     model = make_model()
     opt = RapidFireOptimizer(
         model.parameters(),
@@ -30,6 +30,7 @@ def _scaled_run(tolerance: float, scale_of_step=lambda step: 1.0):
         rollback="auto",
         clip_prediction="scale",
         clip_tolerance=tolerance,
+        clip_backoff=backoff,
     )
     records = []
     for step in range(STEPS):
@@ -72,6 +73,19 @@ def test_predicted_coefficient_is_applied_in_the_hooks():
             inner.step()
         inner.zero_grad()
     assert_same_params(model, ref)
+
+
+def test_after_a_miss_windows_back_off_to_exact_steps():
+    """The loss grows 3x per step: every prediction from the last norm misses. With the back-off the
+    window after a miss is stepped exactly (deferred), then 2, 4, ... windows: fewer rollbacks, and the
+    parameters equal the no-back-off run's up to what the deferred windows clip exactly."""
+    grow = lambda step: 3.0**step  # noqa: E731
+    _, plain, _ = _scaled_run(tolerance=0.01, scale_of_step=grow)
+    _, backed, _ = _scaled_run(tolerance=0.01, scale_of_step=grow, backoff=16)
+    p, b = plain.stats(), backed.stats()
+    assert p["clip_misses"] == STEPS - 1  # without back-off every predicted window missed
+    assert b["clip_misses"] < p["clip_misses"] and b["deferred_steps"].get("recent_clip_miss", 0) >= 1
+    assert b["rollbacks"] == b["clip_misses"]
 
 
 def test_prediction_outside_tolerance_is_rolled_back_exactly():

@@ -17,6 +17,7 @@ from rapidfire_hf.optim.pipeline import accelerate_flag
 from rapidfire_hf.utils.units import GIB
 
 CLIP_HISTORY = 8  # windows of gradient norms the clip prediction looks at
+CLIP_BACKOFF_MAX = 16  # most windows stepped exactly after a missed clip prediction (optimizer.py)
 CLIP_EPS = 1e-6  # the epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
 # snapshot="auto": a device snapshot (plus optimizer state not allocated yet) may take at most this share
 # of the GPU memory free when the decision is made (at the first snapshot, before the first update)
@@ -152,7 +153,10 @@ class VerificationMixin:
         elif not any(b.early for b in self._pipeline.buckets):
             reason = "no_early_bucket"  # pipeline_share 0: every bucket waits for step()
         coef = 1.0
-        if reason is None and self.max_grad_norm is not None:
+        if reason is None and self.max_grad_norm is not None and self._clip_backoff > 0:
+            self._clip_backoff -= 1
+            reason = "recent_clip_miss"  # step exactly for a while (the optimizer's clip-miss back-off)
+        elif reason is None and self.max_grad_norm is not None:
             coef = self._predict_clip_coef()
             if coef is None:
                 reason = "clip_may_bind"
