@@ -105,3 +105,18 @@ def test_table_and_metrics():
     assert "training micro-batch" in text and "generation chunk" in text and "GiB" in text
     m = p.metrics()
     assert m["rapidfire/plan/train_rows"] == p.train_rows and m["rapidfire/plan/recompute"] == 0
+
+
+def test_optimizer_state_goes_8_bit_only_under_aggressive_and_only_when_needed():
+    from rapidfire_hf.memory.planner import choose_optimizer_state
+
+    # 7B full fine-tuning, four 7B models in bf16 (54 GiB), policy + value trained (27 GiB of gradients)
+    weights, grads = 54 * GIB, 27 * GIB
+    target = int(0.92 * 140 * GIB)
+    assert choose_optimizer_state("aggressive", weights, grads, 2 * grads, grads // 2, target)[0]
+    eight, why = choose_optimizer_state("balanced", weights, grads, 2 * grads, grads // 2, target)
+    assert not eight and "aggressive would keep it in 8 bits" in why
+    eight, why = choose_optimizer_state("aggressive", weights, grads, 2 * grads, grads // 2, target, False)
+    assert not eight and "bitsandbytes" in why
+    # 1.1B: everything fits, so the arithmetic is never changed
+    assert choose_optimizer_state("aggressive", 9 * GIB, 4 * GIB, 8 * GIB, 2 * GIB, target) == (False, "fits")

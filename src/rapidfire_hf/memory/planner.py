@@ -62,14 +62,18 @@ class LevelTarget:
 
     device_share: float  # share of the device's total memory the run may plan to use
     recompute: bool  # may trade compute for memory (activation checkpointing) to fit
+    eight_bit_state: bool = False  # may keep AdamW's state in 8 bits (changes the optimizer's arithmetic)
 
 
 LEVEL_TARGETS: dict[str, LevelTarget] = {
     "conservative": LevelTarget(0.80, recompute=False),
     "balanced": LevelTarget(0.85, recompute=True),
     "auto": LevelTarget(0.85, recompute=True),
-    "aggressive": LevelTarget(0.92, recompute=True),
+    "aggressive": LevelTarget(0.92, recompute=True, eight_bit_state=True),
 }
+# Share of the level's target kept for activations, the KV cache and temporaries when deciding whether
+# the weights, gradients and optimizer state alone leave room to train.
+STATE_HEADROOM = 0.15
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,7 @@ class Plan:
     planned_peak_bytes: int
     target_bytes: int
     fits: bool
+    optimizer_state: str = "as built"  # "8-bit" when the planner chose 8-bit AdamW state (aggressive)
     asked: dict = field(default_factory=dict)  # setting -> what the user asked ("auto" when left open)
     reasons: dict = field(default_factory=dict)  # setting -> why this value
     planned: bool = True  # False: memory.planner off (the user's split kept)
@@ -208,6 +213,8 @@ class Plan:
              self.reasons.get("scoring_rows", "")),
             ("generation chunk (prompts)", str(self.asked.get("generation_rows")), str(self.generation_rows),
              self.reasons.get("generation_rows", "")),
+            ("optimizer state", str(self.asked.get("optimizer_state", "auto")), self.optimizer_state,
+             self.reasons.get("optimizer_state", "")),
         ]  # fmt: skip
 
     def table(self) -> str:
@@ -274,6 +281,31 @@ def level_target(level) -> LevelTarget:
     if name not in LEVEL_TARGETS:
         raise ValueError(f"memory.optimization={name!r}: expected one of {', '.join(LEVEL_TARGETS)}")
     return LEVEL_TARGETS[name]
+
+
+def choose_optimizer_state(
+    level, model_bytes: int, grad_bytes: int, state_bytes: int, state_bytes_8bit: int, target_bytes: int,
+    available: bool = True,
+) -> tuple[bool, str]:
+    """Keep AdamW's state in 8 bits? Only where the level allows it (``aggressive``: 8-bit state changes
+    the optimizer's arithmetic) and only when the weights, gradients and full-precision state would leave
+    less than ``STATE_HEADROOM`` of the target for everything else while 8-bit state would not.
+
+    Returns:
+        ``(eight_bit, why)``.
+    """
+    room = (1 - STATE_HEADROOM) * target_bytes
+    full = model_bytes + grad_bytes + state_bytes
+    if full <= room:
+        return False, "fits"
+    small = model_bytes + grad_bytes + state_bytes_8bit
+    if not level_target(level).eight_bit_state:
+        return False, "does not fit; memory.optimization=aggressive would keep it in 8 bits"
+    if not available:
+        return False, "does not fit; 8-bit state needs bitsandbytes and a CUDA GPU"
+    if small > room:
+        return True, "8 bits, and still short of room"
+    return True, f"8 bits: {full / GIB:.0f} GiB with 32-bit state would leave no room to train"
 
 
 def _train_peak(probe: Probe, policy: str, rows: int) -> int:

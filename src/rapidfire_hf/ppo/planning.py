@@ -249,6 +249,14 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
             plan = make_plan(work, want, probe, budget, memory.optimization)
         _apply(models, plan.checkpointing)
+        state = getattr(trainer, "state_decision", None)  # set when the trainer built the optimizer
+        if state is not None:
+            plan.optimizer_state = "8-bit" if state[0] else "as built"
+            plan.reasons["optimizer_state"] = state[1]
+            if not state[0] and state[1] != "fits":
+                plan.fits = False
+        else:
+            plan.reasons["optimizer_state"] = "your optimizer"
         if acc.is_main_process:
             print(plan.table(), flush=True)
     if plan.merge > 1:  # accelerate closes a window after this many (merged) micro-batches

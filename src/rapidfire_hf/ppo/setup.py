@@ -369,7 +369,7 @@ class SetupMixin:
         self._optimizer_is_default = optimizer is None  # enable_rapidfire may rebuild a default one
         params = [p for p in module.parameters() if p.requires_grad]
         if optimizer is None and self.rf_config is not None:
-            optimizer = self._optimizer_from_config(params)
+            optimizer = self._optimizer_from_config(params, module)
         if optimizer is None:
             optimizer = default_adamw(args, params, **self._default_adamw_kernel())
         elif getattr(optimizer, "is_bound", True) is False:
@@ -422,15 +422,42 @@ class SetupMixin:
         plain = acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
         return {"fused": True} if plain and acc.device.type == "cuda" else {}
 
-    def _optimizer_from_config(self, params):
+    def _plan_optimizer_state(self, params, module) -> tuple[bool, str]:
+        """8-bit AdamW state for the optimizer the trainer builds? (``memory.optimization`` as a target:
+        ``rapidfire_hf.memory.planner.choose_optimizer_state``; only on a CUDA device, which is where
+        bitsandbytes' 8-bit AdamW runs.)"""
+        from rapidfire_hf.memory.planner import LEVEL_TARGETS, choose_optimizer_state
+        from rapidfire_hf.utils.imports import is_available
+
+        device = self.accelerator.device
+        if device.type != "cuda":
+            return False, "fits"
+        models = [module, self.ref_model, self.reward_model]
+        seen, model_bytes = set(), 0
+        for m in models:
+            if not isinstance(m, torch.nn.Module):
+                continue
+            for t in [*m.parameters(), *m.buffers()]:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    model_bytes += t.numel() * t.element_size()
+        grads = sum(p.numel() * p.element_size() for p in params)
+        level = self.rf_config.memory.optimization
+        target = int(LEVEL_TARGETS[level.value].device_share * torch.cuda.mem_get_info(device)[1])
+        available = is_available("bitsandbytes")
+        return choose_optimizer_state(level, model_bytes, grads, 2 * grads, 2 * sum(p.numel() for p in params),
+                                      target, available)  # fmt: skip
+
+    def _optimizer_from_config(self, params, module):
         """A RapidFireOptimizer with the trainer's hyper-parameters and the rapidfire config's pipeline."""
         from rapidfire_hf.optim import RapidFireOptimizer
 
         args, grad_cfg = self.args, self.rf_config.gradient
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        self.state_decision = self._plan_optimizer_state(params, module)
         return RapidFireOptimizer(
             params,
-            optimizer="adamw",
+            optimizer="adamw8bit" if self.state_decision[0] else "adamw",
             lr=args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
