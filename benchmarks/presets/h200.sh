@@ -4,6 +4,8 @@
 #   bash benchmarks/presets/h200.sh OUT b64     # 1.1B, batch 64, separate value: stock, none, every config
 #   bash benchmarks/presets/h200.sh OUT b256    # 1.1B, batch 256, fused value + Liger + compile
 #   bash benchmarks/presets/h200.sh OUT b8      # 1.1B, batch 8, separate value
+#   bash benchmarks/presets/h200.sh OUT full7b  # 7B full fine-tuning, 7B reward model: stock b4, ours b160
+#   bash benchmarks/presets/h200.sh OUT lora7b  # 7B LoRA, 7B reward model: stock b64, ours b256
 set -u
 OUT=${1:?output folder}; shift
 source benchmarks/common/gpu_env.sh
@@ -13,12 +15,17 @@ export TRL112_PATH=/tmp/site112
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for part in "$@"; do
   case "$part" in
-    b64) python3 benchmarks/presets/run.py --out "$OUT/b64" --batch 64 --timeout 150 \
-           --rows none,balanced,aggressive,conservative,advanced,snippet,aggressive-noplan,trl ;;
+    b64) python3 benchmarks/presets/run.py --out "$OUT/b64" --batch 64 --timeout 120 \
+           --rows none,balanced,aggressive,advanced,snippet,conservative,aggressive-noplan,trl ;;
     b256) python3 benchmarks/presets/run.py --out "$OUT/b256" --batch 256 --value-mode fused --liger --compile \
-           --timeout 200 --rows none,balanced,aggressive,snippet,trl ;;
+           --timeout 150 --rows none,balanced,aggressive,trl ;;
+    full7b) python3 benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch 160 \
+           --value-mode fused --trl-batch 4 --timeout 240 --hand-optimizer adamw8bit --hand-gen-chunk 80 \
+           --rows aggressive,handtuned,trl ;;
+    lora7b) python3 benchmarks/presets/run.py --out "$OUT/lora7b" --shape llama-7b --reward model --batch 256 \
+           --peft --value-mode fused --trl-batch 64 --timeout 240 --rows aggressive,handtuned,trl ;;
     b8) python3 benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout 120 \
            --rows none,balanced,aggressive,conservative,advanced,snippet,trl ;;
-    *) echo "unknown part $part (b64, b256, b8)"; exit 2 ;;
+    *) echo "unknown part $part (b64, b256, b8, full7b, lora7b)"; exit 2 ;;
   esac
 done

@@ -37,7 +37,8 @@ CONFIGS = {
     "advanced": str(ROOT / "config" / "advanced.yaml"),
     "snippet": SNIPPET,
 }
-ROW_NAMES = ("trl", *CONFIGS, *(f"{n}-noplan" for n in CONFIGS if n != "none"))
+ROW_NAMES = ("trl", "handtuned", *CONFIGS, *(f"{n}-noplan" for n in CONFIGS if n != "none"))
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 def rapidfire_config(name: str):
@@ -69,24 +70,36 @@ def _yaml_noplan(path: str) -> dict:
 
 def row_config(name: str, args) -> dict:
     """The worker configuration of row ``name``."""
+    batch = args.trl_batch if name == "trl" and args.trl_batch else args.batch
     cfg = {
-        "name": f"{name}_b{args.batch}",
+        "name": f"{name}_b{batch}",
         "row": name,
-        "part": "throughput",
+        # the 7B shape: models built straight on the GPU in bf16, no reference copy with LoRA
+        "part": "size7b" if args.shape.startswith("llama-7b") or args.peft else "throughput",
         "shape": args.shape,
         "shape_kwargs": SHAPES[args.shape],
         "prompt_len": args.prompt_len,
         "response_len": args.response_len,
         "updates": args.updates,
-        "batch": args.batch,
-        "micro": min(args.micro, args.batch),
-        "value_mode": args.value_mode,
+        "batch": batch,
+        "micro": min(args.micro, batch),
+        "value_mode": "separate" if name == "trl" else args.value_mode,
+        "peft": args.peft,
+        "lora": LORA if args.peft else None,
+        "reward": args.reward,
         "system": "trl" if name == "trl" else "rapidfire",
         "rollout_backend": "auto",
         "liger": args.liger and name != "trl",
         "compile": args.compile and name != "trl",
     }
-    if name != "trl":
+    if name == "handtuned":  # today's hand-set sizes: no rapidfire config, everything given by hand
+        cfg["micro"] = args.hand_micro
+        cfg["score_chunk"] = args.hand_score_chunk
+        if args.hand_gen_chunk:
+            cfg["rollout_generation_batch_size"] = args.hand_gen_chunk
+        if args.hand_optimizer:
+            cfg["optimizer"] = args.hand_optimizer
+    elif name != "trl":
         cfg["rapidfire_config"] = rapidfire_config(name)
         cfg["score_chunk"] = "auto"  # the chunks are left to the trainer (the planner, or TRL's default)
         cfg["rollout_generation_batch_size"] = "auto"
@@ -109,7 +122,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--response-len", type=int, default=384)
     p.add_argument("--updates", type=int, default=4, help="updates per row; the first is the warm-up")
-    p.add_argument("--value-mode", default="separate", choices=("separate", "fused"))
+    p.add_argument(
+        "--value-mode", default="separate", choices=("separate", "fused"), help="ours (stock: separate)"
+    )
+    p.add_argument("--peft", action="store_true", help="LoRA r=16 on q/k/v/o (both systems)")
+    p.add_argument(
+        "--reward",
+        default="rule",
+        choices=("rule", "model"),
+        help="rule: the rule reward module; model: a reward model of the policy's shape (7B rows)",
+    )
+    p.add_argument("--trl-batch", type=int, default=None, help="stock TRL's rollout batch (default --batch)")
+    p.add_argument("--hand-micro", type=int, default=8, help="handtuned row: per_device_train_batch_size")
+    p.add_argument(
+        "--hand-score-chunk", type=int, default=16, help="handtuned row: local_rollout_forward_batch_size"
+    )
+    p.add_argument(
+        "--hand-gen-chunk", type=int, default=None, help="handtuned row: rollout_generation_batch_size"
+    )
+    p.add_argument(
+        "--hand-optimizer",
+        default=None,
+        choices=("adamw8bit",),
+        help="handtuned row: RapidFireOptimizer(optimizer='adamw8bit', gradient_pipeline=True)",
+    )
     p.add_argument("--liger", action="store_true", help="ours with use_liger_kernel=True")
     p.add_argument("--compile", action="store_true", help="ours with torch_compile=True")
     p.add_argument("--timeout", type=int, default=600, help="seconds per row")
