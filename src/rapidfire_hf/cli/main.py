@@ -14,7 +14,7 @@ import importlib.util
 import sys
 
 # subcommand modules, in the order `rapidfire --help` lists them
-SUBCOMMANDS = ("demo", "sweep", "monitor", "bench", "env", "config_cmd")
+SUBCOMMANDS = ("demo", "plan", "sweep", "monitor", "bench", "env", "config_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:
