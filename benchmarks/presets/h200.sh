@@ -18,7 +18,7 @@ for part in "$@"; do
     b64) python3 benchmarks/presets/run.py --out "$OUT/b64" --batch 64 --timeout 120 \
            --rows none,balanced,aggressive,advanced,snippet,conservative,aggressive-noplan,trl ;;
     b256) python3 benchmarks/presets/run.py --out "$OUT/b256" --batch 256 --value-mode fused --liger --compile \
-           --timeout 150 --rows none,balanced,aggressive,trl ;;
+           --timeout 150 --rows none,balanced,balancedscale,trl ;;
     full7b) python3 benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch 160 \
            --value-mode fused --trl-batch 4 --timeout 240 --hand-optimizer adamw8bit --hand-gen-chunk 80 \
            --rows aggressive,handtuned,trl ;;

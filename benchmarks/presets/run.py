@@ -36,6 +36,8 @@ CONFIGS = {
     "aggressive": "aggressive",
     "advanced": str(ROOT / "config" / "advanced.yaml"),
     "snippet": SNIPPET,
+    # the balanced preset with the clip prediction of earlier versions (gradient.clip_prediction: scale)
+    "balancedscale": {"preset": "balanced", "gradient": {"clip_prediction": "scale"}},
 }
 ROW_NAMES = ("trl", "handtuned", *CONFIGS, *(f"{n}-noplan" for n in CONFIGS if n != "none"))
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -48,7 +50,7 @@ def rapidfire_config(name: str):
     if flag != "noplan":
         return config
     if isinstance(config, dict):
-        return {**config, "memory": {"planner": False}} if "memory" in config else _nested(config)
+        return {**config, "memory": {"planner": False}} if "preset" in config else _nested(config)
     return {"preset": config, "memory": {"planner": False}} if config in CONFIGS else _yaml_noplan(config)
 
 

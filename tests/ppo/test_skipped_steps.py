@@ -84,9 +84,10 @@ def test_endless_skipping_stops_with_a_clear_error(tmp_path, tok, optimizer, cap
 
 
 def test_pipeline_runs_under_the_default_clipping(tmp_path, tok):
-    """max_grad_norm=1.0 (TrainingArguments' default) with the balanced preset: windows are pipelined with a
-    predicted clip coefficient, checked after backward; the miss rate is logged."""
-    trainer, policy = _train(tmp_path, tok, vowel_reward, rapidfire_config="balanced", max_steps=3)
+    """max_grad_norm=1.0 (TrainingArguments' default) with clip_prediction 'scale': windows are pipelined
+    with a predicted clip coefficient, checked after backward; the miss rate is logged."""
+    cfg = {"preset": "balanced", "gradient": {"clip_prediction": "scale"}}
+    trainer, policy = _train(tmp_path, tok, vowel_reward, rapidfire_config=cfg, max_steps=3)
     assert trainer.args.max_grad_norm == 1.0 and trainer._rf_opt.clip_prediction == "scale"
     trainer.train()
     last = trainer.state.log_history[-1]

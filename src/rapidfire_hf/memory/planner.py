@@ -284,7 +284,12 @@ def level_target(level) -> LevelTarget:
 
 
 def choose_optimizer_state(
-    level, model_bytes: int, grad_bytes: int, state_bytes: int, state_bytes_8bit: int, target_bytes: int,
+    level,
+    model_bytes: int,
+    grad_bytes: int,
+    state_bytes: int,
+    state_bytes_8bit: int,
+    target_bytes: int,
     available: bool = True,
 ) -> tuple[bool, str]:
     """Keep AdamW's state in 8 bits? Only where the level allows it (``aggressive``: 8-bit state changes
