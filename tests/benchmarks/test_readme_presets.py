@@ -1,0 +1,48 @@
+"""README.md row 12 and benchmarks/presets/README.md's batch-64 table are the stored results'."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STORED = ROOT / "benchmarks" / "presets" / "results" / "h200" / "b64" / "results.csv"
+CONFIG_ROWS = ("conservative", "balanced", "aggressive", "advanced", "snippet")
+
+
+def _rows() -> dict[str, dict]:
+    return {r["row"]: r for r in csv.DictReader(STORED.open())}
+
+
+def _cells(text: str, start: str) -> list[str]:
+    line = next(x for x in text.splitlines() if x.startswith(start))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_readme_row_12_is_the_stored_call():
+    rows = _rows()
+    assert all(rows[name]["status"] == "ok" for name in ("none", "trl", *CONFIG_ROWS))
+    none = float(rows["none"]["tokens_per_s"])
+    slowest = min(float(rows[name]["tokens_per_s"]) for name in CONFIG_ROWS)
+    cells = _cells((ROOT / "README.md").read_text(), "| 12 | ")
+    assert cells[2] == f"{none:,.0f}" and cells[3] == f"{slowest:,.0f}"
+    assert cells[4] == f"**{slowest / none:.2f}×**"
+    assert f"stock TRL {float(rows['trl']['tokens_per_s']):,.0f}" in cells[1]
+
+
+def test_presets_readme_table_is_the_stored_call():
+    text = (ROOT / "benchmarks" / "presets" / "README.md").read_text()
+    rows = _rows()
+    labels = {"none": "| no config |", "balanced": "| `balanced` |", "aggressive": "| `aggressive` |",
+              "conservative": "| `conservative` |", "advanced": "| `config/advanced.yaml` |",
+              "snippet": "| the articles' snippet |", "aggressive-noplan": "| `aggressive`, planner off |"}  # fmt: skip
+    none = float(rows["none"]["tokens_per_s"])
+    for name, label in labels.items():
+        cells = _cells(text, label)
+        tps = float(rows[name]["tokens_per_s"])
+        assert cells[1] == f"{tps:,.0f}", name
+        assert cells[2].strip("*") == f"{tps / none:.2f}x", name
+        assert cells[3] == f"{float(rows[name]['peak_gib']):.1f}", name
+        assert cells[5].startswith(f"{rows[name]['plan_train_rows']}, {rows[name]['plan_checkpointing']}"), (
+            name
+        )
