@@ -171,7 +171,8 @@ class PPOConfig(TrainingArguments):
         default=None,
         metadata={"help": "Prompts to train on in total (default: num_train_epochs * len(train_dataset))."},
     )
-    local_rollout_forward_batch_size: int | str = field(
+    # annotated `str` so that HfArgumentParser takes "auto" from a command line (digits become an int below)
+    local_rollout_forward_batch_size: str = field(
         default="auto",
         metadata={
             "help": "Rows per no-grad forward in the scoring phase (per device). 'auto': the throughput planner "
@@ -325,7 +326,7 @@ class PPOConfig(TrainingArguments):
             "four batch shapes, then CUDA graph alone), 'compile', 'cuda_graph' or 'eager'."
         },
     )
-    rollout_generation_batch_size: int | str | None = field(
+    rollout_generation_batch_size: str | None = field(  # "auto", an int (digits: below) or None
         default="auto",
         metadata={
             "help": "Prompts generated at once (per device); None generates the whole rollout batch together. "
@@ -342,6 +343,12 @@ class PPOConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        for name in ("local_rollout_forward_batch_size", "rollout_generation_batch_size"):
+            value = getattr(self, name)  # a command line gives text: "16" -> 16, "none" -> None
+            if isinstance(value, str) and value.strip().isdigit():
+                setattr(self, name, int(value))
+            elif isinstance(value, str) and value.strip().lower() == "none" and name.startswith("rollout_"):
+                setattr(self, name, None)
         # the table first: TrainingArguments' own checks would otherwise meet a bad value raw
         errors = check_fields(self, FIELD_CHECKS)
         if errors:
