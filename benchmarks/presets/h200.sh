@@ -8,23 +8,26 @@
 #   bash benchmarks/presets/h200.sh OUT lora7b  # 7B LoRA, 7B reward model: stock b64, ours b256
 set -u
 OUT=${1:?output folder}; shift
-source benchmarks/common/gpu_env.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site112 .whl-trl112/*.whl \
-  .whl/datasets* .whl/dill* .whl/multiprocess* 2>&1 | tail -2
-export TRL112_PATH=/tmp/site112
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+PY=${PYTHON:-python3}  # reproduce_h200.sh's PYTHON (its tests record the commands instead of running them)
+if [ -d .whl ]; then  # the carried wheels (a machine without internet)
+  source benchmarks/common/gpu_env.sh
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site112 .whl-trl112/*.whl \
+    .whl/datasets* .whl/dill* .whl/multiprocess* 2>&1 | tail -2
+  export TRL112_PATH=/tmp/site112
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 for part in "$@"; do
   case "$part" in
-    b64) python3 benchmarks/presets/run.py --out "$OUT/b64" --batch 64 --timeout 120 \
+    b64) $PY benchmarks/presets/run.py --out "$OUT/b64" --batch 64 --timeout 120 \
            --rows none,balanced,aggressive,advanced,snippet,conservative,aggressive-noplan,trl ;;
-    b256) python3 benchmarks/presets/run.py --out "$OUT/b256" --batch 256 --value-mode fused --liger --compile \
+    b256) $PY benchmarks/presets/run.py --out "$OUT/b256" --batch 256 --value-mode fused --liger --compile \
            --timeout 150 --rows none,balanced,balancedscale,trl ;;
-    full7b) python3 benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch 160 \
+    full7b) $PY benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch 160 \
            --value-mode fused --trl-batch 4 --timeout 240 --hand-optimizer adamw8bit --hand-gen-chunk 80 \
            --rows aggressive,handtuned,trl ;;
-    lora7b) python3 benchmarks/presets/run.py --out "$OUT/lora7b" --shape llama-7b --reward model --batch 256 \
+    lora7b) $PY benchmarks/presets/run.py --out "$OUT/lora7b" --shape llama-7b --reward model --batch 256 \
            --peft --value-mode fused --trl-batch 64 --timeout 240 --rows aggressive,handtuned,trl ;;
-    b8) python3 benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout 120 \
+    b8) $PY benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout 120 \
            --rows none,balanced,aggressive,conservative,advanced,snippet,trl ;;
     *) echo "unknown part $part (b64, b256, b8, full7b, lora7b)"; exit 2 ;;
   esac

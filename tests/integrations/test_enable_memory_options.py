@@ -25,19 +25,25 @@ def forward_bytes(trainer) -> int:
     return activation_bytes(lambda: model(input_ids=ids).logits)
 
 
-def test_levels_checkpoint_the_model_and_train_the_same(build):
+def test_forced_checkpointing_checkpoints_the_model_and_trains_the_same(build):
     held, weights = {}, {}
-    for level in ("conservative", "balanced", "aggressive"):
-        trainer = enable_rapidfire(
-            build("sft", gradient_checkpointing=False), config=config(optimization=level, prefetch_window=0)
-        )
-        assert trainer.model.model.layers[0].gradient_checkpointing == (level != "conservative")
+    for policy in ("off", "elementwise", "matmuls"):
+        memory = dict(checkpointing=policy, prefetch_window=0)
+        trainer = enable_rapidfire(build("sft", gradient_checkpointing=False), config=config(**memory))
+        assert trainer.model.model.layers[0].gradient_checkpointing == (policy != "off")
         trainer.train()
-        held[level] = forward_bytes(trainer)
-        weights[level] = [p.detach().clone() for p in trainer.model.parameters()]
-    assert held["conservative"] > held["balanced"] > held["aggressive"], held
-    for level in ("balanced", "aggressive"):
-        assert all(torch.equal(a, b) for a, b in zip(weights[level], weights["conservative"])), level
+        held[policy] = forward_bytes(trainer)
+        weights[policy] = [p.detach().clone() for p in trainer.model.parameters()]
+    assert held["off"] > held["elementwise"] > held["matmuls"], held
+    for policy in ("elementwise", "matmuls"):
+        assert all(torch.equal(a, b) for a, b in zip(weights[policy], weights["off"])), policy
+
+
+@pytest.mark.parametrize("level", ["conservative", "balanced", "aggressive"])
+def test_no_level_recomputes_a_model_that_fits(build, level):
+    trainer = enable_rapidfire(build("sft", gradient_checkpointing=False), config=config(optimization=level))
+    trainer.train()
+    assert not trainer.model.model.layers[0].gradient_checkpointing
 
 
 def test_trainer_gradient_checkpointing_is_kept(build):
@@ -51,9 +57,10 @@ def test_trainer_gradient_checkpointing_is_kept(build):
     assert "context_fn" not in getattr(layer._gradient_checkpointing_func, "keywords", {})
 
 
-def test_auto_is_chosen_at_train_begin(build, monkeypatch):
+@pytest.mark.parametrize("level", ["auto", "balanced", "aggressive"])
+def test_recompute_is_chosen_at_train_begin_when_memory_is_short(build, monkeypatch, level):
     monkeypatch.setattr("rapidfire_hf.memory.checkpointing.free_device_bytes", lambda device: 1)
-    trainer = enable_rapidfire(build("sft", gradient_checkpointing=False), config=config(optimization="auto"))
+    trainer = enable_rapidfire(build("sft", gradient_checkpointing=False), config=config(optimization=level))
     callback = trainer._rapidfire.parts["checkpointing"]
     trainer.train()
     assert callback.level == "aggressive" and trainer.model.model.layers[0].gradient_checkpointing

@@ -28,6 +28,7 @@ from rapidfire_hf.memory.checkpointing import (
     configure_checkpointing,
 )
 from rapidfire_hf.memory.prefetch import BatchPrefetcher
+from rapidfire_hf.models.plumbing import decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,14 @@ class AutoCheckpointingCallback(TrainerCallback):
             model.train(was_training)
 
 
+def _chunked(model) -> bool:
+    """True when ``apply_chunked_checkpointing`` already wraps the model's decoder layers."""
+    try:
+        return any(hasattr(layer, "_rapidfire_chunked_checkpoint") for layer in decoder_layers(model))
+    except (AttributeError, TypeError, ValueError):  # not a decoder stack this module knows
+        return False
+
+
 def install_checkpointing(trainer, state) -> None:
     """Apply ``state.config.memory.optimization`` to ``trainer.model`` (recorded in ``state``)."""
     memory = state.config.memory
@@ -88,6 +97,11 @@ def install_checkpointing(trainer, state) -> None:
     if memory.lowmem.value != "off":
         state.skipped.append(
             f"memory.optimization={level} checkpointing (memory.lowmem checkpoints its own way)"
+        )
+        return
+    if _chunked(trainer.model):
+        state.skipped.append(
+            f"memory.optimization={level} checkpointing (the model's layers already run chunked checkpointing)"
         )
         return
     try:

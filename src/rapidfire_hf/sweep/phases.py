@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rapidfire_hf.memory.planner import UNPLANNED_SCORING_ROWS
 from rapidfire_hf.models.plumbing import classifier_parts
 from rapidfire_hf.ppo.core import compute_advantages, first_true_indices, ppo_loss, truncate_after_stop
 from rapidfire_hf.ppo.modeling import (
@@ -127,6 +128,8 @@ class SweepPhases:
         post_qr = torch.cat([torch.cat([r.queries, p], 1) for r, p in zip(rollouts, posts)])
         layout = blocks(trials, lambda t: t.args.local_batch_size)
         step = self.shared.local_rollout_forward_batch_size
+        if step == "auto":  # the sweep has no throughput planner yet: TRL's default chunk
+            step = UNPLANNED_SCORING_ROWS
         ref_lp, values, scores = [], [], []
         with self._autocast():
             for pieces in packs(layout, step):
