@@ -4,6 +4,8 @@
 #   bash benchmarks/presets/h200.sh OUT b64     # 1.1B, batch 64, separate value: stock, none, every config
 #   bash benchmarks/presets/h200.sh OUT b256    # 1.1B, batch 256, fused value + Liger + compile
 #   bash benchmarks/presets/h200.sh OUT b8      # 1.1B, batch 8, separate value
+#   bash benchmarks/presets/h200.sh OUT clip64  # 1.1B, batch 64: balanced with the clip_prediction default
+#                                               # (exact) against the previous one (scale), no config, stock
 #   bash benchmarks/presets/h200.sh OUT full7b  # 7B full fine-tuning, 7B reward model: stock b4, ours b160
 #   bash benchmarks/presets/h200.sh OUT lora7b  # 7B LoRA, 7B reward model: stock b64, ours b256
 set -u
@@ -22,6 +24,8 @@ for part in "$@"; do
            --rows none,balanced,aggressive,advanced,snippet,conservative,aggressive-noplan,trl ;;
     b256) $PY benchmarks/presets/run.py --out "$OUT/b256" --batch 256 --value-mode fused --liger --compile \
            --timeout 150 --rows none,balanced,balancedscale,trl ;;
+    clip64) $PY benchmarks/presets/run.py --out "$OUT/clip64" --batch 64 --timeout 75 \
+           --rows none,balanced,balancedscale,trl ;;
     full7b) $PY benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch 160 \
            --value-mode fused --trl-batch 4 --timeout 240 --hand-optimizer adamw8bit --hand-gen-chunk 80 \
            --rows aggressive,handtuned,trl ;;
@@ -29,6 +33,6 @@ for part in "$@"; do
            --peft --value-mode fused --trl-batch 64 --timeout 240 --rows aggressive,handtuned,trl ;;
     b8) $PY benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout 120 \
            --rows none,balanced,aggressive,conservative,advanced,snippet,trl ;;
-    *) echo "unknown part $part (b64, b256, b8, full7b, lora7b)"; exit 2 ;;
+    *) echo "unknown part $part (b64, b256, b8, clip64, full7b, lora7b)"; exit 2 ;;
   esac
 done
