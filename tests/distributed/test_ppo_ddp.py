@@ -46,3 +46,14 @@ def test_engine_message(ranks):
     assert engine["engine"] == "ddp" and engine["world_size"] == 2
     assert engine["features"]["gradient_pipeline"]["status"] == "falls back"
     assert engine["features"]["rollback"]["status"] == "holds"
+
+
+@pytest.mark.slow  # 25 s on a 2-core CPU
+def test_the_throughput_plan_is_the_same_on_every_rank(tmp_path):
+    """With a rapidfire config the planner merges the two micro-batches of a window into one forward; every
+    rank runs rank 0's plan (a different number of backward passes per window would hang DDP)."""
+    # rank 1 alone would plan recompute and the user's split (it sees no free memory)
+    run_ranks("ppo_ranks.py", tmp_path, "--updates", "2", "--rapidfire-config", "balanced", "--squeeze-rank1")
+    a, b = (torch.load(tmp_path / f"ppo_rank{r}.pt", weights_only=False) for r in range(2))
+    assert a["plan"] == b["plan"] and a["plan"]["merge"] == 2 and a["plan"]["train_rows"] == 4
+    assert torch.equal(a["params"], b["params"]) and torch.isfinite(a["params"]).all()

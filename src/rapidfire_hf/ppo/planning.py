@@ -214,6 +214,17 @@ def first_step_reserve(trainer) -> int:
     return grads + sum(p.numel() * (2 if eight_bit else 2 * p.element_size()) for p in params)
 
 
+def _agreed(acc, plan: Plan) -> Plan:
+    """Every process runs the plan of the first one: the number of backward passes per optimizer window
+    must be the same on every rank (DDP's all-reduce, DeepSpeed's step), whatever each measured."""
+    if acc.num_processes <= 1:
+        return plan
+    from accelerate.utils import broadcast_object_list
+
+    shared = broadcast_object_list([plan.to_dict()], from_process=0)[0]
+    return Plan(**shared)
+
+
 def unplanned_run(trainer, prompt_tokens: int) -> Plan:
     """The plan before :func:`plan_run` (a phase called outside ``train()``): the user's settings."""
     args, acc = trainer.args, trainer.accelerator
@@ -248,6 +259,7 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
         else:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
             plan = make_plan(work, want, probe, budget, memory.optimization)
+        plan = _agreed(acc, plan)
         _apply(models, plan.checkpointing)
         state = getattr(trainer, "state_decision", None)  # set when the trainer built the optimizer
         if state is not None:

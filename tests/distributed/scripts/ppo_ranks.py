@@ -84,6 +84,7 @@ def build_trainer(out: Path, args) -> PPOTrainer:
         save_strategy="no",
         rollout_backend=args.rollout_backend,
         max_grad_norm=0.0,
+        rapidfire_config=args.rapidfire_config,
     )
     optimizer = (
         RapidFireOptimizer(lr=1e-3, gradient_pipeline=True, rollback="auto")
@@ -122,7 +123,15 @@ def main():
     parser.add_argument("--updates", type=int, default=2)
     parser.add_argument("--rollout-backend", default="auto")
     parser.add_argument("--gather", action="store_true", help="gather sharded weights once per rollout")
+    parser.add_argument("--rapidfire-config", default=None, help="a preset name: the throughput planner runs")
+    parser.add_argument(
+        "--squeeze-rank1", action="store_true", help="rank 1 measures (almost) no free memory"
+    )
     args = parser.parse_args()
+    if args.squeeze_rank1 and os.environ.get("RANK") == "1":  # its own plan would differ from rank 0's
+        import rapidfire_hf.memory.checkpointing as checkpointing
+
+        checkpointing.free_device_bytes = lambda device: 1
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("RAPIDFIRE_SYNC_DEBUG", "1")
     trainer = build_trainer(args.out, args)
@@ -139,6 +148,7 @@ def main():
             "optimizer_stats": inner.stats() if hasattr(inner, "stats") else {},
             "engine": support.to_dict(),
             "world_size": trainer.accelerator.num_processes,
+            "plan": trainer.plan.to_dict() if trainer.plan is not None else None,
         },
         args.out / f"ppo_rank{rank}.pt",
     )
