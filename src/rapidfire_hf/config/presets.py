@@ -3,15 +3,20 @@
 ============  ===================================  ==============================  ===================================
 preset        gradient                             memory                          precision
 ============  ===================================  ==============================  ===================================
-conservative  pipeline off (depth 1, overlap 0),   conservative level, compact at  static bf16, no fallback rules:
-              verify every step                    60% fragmentation, prefetch 1   behaves like stock TRL in bf16
-balanced      pipeline on, depth 4, overlap 0.5,   balanced level, compact at 30%  adaptive from bf16, NaN/Inf
-              verify every step                    fragmentation, prefetch 2       gradients -> fp32
-aggressive    pipeline on, depth 16, overlap 0.9,  aggressive level, compact at    adaptive from bf16, NaN/Inf -> fp32,
-              verify every 4 steps                 15% fragmentation, prefetch 4   LM head -> fp32 on a gradient spike
+conservative  pipeline off (depth 1, overlap 0),   plan within 80% of the device,  static bf16, no fallback rules:
+              verify every step                    no recompute, compact at 60%    behaves like stock TRL in bf16
+                                                   fragmentation, prefetch 1
+balanced      pipeline on, depth 4, overlap 0.5,   plan within 85%, recompute      adaptive from bf16, NaN/Inf
+              verify every step                    only to fit, compact at 30%,    gradients -> fp32
+                                                   prefetch 2
+aggressive    pipeline on, depth 16, overlap 0.9,  plan within 92%, recompute and  adaptive from bf16, NaN/Inf -> fp32,
+              verify every 4 steps                 8-bit AdamW state only to fit,  LM head -> fp32 on a gradient spike
+                                                   compact at 15%, prefetch 4
 ============  ===================================  ==============================  ===================================
 
-Use ``conservative`` to debug or to compare against stock TRL, ``balanced`` for most runs, and
+Every preset runs the throughput planner (``rapidfire_hf.memory.planner``): none recomputes activations
+that fit, and the memory left over becomes bigger training micro-batches and chunks. Use
+``conservative`` to debug or to compare against stock TRL, ``balanced`` for most runs, and
 ``aggressive`` for the largest batches a GPU holds, once a run is known to be healthy.
 """
 
@@ -27,7 +32,8 @@ from rapidfire_hf.config.schema import RapidFireConfig
 PRESET_DESCRIPTIONS: dict[str, str] = {
     "conservative": "no gradient pipeline, static bf16, lazy compaction: closest to stock TRL, for debugging",
     "balanced": "gradient pipeline depth 4, adaptive bf16 with a NaN/Inf fallback: the default",
-    "aggressive": "deep pipeline with sparse verification, eager compaction, most memory saved",
+    "aggressive": "deep pipeline with sparse verification, eager compaction, may plan 92% of the device "
+    "and keep AdamW state in 8 bits when nothing else fits",
 }
 
 # only the values that differ from the defaults (= balanced)
