@@ -14,8 +14,8 @@ Systems (each trainer, each system in its own process, so that peak memory is th
   changes: the "stock + the same TRL options" row.
 - ``stock_sac`` (SFT only): TRL 1.16's own selective checkpointing,
   ``gradient_checkpointing_kwargs={"selective": True}`` (saves attention outputs, recomputes the rest).
-- ``rapidfire``: ``enable_rapidfire(trainer, "balanced", optimizer_kwargs={"rollback": "off"})`` plus
-  ``rapidfire_hf.memory.apply_selective_checkpointing(model, "balanced")`` (saves matmul and attention
+- ``rapidfire``: ``enable_rapidfire(trainer, {"preset": "balanced", "memory": {"checkpointing":
+  "elementwise"}}, optimizer_kwargs={"rollback": "off"})`` (selective checkpointing forced: saves matmul and attention
   outputs, recomputes element-wise ops), with TRL's ``gradient_checkpointing=False`` so that the Trainer
   does not put full checkpointing over it.
 - ``rapidfire_aggressive`` (opt-in with ``--systems``): the ``aggressive`` preset, full checkpointing.
@@ -101,6 +101,8 @@ SYSTEMS = {
     ),
 }
 DEFAULT_SYSTEMS = ("stock", "rapidfire", "stock_no_ckpt", "stock_sac")
+# memory.checkpointing each preset's row forces (what the preset's level meant before levels became targets)
+FORCED_POLICY = {"balanced": "elementwise", "aggressive": "matmuls"}
 
 
 # ---- model, tokenizer, data ------------------------------------------------------------------------
@@ -194,11 +196,6 @@ def build_trainer(spec: dict, batch: int, steps: int):
     model = build_model(shape, device)
     # every system must start from the same weights for the loss comparison to mean anything
     notes["weights_checksum"] = float(sum(p.double().sum() for p in model.parameters()))
-    if system.preset is not None:
-        from rapidfire_hf.config import load_config
-        from rapidfire_hf.memory import apply_selective_checkpointing
-
-        apply_selective_checkpointing(model, load_config(system.preset).memory.optimization)
     common = dict(
         output_dir=tempfile.mkdtemp(prefix=f"trl-{spec['trainer']}-{spec['system']}-"),
         max_steps=steps,
@@ -243,7 +240,10 @@ def build_trainer(spec: dict, batch: int, steps: int):
     if system.preset is not None:
         from rapidfire_hf import enable_rapidfire
 
-        trainer = enable_rapidfire(trainer, system.preset, optimizer_kwargs=spec["optimizer_kwargs"])
+        # the stored rows ran with the preset's recompute policy applied by hand; since levels became
+        # targets (no recompute that fits), the row forces that policy to stay the same measurement
+        config = {"preset": system.preset, "memory": {"checkpointing": FORCED_POLICY[system.preset]}}
+        trainer = enable_rapidfire(trainer, config, optimizer_kwargs=spec["optimizer_kwargs"])
     return trainer, tokens * batch, notes
 
 
