@@ -403,7 +403,8 @@ def run_mode(mode: str, cfg: dict, device: torch.device) -> dict:
             use_cpu=device.type == "cpu",
             rollout_backend=cfg["rollout_backend"],
             rollout_decode_mode=cfg["rollout_decode_mode"],
-            rapidfire_config={"precision": {"mode": "adaptive", "initial": "bf16"}}
+            # the planner off: the probe reads the user's micro-batches, and the modes must split alike
+            rapidfire_config={"precision": {"mode": "adaptive", "initial": "bf16"}, "memory": {"planner": False}}
             if mode == "adaptive"
             else None,
             report_to=[],

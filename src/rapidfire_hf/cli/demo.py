@@ -117,6 +117,7 @@ def run_demo(args) -> int:
         live.console.print(
             f"gradient pipeline: {summary['pipelined_steps']} optimizer steps pipelined, clip-prediction "
             f"miss rate {summary['clip_miss_rate']:.1%}, {summary['skipped_steps']} steps skipped"
+            + _deferred_note(summary["deferred_steps"])
         )
     plot_curves(
         history,
@@ -149,16 +150,32 @@ def _write_outputs(out_dir: Path, history: list[dict], wall: float, trainer) -> 
     return summary
 
 
+def _deferred_note(deferred: dict | None) -> str:
+    """Why steps were not pipelined, in words (``clip_may_bind``: gradient.clip_prediction 'exact')."""
+    if not deferred:
+        return ""
+    words = {"clip_may_bind": "clipping could bind (stepped exactly after backward)",
+             "recent_clip_miss": "backing off after a clip-prediction miss"}  # fmt: skip
+    parts = [f"{n} because {words.get(reason, reason)}" for reason, n in sorted(deferred.items())]
+    return "; not pipelined: " + ", ".join(parts)
+
+
 def _optimizer_summary(trainer) -> dict:
     """Pipelined steps, clip-prediction miss rate and skipped steps of a RapidFireOptimizer (None without)."""
     opt = getattr(trainer, "_rf_opt", None)
     if opt is None:
-        return {"pipelined_steps": None, "clip_miss_rate": None, "skipped_steps": None}
+        return {
+            "pipelined_steps": None,
+            "clip_miss_rate": None,
+            "skipped_steps": None,
+            "deferred_steps": None,
+        }
     stats = opt.stats()
     return {
         "pipelined_steps": stats["pipelined_steps"],
         "clip_miss_rate": stats["clip_misses"] / max(1, stats["clip_checks"]),
         "skipped_steps": stats["skipped"] - stats["clip_misses"],
+        "deferred_steps": dict(stats["deferred_steps"]),  # reason -> optimizer steps stepped after backward
     }
 
 
