@@ -57,6 +57,7 @@ ENTRIES=(
   "memory_defaults_pressure|memory/results/h200/defaults_pressure|native allocator with the pressure rule"
   "presets_b64|presets/results/h200/b64|1.1B batch 64: stock, no config, every preset, advanced.yaml, the snippet, with/without the planner"
   "presets_b256|presets/results/h200/b256|1.1B batch 256 fused + Liger + compile: stock, no config, balanced (exact clip) and balanced with clip_prediction scale (not run yet)"
+  "presets_clip64|presets/results/h200/clip64|1.1B batch 64: no config, balanced (clip_prediction exact), balanced with scale, stock (the last two not run yet)"
   "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model: stock b4, ours aggressive b160 from the batch alone, today's hand-tuned b160 (not run yet)"
   "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (not run yet)"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
@@ -188,6 +189,7 @@ entry() {  # the commands of one entry, writing into $1
     memory_defaults_pressure) $PY benchmarks/memory/run.py --out "$o" --groups allocator/native --batch-variants none ;;
     presets_b64) bash benchmarks/presets/h200.sh "$o" b64 && mv "$o"/b64/* "$o"/ && rmdir "$o/b64" ;;
     presets_b256) bash benchmarks/presets/h200.sh "$o" b256 && mv "$o"/b256/* "$o"/ && rmdir "$o/b256" ;;
+    presets_clip64) bash benchmarks/presets/h200.sh "$o" clip64 && mv "$o"/clip64/* "$o"/ && rmdir "$o/clip64" ;;
     presets_full7b) bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
     presets_lora7b) bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
