@@ -137,12 +137,12 @@ def test_bad_clip_prediction_arguments(kwargs, match):
 @pytest.mark.parametrize(
     "kwargs, mode",
     [
-        ({"max_grad_norm": MAX_NORM}, "scale"),  # rollback="auto" by default: a miss can be undone
+        ({"max_grad_norm": MAX_NORM}, "exact"),  # a plain loop cannot replay a miss: never predicted by default
         ({"max_grad_norm": MAX_NORM, "rollback": "off"}, "exact"),
         ({}, "exact"),
     ],
 )
-def test_predicted_clipping_is_the_default_with_rollback(kwargs, mode):
+def test_exact_clipping_is_the_default(kwargs, mode):
     model = make_model()
     opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=True, **kwargs)
     assert opt.clip_prediction == mode
@@ -156,3 +156,26 @@ def test_predicted_clipping_is_the_default_with_rollback(kwargs, mode):
     if mode == "scale":  # binding windows are pipelined too, every one checked
         assert stats["pipelined_steps"] >= STEPS - 1 - stats["clip_misses"] > 0
         assert stats["clip_checks"] == stats["pipelined_steps"]
+
+
+def test_a_plain_loop_is_told_once_that_a_missed_window_was_skipped():
+    grow = lambda step: 3.0**step  # noqa: E731 (every prediction misses)
+    with pytest.warns(UserWarning, match="Nothing replays it in a plain loop") as record:
+        _scaled_run(tolerance=0.01, scale_of_step=grow)
+    assert sum("plain loop" in str(w.message) for w in record) == 1
+
+
+def test_a_replaying_trainer_gets_no_warning():
+    import warnings
+
+    model = make_model()
+    opt = RapidFireOptimizer(model.parameters(), lr=1e-2, gradient_pipeline=True, max_grad_norm=MAX_NORM,
+                             rollback="auto", clip_prediction="scale", clip_tolerance=0.01, clip_backoff=0)  # fmt: skip
+    opt.replays_missed_windows = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(STEPS):
+            (loss_of(model, step) * 3.0**step).backward()
+            opt.step()
+            opt.zero_grad()
+    assert opt.stats()["clip_misses"] >= 1

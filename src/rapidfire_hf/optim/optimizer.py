@@ -104,12 +104,15 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
         clip_headroom: the pipeline steps in the hooks with coefficient 1 only when
             ``headroom * max(recent norms)`` stays below ``max_grad_norm``.
         clip_prediction: what the pipeline does in windows where clipping may bind. None (the default):
-            ``"scale"`` when ``max_grad_norm`` is set and ``rollback="auto"``, else ``"exact"``. ``"exact"`` defers
+            ``"exact"``: in a plain loop nothing replays a window whose prediction missed, so predicting
+            would drop a healthy batch (and under PPOTrainer a miss costs the whole window again, while
+            the overlap gains at most one optimizer step). ``"exact"`` defers
             them to ``step()`` (the update is exactly ``clip_grad_norm_``'s). ``"scale"`` steps them in
             the hooks too, with the coefficient predicted from the last window's true norm
             (``max_grad_norm / last_norm``), and checks after backward that it lies within
             ``clip_tolerance`` (relative) of the true coefficient; a miss is rolled back and the window
-            skipped (PPOTrainer replays it). The accepted update then differs from exact clipping by at
+            skipped (PPOTrainer replays it; a plain loop must replay ``last_rollback.replay`` itself, and a
+            ``UserWarning`` says so at the first miss). The accepted update then differs from exact clipping by at
             most that tolerance in scale, which Adam-type optimizers largely absorb (their step is
             nearly invariant to the gradient's scale). Needs ``max_grad_norm`` and ``rollback="auto"``.
         clip_tolerance: largest accepted ``|predicted - true| / true`` clip coefficient (``"scale"``).
@@ -244,6 +247,10 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
         # step()), twice as many after each further miss (at most CLIP_BACKOFF_MAX), so a run whose clipping
         # binds unpredictably does not pay a rollback and a replay for a quarter of its windows
         self._clip_backoff = 0  # windows still to defer
+        # set by a trainer that replays the windows a missed clip prediction skipped (PPOTrainer); a plain
+        # loop gets one warning at the first miss instead
+        self.replays_missed_windows = False
+        self._warned_unreplayed = False
         self._clip_backoff_len = 0  # windows deferred after the last miss
         self._seconds: Counter = Counter()
         self._last_coef = (None, None)  # (predicted, true) clip coefficient of the last clipped window

@@ -58,7 +58,7 @@ def check_options(
     """Check ``RapidFireOptimizer(...)``'s arguments (see its docstring for each), in a fixed order.
 
     Returns:
-        The normalised values: ``clip_prediction`` (None resolved to ``"scale"`` when ``max_grad_norm``
+        The normalised values: ``clip_prediction`` (None resolved to ``"exact"``; formerly ``"scale"`` when ``max_grad_norm``
         is set and ``rollback="auto"``, else ``"exact"``), ``pipeline_bucket_mb``, ``pipeline_overlap``
         and ``pipeline_share`` as floats, and ``pipeline_depth``.
 
@@ -107,8 +107,8 @@ def check_options(
             raise ValueError(f"{name}={value!r}: must be a finite number > 0")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps!r}: must be an int >= 0")
-    if clip_prediction is None:  # predicted clipping wherever a miss can be undone
-        clip_prediction = "scale" if max_grad_norm is not None and rollback == "auto" else "exact"
+    if clip_prediction is None:  # a miss costs a whole window: "scale" only when asked for by name
+        clip_prediction = "exact"
     if clip_prediction not in CLIP_PREDICTION:
         raise ValueError(f"clip_prediction={clip_prediction!r}: choose one of {CLIP_PREDICTION}")
     if not 0.0 < clip_tolerance < 1.0:

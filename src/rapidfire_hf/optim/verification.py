@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -67,6 +68,14 @@ class VerificationMixin:
         self._report.failed[step] = failed
         if failed == ["clip_prediction"]:
             self._report.replay.append(step)
+            if not self.replays_missed_windows and not self._warned_unreplayed:
+                self._warned_unreplayed = True
+                warnings.warn(
+                    f"RapidFireOptimizer: step {step}'s predicted clip coefficient missed; the step was rolled "
+                    "back and skipped. Nothing replays it in a plain loop: run the batch again (opt.last_rollback"
+                    ".replay lists the skipped steps) or use clip_prediction='exact' (the default).",
+                    stacklevel=4,
+                )
         self._health.update_stats(metrics, failed)  # clipped, or nothing for non-finite values
         if failed != ["clip_prediction"]:  # a missed prediction is replayed, not lost
             self._streak.skipped(step, failed, details)

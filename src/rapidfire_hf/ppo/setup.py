@@ -385,6 +385,8 @@ class SetupMixin:
             )
         self._optimizer_clips = getattr(optimizer, "max_grad_norm", None) is not None
         self._rf_opt = optimizer if hasattr(optimizer, "observe_loss") else None
+        if self._rf_opt is not None:  # ppo/optimization.py replays what a missed clip prediction skipped
+            self._rf_opt.replays_missed_windows = True
         self._step_guard = self._make_step_guard()
         if (
             self._rf_opt is not None
