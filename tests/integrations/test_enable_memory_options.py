@@ -116,3 +116,9 @@ def test_prefetch_same_batches_and_runs_ahead(build):
     # taken from the DataLoader when step k starts: accelerate's own one-batch look-ahead, plus the window
     taken0 = [taken for _, taken in runs[0]]
     assert [taken for _, taken in runs[2]] == [t + 2 for t in taken0], (taken0, runs[2])
+
+
+@pytest.mark.parametrize("rollout", ["maybe", 1.5, None, "HF"])
+def test_an_unknown_rollout_choice_is_refused_naming_the_choices(build, rollout):
+    with pytest.raises(ValueError, match=r"enable_rapidfire\(rollout=.*expected one of True, False, 'auto'"):
+        enable_rapidfire(build("sft", gradient_checkpointing=False), rollout=rollout)

@@ -102,6 +102,9 @@ def enable_rapidfire(
     from rapidfire_hf.ppo import PPOTrainer
     from rapidfire_hf.utils.logs import set_log_level
 
+    if rollout not in ROLLOUT_CHOICES:  # checked first: a typo must not become "on" because it is truthy
+        allowed = ", ".join(repr(c) for c in ROLLOUT_CHOICES)
+        raise ValueError(f"enable_rapidfire(rollout={rollout!r}): expected one of {allowed}")
     if isinstance(trainer, PPOTrainer):
         from rapidfire_hf.integrations.ppo_trainer import enable_on_ppo_trainer
 
@@ -140,6 +143,10 @@ def enable_rapidfire(
         "".join(f"; skipped {s}" for s in state.skipped),
     )
     return trainer
+
+
+# what `rollout=` accepts: on/off, or a RolloutEngine backend by name
+ROLLOUT_CHOICES = (True, False, "auto", "static", "hf")
 
 
 def _check_lowmem(trainer, mode: str, rollout, optimizer_kwargs, options, cfg) -> dict[str, Any]:
