@@ -7,6 +7,7 @@ from rapidfire_hf.models.value_head import (
     AutoModelForSeq2SeqLMWithValueHead,
     PreTrainedModelWrapper,
     ValueHead,
+    ValueHeadLoadError,
 )
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "AutoModelForSeq2SeqLMWithValueHead",
     "PreTrainedModelWrapper",
     "ValueHead",
+    "ValueHeadLoadError",
     "causal_lm_parts",
     "decoder_layers",
     "final_norm",

@@ -60,36 +60,176 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
-def _read_v_head(path: str) -> dict[str, torch.Tensor]:
-    """The ``v_head.*`` tensors of a saved checkpoint folder (safetensors, sharded or not, or a .bin file
-    loaded with ``weights_only=True``); an empty dict when the folder holds none."""
-    from safetensors import safe_open
+class ValueHeadLoadError(ValueError):
+    """Saved ``v_head.*`` tensors that ``from_pretrained`` refuses to load; the message names the folder or
+    file, the tensor, what was expected and the fix. Raised before the value head is changed."""
 
-    index = os.path.join(path, "model.safetensors.index.json")
-    files: list[str] = []
-    if os.path.isfile(index):
+
+_SAFETENSORS = "model.safetensors"
+_BINARY = "pytorch_model.bin"
+_HEAD_KEYS = (V_HEAD_PREFIX + "summary.weight", V_HEAD_PREFIX + "summary.bias")  # ValueHead's state dict
+
+
+def _index_files(path: str, index: str) -> dict[str, str]:
+    """``{v_head key: shard path}`` of the sharded index ``index`` in ``path``; refuses shards outside ``path``
+    (absolute paths, ``..``) and shards that are not there."""
+    try:
         with open(index) as f:
             weight_map = json.load(f).get("weight_map", {})
-        files = sorted({os.path.join(path, v) for k, v in weight_map.items() if k.startswith(V_HEAD_PREFIX)})
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = [os.path.join(path, "model.safetensors")]
-    found: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(V_HEAD_PREFIX):
-                    found[key] = f.get_tensor(key)
-    binary = os.path.join(path, "pytorch_model.bin")
-    if not found and os.path.isfile(binary):
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"weight_map is a {type(weight_map).__name__}, not a mapping")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueHeadLoadError(
+            f"{index} cannot be read as a sharded-checkpoint index ({type(err).__name__}: {err}): re-save the model"
+        ) from err
+    files: dict[str, str] = {}
+    for key, name in weight_map.items():
+        if not key.startswith(V_HEAD_PREFIX):
+            continue
+        relative = os.path.normpath(name) if isinstance(name, str) else ""
+        if (
+            not relative
+            or os.path.isabs(name)
+            or relative == os.pardir
+            or relative.startswith(os.pardir + os.sep)
+        ):
+            raise ValueHeadLoadError(
+                f"{index} maps {key} to {name!r}, which is not a file inside {path}: a checkpoint index may only "
+                "name shards in its own folder; fix the index's weight_map or re-save the model"
+            )
+        file = os.path.join(path, relative)
+        if not os.path.isfile(file):
+            raise ValueHeadLoadError(
+                f"{index} maps {key} to {name!r}, but {file} does not exist: copy the missing shard in or "
+                "re-save the model"
+            )
+        files[key] = file
+    return files
+
+
+def _load_binary(file: str) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        raise ValueHeadLoadError(
+            f"{file} cannot be read as a tensor file ({type(err).__name__}: {err}); it may be damaged "
+            "or not a state dict: re-save the model"
+        ) from err
+    if not isinstance(state, dict):
+        raise ValueHeadLoadError(
+            f"{file} holds a {type(state).__name__}, not a state dict of named tensors: re-save the model"
+        )
+    return state
+
+
+def _read_file(file: str, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The ``v_head.*`` tensors of one safetensors or .bin file (only ``keys``, each required, when given)."""
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+
         try:
-            state = torch.load(binary, map_location="cpu", weights_only=True)
+            with safe_open(file, framework="pt") as f:
+                names = list(f.keys())
+                wanted = keys if keys is not None else [k for k in names if k.startswith(V_HEAD_PREFIX)]
+                missing = [k for k in wanted if k not in names]
+                state = {k: f.get_tensor(k) for k in wanted if k in names}
         except Exception as err:  # noqa: BLE001 - re-raised with the file named
-            raise ValueError(
-                f"{binary} cannot be read as a tensor file ({type(err).__name__}: {err}); it may be damaged "
-                "or not a state dict: re-save the model"
+            raise ValueHeadLoadError(
+                f"{file} cannot be read as a safetensors file ({type(err).__name__}: {err}); it may be "
+                "damaged: re-save the model"
             ) from err
-        found = {k: v for k, v in state.items() if k.startswith(V_HEAD_PREFIX)}
+    else:
+        whole = _load_binary(file)
+        wanted = keys if keys is not None else [k for k in whole if str(k).startswith(V_HEAD_PREFIX)]
+        missing = [k for k in wanted if k not in whole]
+        state = {k: whole[k] for k in wanted if k in whole}
+    if missing:
+        raise ValueHeadLoadError(
+            f"the checkpoint index maps {', '.join(missing)} to {file}, which does not hold it: re-save the model"
+        )
+    return state
+
+
+def _read_v_head(path: str) -> dict[str, tuple[torch.Tensor, str]]:
+    """The ``v_head.*`` tensors of a saved checkpoint folder, each with the file it came from: from the first
+    of ``model.safetensors.index.json``, ``model.safetensors``, ``pytorch_model.bin.index.json`` and
+    ``pytorch_model.bin`` (loaded with ``weights_only=True``) that holds any; an empty dict when none does.
+    Refuses index entries outside the folder and tensors that are not finite floating-point numbers."""
+    found: dict[str, tuple[torch.Tensor, str]] = {}
+    for name in (_SAFETENSORS + ".index.json", _SAFETENSORS, _BINARY + ".index.json", _BINARY):
+        source = os.path.join(path, name)
+        if not os.path.isfile(source):
+            continue
+        if name.endswith(".index.json"):
+            by_file: dict[str, list[str]] = {}
+            for key, file in _index_files(path, source).items():
+                by_file.setdefault(file, []).append(key)
+            for file, keys in sorted(by_file.items()):
+                found.update({k: (v, file) for k, v in _read_file(file, keys).items()})
+        else:
+            found = {k: (v, source) for k, v in _read_file(source).items()}
+        if found:
+            break
+    for key, (tensor, file) in found.items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueHeadLoadError(
+                f"{file}: {key} is {kind}, not a floating-point tensor: re-save the model's value head"
+            )
+        bad = ~torch.isfinite(tensor)
+        if bad.any():
+            nan = int(torch.isnan(tensor).sum())
+            raise ValueHeadLoadError(
+                f"{file}: {key} holds {nan} NaN and {int(bad.sum()) - nan} infinite value(s) of {tensor.numel()}; "
+                "the value head diverged or the file is damaged: load an earlier checkpoint, or load the "
+                "policy alone (AutoModelForCausalLM.from_pretrained) and pass it to from_pretrained for a new head"
+            )
     return found
+
+
+def _files_of(found: dict[str, tuple[torch.Tensor, str]]) -> str:
+    return ", ".join(sorted({file for _, file in found.values()}))
+
+
+def _check_head_keys(path: str, found: dict[str, tuple[torch.Tensor, str]]) -> None:
+    """Refuse a PEFT folder without a saved head, a partial head and unexpected ``v_head.*`` tensors."""
+    if not found and os.path.isfile(os.path.join(path, "adapter_config.json")):
+        where = ", ".join(n for n in (_BINARY, _SAFETENSORS) if os.path.isfile(os.path.join(path, n)))
+        raise ValueHeadLoadError(
+            f"{path} is a PEFT adapter folder without a value head: expected {' and '.join(_HEAD_KEYS)} in "
+            f"{os.path.join(path, _BINARY)} (what save_pretrained writes beside a PEFT adapter; "
+            f"{_SAFETENSORS} or a sharded index also work), "
+            + (f"but {where} holds no v_head.* tensor" if where else "but no such file is there")
+            + ". Fix: copy the head file saved with this adapter into the folder; or, to start a new random "
+            "value head (an adapter trained without one, e.g. by SFT), load the adapter with "
+            "peft.PeftModel.from_pretrained(base_model, folder) and pass that model to from_pretrained"
+        )
+    if not found:
+        return
+    unexpected = sorted(set(found) - set(_HEAD_KEYS))
+    if unexpected:
+        raise ValueHeadLoadError(
+            f"{_files_of({k: found[k] for k in unexpected})}: unexpected value-head tensor(s) "
+            f"{', '.join(unexpected)}; a value head has exactly {', '.join(_HEAD_KEYS)}: the checkpoint was "
+            "saved by another value-head class or edited; remove those tensors or re-save the model"
+        )
+    missing = [k for k in _HEAD_KEYS if k not in found]
+    if missing:
+        raise ValueHeadLoadError(
+            f"{_files_of(found)}: partial value head: {', '.join(sorted(found))} present but "
+            f"{', '.join(missing)} missing; a value head needs {', '.join(_HEAD_KEYS)}: re-save the model"
+        )
+
+
+def _check_head_shapes(head: nn.Module, found: dict[str, tuple[torch.Tensor, str]]) -> None:
+    for key, target in head.state_dict().items():
+        tensor, file = found[V_HEAD_PREFIX + key]
+        if tensor.shape != target.shape:
+            raise ValueHeadLoadError(
+                f"{file}: {V_HEAD_PREFIX + key} has shape {tuple(tensor.shape)}, but this model's value head "
+                f"expects {tuple(target.shape)} (hidden size {head.summary.in_features}): the head was saved "
+                "with another model; load it with the base model it was trained on, or re-save the model"
+            )
 
 
 class PreTrainedModelWrapper(nn.Module):
@@ -141,6 +281,13 @@ class PreTrainedModelWrapper(nn.Module):
             is_trainable: keep a loaded PEFT adapter trainable.
             summary_dropout_prob, v_head_initializer_range, v_head_init_strategy: value-head settings.
             **kwargs: the rest goes to the transformers ``from_pretrained`` (``dtype``, ``device_map``, ...).
+
+        Raises:
+            ValueHeadLoadError: a local folder's saved value head cannot be loaded as it is: a PEFT adapter
+                folder without its head file (``pytorch_model.bin``), NaN/inf or non-float head tensors, a
+                sharded index naming a ``v_head.*`` shard outside the folder (or one that is missing), a
+                partial head, unexpected ``v_head.*`` tensors, or a shape that does not match the model. A
+                full checkpoint without any ``v_head.*`` tensor is a plain model: it gets a new head.
         """
         head_kwargs = {k: kwargs.pop(k) for k in _HEAD_KWARGS if k in kwargs}
         peft_config = kwargs.pop("peft_config", None)
@@ -148,8 +295,10 @@ class PreTrainedModelWrapper(nn.Module):
         source = pretrained_model_name_or_path
         if isinstance(source, (str, os.PathLike)):
             path = os.fspath(source)
-            model = cls._load_backbone(path, model_args, kwargs, is_trainable, peft_config)
             saved_head = _read_v_head(path) if os.path.isdir(path) else {}
+            if os.path.isdir(path):
+                _check_head_keys(path, saved_head)  # before the (maybe large) backbone loads
+            model = cls._load_backbone(path, model_args, kwargs, is_trainable, peft_config)
         elif isinstance(source, nn.Module) and (isinstance(source, PreTrainedModel) or _is_peft(source)):
             model, saved_head = source, {}
             if peft_config is not None:
@@ -161,7 +310,8 @@ class PreTrainedModelWrapper(nn.Module):
             )
         wrapper = cls(model, **head_kwargs)
         if saved_head:
-            wrapper.v_head.load_state_dict({k[len(V_HEAD_PREFIX) :]: v for k, v in saved_head.items()})
+            _check_head_shapes(wrapper.v_head, saved_head)
+            wrapper.v_head.load_state_dict({k[len(V_HEAD_PREFIX) :]: v for k, (v, _) in saved_head.items()})
         return wrapper
 
     @classmethod
