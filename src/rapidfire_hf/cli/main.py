@@ -4,6 +4,11 @@ Each subcommand lives in its own module of this package and exposes ``add_parser
 registers its arguments and sets ``func`` (a callable taking the parsed namespace and returning an exit
 status). Modules keep heavy imports (torch, transformers) inside ``func`` so that ``rapidfire --help``
 stays fast.
+
+A user's mistake never ends in a traceback: :func:`main` turns the errors a subcommand raises for bad input
+(``ConfigError``, ``ValueError``, ``FileNotFoundError``, ``ImportError``, and ``SystemExit`` with a message)
+into one line on stderr, ``rapidfire COMMAND: error: ...``, and exit status 2. ``rapidfire --debug COMMAND``
+re-raises instead, to show the traceback. Any other exception is a bug of ours and propagates.
 """
 
 from __future__ import annotations
@@ -11,10 +16,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 # subcommand modules, in the order `rapidfire --help` lists them
 SUBCOMMANDS = ("demo", "plan", "sweep", "monitor", "bench", "env", "config_cmd")
+EXIT_USAGE = 2  # a mistake in the command line or in a file it names (argparse's status for the same)
+# what a subcommand raises for bad input (ConfigError is a ValueError); anything else is a bug and propagates
+USER_ERRORS = (ValueError, FileNotFoundError, ImportError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     from rapidfire_hf import __version__
 
     parser.add_argument("--version", action="version", version=f"rapidfire_hf {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the Python traceback of an error instead of a one-line message (for bug reports)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         if importlib.util.find_spec(f"rapidfire_hf.cli.{name}") is None:  # part not installed in this build
@@ -49,10 +63,52 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 1
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # here, not at exit: a reader that left is then seen below
+        return status
     except BrokenPipeError:  # `rapidfire ... | head`: the reader left; not an error of ours
-        sys.stderr.close()
-        return 0
+        return _reader_left()
+    except SystemExit as err:
+        if args.debug or err.code is None or isinstance(err.code, int):
+            raise  # argparse's own exit (status 2, message printed), or an explicit status
+        return _user_error(args.command, err.code)
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
+        return _user_error(args.command, _describe(err))
+
+
+def _describe(err: BaseException) -> str:
+    """The message of a user error, with what to do where the exception alone does not say it."""
+    from rapidfire_hf.config import ConfigError
+
+    text = str(err).strip()
+    if isinstance(err, ConfigError):
+        return text  # names the key, the value and what is allowed
+    if isinstance(err, ModuleNotFoundError):
+        return f"{text or 'a module is missing'}: install it (pip install ...) or fix the module name"
+    if isinstance(err, FileNotFoundError):
+        return f"{text or 'no such file'}: check the path"
+    text = " ".join(text.split()) or type(err).__name__
+    return f"{text} (rapidfire --debug ... shows where it was raised)"
+
+
+def _user_error(command: str, message) -> int:
+    print(f"rapidfire {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _reader_left() -> int:
+    """stdout's reader is gone (a closed pipe): exit 0 without Python's "Exception ignored" note, which
+    would come from flushing the dead pipe at exit (hence /dev/null in its place)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout closed or not a file: nothing left to flush
+        pass
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
