@@ -317,8 +317,10 @@ def test_adaptive_precision_runs_the_sensitivity_pass(tmp_path, tokenizer):
     """precision.mode adaptive: the first scored rollouts feed the plugin's sensitivity pass (fp32 weights),
     every layer gets a finite error, and the pass writes no gradients (the optimizer steps as without it)."""
     cfg = {"precision": {"mode": "adaptive"}, "gradient": {"pipeline": True}}
-    trainer = _trainer(tmp_path, tokenizer, rapidfire_config=cfg, max_steps=2)
+    # the plugin's base precision is the trainer's autocast (bf16 here; an fp32 base has nothing to measure)
+    trainer = _trainer(tmp_path, tokenizer, rapidfire_config=cfg, max_steps=2, bf16=True, use_cpu=True)
     plugin = trainer.precision_plugin
+    assert plugin.initial.value == "bf16"
     assert plugin is not None and not plugin.calibration_done
     before = [p.detach().clone() for p in trainer.model.parameters()]
     exp = trainer.score(trainer.rollout(trainer.next_prompts(0)))

@@ -50,7 +50,8 @@ def load_config(src: Any = None, *, env: bool = True) -> RapidFireConfig:
 
     Args:
         src: None (the ``balanced`` defaults); a preset name (``"conservative"``, ``"balanced"``,
-            ``"aggressive"``); a path (str or Path) to a YAML file; a mapping in the full nested form, the
+            ``"aggressive"``); a path (str or Path) to a YAML file; the name of a file shipped with the
+            package (``"advanced"`` or ``"config/advanced.yaml"``: see :func:`bundled_config`); a mapping in the full nested form, the
             short form (``{"gradient_pipeline": True, "memory_optimization": "aggressive",
             "precision": "adaptive"}``) or a mix, optionally with a ``preset`` key as the base; or a
             ``RapidFireConfig`` (returned as a validated copy).
@@ -91,6 +92,9 @@ def _read_source(src: Any) -> tuple[Mapping[str, Any], str | None]:
         return src, None
     if isinstance(src, str) and src in PRESETS:
         return {"preset": src}, None
+    bundled = bundled_config(src) if isinstance(src, (str, os.PathLike)) else None
+    if bundled is not None:
+        return read_yaml(bundled), str(src)
     if isinstance(src, os.PathLike) or (isinstance(src, str) and _looks_like_path(src)):
         return read_yaml(src), str(src)
     if isinstance(src, str):
@@ -98,7 +102,10 @@ def _read_source(src: Any) -> tuple[Mapping[str, Any], str | None]:
             preset_dict(src)  # raises "unknown preset", listing the presets and suggesting the closest
         except ConfigError as err:
             raise ConfigError(
-                err.problem, value=src, allowed=f"{err.allowed} or a path to a YAML file"
+                err.problem,
+                value=src,
+                allowed=f"{err.allowed}, a file shipped with the package ({', '.join(bundled_names())}) "
+                "or a path to a YAML file",
             ) from None
     raise invalid_value(
         "<config>",
@@ -106,6 +113,34 @@ def _read_source(src: Any) -> tuple[Mapping[str, Any], str | None]:
         "None, a preset name, a path to a YAML file, a mapping or a RapidFireConfig",
         "unsupported config source",
     )
+
+
+# The repository's config/*.yaml, shipped inside the package (package data) so that an installed
+# rapidfire_hf finds them from any working directory; tests/config/test_bundled_files.py keeps the two equal.
+BUNDLED_DIR = Path(__file__).resolve().parent / "files"
+
+
+def bundled_names() -> list[str]:
+    """Names of the config files shipped with the package (``advanced``, ``aggressive``, ...)."""
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.yaml"))
+
+
+def bundled_config(src: str | os.PathLike) -> Path | None:
+    """The shipped copy of ``config/<name>.yaml`` that ``src`` names, when ``src`` is not an existing file.
+
+    ``"advanced"``, ``"advanced.yaml"`` and ``"config/advanced.yaml"`` all name the shipped
+    ``advanced.yaml``, from any working directory; a file that exists at ``src`` is read instead (your
+    own edited copy wins). Anything else returns None.
+    """
+    text = os.fspath(src)
+    if os.path.exists(text):
+        return None
+    path = Path(text)
+    parent = path.parent.as_posix()
+    if parent not in (".", "config") or path.suffix not in ("", ".yaml", ".yml"):
+        return None
+    candidate = BUNDLED_DIR / f"{path.stem}.yaml"
+    return candidate if candidate.is_file() else None
 
 
 def _looks_like_path(text: str) -> bool:

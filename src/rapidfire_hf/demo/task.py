@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -162,3 +163,34 @@ class DemoTask:
         )
         dataset = make_prompt_dataset(self.num_prompts, seed=self.seed)
         return tok, policy, value, dataset
+
+
+class TinySetup(NamedTuple):
+    """What :func:`tiny_setup` returns; unpacks as ``tokenizer, policy, value_model, reward, dataset``."""
+
+    tokenizer: object
+    policy: torch.nn.Module
+    value_model: torch.nn.Module
+    reward: object
+    dataset: object
+
+
+def tiny_setup(num_prompts: int = 64, seed: int = 0) -> TinySetup:
+    """Stand-ins for your own models and data, to run the README and docs snippets on a CPU in seconds.
+
+    Nothing is downloaded: a character tokenizer built in code (:func:`build_char_tokenizer`), a random-init
+    2-layer Llama policy (:func:`build_tiny_llama`), a value model of the same shape
+    (:func:`build_tiny_value_model`), the rule-based reward :func:`vowel_reward` (a ``reward_funcs`` entry)
+    and ``num_prompts`` prompts in a ``prompt`` column (:func:`make_prompt_dataset`).
+
+    Example:
+        >>> tokenizer, policy, value_model, reward, prompts = tiny_setup(num_prompts=8)
+        >>> len(prompts), reward(["aeiou"])
+        (8, [0.625])
+    """
+    tokenizer = build_char_tokenizer()
+    policy = build_tiny_llama(tokenizer, seed=seed)
+    value_model = build_tiny_value_model(tokenizer, seed=seed + 1)
+    return TinySetup(
+        tokenizer, policy, value_model, vowel_reward, make_prompt_dataset(num_prompts, seed=seed)
+    )

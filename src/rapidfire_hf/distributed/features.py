@@ -120,6 +120,17 @@ class EngineSupport:
         lines = [f"  - {name}: {status.value} ({why})" for name, (status, why) in self.fallbacks().items()]
         return head + (": all features hold" if not lines else ":\n" + "\n".join(lines))
 
+    def table(self) -> str:
+        """Every feature with its status and why, one aligned line each (what ``print()`` shows)."""
+        width = max(map(len, self.features), default=0)
+        head = f"rapidfire_hf on {self.engine.value} ({self.world_size} process(es))"
+        rows = [
+            f"  {name:<{width}}  {status.value:<10}  {why}" for name, (status, why) in self.features.items()
+        ]
+        return "\n".join([head, *rows])
+
+    __str__ = table
+
     def to_dict(self) -> dict:
         return {
             "engine": self.engine.value,

@@ -164,6 +164,10 @@ def install_lowmem(trainer, mode: str, options: dict | None = None, rollout_patc
     6. The rollout engine (``rollout_patch``, a ``RolloutPatch``): prefill in ``prefill_rows`` chunks, the
        engine released after every rollout and cuBLAS workspaces cleared.
     """
+    if mode == "on_8bit_embedding" or _optim_name(trainer.args) in EIGHT_BIT_OPTIMS:
+        from rapidfire_hf.utils.imports import require
+
+        require("bitsandbytes", f"memory.lowmem={mode!r} with optim='adamw_8bit' (8-bit AdamW; needs a GPU)")
     opts = lowmem_options(options)
     applied = []
     embedding = None

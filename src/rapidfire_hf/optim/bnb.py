@@ -61,6 +61,9 @@ def use_8bit_embedding_state(trainer) -> dict:
         ValueError: when the trainer's ``optim`` is not an 8-bit bitsandbytes AdamW.
         ImportError: when bitsandbytes is not installed.
     """
+    from rapidfire_hf.utils.imports import require
+
+    require("bitsandbytes", "memory.lowmem='on_8bit_embedding' (8-bit AdamW state; needs a GPU)")
     from bitsandbytes.optim import AdamW8bit
 
     _, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)

@@ -152,9 +152,21 @@ class SetupMixin:
         cfg = self.rf_config
         if cfg is None or str(getattr(cfg.precision.mode, "value", cfg.precision.mode)) != "adaptive":
             return None
+        from rapidfire_hf.integrations.callbacks import trainer_precision
         from rapidfire_hf.precision import AdaptivePrecisionPlugin
 
-        plugin = AdaptivePrecisionPlugin.from_config(cfg)
+        # The trainer's forward runs under accelerator.autocast(), i.e. in the precision of PPOConfig's
+        # bf16/fp16: that is the base precision, and precision.initial cannot change it from here (as in
+        # enable_rapidfire). Starting the plugin elsewhere would only warn a user who can do nothing about it.
+        initial = trainer_precision(self)
+        if initial != cfg.precision.initial.value:
+            logger.info(
+                "rapidfire: precision.initial=%s but PPOConfig runs in %s (its bf16/fp16 arguments); using %s",
+                cfg.precision.initial.value,
+                initial,
+                initial,
+            )
+        plugin = AdaptivePrecisionPlugin.from_config(cfg, initial=initial)
         compact = (lambda: self.memory_callback.compact("precision_rule")) if self.memory_callback else None
         return plugin.attach(
             self.accelerator,
@@ -383,6 +395,19 @@ class SetupMixin:
                     "weight_decay": args.weight_decay,
                 },
             )
+            if (
+                getattr(optimizer, "pipeline_enabled", False)
+                and getattr(optimizer, "max_grad_norm", 0) is None
+                and args.max_grad_norm
+                and args.max_grad_norm > 0
+            ):
+                # clip_grad_norm_ after backward would come too late for pipelined buckets: the
+                # optimizer clips instead, with PPOConfig's max_grad_norm (0 there turns clipping off)
+                optimizer.max_grad_norm = args.max_grad_norm
+                optimizer.defaults_taken = {
+                    **getattr(optimizer, "defaults_taken", {}),
+                    "max_grad_norm": args.max_grad_norm,
+                }
         self._optimizer_clips = getattr(optimizer, "max_grad_norm", None) is not None
         self._rf_opt = optimizer if hasattr(optimizer, "observe_loss") else None
         if self._rf_opt is not None:  # ppo/optimization.py replays what a missed clip prediction skipped
@@ -397,7 +422,8 @@ class SetupMixin:
         ):
             logger.warning(
                 "max_grad_norm=%s is applied by clip_grad_norm_ after backward; with a gradient pipeline the "
-                "pipelined gradients are already applied then. Pass RapidFireOptimizer(max_grad_norm=...) instead.",
+                "pipelined gradients are already applied then. Pass RapidFireOptimizer(max_grad_norm=...) instead "
+                "(or build it without parameters: PPOTrainer then hands it PPOConfig's max_grad_norm).",
                 args.max_grad_norm,
             )
         check_optimizer_options(args, self._rf_opt is not None)
