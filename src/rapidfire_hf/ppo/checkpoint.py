@@ -2,9 +2,10 @@
 
 A checkpoint directory ``<output_dir>/checkpoint-<update>/`` holds:
 ``policy/`` (save_pretrained; the LoRA adapter alone under PEFT), ``value_model/`` or ``value_head.pt``,
-the tokenizer, ``optimizer.pt``, ``scheduler.pt``, ``rng_state_<rank>.pt``, ``trainer_state.json`` and,
-written last, ``checkpoint_complete.json`` (the size of every file). Resuming restores all of it, so a
-resumed CPU run continues bit-identically.
+the tokenizer, ``optimizer.pt``, ``scheduler.pt``, ``rng_state_<rank>.pt``, ``trainer_state.json``,
+``run_settings.json`` (the settings a resume is checked against) and, written last,
+``checkpoint_complete.json`` (the size of every file). Resuming restores all of it, so a resumed CPU run
+continues bit-identically.
 
 Safety and atomicity:
 
@@ -16,12 +17,20 @@ Safety and atomicity:
   checkpoint cannot run code. RNG states are stored as tensors and ints for that reason.
 - All files are read and checked before anything is restored; a missing, truncated or unreadable file
   raises :class:`CheckpointError` naming the file, before any training step.
+- Before anything is restored, the checkpoint is also compared with the run (:func:`check_run`): the
+  model's parameter names and shapes, and the settings the prompt order and an update depend on (rollout
+  batch, ``num_mini_batches``, ``seed``, number of prompts) must match, else
+  :class:`CheckpointMismatchError`; a changed learning rate is warned about (the checkpoint's is used).
+- A failed write (disk full, I/O error) raises :class:`CheckpointSaveError` naming the checkpoint and the
+  file; the unfinished ``tmp-`` folder is removed and the earlier checkpoints are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -34,6 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 MARKER = "checkpoint_complete.json"
+RUN_SETTINGS = "run_settings.json"
 _FORMAT = 1
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 _TMP_PREFIX = "tmp-"
@@ -43,6 +53,17 @@ _UNSAFE = re.compile(r"\bGLOBAL\b|unsupported global|unsupported class", re.IGNO
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from: incomplete, damaged, unsafe or from another setup."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A complete checkpoint that does not fit this run (model shapes, rollout batch, seed, dataset)."""
+
+
+class CheckpointSaveError(CheckpointError, OSError):
+    """Writing a checkpoint failed (disk full, I/O error); ``errno`` is the original one when there was one.
+
+    Also an ``OSError``, so code that handled the bare ``OSError`` of a full disk still catches it.
+    """
 
 
 def save_models(trainer, output_dir: str | os.PathLike) -> None:
@@ -67,33 +88,128 @@ def save(trainer) -> Path:
 
     Every rank writes its RNG state; the main process writes the rest, the marker and renames the folder.
     With ``save_total_limit`` set, older complete checkpoints beyond the limit are deleted afterwards.
+
+    Raises:
+        CheckpointSaveError: a write failed (disk full, I/O error); it names the checkpoint and the file.
+            The unfinished ``tmp-`` folder is removed; the earlier checkpoints are untouched (they are
+            only rotated out after the new one is complete and renamed).
     """
     acc, args = trainer.accelerator, trainer.args
     root = Path(args.output_dir)
     name = f"checkpoint-{trainer.state.global_step}"
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
     if acc.is_main_process:
-        if tmp.exists():  # left by a save of this step that was killed
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        with _writing(tmp, final, tmp):
+            if tmp.exists():  # left by a save of this step that was killed
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
     acc.wait_for_everyone()
-    save_models(trainer, tmp)
+    with _writing(tmp, final, tmp):  # save_pretrained: the file is found in the traceback
+        save_models(trainer, tmp)
     if acc.is_main_process:
-        torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(trainer.lr_scheduler.state_dict(), tmp / "scheduler.pt")
-        trainer.state.save_to_json(str(tmp / "trainer_state.json"))
+        with _writing(tmp, final, tmp / "optimizer.pt"):
+            torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+        with _writing(tmp, final, tmp / "scheduler.pt"):
+            torch.save(trainer.lr_scheduler.state_dict(), tmp / "scheduler.pt")
+        with _writing(tmp, final, tmp / "trainer_state.json"):
+            trainer.state.save_to_json(str(tmp / "trainer_state.json"))
+        with _writing(tmp, final, tmp / RUN_SETTINGS):
+            (tmp / RUN_SETTINGS).write_text(json.dumps(run_settings(trainer), indent=2), encoding="utf-8")
     rng_file = tmp / f"rng_state_{acc.process_index}.pt"
-    torch.save(_rng_state(trainer), rng_file)
-    _fsync(rng_file)
+    with _writing(tmp, final, rng_file):
+        torch.save(_rng_state(trainer), rng_file)
+        _fsync(rng_file)
     acc.wait_for_everyone()
     if acc.is_main_process:
-        _fsync_tree(tmp)
-        _write_marker(tmp, trainer.state.global_step, acc.num_processes)
-        _publish(tmp, final)
+        with _writing(tmp, final, tmp):
+            _fsync_tree(tmp)
+        with _writing(tmp, final, tmp / MARKER):
+            _write_marker(tmp, trainer.state.global_step, acc.num_processes)
+        with _writing(tmp, final, final, f"renaming {tmp.name} to"):
+            _publish(tmp, final)
         if args.save_total_limit:
-            _rotate(root, args.save_total_limit, keep=final)
+            with _writing(tmp, final, root, "deleting checkpoints beyond save_total_limit"):
+                _rotate(root, args.save_total_limit, keep=final)
     acc.wait_for_everyone()
     return final
+
+
+def run_settings(trainer) -> dict:
+    """The settings a resume is checked against (:func:`check_run`), written as ``run_settings.json``."""
+    args, acc = trainer.args, trainer.accelerator
+    return {
+        "format": 1,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "rollout_batch_size": args.local_batch_size * acc.num_processes,
+        "num_mini_batches": args.num_mini_batches,
+        "seed": args.seed,
+        "learning_rate": args.learning_rate,
+        "num_train_prompts": len(trainer.train_dataset),
+    }
+
+
+_PATH_LOCALS = ("filename", "f", "file", "path", "save_path", "output_file", "name")
+
+
+def _file_being_written(error: BaseException, folder: Path) -> Path | None:
+    """The file under ``folder`` a failed write was writing: the error's ``filename``, else a path-like
+    local of the innermost frame that holds one (``safetensors.torch.save_file(filename=...)``,
+    ``torch.save(f=...)``). None when neither names a file there."""
+    candidates = []
+    if isinstance(error, OSError) and error.filename:
+        candidates.append(error.filename)
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):  # innermost first
+        candidates += [frame.f_locals.get(k) for k in _PATH_LOCALS]
+    for value in candidates:
+        if not isinstance(value, (str, os.PathLike)):
+            continue
+        try:
+            path = Path(value).resolve()
+            path.relative_to(folder.resolve())
+        except (ValueError, OSError, TypeError):
+            continue
+        if path != folder.resolve() and not path.is_dir():
+            return path
+    return None
+
+
+@contextlib.contextmanager
+def _writing(tmp: Path, final: Path, target: Path, doing: str = "writing"):
+    """Turn a failed write into :class:`CheckpointSaveError` naming the checkpoint and the file, after
+    removing the unfinished ``tmp`` folder (it frees the space a full disk needs, and nothing can be
+    resumed from it). Complete checkpoints are never touched here."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:  # OSError, SafetensorError, torch's "PytorchStreamWriter failed writing file"
+        if target == tmp or target.is_dir():  # a folder-wide step: find the file in the traceback
+            target = _file_being_written(e, target) or target
+        shown = str(target.relative_to(tmp)) if target.is_relative_to(tmp) and target != tmp else str(target)
+        kept = ""
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept = f" The unfinished {tmp.name} was removed."
+        complete = [p.name for _, p in _checkpoints(final.parent) if (p / MARKER).is_file()]
+        kept += (
+            f" Complete checkpoints on disk, untouched: {', '.join(complete[:3])}"
+            f"{', ...' if len(complete) > 3 else ''}."
+            if complete
+            else " There is no complete checkpoint on disk yet."
+        )
+        error = CheckpointSaveError(
+            f"saving checkpoint {final} failed while {doing} {shown} "
+            f"({type(e).__name__}: {str(e)[:300]}).{kept} Free disk space (or fix the I/O error) and "
+            "resume with resume_from_checkpoint=True."
+        )
+        error.errno = getattr(e, "errno", None)
+        raise error from e
 
 
 def _rng_state(trainer) -> dict:
@@ -167,7 +283,12 @@ def _publish(tmp: Path, final: Path) -> None:
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old.exists() and not final.exists():  # put the earlier save of this step back
+            os.replace(old, final)
+        raise
     _fsync(final.parent)
     if old.exists():
         shutil.rmtree(old)
@@ -327,24 +448,206 @@ def _resolve(output_dir, resume_from_checkpoint) -> Path:
     return path
 
 
+# ------------------------------------------------------------------------------ checking against the run
+_NEW_RUN = "start a new run (without resume_from_checkpoint, best in a fresh output_dir)"
+
+
+def _read_settings(path: Path) -> dict | None:
+    """``run_settings.json`` of the checkpoint; None for a checkpoint written before it existed."""
+    f = path / RUN_SETTINGS
+    if not f.exists():
+        return None
+    try:
+        settings = json.loads(f.read_text(encoding="utf-8"))
+        if not isinstance(settings, dict):
+            raise TypeError(f"a JSON {type(settings).__name__}, not an object")
+    except (OSError, ValueError, TypeError) as e:
+        raise _damaged(f, "cannot be read as run settings", e) from None
+    return settings
+
+
+def _lr_text(lrs) -> str:
+    values = [float(v) for v in lrs]
+    return f"{values[0]:g}" if len(set(values)) == 1 else "[" + ", ".join(f"{v:g}" for v in values) + "]"
+
+
+def _learning_rate_warning(trainer, path: Path, settings: dict | None, scheduler_state) -> str | None:
+    """A changed learning rate: the restored optimizer and scheduler state carry the checkpoint's, so
+    that one is used. Compared on the scheduler's ``base_lrs`` (what is actually replaced, also with a
+    custom optimizer and in checkpoints without ``run_settings.json``), else on ``learning_rate``."""
+    saved = scheduler_state.get("base_lrs") if isinstance(scheduler_state, dict) else None
+    new = getattr(trainer.lr_scheduler, "base_lrs", None)
+    if not (isinstance(saved, (list, tuple)) and isinstance(new, (list, tuple)) and len(saved) == len(new)):
+        if settings is None or "learning_rate" not in settings:
+            return None
+        saved, new = [settings["learning_rate"]], [trainer.args.learning_rate]
+    try:
+        if all(math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0) for a, b in zip(saved, new)):
+            return None
+    except (TypeError, ValueError):
+        return None
+    return (
+        f"rapidfire: resuming from {path}: this run sets learning_rate {_lr_text(new)}, the checkpoint was "
+        f"saved with {_lr_text(saved)}. The checkpoint's learning_rate {_lr_text(saved)} is used (the restored "
+        f"optimizer and scheduler state carry it); to train with {_lr_text(new)}, {_NEW_RUN}."
+    )
+
+
+def check_run(trainer, path: Path, settings: dict | None, scheduler_state=None) -> list[str]:
+    """Compare a checkpoint's ``run_settings.json`` with this run, before anything is restored.
+
+    Refused (:class:`CheckpointMismatchError`, naming each setting, both values and the fix), because the
+    resumed run would not continue the saved one:
+
+    - the rollout batch (``per_device_train_batch_size * gradient_accumulation_steps`` x processes): the
+      prompt order is cut into batches of that size, so prompts of the current epoch would be skipped or
+      repeated. Another split of the same product (e.g. 4 x 2 -> 2 x 4, against an out-of-memory) is fine;
+    - ``num_mini_batches``: it sets the optimizer steps (and the mini-batch size) of every update;
+    - ``seed``: the prompt order is a permutation seeded with ``seed + pass``, so a new seed mid-epoch
+      repeats some prompts and skips others. It cannot be "taken" by the resumed run either: the RNG
+      states (sampling, dropout) are restored from the checkpoint. So it is refused, not warned about;
+    - the number of prompts in ``train_dataset``: the permutation is over all rows and the batches per
+      epoch depend on it.
+
+    Warned about: a changed learning rate (the checkpoint's is used). A checkpoint without the file (an
+    older rapidfire_hf) gets one warning that these settings cannot be checked.
+
+    Returns the warnings to log once every check (the model shapes too) has passed.
+    """
+    args = trainer.args
+    warnings = []
+    if settings is None:
+        warnings.append(
+            f"rapidfire: {path} has no {RUN_SETTINGS} (an older rapidfire_hf saved it), so this run's rollout "
+            "batch (per_device_train_batch_size x gradient_accumulation_steps), num_mini_batches, seed and "
+            "train_dataset size cannot be checked against it; resuming assumes they are unchanged (a change "
+            "alters the prompt order). The model's shapes are still checked."
+        )
+        settings = {}
+    now = run_settings(trainer)
+    problems = []
+    old_batch, new_batch = settings.get("rollout_batch_size"), now["rollout_batch_size"]
+    if old_batch is not None and old_batch != new_batch:
+        old_local = (
+            settings.get("per_device_train_batch_size", "?"),
+            settings.get("gradient_accumulation_steps", "?"),
+        )
+        procs = trainer.accelerator.num_processes
+        per_process = f" x {procs} processes" if procs > 1 else ""
+        problems.append(
+            f"rollout batch size (per_device_train_batch_size x gradient_accumulation_steps{per_process}): "
+            f"saved {old_batch} (per_device_train_batch_size={old_local[0]} x gradient_accumulation_steps="
+            f"{old_local[1]}), this run {new_batch} (per_device_train_batch_size="
+            f"{args.per_device_train_batch_size} x gradient_accumulation_steps={args.gradient_accumulation_steps}). "
+            "The prompt order is cut into rollout batches of this size, so resuming would skip or repeat "
+            f"prompts of the current epoch. Resume with per_device_train_batch_size x "
+            f"gradient_accumulation_steps = {old_batch // procs} (any split, e.g. per_device_train_batch_size="
+            f"{old_local[0]}, gradient_accumulation_steps={old_local[1]}), or {_NEW_RUN}."
+        )
+    same = [
+        (
+            "num_mini_batches",
+            "it sets the optimizer steps and the mini-batch size of every update, so the resumed run would not "
+            "continue the saved one's updates",
+        ),
+        (
+            "seed",
+            "the prompt order is a permutation seeded with seed (one per pass over the data), so a new seed "
+            "mid-epoch repeats some prompts and skips others (and the sampling RNG is restored from the "
+            "checkpoint anyway)",
+        ),
+        (
+            "num_train_prompts",
+            "the prompt order is a seeded permutation of all rows of train_dataset and the batches per epoch "
+            "depend on their number, so the resumed run would train on another order",
+        ),
+    ]
+    for key, why in same:
+        old, new = settings.get(key), now[key]
+        if old is None or old == new:
+            continue
+        if key == "num_train_prompts":
+            problems.append(
+                f"train_dataset size: saved {old} prompts, this run {new}; {why}. Resume with the "
+                f"train_dataset it was saved with ({old} prompts), or {_NEW_RUN}."
+            )
+        else:
+            problems.append(
+                f"{key}: saved {old}, this run {new}; {why}. Resume with {key}={old}, or {_NEW_RUN}."
+            )
+    if problems:
+        raise CheckpointMismatchError(
+            f"cannot resume from {path}: it was saved by a run with other settings; nothing was restored.\n- "
+            + "\n- ".join(problems)
+        )
+    lr = _learning_rate_warning(trainer, path, settings or None, scheduler_state)
+    return warnings + ([lr] if lr else [])
+
+
+def _model_shapes(model, adapter: bool) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of what ``save_pretrained`` writes for ``model`` (the adapter alone under PEFT)."""
+    if adapter:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(model)
+    else:
+        state = model.state_dict()
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def check_shapes(what: str, folder: Path, model, saved: dict, adapter: bool = False) -> None:
+    """Refuse a checkpoint whose weights for ``model`` have other names or shapes, before anything loads.
+
+    Raises:
+        CheckpointMismatchError: naming the first parameter (in the model's order) whose shape differs,
+            with both shapes; or the names only one of the two has.
+    """
+    expected = _model_shapes(model, adapter)
+    for name, shape in expected.items():
+        if name in saved and tuple(saved[name].shape) != shape:
+            raise CheckpointMismatchError(
+                f"cannot resume from {folder.parent}: the {what} does not match the checkpoint's "
+                f"({folder.name}): parameter {name} has shape {tuple(saved[name].shape)} in the checkpoint "
+                f"and {shape} in this run's model; nothing was restored. Resume with the model the checkpoint "
+                f"was saved with (the same config: hidden size, layers, heads, vocabulary), or {_NEW_RUN}."
+            )
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) if not adapter else set()
+    missing = [
+        k for k in expected if k not in saved and k not in tied and (adapter or not _is_tied(model, k))
+    ]
+    unexpected = [k for k in saved if k not in expected]
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"cannot resume from {folder.parent}: the {what} does not match the checkpoint's ({folder.name}): "
+            f"parameters only in this run's model: {missing[:5]}, only in the checkpoint: {unexpected[:5]}; "
+            f"nothing was restored. Resume with the model the checkpoint was saved with, or {_NEW_RUN}."
+        )
+
+
 def load(trainer, resume_from_checkpoint) -> int:
     """Restore a checkpoint into ``trainer``; returns the number of updates already done.
+
+    Every file is read and the checkpoint is compared with the run (:func:`check_shapes`,
+    :func:`check_run`) before anything of the trainer changes.
 
     Raises:
         CheckpointError: the checkpoint is incomplete, damaged, holds unsafe objects, or was saved by a
             different number of processes. Raised before anything is restored.
+        CheckpointMismatchError: the model's parameter names or shapes, the rollout batch,
+            ``num_mini_batches``, ``seed`` or the number of prompts differ from the checkpoint's. Raised
+            before anything is restored.
     """
     args, acc = trainer.args, trainer.accelerator
     path = _resolve(args.output_dir, resume_from_checkpoint)
     _check_marker(path, acc.num_processes)
     module = acc.unwrap_model(trainer.model)
-    policy_state = _read_safetensors(path / "policy", adapter=hasattr(module.policy, "peft_config"))
+    policy_adapter = hasattr(module.policy, "peft_config")
+    policy_state = _read_safetensors(path / "policy", adapter=policy_adapter)
+    value_adapter = not module.fused and hasattr(module.value_model, "peft_config")
     if module.fused:
         value_state = _read_pt(path / "value_head.pt", "value head state dict")
     else:
-        value_state = _read_safetensors(
-            path / "value_model", adapter=hasattr(module.value_model, "peft_config")
-        )
+        value_state = _read_safetensors(path / "value_model", adapter=value_adapter)
     optimizer_state = _read_pt(path / "optimizer.pt", "optimizer state dict")
     scheduler_state = _read_pt(path / "scheduler.pt", "scheduler state dict")
     rng = _read_pt(path / f"rng_state_{acc.process_index}.pt", "RNG state")
@@ -353,6 +656,18 @@ def load(trainer, resume_from_checkpoint) -> int:
         state = type(trainer.state).load_from_json(str(state_file))
     except (OSError, ValueError, TypeError) as e:
         raise _damaged(state_file, "cannot be read as a trainer state", e) from None
+    settings = _read_settings(path)
+
+    # Compare before restoring anything: a refused resume leaves the trainer exactly as it was.
+    check_shapes("policy", path / "policy", module.policy, policy_state, policy_adapter)
+    if module.fused:
+        if not isinstance(value_state, dict):
+            raise _damaged(path / "value_head.pt", "does not hold a state dict")
+        check_shapes("value head", path / "value_head.pt", module.value_head, value_state)
+    else:
+        check_shapes("value model", path / "value_model", module.value_model, value_state, value_adapter)
+    for message in check_run(trainer, path, settings, scheduler_state):
+        logger.warning("%s", message)
 
     try:  # the optimizer first: it checks its groups before changing anything
         trainer.optimizer.load_state_dict(optimizer_state)
