@@ -40,7 +40,13 @@ def benchmarks_dir() -> Path | None:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="Run a committed benchmark script (source checkout).")
+    p = subparsers.add_parser(
+        "bench",
+        help="Run a committed benchmark script (source checkout).",
+        description="Run one of the committed benchmark scripts of a source checkout (benchmarks/<name>/); "
+        "it writes results.json, CSV and PNG into --out. Arguments after `--` go to the script. "
+        "`rapidfire bench --list` lists the benchmarks.",
+    )
     p.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")
     p.add_argument("--out", default=None, help="output folder (default: benchmarks/<name>/results/local)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")

@@ -33,7 +33,9 @@ def add_parser(subparsers) -> None:
         "--response-length", type=int, default=12, help="Generated tokens per response (default 12)."
     )
     p.add_argument("--learning-rate", type=float, default=1e-3, help="Learning rate (default 1e-3).")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="Seed of the model init, the prompts and sampling (default 0)."
+    )
     p.add_argument("--cpu", action="store_true", help="Stay on the CPU even when a GPU is present.")
     p.add_argument(
         "--sweep",
@@ -68,13 +70,41 @@ def _load_models(args):
     return tok, policy, None, "fused"
 
 
+def _check_args(args) -> None:
+    """What the flags alone can get wrong, before a model is built (a one-line error, exit 2)."""
+    if args.steps < 1:
+        raise SystemExit(f"--steps {args.steps}: must be at least 1")
+    for flag in ("batch_size", "response_length"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.config is not None:
+        from rapidfire_hf.config import ConfigError, load_config
+
+        try:
+            load_config(args.config)
+        except ConfigError as err:
+            raise err.with_source(f"--config {args.config}") from None
+    if getattr(args, "sweep", None):
+        from rapidfire_hf.cli.sweep import demo_trials
+
+        demo_trials(args.sweep)  # unknown or shared fields, before the demo model is built
+
+
+def _announce_pid() -> None:
+    """One line with this process's id and the command that watches it from another shell."""
+    import os
+
+    pid = os.getpid()
+    print(f"rapidfire demo: pid {pid}; watch its memory with: rapidfire monitor --pid {pid}", flush=True)
+
+
 def run_demo(args) -> int:
     from rapidfire_hf.demo import make_prompt_dataset, vowel_reward
     from rapidfire_hf.ppo import PPOTrainer
     from rapidfire_hf.utils.reporting import LiveTableCallback, plot_curves
 
-    if args.steps < 1:
-        raise SystemExit("--steps must be at least 1")
+    _check_args(args)
+    _announce_pid()
     if getattr(args, "sweep", None):
         from rapidfire_hf.cli.sweep import run_demo_sweep
 

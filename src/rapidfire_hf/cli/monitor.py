@@ -212,6 +212,19 @@ def _emit(view: dict, as_json: bool, console) -> None:
         console.print(render(view))
 
 
+def _stdout_console():
+    """A rich Console on stdout whose closed pipe raises BrokenPipeError (main exits 0 quietly) where rich
+    would exit with status 1."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console()
+
+
 def run(args) -> int:
     """Body of ``rapidfire monitor``; returns the exit status."""
     from rich.console import Console
@@ -241,7 +254,7 @@ def run(args) -> int:
             f"({type(e).__name__}: {_text(e)}); the process may not be a rapidfire run"
         )
         return EXIT_NOT_RAPIDFIRE
-    tail, summary, console = TelemetryTail(stream), TelemetrySummary(), Console()
+    tail, summary, console = TelemetryTail(stream), TelemetrySummary(), _stdout_console()
     try:
         _fold(summary, tail.read_new())
         if args.once:
@@ -251,6 +264,10 @@ def run(args) -> int:
         return _watch(args, tail, summary, console, err, lambda: is_running(args.pid, created))
     except KeyboardInterrupt:
         return EXIT_OK
+    except (
+        BrokenPipeError
+    ):  # `rapidfire monitor ... | head`: the reader of stdout left (main exits 0 quietly)
+        raise
     except OSError as e:  # deleted, moved, or another user's private stream
         err.print(
             f"rapidfire monitor: cannot read the telemetry stream {_text(stream)} of process {args.pid} "
@@ -274,6 +291,13 @@ def _watch(args, tail, summary, console, err, alive) -> int:
             _fold(summary, tail.read_new())
             _emit(_snapshot(summary, args.pid), True, console)
             time.sleep(args.interval)
+        return ended()
+    if not console.is_terminal:  # a file or a pipe: a live view would only be written when it stops
+        while alive():
+            console.print(render(_snapshot(summary, args.pid)))
+            console.file.flush()
+            time.sleep(args.interval)
+            _fold(summary, tail.read_new())
         return ended()
     from rich.live import Live
 

@@ -110,9 +110,36 @@ def _parse_assignment(text: str, single: bool = False):
     return key, [_coerce(key, v) for v in values.split(",")]
 
 
+def _check_trial_field(key: str, text: str) -> None:
+    """``key`` must be a PPOConfig field a trial may set (rapidfire_hf.sweep.PER_TRIAL_FIELDS)."""
+    import difflib
+
+    from rapidfire_hf.sweep.trial import PER_TRIAL_FIELDS
+
+    if key in PER_TRIAL_FIELDS:
+        return
+    close = difflib.get_close_matches(key, sorted(PER_TRIAL_FIELDS), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    problem = "a field every trial shares" if _is_ppo_field(key) else "not a field a trial can set"
+    raise SystemExit(
+        f"--sweep {text}: {key} is {problem}{hint}; a trial can set the fields of "
+        "rapidfire_hf.sweep.PER_TRIAL_FIELDS (docs/sweep.md, 'What a trial owns')"
+    )
+
+
+def _is_ppo_field(key: str) -> bool:
+    import dataclasses
+
+    from rapidfire_hf.ppo import PPOConfig
+
+    return key in {f.name for f in dataclasses.fields(PPOConfig)}
+
+
 def demo_trials(assignments: list[str]) -> dict[str, dict]:
     """``["kl_coef=0.01,0.05", "seed=0,1"]`` -> the grid of trials, named ``kl_coef=0.01,seed=0`` etc."""
     axes = [_parse_assignment(a) for a in assignments]
+    for (key, _), text in zip(axes, assignments, strict=True):
+        _check_trial_field(key, text)
     trials = {}
     for combo in itertools.product(*[[(k, v) for v in vs] for k, vs in axes]):
         name = "_".join(f"{k}={v}" for k, v in combo)

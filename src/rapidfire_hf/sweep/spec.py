@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,20 @@ KEYS = ("model", "dataset", "reward_funcs", "reward_model", "lora", "config", "t
 DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
-def _unknown(key: str, known, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(known), n=3)
-    hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    return ConfigError(f"unknown key{hint}", key=f"{where}{key}", allowed=", ".join(sorted(known)))
+# where the keys of a long list are written down (the error names the closest key and points here)
+CONFIG_KEYS = (
+    "a field of rapidfire_hf.PPOConfig "
+    "(python -c 'import rapidfire_hf; help(rapidfire_hf.PPOConfig)' lists them)"
+)
+TRIAL_KEYS = "a field of rapidfire_hf.sweep.PER_TRIAL_FIELDS (docs/sweep.md, 'What a trial owns', lists them)"
+
+
+def _unknown(key: str, known, where: str, listed: str | None = None) -> ConfigError:
+    """``where.key: unknown key (did you mean closest?)`` plus the valid keys, or where they are listed."""
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    allowed = listed or ", ".join(sorted(known))
+    return ConfigError(f"unknown key{hint}", key=f"{where}{key}", allowed=allowed)
 
 
 def validate(data: dict, source: str | None = None) -> dict:
@@ -56,7 +68,7 @@ def validate(data: dict, source: str | None = None) -> dict:
         config = data.get("config") or {}
         for key in config:
             if key not in ppo_fields:
-                raise _unknown(key, ppo_fields, "config.")
+                raise _unknown(key, ppo_fields, "config.", CONFIG_KEYS)
         for name, overrides in trials.items():
             if not isinstance(overrides, dict | None):
                 raise ConfigError(
@@ -64,12 +76,12 @@ def validate(data: dict, source: str | None = None) -> dict:
                 )
             for key in overrides or {}:
                 if key not in ppo_fields:
-                    raise _unknown(key, ppo_fields, f"trials.{name}.")
+                    raise _unknown(key, PER_TRIAL_FIELDS, f"trials.{name}.", TRIAL_KEYS)
                 if key not in PER_TRIAL_FIELDS:
                     raise ConfigError(
                         "is shared by every trial (one batched decode): set it under config",
                         key=f"trials.{name}.{key}",
-                        allowed=", ".join(sorted(PER_TRIAL_FIELDS)),
+                        allowed=TRIAL_KEYS,
                     )
         if ("reward_funcs" in data) == ("reward_model" in data):
             raise ConfigError("give exactly one of reward_funcs and reward_model", key="reward_funcs")
@@ -86,6 +98,10 @@ def load_spec(path: str | Path) -> dict:
     """Read and validate a sweep YAML file."""
     from rapidfire_hf.config.loader import read_yaml
 
+    if not Path(path).is_file():  # before read_yaml, whose message also offers a config preset name
+        raise ConfigError(
+            "sweep file not found", value=str(path), allowed="the path of a sweep YAML file (docs/sweep.md)"
+        )
     return validate(dict(read_yaml(path)), source=str(path))
 
 
@@ -94,10 +110,23 @@ def _reward_func(name: str):
         from rapidfire_hf.demo import vowel_reward
 
         return vowel_reward
-    module, _, attr = name.partition(":")
-    if not attr:
+    module, _, attr = str(name).partition(":")
+    allowed = "'demo' or 'package.module:function', importable from the current folder or PYTHONPATH"
+    if not module or not attr:
         raise ConfigError("must be 'demo' or 'package.module:function'", key="reward_funcs", value=name)
-    return getattr(importlib.import_module(module), attr)
+    if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` does: ./mymod.py imports
+        sys.path.insert(0, os.getcwd())
+    try:
+        func = getattr(importlib.import_module(module), attr)
+    except ImportError as err:
+        raise ConfigError(f"cannot import module {module!r} ({err})", key="reward_funcs", value=name,
+                          allowed=allowed) from None  # fmt: skip
+    except AttributeError:
+        raise ConfigError(f"module {module!r} has no {attr!r}", key="reward_funcs", value=name,
+                          allowed=allowed) from None  # fmt: skip
+    if not callable(func):
+        raise ConfigError(f"{module}.{attr} is not a function", key="reward_funcs", value=name)
+    return func
 
 
 def _dataset(src: str, seed: int):
@@ -127,6 +156,10 @@ def build(spec: dict, progress: bool = True, callbacks=None):
     from rapidfire_hf.ppo import PPOConfig
     from rapidfire_hf.sweep import EarlyStopping, PPOSweep
 
+    funcs = None
+    if "reward_model" not in spec:  # a reward function that does not import fails before any model loads
+        names = spec["reward_funcs"] if isinstance(spec["reward_funcs"], list) else [spec["reward_funcs"]]
+        funcs = [_reward_func(n) for n in names]
     config: dict[str, Any] = {"report_to": [], **(spec.get("config") or {})}
     config.setdefault("output_dir", "rapidfire_sweep")
     args = PPOConfig(**config)
@@ -144,14 +177,11 @@ def build(spec: dict, progress: bool = True, callbacks=None):
         tok = AutoTokenizer.from_pretrained(spec["model"])
         tok.padding_side = "left"
         model = AutoModelForCausalLM.from_pretrained(spec["model"])
-    reward_model, funcs = None, None
+    reward_model = None
     if "reward_model" in spec:
         from transformers import AutoModelForSequenceClassification
 
         reward_model = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"])
-    else:
-        names = spec["reward_funcs"] if isinstance(spec["reward_funcs"], list) else [spec["reward_funcs"]]
-        funcs = [_reward_func(n) for n in names]
     es = spec.get("early_stopping")
     return PPOSweep(
         args=args,
