@@ -264,9 +264,7 @@ def run(args) -> int:
         return _watch(args, tail, summary, console, err, lambda: is_running(args.pid, created))
     except KeyboardInterrupt:
         return EXIT_OK
-    except (
-        BrokenPipeError
-    ):  # `rapidfire monitor ... | head`: the reader of stdout left (main exits 0 quietly)
+    except BrokenPipeError:  # `rapidfire monitor | head`: stdout's reader left (main exits 0 quietly)
         raise
     except OSError as e:  # deleted, moved, or another user's private stream
         err.print(
