@@ -50,8 +50,9 @@ def test_validate_bad_file_exits_2_with_message(capsys, bad_file):
 def test_validate_missing_file_and_preset_name_exit_2(capsys, tmp_path):
     assert main(["config", "validate", str(tmp_path / "none.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
-    # FILE is always a path: a preset name is not a file
-    assert main(["config", "validate", "balanced"]) == 2
+    # a bundled config file resolves by name from anywhere (config/balanced.yaml ships with the package)
+    assert main(["config", "validate", "balanced"]) == 0
+    assert main(["config", "validate", "no-such-config"]) == 2
 
 
 def test_validate_ignores_env_unless_asked(capsys, monkeypatch):
