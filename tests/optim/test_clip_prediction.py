@@ -137,7 +137,10 @@ def test_bad_clip_prediction_arguments(kwargs, match):
 @pytest.mark.parametrize(
     "kwargs, mode",
     [
-        ({"max_grad_norm": MAX_NORM}, "exact"),  # a plain loop cannot replay a miss: never predicted by default
+        (
+            {"max_grad_norm": MAX_NORM},
+            "exact",
+        ),  # a plain loop cannot replay a miss: never predicted by default
         ({"max_grad_norm": MAX_NORM, "rollback": "off"}, "exact"),
         ({}, "exact"),
     ],
@@ -179,3 +182,25 @@ def test_a_replaying_trainer_gets_no_warning():
             opt.step()
             opt.zero_grad()
     assert opt.stats()["clip_misses"] >= 1
+
+
+def test_a_clip_handed_over_later_clips_like_one_given_at_construction():
+    """PPOTrainer hands PPOConfig's max_grad_norm to a pipelined optimizer built without one, also with
+    rollback='off' (whose pipeline recorded no gradient norms until then)."""
+    given, handed = make_model(), make_model()
+    kw = dict(lr=1e-2, gradient_pipeline=True, rollback="off", pipeline_bucket_mb=0.0005)
+    a = RapidFireOptimizer(given.parameters(), max_grad_norm=MAX_NORM, **kw)
+    b = RapidFireOptimizer(handed.parameters(), **kw)
+    b.set_max_grad_norm(MAX_NORM)
+    scale = [1e-3] * (STEPS - 1) + [1e3]  # clipping cannot bind until the last step, which it must clip
+    with pytest.warns(UserWarning, match="clipping would have bound"):
+        for step in range(STEPS):
+            for model, opt in ((given, a), (handed, b)):
+                (loss_of(model, step) * scale[step]).backward()
+                opt.step()
+                opt.zero_grad()
+    kinds = [[e.kind for e in opt.events] for opt in (a, b)]
+    assert kinds[0] == kinds[1] and "clip_miss_unrecoverable" in kinds[0]
+    assert_same_params(given, handed)
+    with pytest.raises(ValueError, match="max_grad_norm=0"):
+        b.set_max_grad_norm(0)

@@ -395,6 +395,15 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
         if self._pipeline is not None and not self._pipeline.stepped:
             self._pipeline.reset_window()  # a window discarded before anything was applied
 
+    def set_max_grad_norm(self, max_grad_norm: float | None) -> None:
+        """Clip at ``max_grad_norm`` from the next window on (a trainer handing its own setting to an
+        optimizer built without one); the pipeline then records the gradient norms it needs."""
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: a positive number, or None for no clipping")
+        self.max_grad_norm = max_grad_norm
+        if self._pipeline is not None and max_grad_norm is not None:
+            self._pipeline.need_norms = True
+
     # ---- pipeline switches --------------------------------------------------------------------------
     @property
     def pipeline_enabled(self) -> bool:

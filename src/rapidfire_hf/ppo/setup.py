@@ -403,7 +403,7 @@ class SetupMixin:
             ):
                 # clip_grad_norm_ after backward would come too late for pipelined buckets: the
                 # optimizer clips instead, with PPOConfig's max_grad_norm (0 there turns clipping off)
-                optimizer.max_grad_norm = args.max_grad_norm
+                optimizer.set_max_grad_norm(args.max_grad_norm)
                 optimizer.defaults_taken = {
                     **getattr(optimizer, "defaults_taken", {}),
                     "max_grad_norm": args.max_grad_norm,
