@@ -122,3 +122,18 @@ def test_prefetch_same_batches_and_runs_ahead(build):
 def test_an_unknown_rollout_choice_is_refused_naming_the_choices(build, rollout):
     with pytest.raises(ValueError, match=r"enable_rapidfire\(rollout=.*expected one of True, False, 'auto'"):
         enable_rapidfire(build("sft", gradient_checkpointing=False), rollout=rollout)
+
+
+def test_enable_rapidfire_prints_what_is_on_and_what_was_skipped(build, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAPIDFIRE_CACHE_DIR", str(tmp_path / "cache"))
+    enable_rapidfire(build("sft", gradient_checkpointing=True), config=config(optimization="balanced"))
+    out = capsys.readouterr().out
+    assert out.count("rapidfire on SFTTrainer:") == 1
+    assert "  on       MemoryCompactionCallback (balanced)" in out
+    assert "  skipped  memory.optimization=balanced checkpointing (gradient_checkpointing=True" in out
+    assert f"process registry {tmp_path / 'cache' / 'procs'} (RAPIDFIRE_CACHE_DIR moves it)" in out
+
+
+def test_a_quiet_logging_level_prints_nothing(build, capsys):
+    enable_rapidfire(build("sft"), config={**config(), "logging": {"level": "warning"}})
+    assert "rapidfire on" not in capsys.readouterr().out

@@ -142,6 +142,9 @@ def enable_rapidfire(
         "; ".join(state.installed) or "nothing",
         "".join(f"; skipped {s}" for s in state.skipped),
     )
+    quiet = cfg.logging.level.value in ("warning", "error")  # the user asked for warnings only
+    if not quiet and getattr(trainer.args, "process_index", 0) == 0:
+        print(state.table(type(trainer).__name__), flush=True)
     return trainer
 
 
