@@ -108,3 +108,22 @@ def test_old_state_dict_starts_afresh():
     stat = RobustStat()
     stat.load_state_dict({"count": 5, "mean": torch.tensor(1.0), "var": torch.tensor(0.1)})
     assert stat.count == 0 and stat.values is None
+
+
+def test_a_near_zero_signed_loss_is_judged_on_its_own_scale():
+    """PPO's loss hovers near zero: 0.003 then 0.033 is no spike on a scale of 1, a jump of 1000 is."""
+    from rapidfire_hf.optim.health import HealthMonitor
+
+    def second_step_healthy(scale, second):
+        monitor = HealthMonitor(grad_z_threshold=6.0, loss_z_threshold=6.0, warmup_steps=10)
+        if scale is not None:
+            monitor.set_loss_scale(scale)
+        monitor.update_stats({"loss": torch.tensor(0.003)})
+        monitor.observe_loss(torch.tensor(second))
+        return bool(monitor.flags(monitor.metrics(None))["loss_spike"])
+
+    assert not second_step_healthy(None, 0.0326)  # relative floor alone: a false spike
+    assert second_step_healthy(1.0, 0.0326)
+    assert not second_step_healthy(1.0, 1000.0)
+    with pytest.raises(ValueError, match="loss scale"):
+        second_step_healthy(-1.0, 0.0)

@@ -50,8 +50,9 @@ class RobustStat:
     The count is a host integer: values enter only after a verdict the host has already read.
     """
 
-    def __init__(self, window: int = 32):
+    def __init__(self, window: int = 32, abs_floor: float = 0.0):
         self.window = window
+        self.abs_floor = abs_floor  # smallest scale in the value's own units (0: relative floors only)
         self.count = 0
         self.values: torch.Tensor | None = None  # (window,) float32 ring buffer on the device
 
@@ -63,7 +64,7 @@ class RobustStat:
         live = self._live()
         center = live.median()
         spread = 1.4826 * (live - center).abs().median()
-        return center, torch.maximum(spread, floor * live.abs().median() + 1e-12)
+        return center, torch.maximum(spread, floor * live.abs().median() + 1e-12).clamp_min(self.abs_floor)
 
     def zscore(self, x: torch.Tensor, floor: float) -> torch.Tensor:
         if self.count == 0:
@@ -166,6 +167,15 @@ class HealthMonitor:
         for name, rule in self.rules.items():
             flags[name] = torch.as_tensor(rule(metrics)).to(torch.bool).reshape(())
         return flags
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The loss's own typical size, for a loss that is signed and hovers near zero (PPO's clipped
+        surrogate with whitened advantages, whose terms are of order 1): a loss-spike z-score then never
+        divides by less than ``scale``. Without it, a PPO loss going from 0.003 to 0.033 on its second step
+        read as a 10-sigma spike and a healthy step was undone (the tiny PPO snippet of the README)."""
+        if not scale >= 0:
+            raise ValueError(f"loss scale {scale!r}: a number >= 0")
+        self.loss_stat.abs_floor = float(scale)
 
     def _floor(self, stat: RobustStat) -> float:
         return 1.0 if stat.count < self.warmup_steps else 1e-3

@@ -395,6 +395,11 @@ class RapidFireOptimizer(SpanMixin, VerificationMixin, torch.optim.Optimizer):
         if self._pipeline is not None and not self._pipeline.stepped:
             self._pipeline.reset_window()  # a window discarded before anything was applied
 
+    def set_loss_scale(self, scale: float) -> None:
+        """The typical size of a loss that is signed and near zero (``HealthMonitor.set_loss_scale``):
+        the loss-spike rule never divides by less. PPOTrainer sets 1.0."""
+        self._health.set_loss_scale(scale)
+
     def set_max_grad_norm(self, max_grad_norm: float | None) -> None:
         """Clip at ``max_grad_norm`` from the next window on (a trainer handing its own setting to an
         optimizer built without one); the pipeline then records the gradient norms it needs."""

@@ -66,6 +66,11 @@ def default_adamw(args, params, **kernel) -> torch.optim.AdamW:
     )
 
 
+# Typical size of the PPO loss (clipped surrogate over whitened advantages, plus vf_coef x value loss):
+# the loss-spike rule of a RapidFireOptimizer never divides by less (rapidfire_hf.optim.health).
+PPO_LOSS_SCALE = 1.0
+
+
 class SetupMixin:
     """Construction helpers of ``PPOTrainer``."""
 
@@ -412,6 +417,9 @@ class SetupMixin:
         self._rf_opt = optimizer if hasattr(optimizer, "observe_loss") else None
         if self._rf_opt is not None:  # ppo/optimization.py replays what a missed clip prediction skipped
             self._rf_opt.replays_missed_windows = True
+            # the PPO loss is signed and near zero (whitened advantages): judge spikes on the scale of 1
+            if hasattr(self._rf_opt, "set_loss_scale"):
+                self._rf_opt.set_loss_scale(PPO_LOSS_SCALE)
         self._step_guard = self._make_step_guard()
         if (
             self._rf_opt is not None
