@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from rapidfire_hf.memory.planner import LEVEL_POLICY, POLICY_LEVEL, TRAIN_PEAK_FACTOR, Budget, level_target
 from rapidfire_hf.models import unwrap_peft
 
 logger = logging.getLogger(__name__)
@@ -49,14 +50,6 @@ logger = logging.getLogger(__name__)
 RECOMPUTE_BELOW = {"balanced": 16.0, "aggressive": 4096.0}
 LEVELS = ("conservative", "balanced", "aggressive", "auto")
 ORDER = ("conservative", "balanced", "aggressive")  # least recompute first
-# the policy names of memory.checkpointing -> the cost-policy level implementing each
-POLICY_LEVEL = {
-    "none": "conservative",
-    "off": "conservative",
-    "elementwise": "balanced",
-    "matmuls": "aggressive",
-}
-LEVEL_POLICY = {"conservative": "none", "balanced": "elementwise", "aggressive": "matmuls"}
 FALLBACK_LEVEL = "conservative"  # what `auto` applies when its measurement fails: no recompute, as stock
 
 # (op name, index of the argument whose last dimension is the contraction)
@@ -244,8 +237,6 @@ def activation_bytes(forward: Callable[[], object]) -> int:
 def choose_level(bytes_per_row: dict[str, int], rows: int, budget: int, allowed=ORDER) -> str:
     """The first of ``allowed`` (least recompute first) whose planned training peak for ``rows`` rows
     (``TRAIN_PEAK_FACTOR`` x activation bytes) fits ``budget``; the last of ``allowed`` when none does."""
-    from rapidfire_hf.memory.planner import TRAIN_PEAK_FACTOR
-
     return next((lv for lv in allowed if TRAIN_PEAK_FACTOR * bytes_per_row[lv] * rows <= budget), allowed[-1])
 
 
@@ -265,8 +256,6 @@ def level_budget(device, level, reserve_bytes: int = 0, free_bytes: int | None =
     """The :class:`rapidfire_hf.memory.planner.Budget` of ``level`` on ``device``: the level's share of the
     device (on a CPU, of the RAM available now), what the run holds there now, and ``reserve_bytes``.
     ``free_bytes`` (tests) replaces the measurement: the target is then that many bytes, nothing held."""
-    from rapidfire_hf.memory.planner import Budget, level_target
-
     share = level_target(level).device_share
     if free_bytes is not None:
         return Budget(target_bytes=int(share * free_bytes), held_bytes=0, reserve_bytes=reserve_bytes)
@@ -285,8 +274,6 @@ def level_budget(device, level, reserve_bytes: int = 0, free_bytes: int | None =
 def allowed_levels(level, checkpointing="auto") -> tuple[str, ...]:
     """The cost-policy levels a run may apply: the one ``memory.checkpointing`` forces, else none and
     (when ``memory.optimization`` allows recompute) the two recompute levels, least recompute first."""
-    from rapidfire_hf.memory.planner import level_target
-
     forced = _plain(checkpointing)
     if forced != "auto":
         return (POLICY_LEVEL[forced],)

@@ -44,8 +44,14 @@ GIB = 1024**3
 # checkpointing policies, least recompute first, and the cost-policy level that implements each
 # (rapidfire_hf.memory.checkpointing: RECOMPUTE_BELOW)
 POLICIES = ("none", "elementwise", "matmuls")
-POLICY_LEVEL = {"none": "conservative", "elementwise": "balanced", "matmuls": "aggressive"}
-CHECKPOINTING_CHOICES = ("auto", "off", "elementwise", "matmuls")
+# memory.checkpointing's names ("off" = "none") -> the cost-policy level implementing each, and back
+POLICY_LEVEL = {
+    "none": "conservative",
+    "off": "conservative",
+    "elementwise": "balanced",
+    "matmuls": "aggressive",
+}
+LEVEL_POLICY = {"conservative": "none", "balanced": "elementwise", "aggressive": "matmuls"}
 
 # Tokens per training forward above which the planner stops merging micro-batches.
 MAX_TRAIN_TOKENS = 16384

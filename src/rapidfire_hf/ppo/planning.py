@@ -22,19 +22,19 @@ import torch
 from accelerate.utils import DistributedType
 
 from rapidfire_hf.memory.checkpointing import (
-    POLICY_LEVEL,
     activation_bytes,
+    allowed_levels,
     apply_selective_checkpointing,
     level_budget,
     user_checkpointing,
 )
 from rapidfire_hf.memory.planner import (
-    POLICIES,
+    LEVEL_POLICY,
+    POLICY_LEVEL,
     Asked,
     Plan,
     Probe,
     Workload,
-    level_target,
     make_plan,
     unplanned,
 )
@@ -83,12 +83,10 @@ def asked(args, memory, deepspeed: bool) -> Asked:
 
 
 def policies(memory, checkpointing: str) -> tuple[str, ...]:
-    """The checkpointing policies the run may apply, least recompute first."""
+    """The checkpointing policies the run may apply, least recompute first (``allowed_levels``)."""
     if checkpointing == "gradient_checkpointing":
         return ("gradient_checkpointing",)
-    if checkpointing != "auto":
-        return ({"off": "none"}.get(checkpointing, checkpointing),)
-    return POLICIES if level_target(memory.optimization).recompute else ("none",)
+    return tuple(LEVEL_POLICY[lv] for lv in allowed_levels(memory.optimization, checkpointing))
 
 
 def _apply(models, policy: str) -> None:
