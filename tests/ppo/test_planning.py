@@ -108,3 +108,23 @@ def test_probe_is_cached_and_a_damaged_cache_is_measured_again(tmp_path, tokeniz
     assert not probes[-1].cached and "ignoring the plan's probe cache" in caplog.text
     assert third.plan.train_rows == first.plan.train_rows
     assert '"version": 1' in cache.read_text()  # rewritten whole
+
+
+def test_probe_cache_survives_hostile_folders_and_entries(tmp_path, caplog):
+    """A folder name over the system's limit, a folder that cannot be created, negative or NaN entries:
+    nothing raises, nothing bad is trusted, the probe is measured again."""
+    from rapidfire_hf.ppo.planning import ProbeCache
+
+    with caplog.at_level(logging.WARNING):
+        long = ProbeCache(tmp_path / ("x" * 300))
+        long.put("k", {"none": 5})
+        assert long.get("k", ("none",)) is None
+        blocked = tmp_path / "file"
+        blocked.write_text("")
+        under_a_file = ProbeCache(blocked)  # a folder where a file is
+        under_a_file.put("k", {"none": 5})
+        assert under_a_file.get("k", ("none",)) is None
+    assert "could not write the plan's probe cache" in caplog.text
+    for entry in ('{"none": -3}', '{"none": NaN}', '{"none": true}', '{"other": 4}'):
+        (tmp_path / PROBE_CACHE).write_text('{"version": 1, "entries": {"k": ' + entry + "}}")
+        assert ProbeCache(tmp_path).get("k", ("none",)) is None, entry

@@ -107,9 +107,9 @@ class ProbeCache:
         self.path = Path(folder) / PROBE_CACHE
 
     def _read(self) -> dict:
-        if not self.path.is_file():
-            return {}
         try:
+            if not self.path.is_file():  # inside: a name over the system's limit raises here too
+                return {}
             data = json.loads(self.path.read_text())
             if not isinstance(data, dict) or data.get("version") != PROBE_CACHE_VERSION:
                 raise ValueError("not a probe cache of this version")
