@@ -1,0 +1,169 @@
+"""PPOTrainer's numbers are pinned: a few updates' metrics and the final weights of the tiny CPU setup,
+in the trainer's main configurations, equal (bit for bit) those recorded in
+``reference/update_parity.json``.
+
+The reference was recorded from commit 6d58a9e, before PPOTrainer's mixins became components (issue 28),
+so a refactor of the update cannot change what it computes without this test failing. Re-record only for
+an intended change of the numbers: ``PYTHONPATH=src python -m tests.ppo.test_update_parity``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidfire_hf.demo import build_char_tokenizer, build_tiny_llama, build_tiny_value_model, vowel_reward
+from tests.ppo.helpers import tiny_trainer
+
+REFERENCE = Path(__file__).parent / "reference" / "update_parity.json"
+# wall-clock keys and the plan's memory figures (from the host's free memory) differ from run to run;
+# everything else is arithmetic
+_TIMED = ("time/", "tokens_per_second", "eps")
+_MEASURED = ("_gib",)
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+
+def _value_head_model(tok):
+    from rapidfire_hf.models import AutoModelForCausalLMWithValueHead
+
+    torch.manual_seed(5)
+    return AutoModelForCausalLMWithValueHead.from_pretrained(build_tiny_llama(tok))
+
+
+def _nan_second_window(trainer):
+    from tests.helpers.faults_train import nan_observed_loss
+
+    nan_observed_loss(trainer._rf_opt, calls=[2])  # a rollback of one window and its replay
+
+
+# name -> (ppo_args overrides, trainer kwargs built from the tokenizer, hook on the built trainer)
+CASES = {
+    "separate": ({}, lambda tok: {}, None),
+    "fused": ({"value_mode": "fused"}, lambda tok: {}, None),
+    "lora_fused": (
+        {"value_mode": "fused", "learning_rate": 1e-2},
+        lambda tok: {"peft_config": _lora()},
+        None,
+    ),
+    "lora_separate": ({}, lambda tok: {"peft_config": _lora()}, None),
+    "rapidfire": ({"rapidfire_config": "balanced", "max_steps": 3}, lambda tok: {}, None),
+    "rapidfire_replay": (
+        {"rapidfire_config": {"gradient": {"pipeline": True, "sync_interval": 2}}, "max_grad_norm": 0.0},
+        lambda tok: {},
+        _nan_second_window,
+    ),
+    "reward_model": (
+        {"value_mode": "fused"},
+        lambda tok: {"reward_model": build_tiny_value_model(tok, seed=7)},
+        None,
+    ),
+    "value_head_model": ({"value_mode": "fused"}, lambda tok: {"model": _value_head_model(tok)}, None),
+    "micro_batch_2": (
+        {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4},
+        lambda tok: {},
+        None,
+    ),
+}
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(
+        t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    ).hexdigest()
+
+
+def run_case(name: str, tmp_path) -> dict:
+    """Train case ``name`` and return its metrics per update and a digest of each final weight."""
+    overrides, kwargs, hook = CASES[name]
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    extra = kwargs(tok)
+    model = extra.pop("model", None)
+    if model is not None:  # a value-head model as the policy: no separate value model
+        from rapidfire_hf.demo import make_prompt_dataset
+        from rapidfire_hf.ppo import PPOTrainer
+        from tests.ppo.helpers import ppo_args
+
+        trainer = PPOTrainer(
+            args=ppo_args(tmp_path, **overrides),
+            processing_class=tok,
+            model=model,
+            reward_funcs=vowel_reward,
+            train_dataset=make_prompt_dataset(16),
+            **extra,
+        )
+    else:
+        if "reward_model" in extra:
+            trainer = _with_reward_model(tmp_path, tok, overrides, extra)
+        else:
+            trainer = tiny_trainer(tmp_path, tok, trainer_kwargs=extra, **overrides)
+    if hook is not None:
+        hook(trainer)
+    trainer.train()
+    metrics = [
+        {k: v for k, v in entry.items() if not k.startswith(_TIMED) and not k.endswith(_MEASURED)}
+        for entry in trainer.state.log_history
+    ]
+    module = trainer.accelerator.unwrap_model(trainer.model)
+    weights = {k: _digest(v) for k, v in module.state_dict().items()}
+    return {"metrics": metrics, "weights": weights}
+
+
+def _with_reward_model(tmp_path, tok, overrides, extra):
+    from rapidfire_hf.demo import make_prompt_dataset
+    from rapidfire_hf.ppo import PPOTrainer
+    from tests.ppo.helpers import ppo_args
+
+    args = ppo_args(tmp_path, **overrides)
+    return PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=build_tiny_llama(tok),
+        value_model=build_tiny_value_model(tok) if args.value_mode == "separate" else None,
+        train_dataset=make_prompt_dataset(16),
+        **extra,
+    )
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_update_is_bit_exact_against_the_recorded_run(name, tmp_path, single_thread):
+    reference = json.loads(REFERENCE.read_text())[name]
+    got = run_case(name, tmp_path)
+    assert len(got["metrics"]) == len(reference["metrics"])
+    for step, (want, have) in enumerate(zip(reference["metrics"], got["metrics"])):
+        assert set(have) == set(want), f"update {step + 1}: metric names differ"
+        differ = {k: (want[k], have[k]) for k in want if not _same(want[k], have[k])}
+        assert not differ, f"update {step + 1}: {differ}"
+    assert got["weights"] == reference["weights"]
+
+
+def record() -> None:
+    import tempfile
+
+    torch.set_num_threads(1)  # as the single_thread fixture: reductions in one fixed order
+    out = {}
+    for name in sorted(CASES):
+        with tempfile.TemporaryDirectory() as tmp:
+            out[name] = run_case(name, Path(tmp))
+            print(name, out[name]["metrics"][-1].get("objective/scores"))
+    REFERENCE.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    record()
