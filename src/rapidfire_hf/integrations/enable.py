@@ -58,7 +58,11 @@ def enable_rapidfire(
       (``config.precision``; its base precision is the trainer's own ``bf16``/``fp16`` setting, since the
       trainer owns autocast).
     - For GRPO/RLOO: the rollout engine in place of ``model.generate`` (``rollout=False`` keeps HF's).
-    - ``rapidfire/*`` metrics in every training log, so ``report_to`` (W&B, TensorBoard) receives them.
+    - ``rapidfire/*`` metrics in every training log, so ``report_to`` (W&B, TensorBoard) receives them;
+      the console line shows a few of them (``rapidfire_hf.integrations.console``).
+    - Skipped optimizer steps counted per logging window (``rapidfire/steps_skipped``), each logged with its
+      reason, and a NaN loss for a window where every step was skipped
+      (``rapidfire_hf.integrations.skips``).
     - ``trainer.disable_pipeline()`` / ``trainer.enable_pipeline()``.
     - With ``config.memory.lowmem`` ``"on"`` / ``"on_8bit_embedding"`` (GRPO/RLOO only): the low-memory
       stack of ``rapidfire_hf.integrations.lowmem.install_lowmem`` (chunked, host-offloaded activation
@@ -133,6 +137,7 @@ def enable_rapidfire(
         _install_rollout(trainer, state, "auto" if rollout is True else rollout)
     if lowmem != "off":
         _install_lowmem(trainer, state, lowmem, lowmem_options)
+    _install_skips(trainer, state)
     _install_metrics(trainer, state, peak_flops)
     trainer.disable_pipeline = functools.partial(_set_pipeline, trainer, False)
     trainer.enable_pipeline = functools.partial(_set_pipeline, trainer, True)
@@ -261,6 +266,12 @@ def _install_rollout(trainer, state: RapidFireState, backend: str) -> None:
     state.installed.append(f"rollout engine (backend={backend}) in place of model.generate")
 
 
+def _install_skips(trainer, state: RapidFireState) -> None:
+    from rapidfire_hf.integrations.skips import install_skip_tracking
+
+    state.parts["skips"] = install_skip_tracking(trainer)  # part of the metrics: no line of its own
+
+
 def _install_metrics(trainer, state: RapidFireState, peak_flops: float | None) -> None:
     from rapidfire_hf.integrations.metrics import RapidFireMetricsCallback
     from rapidfire_hf.integrations.wandb_logger import RapidFireWandbCallback
@@ -276,5 +287,8 @@ def _install_metrics(trainer, state: RapidFireState, peak_flops: float | None) -
         callback = RapidFireMetricsCallback(trainer, peak_flops=peak_flops, log_every=every)
     trainer.add_callback(callback)
     state.parts["metrics"] = callback
+    from rapidfire_hf.integrations.console import shorten_console
+
+    shorten_console(trainer)  # all the keys still go to log_history and report_to
     where = "W&B (direct)" if direct_wandb else f"report_to={trainer.args.report_to or []}"
     state.installed.append(f"rapidfire/* metrics to {where}")

@@ -18,9 +18,9 @@ import torch
 from transformers import TrainerControl
 from transformers.optimization import get_scheduler
 
+from rapidfire_hf.models.value_head import ValueHead
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import PromptOrder
-from rapidfire_hf.ppo.modeling import ValueHead
 from rapidfire_hf.ppo.setup import default_adamw
 from rapidfire_hf.ppo.trainer import PPOTrainerState
 
