@@ -9,8 +9,9 @@ from torch import nn
 
 from rapidfire_hf.demo import build_char_tokenizer, build_tiny_llama, build_tiny_value_model
 from rapidfire_hf.memory import activation_bytes
+from rapidfire_hf.models.value_head import ValueHead
 from rapidfire_hf.ppo import modeling
-from rapidfire_hf.ppo.modeling import PolicyAndValue, ValueHead, response_logprobs
+from rapidfire_hf.ppo.modeling import PolicyAndValue, response_logprobs
 from rapidfire_hf.precision.schedule import Precision, set_layer_precision
 
 # fp32 on CPU: the kernel's per-chunk log-sum-exp and recomputed backward differ from one full

@@ -28,17 +28,34 @@ _PEFT_KWARGS = ("peft_config", "is_trainable")
 class ValueHead(nn.Module):
     """One value per position from a hidden state: ``summary(dropout(hidden))``, squeezed to ``[..., T]``.
 
+    The one value head of the package: PPOTrainer's fused value head, each PPOSweep trial's, and the
+    ``v_head`` of the value-head models below (TRL's checkpoint layout: ``summary.weight``, ``summary.bias``).
+
     Args:
         hidden_size: width of the hidden states.
-        dropout: dropout probability before the projection.
+        dropout: dropout probability before the projection (PPOTrainer turns dropout off).
+        init: ``"scaled"`` (PPO's fused head: weight ~ N(0, 1/(hidden_size+1)), bias 0, drawn after
+            ``nn.Linear``'s own init, so the global RNG advances as it always did) or ``"linear"``
+            (``nn.Linear``'s default init, as TRL's value-head models).
+
+    Example:
+        >>> head = ValueHead(64)
+        >>> head(torch.randn(2, 5, 64)).shape
+        torch.Size([2, 5])
     """
 
-    def __init__(self, hidden_size: int, dropout: float = 0.0):
+    def __init__(self, hidden_size: int, dropout: float = 0.0, init: str = "scaled"):
         super().__init__()
+        if init not in ("scaled", "linear"):
+            raise ValueError(f"ValueHead init must be 'scaled' or 'linear', got {init!r}")
         self.dropout = nn.Dropout(dropout)
         self.summary = nn.Linear(hidden_size, 1)
+        if init == "scaled":
+            nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+            nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., T, H]`` hidden states -> ``[..., T]`` values (in the head's dtype)."""
         hidden = hidden.to(self.summary.weight.dtype)
         return self.summary(self.dropout(hidden)).squeeze(-1)
 
@@ -259,7 +276,7 @@ class PreTrainedModelWrapper(nn.Module):
         if summary_dropout_prob is None:
             summary_dropout_prob = getattr(self.config, "summary_dropout_prob", None)
         dropout = 0.1 if summary_dropout_prob is None else float(summary_dropout_prob)
-        self.v_head = ValueHead(_hidden_size(self.config), dropout)
+        self.v_head = ValueHead(_hidden_size(self.config), dropout, init="linear")
         if v_head_init_strategy == "normal":
             nn.init.normal_(self.v_head.summary.weight, std=v_head_initializer_range)
             nn.init.zeros_(self.v_head.summary.bias)

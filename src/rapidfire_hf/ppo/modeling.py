@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from rapidfire_hf.kernels import chunked_logprobs, chunked_logprobs_and_entropy
-from rapidfire_hf.models import causal_lm_parts
-from rapidfire_hf.models.plumbing import classifier_parts
+from rapidfire_hf.models.plumbing import causal_lm_parts, classifier_parts
+from rapidfire_hf.models.value_head import ValueHead
 
 # Tokens whose logits exist at once in response_logprobs' kernel path: about 3 x 512 x V x 4 bytes of
 # transient fp32 (0.2 GB at V = 32000) instead of the B x R x V x 4 saved for backward by full logits.
@@ -127,19 +127,6 @@ def response_logprobs(
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
-class ValueHead(nn.Module):
-    """A scalar value per position from a backbone's last hidden state (the fused PPO mode)."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.summary = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
-        nn.init.zeros_(self.summary.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
-
-
 def value_head_dtype(policy: nn.Module, mixed_precision: str) -> torch.dtype:
     """The fused value head's dtype: fp32 under mixed precision (the policy's weights are then fp32 or
     upcast); without mixed precision, a policy held in one dtype (pure bf16 training) gets a head in that
@@ -207,11 +194,25 @@ class PolicyAndValue(nn.Module):
         resp_hidden = hidden[:, context_length - 1 : -1]
         responses = query_responses[:, context_length:]
         logprobs, entropy = response_logprobs(resp_hidden, lm_head, responses, temperature, with_entropy)
-        if self.fused:
-            values = self.value_head(resp_hidden)
-        else:
-            values = value_positions(self.value_model, inputs, context_length)
-        return logprobs, values.float(), entropy
+        return logprobs, self._values(inputs, context_length, resp_hidden).float(), entropy
+
+    def values(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+        """The values alone (scoring): the same numbers ``forward`` gives, without the log-probs. [B, R]"""
+        inputs = sequence_inputs(query_responses, pad_token_id, self.full_mask)
+        return self._values(inputs, context_length)
+
+    def _values(
+        self, inputs: dict[str, torch.Tensor], context_length: int, resp_hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The one place values are computed: the value head on the policy's hidden states of the response
+        positions (``resp_hidden`` when the caller already ran the policy), or the separate value model."""
+        if not self.fused:
+            return value_positions(self.value_model, inputs, context_length)
+        if resp_hidden is None:
+            decoder, _ = causal_lm_parts(self.policy)
+            hidden = decoder(**inputs, use_cache=False, return_dict=True).last_hidden_state
+            resp_hidden = hidden[:, context_length - 1 : -1]
+        return self.value_head(resp_hidden)
 
 
 def value_positions(

@@ -9,14 +9,7 @@ import torch
 
 from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo.core import compute_advantages, first_true_indices, truncate_after_stop
-from rapidfire_hf.ppo.modeling import (
-    PolicyAndValue,
-    causal_lm_parts,
-    policy_logprobs,
-    reward_model_scores,
-    sequence_inputs,
-    value_positions,
-)
+from rapidfire_hf.ppo.modeling import policy_logprobs, reward_model_scores
 from rapidfire_hf.ppo.planning import unplanned_run
 from rapidfire_hf.ppo.rewards import reward_funcs_scores
 from rapidfire_hf.ppo.types import Experience, Rollout
@@ -63,10 +56,10 @@ class ScoringMixin:
                 # head on the policy's hidden states, need the adapter on, as in training
                 with self._reference_context() as ref:
                     lp = policy_logprobs(ref, chunk, pad, ctx, args.temperature, unwrapped.full_mask)
-                if self.reward_model is None:
-                    return lp, self._values(unwrapped, chunk, ctx), None
-                rm = reward_model_scores(self.reward_model, post_qr[start:stop], pad, ctx)
-                return lp, self._values(unwrapped, chunk, ctx), rm
+                rm = None
+                if self.reward_model is not None:
+                    rm = reward_model_scores(self.reward_model, post_qr[start:stop], pad, ctx)
+                return lp, unwrapped.values(chunk, pad, ctx), rm
 
             # an OOM halves the forward batch and retries (ppo/recovery.py)
             parts = self._no_grad_in_chunks(
@@ -93,19 +86,6 @@ class ScoringMixin:
             whiten_rewards=args.whiten_rewards,
         )
         return Experience(rollout=rollout, adv=adv, postprocessed_responses=post)
-
-    def _values(self, unwrapped: PolicyAndValue, query_responses, ctx):
-        if not unwrapped.fused:
-            return value_positions(
-                unwrapped.value_model,
-                sequence_inputs(query_responses, self.pad_token_id, unwrapped.full_mask),
-                ctx,
-            )
-        decoder, _ = causal_lm_parts(unwrapped.policy)
-        hidden = decoder(
-            **sequence_inputs(query_responses, self.pad_token_id, unwrapped.full_mask), use_cache=False
-        ).last_hidden_state
-        return unwrapped.value_head(hidden[:, ctx - 1 : -1])
 
     def _reward_funcs_scores(self, rollout: Rollout, post: torch.Tensor) -> torch.Tensor:
         tok = self.processing_class

@@ -15,15 +15,11 @@ from transformers.optimization import get_scheduler
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
+from rapidfire_hf.models.plumbing import causal_lm_parts
+from rapidfire_hf.models.value_head import ValueHead
 from rapidfire_hf.ppo.config import check_optimizer_options, check_value_mode
 from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset, prompt_limits
-from rapidfire_hf.ppo.modeling import (
-    PolicyAndValue,
-    ValueHead,
-    causal_lm_parts,
-    check_value_model,
-    value_head_dtype,
-)
+from rapidfire_hf.ppo.modeling import PolicyAndValue, check_value_model, value_head_dtype
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
 from rapidfire_hf.ppo.speedups import KernelPatches, all_sdpa, apply_liger, compile_layers
 
