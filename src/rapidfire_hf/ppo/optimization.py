@@ -12,7 +12,7 @@ from accelerate.utils import DistributedType
 
 from rapidfire_hf.ppo.core import ppo_loss
 from rapidfire_hf.ppo.planning import plan_run
-from rapidfire_hf.ppo.types import _STAT_KEYS, Experience
+from rapidfire_hf.ppo.types import STAT_KEYS, Experience
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
 
@@ -52,7 +52,7 @@ class OptimizationMixin:
             plan_run(self, exp.rollout.queries)
         steps = -(-mb // self.plan.train_rows)  # forwards per optimizer step (merged micro-batches)
         shape = (args.num_ppo_epochs, args.num_mini_batches, steps)
-        stats = {k: torch.zeros(shape, device=acc.device) for k in _STAT_KEYS}
+        stats = {k: torch.zeros(shape, device=acc.device) for k in STAT_KEYS}
         self.model.train()
         if self._oom_recovery is not None:  # memory may differ after the rollout: try whole micro-batches
             self._oom_recovery.reset()
@@ -86,7 +86,7 @@ class OptimizationMixin:
                 idx = mb_idx[start : start + micro].to(qr.device)
                 out, ent = self._micro_step(qr[idx], ctx, adv, idx)
                 values = (out.approx_kl, out.pg_clipfrac, out.pg_loss, out.vf_loss, out.vf_clipfrac, ent)
-                for key, value in zip(_STAT_KEYS, (*values, out.ratio_mean)):
+                for key, value in zip(STAT_KEYS, (*values, out.ratio_mean)):
                     stats[key][epoch, m, u] = value
             replays = self._replays(getattr(self._rf_opt, "last_rollback", None))
             if replays and budget > 0:

@@ -41,7 +41,7 @@ class Experience:
     postprocessed_responses: torch.Tensor  # [B, R] truncated after the stop token
 
 
-_STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
+STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
 
 
 def _to_float(v):

@@ -22,8 +22,7 @@ from rapidfire_hf.ppo.modeling import (
 from rapidfire_hf.ppo.reporting import update_device_metrics, update_host_metrics
 from rapidfire_hf.ppo.rollout_phase import sampling_params
 from rapidfire_hf.ppo.trainer import Experience, Rollout
-
-_STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
+from rapidfire_hf.ppo.types import STAT_KEYS as _STAT_KEYS
 
 
 def blocks(trials, rows_of) -> list[tuple[object, int, int]]:
