@@ -9,6 +9,10 @@ A user's mistake never ends in a traceback: :func:`main` turns the errors a subc
 (``ConfigError``, ``ValueError``, ``FileNotFoundError``, ``ImportError``, and ``SystemExit`` with a message)
 into one line on stderr, ``rapidfire COMMAND: error: ...``, and exit status 2. ``rapidfire --debug COMMAND``
 re-raises instead, to show the traceback. Any other exception is a bug of ours and propagates.
+
+Ctrl-C (``KeyboardInterrupt``) on any subcommand prints one line, ``rapidfire COMMAND: interrupted``, and
+exits with status 130 (128 + SIGINT, what a shell reports for a program stopped by Ctrl-C); ``--debug`` shows
+the traceback instead.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 # subcommand modules, in the order `rapidfire --help` lists them
 SUBCOMMANDS = ("demo", "plan", "sweep", "monitor", "bench", "env", "config_cmd")
 EXIT_USAGE = 2  # a mistake in the command line or in a file it names (argparse's status for the same)
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
 # what a subcommand raises for bad input (ConfigError is a ValueError); anything else is a bug and propagates
 USER_ERRORS = (ValueError, FileNotFoundError, ImportError)
 
@@ -48,8 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        if "--debug" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+            raise
+        command = next((a for a in argv if not a.startswith("-")), "")
+        print(f"rapidfire{' ' + command if command else ''}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _run(argv: list[str]) -> int:
+    parser = build_parser()
     passthrough = []
     if "--" in argv:  # everything after `--` goes to the subcommand untouched (e.g. a benchmark script)
         cut = argv.index("--")

@@ -5,7 +5,7 @@ The process is found through the registry entry its ``TelemetryWriter`` wrote
 the view adds the process's memory as the driver sees it (NVML, extra ``nvml``), which includes what the
 caching allocator does not count (CUDA context, NCCL buffers).
 
-Exit status: 0 shown (``--once``) or stopped with Ctrl-C; 2 bad arguments; 3 no process has this PID; 4 the
+Exit status: 0 shown (``--once``); 130 stopped with Ctrl-C (one line, from ``rapidfire``); 2 bad arguments; 3 no process has this PID; 4 the
 process is not a rapidfire training process (no telemetry registered, or an unreadable entry); 5 the process
 ended while being watched; 6 its telemetry stream cannot be read (deleted, or not readable by this user).
 
@@ -262,8 +262,6 @@ def run(args) -> int:
             return EXIT_OK
         created = entry.get("create_time") if _number(entry.get("create_time")) else None
         return _watch(args, tail, summary, console, err, lambda: is_running(args.pid, created))
-    except KeyboardInterrupt:
-        return EXIT_OK
     except BrokenPipeError:  # `rapidfire monitor | head`: stdout's reader left (main exits 0 quietly)
         raise
     except OSError as e:  # deleted, moved, or another user's private stream
