@@ -10,6 +10,10 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# without a GPU the project's Triton kernels run in Triton's interpreter (read when a kernel module is
+# imported, so it is set before any test imports one)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

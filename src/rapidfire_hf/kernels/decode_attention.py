@@ -5,13 +5,16 @@ HF's eager and SDPA paths expand K/V from ``kv_heads`` to ``heads`` over the who
 (benchmarks/rollout/README.md). Here the ``group = heads // kv_heads`` query heads that share a K/V head are laid out as
 the rows of one attention problem over that head: ``[B, kv, group, D]`` against ``[B, kv, L, D]``.
 
-Two implementations of the same math:
+Three implementations of the same math:
 
 - ``"sdpa"`` (default): ``scaled_dot_product_attention`` with the group as the query-length axis (no
   causal mask among the group's rows; a ``[B, 1, 1, L]`` key mask). On CUDA this is a fused kernel
   (memory-efficient / cuDNN attention), so the ``[B, kv, group, L]`` scores never reach memory.
 - ``"matmul"``: two batched matmuls with an fp32 softmax in between, as HF's eager attention does.
   Unfused: at group 8 the fp32 scores passes move more bytes than the K/V reads themselves.
+- ``"triton"``: the project's flash-decoding kernel (``kernels/triton_flash_decode.py``): the group's query
+  heads as one tile per K/V head, the cache length split across programs so a small batch still fills the
+  GPU, fp32 online softmax. Needs Triton and a CUDA device (or ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IMPLS = ("sdpa", "matmul")
+IMPLS = ("sdpa", "matmul", "triton")
 
 
 def gqa_decode_attention(
@@ -39,7 +42,7 @@ def gqa_decode_attention(
         v_cache: ``[B, KV, L, D]`` cached values.
         key_valid: ``[B, L]`` bool, True where a cache slot holds a real token this query may see.
         scale: softmax scale, usually ``D ** -0.5``.
-        impl: "sdpa" (fused where the device has a kernel) or "matmul".
+        impl: "sdpa" (fused where the device has a kernel), "matmul" or "triton".
 
     Returns:
         ``[B, KV, G, D]`` attention output in ``q.dtype``.
@@ -48,6 +51,8 @@ def gqa_decode_attention(
         return F.scaled_dot_product_attention(
             q, k_cache, v_cache, attn_mask=key_valid[:, None, None, :], scale=scale
         )
+    if impl == "triton":
+        return _triton_flash_decode()(q, k_cache, v_cache, key_valid, scale)
     if impl != "matmul":
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     scores = torch.matmul(q, k_cache.transpose(-1, -2)).float() * scale  # [B, KV, G, L]
@@ -55,3 +60,21 @@ def gqa_decode_attention(
     # fp32 softmax then cast back, as HF's eager attention does
     probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
     return torch.matmul(probs, v_cache)
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why ``impl="triton"`` cannot run on ``device`` (None when it can)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (it ships with the CUDA builds of torch)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the Triton kernels run on CUDA devices, not {device.type} (TRITON_INTERPRET=1 runs them slowly on the CPU)"
+    return None
+
+
+def _triton_flash_decode():
+    from rapidfire_hf.kernels.triton_flash_decode import flash_decode
+
+    return flash_decode

@@ -48,7 +48,11 @@ class RolloutEngine:
         backend: "auto" (the static engine on CUDA for Llama/Mistral/Qwen2/Qwen3, else "hf"), "static"
             (force the static engine; also runs on CPU) or "hf" (``model.generate``).
         decode_mode: static engine only: "auto", "eager", "cuda_graph" or "compile".
-        decode_attention: static engine only: "sdpa" (fused GQA attention on CUDA) or "matmul".
+        decode_attention: static engine only: "sdpa" (fused GQA attention on CUDA), "matmul", or "triton"
+            (the project's split-length flash-decoding kernel, ``kernels/triton_flash_decode.py``).
+        decode_sampler: static engine only: "torch" (``rollout/sampling.py``), "triton" (one fused kernel
+            on the same noise: the same tokens) or "triton-philox" (the kernel draws its own noise);
+            the Triton samplers take temperature only (no top-k / top-p).
         prefill_chunk_rows: static engine only: run the prompt prefill that many prompts at a time, which
             divides the rollout's largest transient (one layer's MLP over every prompt token) by
             ``batch / prefill_chunk_rows`` (``None``: all prompts at once; the hf backend ignores it).
@@ -78,6 +82,7 @@ class RolloutEngine:
         decode_mode: str = "auto",
         decode_attention: str = "sdpa",
         prefill_chunk_rows: int | None = None,
+        decode_sampler: str = "torch",
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -109,6 +114,7 @@ class RolloutEngine:
                 decode_mode,
                 attention=decode_attention,
                 prefill_rows=prefill_chunk_rows,
+                sampler=decode_sampler,
             )
 
     @property

@@ -13,12 +13,16 @@ import warnings
 
 import torch
 
+from rapidfire_hf.kernels.decode_attention import triton_unavailable_reason
 from rapidfire_hf.rollout.llama_forward import StaticLlama
 from rapidfire_hf.rollout.prefill import chunk_prefill
 from rapidfire_hf.rollout.sampling import sample_tokens
 from rapidfire_hf.rollout.types import SamplingParams
 
 DECODE_MODES = ("eager", "cuda_graph", "compile")
+# "torch": sample_tokens (rollout/sampling.py); "triton": the fused kernel on the same noise (same tokens);
+# "triton-philox": the fused kernel drawing its own noise (no [B, V] noise written by the host per step)
+SAMPLERS = ("torch", "triton", "triton-philox")
 # host reads "are all rows finished?" only this often: each read is a device sync
 _STOP_CHECK_EVERY = 16
 # attention reads the cache up to the next multiple of this many slots, not all of it: at 128 + 384
@@ -63,6 +67,7 @@ class _Buffers:
         self.logprobs = torch.zeros(b, r, dtype=torch.float32, device=device)
         self.step = torch.ones(1, dtype=torch.long, device=device)
         self.noise = torch.empty(b, vocab, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(b, dtype=torch.long, device=device)  # Philox seeds ("triton-philox")
         self.stops = None  # [S] int64
 
 
@@ -101,7 +106,15 @@ class StaticEngine:
         prompt_bucket: int = 32,
         attention: str = "sdpa",
         prefill_rows: int | None = None,
+        sampler: str = "torch",
     ):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        self.sampler = sampler
+        if attention == "triton" or sampler != "torch":
+            reason = triton_unavailable_reason(next(model.parameters()).device)
+            if reason is not None:
+                raise ValueError(f"attention={attention!r} / sampler={sampler!r} cannot run here: {reason}")
         self.net = StaticLlama(model, attention)
         if prefill_rows is not None:
             chunk_prefill(self.net, prefill_rows)
@@ -153,8 +166,7 @@ class StaticEngine:
         cos = buf.cos.index_select(1, slot).squeeze(1)
         sin = buf.sin.index_select(1, slot).squeeze(1)
         hidden = self.net.decode(prev, slot, cos, sin, buf.key_valid, buf.k, buf.v, kv_len)
-        noise = buf.noise if params.do_sample else None
-        tok, lp = sample_tokens(self.net.logits(hidden), params, noise)
+        tok, lp = self._sample(hidden, params)
         # a row is done when a stop token sits among its tokens 0..t-1 (recomputed, so the step is idempotent)
         earlier = torch.arange(r, device=t.device)[None, :] < t
         done = ((buf.tokens[:, :, None] == buf.stops).any(-1) & earlier).any(-1)
@@ -162,6 +174,23 @@ class StaticEngine:
         lp = torch.where(done, 0.0, lp)
         buf.tokens.index_copy_(1, t, tok[:, None])
         buf.logprobs.index_copy_(1, t, lp[:, None])
+
+    def _sample(self, hidden: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and log-probs of step ``buf.step`` from the final hidden states, with the engine's sampler."""
+        buf = self._buf
+        if self.sampler == "torch":
+            return sample_tokens(self.net.logits(hidden), params, buf.noise if params.do_sample else None)
+        from rapidfire_hf.kernels.triton_sampling import fused_sample
+
+        philox = self.sampler == "triton-philox"
+        return fused_sample(
+            self.net.lm_head(hidden),  # the model's dtype: the kernel reads it and computes in fp32
+            params.temperature,
+            params.do_sample,
+            noise_uniform=buf.noise if params.do_sample and not philox else None,
+            seeds=buf.seeds if params.do_sample and philox else None,
+            step=buf.step,
+        )
 
     def _kv_len(self, mode: str, t: int) -> int:
         """Cache slots step ``t`` must read, rounded up to a multiple of ``KV_BUCKET`` (whole cache when compiled)."""
@@ -266,13 +295,23 @@ class StaticEngine:
             attention_mask = torch.cat([attention_mask.new_zeros(b, extra), attention_mask], dim=1)
             p += extra
         r = params.max_new_tokens
+        if self.sampler != "torch" and (params.top_k > 0 or params.top_p < 1.0):
+            raise ValueError(
+                f"sampler={self.sampler!r} fuses temperature sampling only; top_k={params.top_k} / "
+                f"top_p={params.top_p} need sampler='torch'"
+            )
         buf = self._prepare(input_ids, attention_mask, r)
         generator = _row_generators(generator, b, device)
+        # per-step host noise, except when the kernel draws its own (seeded once per call)
+        host_noise = params.do_sample and self.sampler != "triton-philox"
+        if params.do_sample and not host_noise:
+            _fill_seeds(buf.seeds, generator)
 
         hidden = self.net.prefill(input_ids, attention_mask, buf.cos[:, :p], buf.sin[:, :p], buf.k, buf.v)
-        if params.do_sample:
+        if host_noise:
             _fill_noise(buf.noise, generator)
-        tok, lp = sample_tokens(self.net.logits(hidden), params, buf.noise if params.do_sample else None)
+        buf.step.fill_(0)
+        tok, lp = self._sample(hidden, params)
         buf.tokens[:, 0] = tok
         buf.logprobs[:, 0] = lp
         mode = self._mode(device)
@@ -281,7 +320,7 @@ class StaticEngine:
             if t % _STOP_CHECK_EVERY == 0 and self._all_stopped(buf, t):
                 break
             buf.step.fill_(t)
-            if params.do_sample:
+            if host_noise:
                 _fill_noise(buf.noise, generator)
             try:
                 self._run_step(params, mode, t)
@@ -339,4 +378,15 @@ def _fill_noise(noise: torch.Tensor, generator) -> None:
     start = 0
     for rows, gen in generator:
         noise[start : start + rows].uniform_(generator=gen)
+        start += rows
+
+
+def _fill_seeds(seeds: torch.Tensor, generator) -> None:
+    """``[B]`` Philox seeds for the fused sampler: from one generator, or block by block (see generate)."""
+    blocks = generator if isinstance(generator, list) else [(seeds.shape[0], generator)]
+    start = 0
+    for rows, gen in blocks:
+        device = gen.device if gen is not None else seeds.device
+        drawn = torch.randint(0, 2**31 - 1, (rows,), generator=gen, dtype=torch.long, device=device)
+        seeds[start : start + rows].copy_(drawn)
         start += rows

@@ -1,0 +1,199 @@
+"""GQA flash-decoding in Triton: one query token per row against a static KV cache, split over its length.
+
+The grid is ``(batch x kv_heads, splits)``. Each program loads the ``group`` query heads that share one
+K/V head as the rows of a ``[G, D]`` tile, so every K/V slot is read once for its whole group, and walks
+its share of the cache in ``BLOCK_N`` slots with an online softmax in fp32 (``key_valid`` masks slots per
+row). At small batches ``batch x kv_heads`` programs would leave most of the GPU idle (8 x 4 = 32 on a
+132-SM H200), so the cache length is split until there are about two programs per SM; a second kernel
+merges the splits' partial sums with their log-sum-exp weights. With one split the first kernel writes
+the normalised output itself.
+
+Imported lazily by :func:`rapidfire_hf.kernels.decode_attention.gqa_decode_attention` (``impl="triton"``):
+Triton decides at import whether kernels are compiled for the GPU or run by its interpreter
+(``TRITON_INTERPRET=1``, how the CPU tests run them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # cache slots per inner step
+PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _partial_kernel(
+    Q, K, V, Valid, Out, Acc, Mx, Sums,
+    stride_qb, stride_qh, stride_qg,
+    stride_kb, stride_kh, stride_kl,
+    stride_vb, stride_vh, stride_vl,
+    stride_valid,
+    stride_ob, stride_oh, stride_og,
+    n_kv, group, kv_len, split_len, n_splits, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    SINGLE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // n_kv
+    h = bh % n_kv
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK)
+    g_ok = offs_g < group
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK):
+        cols = n0 + offs_n
+        c_ok = cols < end
+        ok = c_ok & (tl.load(Valid + b * stride_valid + cols, mask=c_ok, other=0) != 0)
+        k = tl.load(
+            k_base + cols[:, None] * stride_kl + offs_d[None, :],
+            mask=c_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with no valid slot yet keeps m = -inf; shift by 0 there so exp() gives 0, never NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vl + offs_d[None, :],
+            mask=c_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if SINGLE:
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        row = (bh * n_splits + split) * BLOCK_G
+        tl.store(Acc + (row + offs_g[:, None]) * BLOCK_D + offs_d[None, :], acc)
+        tl.store(Mx + row + offs_g, m_i)
+        tl.store(Sums + row + offs_g, l_i)
+
+
+@triton.jit
+def _merge_kernel(
+    Acc, Mx, Sums, Out,
+    stride_ob, stride_oh, stride_og,
+    n_kv, group, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    b = bh // n_kv
+    h = bh % n_kv
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < n_splits
+    rows = (bh * n_splits + offs_s[:, None]) * BLOCK_G + offs_g[None, :]  # [S, G]
+    m = tl.load(Mx + rows, mask=s_ok[:, None], other=float("-inf"))
+    sums = tl.load(Sums + rows, mask=s_ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    m_shift = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp(m - m_shift[None, :])  # [S, G]; a split with no valid slot weighs 0
+    denom = tl.sum(w * sums, 0)
+    acc = tl.load(
+        Acc + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=s_ok[:, None, None], other=0.0
+    )
+    out = tl.sum(w[:, :, None] * acc, 0) / denom[:, None]
+    g_ok = offs_g < group
+    d_ok = offs_d < HEAD_DIM
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=g_ok[:, None] & d_ok[None, :],
+    )
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits, so the merge path runs in the CPU tests too
+
+
+def num_splits(batch: int, n_kv: int, kv_len: int, device: torch.device) -> int:
+    """Splits of the cache length: about ``PROGRAMS_PER_SM`` programs per SM, at most one per ``BLOCK_N`` slots."""
+    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), batch * n_kv)
+    return max(1, min(want, triton.cdiv(kv_len, BLOCK_N)))
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_valid: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """``[B, KV, G, D]`` queries over ``[B, KV, L, D]`` caches (``key_valid`` ``[B, L]``) -> ``[B, KV, G, D]``.
+
+    ``splits`` overrides the split count (tests); the default follows :func:`num_splits`. The caches may be
+    length-slice views of larger caches; their last dimension must be contiguous.
+    """
+    b, n_kv, group, d = q.shape
+    kv_len = k_cache.shape[2]
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("flash_decode needs the caches' head dimension contiguous")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    valid = key_valid if key_valid.dtype != torch.bool else key_valid.view(torch.uint8)
+    out = torch.empty_like(q)
+    n_splits = splits or num_splits(b, n_kv, kv_len, q.device)
+    split_len = triton.cdiv(triton.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
+    n_splits = triton.cdiv(kv_len, split_len)
+    block_g = max(16, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(d))
+    ieee = q.dtype == torch.float32
+    if n_splits > 1:
+        acc = torch.empty(b * n_kv * n_splits * block_g * block_d, dtype=torch.float32, device=q.device)
+        mx = torch.empty(b * n_kv * n_splits * block_g, dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(mx)
+    else:
+        acc = mx = sums = out  # unused by the single-split path
+    _partial_kernel[(b * n_kv, n_splits)](
+        q, k_cache, v_cache, valid, out, acc, mx, sums,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        valid.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        n_kv, group, kv_len, split_len, n_splits, scale,
+        HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=BLOCK_N, SINGLE=n_splits == 1, IEEE=ieee,
+    )  # fmt: skip
+    if n_splits > 1:
+        _merge_kernel[(b * n_kv,)](
+            acc, mx, sums, out,
+            out.stride(0), out.stride(1), out.stride(2),
+            n_kv, group, n_splits,
+            HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_splits),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,186 @@
+"""The project's Triton decode kernels against their PyTorch references (interpreted on a CPU).
+
+``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU, so these run everywhere Triton is
+installed (the ``test`` extra installs it); the GPU tests at the end run the compiled kernels in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rapidfire_hf.demo import build_tiny_llama  # noqa: E402
+from rapidfire_hf.kernels import gqa_decode_attention  # noqa: E402
+from rapidfire_hf.kernels.decode_attention import triton_unavailable_reason  # noqa: E402
+from rapidfire_hf.kernels.triton_flash_decode import flash_decode, num_splits  # noqa: E402
+from rapidfire_hf.kernels.triton_sampling import fused_sample, philox_seeds  # noqa: E402
+from rapidfire_hf.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from rapidfire_hf.rollout.sampling import sample_tokens  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _attention_inputs(b, kv, group, length, d, seed=0, p_valid=0.7):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, kv, group, d, generator=g)
+    k = torch.randn(b, kv, length, d, generator=g)
+    v = torch.randn(b, kv, length, d, generator=g)
+    valid = torch.rand(b, length, generator=g) < p_valid
+    valid[:, -1] = True
+    return [t.to(DEVICE) for t in (q, k, v, valid)]
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize(
+    "b,kv,group,length,d", [(3, 2, 4, 37, 16), (1, 1, 8, 5, 8), (4, 4, 1, 150, 32), (2, 2, 8, 300, 64)]
+)
+def test_flash_decode_matches_matmul_reference_fp32(b, kv, group, length, d, splits):
+    q, k, v, valid = _attention_inputs(b, kv, group, length, d)
+    out = flash_decode(q, k, v, valid, d**-0.5, splits)
+    ref = gqa_decode_attention(q, k, v, valid, d**-0.5, "matmul")
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+def test_flash_decode_reads_a_length_slice_of_a_larger_cache():
+    q, k, v, valid = _attention_inputs(2, 2, 4, 200, 32, seed=1)
+    n = 130  # the engine attends over cache[:, :, :kv_len]: a strided view
+    out = flash_decode(q, k[:, :, :n], v[:, :, :n], valid[:, :n], 0.2, splits=4)
+    ref = gqa_decode_attention(q, k[:, :, :n], v[:, :, :n], valid[:, :n], 0.2, "matmul")
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+def test_a_split_without_valid_slots_weighs_nothing():
+    # only the last 10 slots are valid: the first splits see no key at all (their max stays -inf)
+    q, k, v, valid = _attention_inputs(2, 1, 4, 256, 16, seed=2)
+    valid[:] = False
+    valid[:, -10:] = True
+    out = flash_decode(q, k, v, valid, 0.25, splits=4)
+    ref = gqa_decode_attention(q, k, v, valid, 0.25, "matmul")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+def test_num_splits_fills_the_device_and_never_exceeds_the_blocks():
+    device = torch.device(DEVICE)
+    assert num_splits(256, 4, 512, device) == 1 or DEVICE == "cpu"
+    assert num_splits(1, 1, 40, device) == 1  # one 64-slot block: nothing to split
+    assert num_splits(1, 1, 4096, device) > 1
+
+
+def test_impl_triton_goes_through_gqa_decode_attention():
+    q, k, v, valid = _attention_inputs(2, 2, 4, 70, 16, seed=3)
+    out = gqa_decode_attention(q, k, v, valid, 0.25, "triton")
+    torch.testing.assert_close(
+        out, gqa_decode_attention(q, k, v, valid, 0.25, "matmul"), atol=2e-6, rtol=2e-6
+    )
+
+
+def _logits(b, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, vocab, generator=g) * 3).to(DEVICE), torch.rand(b, vocab, generator=g).to(DEVICE)
+
+
+@pytest.mark.parametrize("vocab", [50, 5000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_fused_sample_draws_what_sample_tokens_draws(vocab, temperature, do_sample):
+    logits, noise = _logits(6, vocab)
+    params = SamplingParams(do_sample=do_sample, temperature=temperature)
+    ref_tok, ref_lp = sample_tokens(logits, params, noise if do_sample else None)
+    tok, lp = fused_sample(logits, temperature, do_sample, noise if do_sample else None)
+    assert torch.equal(tok, ref_tok)
+    torch.testing.assert_close(lp, ref_lp, atol=3e-6, rtol=1e-6)
+
+
+def test_fused_sample_philox_is_reproducible_per_step_and_draws_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1).to(DEVICE)
+    seeds = philox_seeds(torch.Generator().manual_seed(0), 4000, DEVICE)
+    step = torch.tensor([3], device=DEVICE)
+    tok, lp = fused_sample(logits, 1.0, True, seeds=seeds, step=step)
+    again, _ = fused_sample(logits, 1.0, True, seeds=seeds, step=step)
+    later, _ = fused_sample(logits, 1.0, True, seeds=seeds, step=step + 1)
+    assert torch.equal(tok, again) and not torch.equal(tok, later)
+    freq = torch.bincount(tok.cpu(), minlength=4).double() / 4000
+    sigma = (probs.double() * (1 - probs.double()) / 4000).sqrt()
+    assert ((freq - probs.double()).abs() < 4 * sigma).all(), freq
+    torch.testing.assert_close(lp.cpu(), probs.log()[tok.cpu()], atol=1e-6, rtol=1e-6)
+
+
+def test_fused_sample_refuses_what_it_cannot_do():
+    logits, noise = _logits(2, 10)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        fused_sample(logits, 0.0, True, noise)
+    with pytest.raises(ValueError, match="exactly one of"):
+        fused_sample(logits, 1.0, True)
+    with pytest.raises(ValueError, match="exactly one of"):
+        fused_sample(logits, 1.0, True, noise, seeds=torch.zeros(2, dtype=torch.long, device=DEVICE))
+
+
+def _engine(tokenizer, **kwargs):
+    model = build_tiny_llama(tokenizer).to(DEVICE)
+    return RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode="eager", **kwargs
+    )
+
+
+def _prompts():
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7], [0, 9, 8, 7, 6]], device=DEVICE)
+    return ids, (ids != 0).long()
+
+
+def test_engine_with_triton_kernels_generates_what_the_torch_path_generates(tokenizer):
+    ids, mask = _prompts()
+    params = SamplingParams(max_new_tokens=12, temperature=0.8)
+    ref = _engine(tokenizer).generate(ids, mask, params, torch.Generator().manual_seed(1))
+    out = _engine(tokenizer, decode_attention="triton", decode_sampler="triton").generate(
+        ids, mask, params, torch.Generator().manual_seed(1)
+    )
+    assert torch.equal(out.responses, ref.responses)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_philox_sampler_is_seeded_by_the_generator_and_per_row_blocks(tokenizer):
+    ids, mask = _prompts()
+    params = SamplingParams(max_new_tokens=12)
+    engine = _engine(tokenizer, decode_sampler="triton-philox")
+    a = engine.generate(ids, mask, params, torch.Generator().manual_seed(5)).responses
+    b = engine.generate(ids, mask, params, torch.Generator().manual_seed(5)).responses
+    c = engine.generate(ids, mask, params, torch.Generator().manual_seed(6)).responses
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # a block's tokens depend on its own generator only, not on the rows beside it
+    blocks = [(1, torch.Generator().manual_seed(7)), (2, torch.Generator().manual_seed(8))]
+    whole = engine.generate(ids, mask, params, blocks).responses
+    alone = engine.generate(ids[:1], mask[:1], params, [(1, torch.Generator().manual_seed(7))]).responses
+    assert torch.equal(whole[:1], alone)
+
+
+def test_engine_refuses_top_p_with_a_fused_sampler_and_unknown_samplers(tokenizer):
+    ids, mask = _prompts()
+    engine = _engine(tokenizer, decode_sampler="triton")
+    with pytest.raises(ValueError, match="fuses temperature sampling only"):
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=4, top_p=0.9))
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        _engine(tokenizer, decode_sampler="cuda-magic")
+
+
+def test_triton_on_the_cpu_without_the_interpreter_is_refused_by_name(monkeypatch, tokenizer):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = triton_unavailable_reason(torch.device("cpu"))
+    assert reason is not None and "CUDA" in reason
+    with pytest.raises(ValueError, match="cannot run here: .*CUDA"):
+        RolloutEngine(build_tiny_llama(tokenizer), 0, [], backend="static", decode_attention="triton")
+
+
+@pytest.mark.gpu
+def test_bf16_flash_decode_and_sampler_on_cuda():
+    q, k, v, valid = _attention_inputs(8, 4, 8, 512, 64, seed=4)
+    ref = gqa_decode_attention(q, k, v, valid, 0.125, "matmul")
+    out = flash_decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), valid, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    logits, noise = _logits(64, 32000)
+    tok, _ = fused_sample(logits.bfloat16(), 1.0, True, noise)
+    ref_tok, _ = sample_tokens(logits.bfloat16().float(), SamplingParams(), noise)
+    assert (tok == ref_tok).float().mean() > 0.98
