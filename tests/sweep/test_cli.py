@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -72,17 +76,95 @@ def test_spec_file_errors_name_the_file(tmp_path):
         load_spec(spec)
 
 
-def test_ctl_appends_commands(tmp_path, capsys):
-    assert main(["sweep", "ctl", "--dir", str(tmp_path), "stop", "kl0.2"]) == 0
-    assert main(["sweep", "ctl", "--dir", str(tmp_path), "clone", "a", "b", "learning_rate=2e-5"]) == 0
+def _live_sweep(out, status="running", pid=None, **trial_states):
+    """A sweep_state.json as a running sweep writes it (this process stands in for the sweep)."""
+    out.mkdir(parents=True, exist_ok=True)
+    trials = {n: {"state": st, "updates": 1, "num_updates": 3, "reward_last": 0.5} for n, st in trial_states.items()}
+    state = {"format": 1, "status": status, "pid": pid or os.getpid(), "host": socket.gethostname(), "trials": trials}
+    (out / "sweep_state.json").write_text(json.dumps(state))
+
+
+def _ctl(out, *words):
+    return main(["sweep", "ctl", "--dir", str(out), *words])
+
+
+def test_ctl_appends_checked_commands(tmp_path, capsys):
+    _live_sweep(tmp_path, **{"kl0.2": "running", "a": "running", "done": "finished"})
+    assert _ctl(tmp_path, "stop", "kl0.2") == 0
+    assert _ctl(tmp_path, "clone", "a", "b", "learning_rate=2e-5", "lr_scheduler_kwargs={num_cycles: 2}") == 0
     lines = [json.loads(x) for x in (tmp_path / "control.jsonl").read_text().splitlines()]
     assert lines == [
         {"op": "stop", "trial": "kl0.2"},
-        {"op": "clone", "trial": "a", "new": "b", "overrides": {"learning_rate": 2e-5}},
-    ]
+        {"op": "clone", "trial": "a", "new": "b",
+         "overrides": {"learning_rate": 2e-5, "lr_scheduler_kwargs": {"num_cycles": 2}}},
+    ]  # fmt: skip
     assert "next update boundary" in capsys.readouterr().out
-    assert main(["sweep", "ctl", "--dir", str(tmp_path), "stop"]) == 2  # a one-line message, no traceback
+    assert _ctl(tmp_path, "stop") == 2  # a one-line message, no traceback
     assert "usage: rapidfire sweep ctl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        (("stop", "nope"), "no trial named 'nope'"),
+        (("stop", "done"), "'done' is finished, not running"),
+        (("resume", "a"), "only a stopped trial can be resumed"),
+        (("clone", "nope", "b"), "no trial named 'nope'"),
+        (("clone", "a", "done"), "'done' exists already"),
+        (("clone", "a", "x/y"), "trial name 'x/y' is not allowed"),
+        (("clone", "a", "b", "temperature=0.5"), "temperature is not a field a trial can set"),
+        (("clone", "a", "b", "lr_scheduler_kwargs=oops"), "lr_scheduler_kwargs takes a mapping"),
+        (("clone", "a", "b", "learning_rate=fast"), "learning_rate takes a number"),
+        (("clone", "a", "b", "seed=1.5"), "seed takes an integer"),
+        (("clone", "a", "b", "seed=1", "seed=2"), "seed is given twice"),
+    ],
+)
+def test_ctl_refuses_commands_the_sweep_cannot_apply(tmp_path, capsys, words, message):
+    _live_sweep(tmp_path, a="running", done="finished")
+    assert _ctl(tmp_path, *words) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "control.jsonl").exists()
+
+
+def test_ctl_refuses_folders_without_a_running_sweep(tmp_path, capsys):
+    assert _ctl(tmp_path / "missing", "stop", "a") == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert _ctl(tmp_path, "stop", "a") == 2
+    assert "no sweep in" in capsys.readouterr().err
+    _live_sweep(tmp_path / "done", status="finished", a="finished")
+    assert _ctl(tmp_path / "done", "stop", "a") == 2
+    assert "is not running (status 'finished')" in capsys.readouterr().err
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _live_sweep(tmp_path / "killed", pid=int(dead.stdout), a="running")
+    assert _ctl(tmp_path / "killed", "stop", "a") == 2
+    assert "is gone" in capsys.readouterr().err
+
+
+def test_ctl_status_of_a_half_written_or_foreign_state(tmp_path, capsys):
+    _live_sweep(tmp_path, a="running")
+    assert _ctl(tmp_path, "status") == 0
+    assert "sweep running" in capsys.readouterr().out
+    state = tmp_path / "sweep_state.json"
+    state.write_text(state.read_text()[:40])  # what a plain write_text leaves when killed half-way
+    assert _ctl(tmp_path, "status") == 2
+    assert "sweep_state.json is not valid JSON" in capsys.readouterr().err
+    for text in (b"\xff\xfe", b"[1, 2]", b'{"trials": 3}'):
+        state.write_bytes(text)
+        assert _ctl(tmp_path, "status") == 2
+        assert "sweep_state.json" in capsys.readouterr().err
+
+
+def test_ctl_imports_no_torch(tmp_path):
+    """ctl answers at once because it imports neither torch nor transformers (9-12 s before)."""
+    _live_sweep(tmp_path, a="running")
+    code = (
+        "import sys; from rapidfire_hf.cli.main import main; "
+        f"rc = [main(['sweep', 'ctl', '--dir', {str(tmp_path)!r}, w, 'a']) for w in ('status', 'stop')]; "
+        "heavy = [m for m in ('torch', 'transformers', 'peft') if m in sys.modules]; print(rc, heavy)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
+    assert run.stdout.strip().splitlines()[-1] == "[0, 0] []", run.stderr
 
 
 def test_demo_sweep_grid():
@@ -94,3 +176,19 @@ def test_demo_sweep_grid():
     assert isinstance(demo_trials(["kl_coef=1"])["kl_coef=1.0"]["kl_coef"], float)
     with pytest.raises(SystemExit, match="field=value"):
         demo_trials(["kl_coef"])
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        (["kl_coef=0.01,0.01"], "the value 0.01 of kl_coef is given twice"),
+        (["kl_coef=0.01,1e-2"], "the value 0.01 of kl_coef is given twice"),
+        (["kl_coef=0.01,0.2", "kl_coef=0.5"], "kl_coef is given by another --sweep too"),
+        (["lr_scheduler_kwargs=oops"], "lr_scheduler_kwargs takes a mapping"),
+        (["seed=" + "1" * 300], "characters long"),
+        (["temperature=0.5,1"], "temperature is a field every trial shares"),
+    ],
+)
+def test_demo_sweep_grid_refusals(grid, message):
+    with pytest.raises(SystemExit, match=message):
+        demo_trials(grid)

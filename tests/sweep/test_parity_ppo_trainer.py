@@ -2,13 +2,10 @@
 sampling noise. Tolerance: bit-exact (0) on CPU fp32 for the per-update scores, KL and losses and for the
 final adapter weights.
 
-The two differ in three things set up here: the sweep pads prompts to the dataset's longest (PPOTrainer
-to the batch's; equal-length prompts make them the same); the sweep draws each rollout's noise from a
-generator seeded per update (PPOTrainer takes the global RNG; its engine is given the same generators);
-and PPOTrainer with LoRA and a fused head scores the rollout's values inside its reference context, with
-the adapter off, while its training step predicts them with the adapter on. The sweep uses the adapter in
-both; the trainer here is given the same (``_values_with_adapter``). Without it the two agree on update 1
-(LoRA's B is 0 there) and part from update 2 on (values up to 0.27 apart on this task).
+The two differ in two things set up here: the sweep pads prompts to the dataset's longest (PPOTrainer
+to the batch's; equal-length prompts make them the same); and the sweep draws each rollout's noise from a
+generator seeded per update (PPOTrainer takes the global RNG; its engine is given the same generators).
+Both score the rollout's values with the adapter on, as their training steps predict them.
 """
 
 from __future__ import annotations
@@ -53,26 +50,7 @@ def _trainer_like_the_trial(tokenizer, tmp_path, dataset, sweep, name, **setting
 
     engine.generate = seeded
     trainer._rollout_engine = engine
-    trainer._values = _values_with_adapter(trainer._values)
     return trainer
-
-
-def _values_with_adapter(values):
-    """PPOTrainer's scoring-phase value forward with the LoRA layers on (see the module docstring)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    def run(unwrapped, chunk, ctx):
-        layers = [m for m in unwrapped.policy.modules() if isinstance(m, BaseTunerLayer)]
-        saved = [m._disable_adapters for m in layers]
-        for m in layers:
-            m._disable_adapters = False
-        try:
-            return values(unwrapped, chunk, ctx)
-        finally:
-            for m, flag in zip(layers, saved):
-                m._disable_adapters = flag
-
-    return run
 
 
 # micro-batches of 4 (one per optimizer step), and of 2 (two accumulated per step, with kl_coef and

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 from pathlib import Path
 
@@ -46,7 +45,8 @@ def run_sweep_command(args) -> int:
     from rapidfire_hf.sweep.spec import build, load_spec
 
     progress = not (args.no_progress or "--no-progress" in args.rest)
-    sweep = build(load_spec(args.target), progress=progress)
+    spec = load_spec(args.target)  # every key checked before anything loads
+    sweep = build(spec, progress=progress)
     start = time.perf_counter()
     sweep.train()
     _print_summary(sweep, time.perf_counter() - start)
@@ -54,44 +54,61 @@ def run_sweep_command(args) -> int:
 
 
 def run_ctl(ns) -> int:
-    from rapidfire_hf.sweep import append_command
+    """Check the command against the sweep's live state, then queue it; ``status`` prints that state.
+    Imports no torch: it answers in a fraction of a second."""
+    from rapidfire_hf.sweep.control import append_command, check_command, read_state
 
     out = Path(ns.dir)
-    if ns.op == "status":
-        state = out / "sweep_state.json"
-        if not state.is_file():
-            raise SystemExit(f"{state} not found: is {out} the output_dir of a sweep that has run an update?")
-        for name, s in json.loads(state.read_text()).items():
-            reward = "-" if s["reward_last"] is None else f"{s['reward_last']:.4f}"
-            print(f"{name:<24} {s['state']:<14} {s['updates']:>5}/{s['num_updates']:<5} reward {reward}")
-        return 0
-    if not (out / "sweep_state.json").is_file() and not out.is_dir():
+    if not out.is_dir():
         raise SystemExit(f"--dir {out}: no such folder (give the running sweep's output_dir)")
+    if ns.op == "status":
+        _print_status(read_state(out))
+        return 0
     if ns.op in ("stop", "resume"):
         if len(ns.names) != 1:
             raise SystemExit(f"usage: rapidfire sweep ctl --dir DIR {ns.op} TRIAL")
+        check_command(out, ns.op, ns.names[0])
         path = append_command(out, ns.op, ns.names[0])
     else:
         if len(ns.names) < 2:
             raise SystemExit("usage: rapidfire sweep ctl --dir DIR clone SRC NEW [field=value ...]")
-        overrides = dict(_parse_assignment(a, single=True) for a in ns.names[2:])
+        overrides = {}
+        for text in ns.names[2:]:
+            key, value = _parse_assignment(text, single=True)
+            if key in overrides:
+                raise SystemExit(f"{key} is given twice: give each field once")
+            overrides[key] = value
+        check_command(out, "clone", ns.names[0], new=ns.names[1], overrides=overrides)
         path = append_command(out, "clone", ns.names[0], new=ns.names[1], overrides=overrides)
     print(f"queued `{ns.op} {' '.join(ns.names)}` in {path}; applied at the next update boundary")
     return 0
 
 
-def _coerce(key: str, text: str):
-    """A command-line value as the type of the PPOConfig field ``key`` (YAML syntax otherwise)."""
-    import dataclasses
+def _print_status(state: dict) -> None:
+    print(f"sweep {state.get('status', '?')} (pid {state.get('pid', '?')}, {state.get('time', '?')})")
+    for name, s in state["trials"].items():
+        s = s if isinstance(s, dict) else {}
+        reward = s.get("reward_last")
+        shown = f"{reward:.4f}" if isinstance(reward, int | float) else "-"
+        line = f"{name:<24} {s.get('state', '?')!s:<14} {s.get('updates', '?')!s:>5}/{s.get('num_updates', '?')!s:<5}"
+        print(f"{line} reward {shown}" + (f"  ({s['reason']})" if s.get("reason") else ""))
+    for message in state.get("messages") or []:
+        print(f"note: {message}")
 
+
+def _coerce(key: str, text: str):
+    """A command-line value in YAML syntax; a whole number for a float field becomes a float."""
     import yaml
 
-    from rapidfire_hf.ppo import PPOConfig
+    from rapidfire_hf.sweep.fields import FIELD_KINDS
 
-    value = yaml.safe_load(text)
-    default = {f.name: f.default for f in dataclasses.fields(PPOConfig)}.get(key)
-    if isinstance(default, float) and isinstance(value, int | str) and not isinstance(value, bool):
-        try:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise SystemExit(f"{key}={text}: not a value (write it as in YAML: 0.01, true, [1, 0.5], {{a: 1}})") from None
+    kind = FIELD_KINDS.get(key, "")
+    if kind.startswith("float") and isinstance(value, int | str) and not isinstance(value, bool):
+        try:  # YAML reads 1e-3 (no dot) as a string
             return float(value)
         except ValueError:
             raise SystemExit(f"{key}={text}: {key} takes a number") from None
@@ -107,16 +124,25 @@ def _parse_assignment(text: str, single: bool = False):
         )
     if single:
         return key, _coerce(key, values)
-    return key, [_coerce(key, v) for v in values.split(",")]
+    parsed = [_coerce(key, v) for v in values.split(",")]
+    for i, value in enumerate(parsed):
+        if value in parsed[:i]:
+            raise SystemExit(f"{text}: the value {value!r} of {key} is given twice: give each value once")
+    return key, parsed
 
 
-def _check_trial_field(key: str, text: str) -> None:
-    """``key`` must be a PPOConfig field a trial may set (rapidfire_hf.sweep.PER_TRIAL_FIELDS)."""
+def _check_trial_field(key: str, text: str, values: list) -> None:
+    """``key`` must be a PPOConfig field a trial may set (rapidfire_hf.sweep.PER_TRIAL_FIELDS), with values
+    of its kind."""
     import difflib
 
-    from rapidfire_hf.sweep.trial import PER_TRIAL_FIELDS
+    from rapidfire_hf.sweep.fields import PER_TRIAL_FIELDS, value_problem
 
     if key in PER_TRIAL_FIELDS:
+        for value in values:
+            problem = value_problem(key, value)
+            if problem is not None:
+                raise SystemExit(f"--sweep {text}: {problem}")
         return
     close = difflib.get_close_matches(key, sorted(PER_TRIAL_FIELDS), n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
@@ -137,12 +163,24 @@ def _is_ppo_field(key: str) -> bool:
 
 def demo_trials(assignments: list[str]) -> dict[str, dict]:
     """``["kl_coef=0.01,0.05", "seed=0,1"]`` -> the grid of trials, named ``kl_coef=0.01,seed=0`` etc."""
+    from rapidfire_hf.sweep.fields import check_trial_name
+
     axes = [_parse_assignment(a) for a in assignments]
-    for (key, _), text in zip(axes, assignments, strict=True):
-        _check_trial_field(key, text)
+    seen = set()
+    for (key, values), text in zip(axes, assignments, strict=True):
+        if key in seen:
+            raise SystemExit(f"--sweep {text}: {key} is given by another --sweep too: list all its values in one")
+        seen.add(key)
+        _check_trial_field(key, text, values)
     trials = {}
     for combo in itertools.product(*[[(k, v) for v in vs] for k, vs in axes]):
         name = "_".join(f"{k}={v}" for k, v in combo)
+        try:
+            check_trial_name(name)
+        except ValueError as err:
+            raise SystemExit(f"--sweep: {err}") from None
+        if name in trials:
+            raise SystemExit(f"--sweep: two trials would both be named {name}: give distinct values")
         trials[name] = dict(combo)
     return trials
 

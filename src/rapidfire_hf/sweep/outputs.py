@@ -4,8 +4,14 @@
 from __future__ import annotations
 
 import csv
-import json
+import io
+import os
+import socket
+import sys
+import time
 from pathlib import Path
+
+from rapidfire_hf.sweep.files import write_json
 
 CHART = "sweep_curves.png"
 SERIES = {"objective/scores": "reward", "objective/kl": "KL"}
@@ -15,13 +21,16 @@ def write_trial(trial) -> None:
     out = Path(trial.args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     history = trial.state.log_history
-    (out / "log_history.json").write_text(json.dumps(history, indent=1))
+    write_json(out / "log_history.json", history)
     if history:
         keys = sorted({k for h in history for k in h})
-        with open(out / "metrics.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(history)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(history)
+        tmp = out / f".metrics.csv.{os.getpid()}.tmp"
+        tmp.write_text(text.getvalue(), encoding="utf-8", newline="")
+        os.replace(tmp, out / "metrics.csv")
 
 
 def trial_summary(trial) -> dict:
@@ -35,29 +44,40 @@ def trial_summary(trial) -> dict:
         "updates": trial.state.global_step,
         "state": trial.status,
         "parent": trial.parent,
+        "branch_step": trial.branch_step,
         "reason": trial.reason,
     }
 
 
-def write_state(sweep) -> None:
-    out = Path(sweep.args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {n: {**trial_summary(t), "num_updates": t.num_updates} for n, t in sweep.trials.items()}
-    (out / "sweep_state.json").write_text(json.dumps(state, indent=1))
+def write_state(sweep, status: str) -> None:
+    """``sweep_state.json`` (atomically): the sweep's status and process, every trial's state, and the
+    commands it refused. ``rapidfire sweep ctl`` checks its commands against it."""
+    state = {
+        "format": 1,
+        "status": status,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "trials": {n: {**trial_summary(t), "num_updates": t.num_updates} for n, t in sweep.trials.items()},
+        "messages": list(sweep.messages),
+    }
+    write_json(Path(sweep.args.output_dir) / "sweep_state.json", state)
 
 
-def write_all(sweep, wall_seconds: float | None = None) -> dict:
-    """Every trial's files, ``summary.json`` and the chart; returns the summary."""
+def write_all(sweep, wall_seconds: float | None = None, status: str = "finished") -> dict:
+    """Every trial's files, ``summary.json``, the state and the chart; returns the summary."""
     out = Path(sweep.args.output_dir)
     for trial in sweep.trials.values():
         write_trial(trial)
-    summary = {"trials": {n: trial_summary(t) for n, t in sweep.trials.items()}}
+    summary = {"status": status, "trials": {n: trial_summary(t) for n, t in sweep.trials.items()}}
+    summary["decisions"] = [d for rule in sweep.rules for d in getattr(rule, "decisions", [])]
+    summary["messages"] = list(sweep.messages)
     summary["device"] = str(sweep.device)
     summary["rollout_backend"] = sweep.phases.engine.backend
     if wall_seconds is not None:
         summary["wall_seconds"] = round(wall_seconds, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    write_state(sweep)
+    write_json(out / "summary.json", summary, indent=2)
+    write_state(sweep, status)
     plot(sweep, out / CHART)
     return summary
 
@@ -69,12 +89,16 @@ def plot(sweep, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rungs = sorted({d["update"] for rule in sweep.rules for d in getattr(rule, "decisions", [])})
     fig, axes = plt.subplots(1, len(SERIES), figsize=(5.5 * len(SERIES), 3.8), squeeze=False)
     for ax, (key, label) in zip(axes[0], SERIES.items()):
         for name, trial in sweep.trials.items():
-            pts = [(h["step"], h[key]) for h in trial.state.log_history if key in h]
+            branch = trial.branch_step or 0  # a clone's curve starts where it left its parent
+            pts = [(h["step"], h[key]) for h in trial.state.log_history if key in h and h["step"] >= branch]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=2, label=name)
+        for i, rung in enumerate(rungs):
+            ax.axvline(rung, color="grey", linestyle=":", linewidth=1, label="halving" if i == 0 else None)
         ax.set_xlabel("update")
         ax.set_title(label)
         ax.grid(alpha=0.3)
@@ -87,14 +111,26 @@ def plot(sweep, path: Path) -> Path:
 
 
 class SweepProgress:
-    """A live rich table with one row per trial: state, updates, reward, KL, learning rate."""
+    """A live rich table with one row per trial: state, updates, reward, KL, learning rate. Off a terminal
+    (a log file, CI) one line per update instead: a redrawn table there is unreadable."""
 
     def __init__(self, sweep):
+        self.sweep = sweep
+        self.live = None
+        if not sys.stdout.isatty():
+            return
         from rich.live import Live
 
-        self.sweep = sweep
         self.live = Live(self._table(), refresh_per_second=2, transient=False)
         self.live.start()
+
+    def _line(self) -> str:
+        parts = []
+        for name, t in self.sweep.trials.items():
+            last = t.state.log_history[-1] if t.state.log_history else {}
+            reward = f" {last['objective/scores']:.4f}" if "objective/scores" in last else ""
+            parts.append(f"{name} {t.state.global_step}/{t.num_updates}{reward}" + ("" if t.status == "running" else f" {t.status}"))
+        return "PPOSweep: " + " | ".join(parts)
 
     def _table(self):
         from rich.table import Table
@@ -116,8 +152,12 @@ class SweepProgress:
         return table
 
     def update(self) -> None:
-        self.live.update(self._table())
+        if self.live is None:
+            print(self._line(), flush=True)
+        else:
+            self.live.update(self._table())
 
     def close(self) -> None:
-        self.update()
-        self.live.stop()
+        if self.live is not None:
+            self.update()
+            self.live.stop()

@@ -14,9 +14,12 @@
       kl0.01: {kl_coef: 0.01}
       kl0.2: {kl_coef: 0.2, learning_rate: 2.0e-5}
     early_stopping: {metric: objective/scores, after_updates: 10, margin: 0.1}
+    # successive_halving: {rungs: [5, 10, 20], keep: 0.5, metric: objective/scores}
 
-Every key is checked before anything loads: an unknown key, an unknown PPOConfig field in ``config`` or a
-trial, or a field trials must share raises a ``ConfigError`` naming it.
+Every key and value is checked before anything loads: an unknown key, a key given twice, an unknown
+PPOConfig field in ``config`` or a trial, a field trials must share, a value PPOConfig refuses, a trial
+name that cannot be a folder name, a LoRA setting peft refuses, a reward function that is not a
+``"module:function"`` string, or a stopping rule's bad value raises a ``ConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,17 @@ from typing import Any
 
 from rapidfire_hf.config import ConfigError
 
-KEYS = ("model", "dataset", "reward_funcs", "reward_model", "lora", "config", "trials", "early_stopping")
+KEYS = (
+    "model",
+    "dataset",
+    "reward_funcs",
+    "reward_model",
+    "lora",
+    "config",
+    "trials",
+    "early_stopping",
+    "successive_halving",
+)
 DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
@@ -51,58 +64,168 @@ def _unknown(key: str, known, where: str, listed: str | None = None) -> ConfigEr
     return ConfigError(f"unknown key{hint}", key=f"{where}{key}", allowed=allowed)
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:300] or type(err).__name__
+
+
+def _mapping(data: dict, key: str) -> dict:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError("must be a mapping", key=key, value=value)
+    return value
+
+
+def _check_paths_and_funcs(data: dict) -> None:
+    for key in ("model", "dataset", "reward_model"):
+        if key in data and (not isinstance(data[key], str) or not data[key]):
+            raise ConfigError("must be a string: 'demo' or a local path", key=key, value=data[key])
+    if ("reward_funcs" in data) == ("reward_model" in data):
+        raise ConfigError("give exactly one of reward_funcs and reward_model", key="reward_funcs")
+    if "reward_funcs" in data:
+        funcs = data["reward_funcs"]
+        names = funcs if isinstance(funcs, list) else [funcs]
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(
+                "must be 'demo', 'package.module:function' or a list of them", key="reward_funcs", value=funcs
+            )
+
+
+def _check_lora(data: dict) -> None:
+    lora = _mapping(data, "lora")
+    if not lora:
+        return
+    from peft import LoraConfig
+
+    try:
+        config = LoraConfig(**lora)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"peft's LoraConfig refuses it ({_one_line(err)})", key="lora", value=lora) from None
+    if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:
+        raise ConfigError("r must be an integer >= 1", key="lora.r", value=config.r)
+
+
+def _check_trials(data: dict):
+    from rapidfire_hf.ppo import PPOConfig
+    from rapidfire_hf.sweep.fields import PER_TRIAL_FIELDS, check_trial_name
+    from rapidfire_hf.sweep.trial import trial_args
+
+    trials = data.get("trials")
+    if not isinstance(trials, dict) or not trials:
+        raise ConfigError("needs a mapping of trial name -> overrides", key="trials", value=trials)
+    ppo_fields = {f.name for f in dataclasses.fields(PPOConfig) if f.init}
+    config = _mapping(data, "config")
+    for key in config:
+        if key not in ppo_fields:
+            raise _unknown(key, ppo_fields, "config.", CONFIG_KEYS)
+    try:
+        shared = PPOConfig(**{"report_to": [], "output_dir": "rapidfire_sweep", **config})
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"PPOConfig refuses it ({_one_line(err)})", key="config") from None
+    for name, overrides in trials.items():
+        try:
+            check_trial_name(name)
+        except ValueError as err:
+            raise ConfigError(_one_line(err), key="trials") from None
+        if not isinstance(overrides, dict | None):
+            raise ConfigError("must be a mapping of PPOConfig fields", key=f"trials.{name}", value=overrides)
+        for key in overrides or {}:
+            if key not in ppo_fields:
+                raise _unknown(key, PER_TRIAL_FIELDS, f"trials.{name}.", TRIAL_KEYS)
+            if key not in PER_TRIAL_FIELDS:
+                raise ConfigError(
+                    "is shared by every trial (one batched decode): set it under config",
+                    key=f"trials.{name}.{key}",
+                    allowed=TRIAL_KEYS,
+                )
+        try:
+            trial_args(shared, overrides or {}, name)
+        except ValueError as err:
+            raise ConfigError(_one_line(err), key=f"trials.{name}") from None
+
+
+def _check_rules(data: dict) -> None:
+    from rapidfire_hf.sweep.control import EarlyStopping, SuccessiveHalving
+
+    for key, rule in (("early_stopping", EarlyStopping), ("successive_halving", SuccessiveHalving)):
+        values = _mapping(data, key)
+        known = {f.name for f in dataclasses.fields(rule) if f.init}
+        for field_name in values:
+            if field_name not in known:
+                raise _unknown(field_name, known, f"{key}.")
+        try:
+            rule(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        except (TypeError, ValueError) as err:
+            raise ConfigError(_one_line(err), key=key, value=values) from None
+
+
 def validate(data: dict, source: str | None = None) -> dict:
     """Check a sweep document; returns it with defaults filled in. Raises ConfigError naming the key."""
-    from rapidfire_hf.ppo import PPOConfig
-    from rapidfire_hf.sweep.control import EarlyStopping
-    from rapidfire_hf.sweep.trial import PER_TRIAL_FIELDS
-
     try:
         for key in data:
             if key not in KEYS:
                 raise _unknown(key, KEYS, "")
-        trials = data.get("trials")
-        if not isinstance(trials, dict) or not trials:
-            raise ConfigError("needs a mapping of trial name -> overrides", key="trials", value=trials)
-        ppo_fields = {f.name for f in dataclasses.fields(PPOConfig) if f.init}
-        config = data.get("config") or {}
-        for key in config:
-            if key not in ppo_fields:
-                raise _unknown(key, ppo_fields, "config.", CONFIG_KEYS)
-        for name, overrides in trials.items():
-            if not isinstance(overrides, dict | None):
-                raise ConfigError(
-                    "must be a mapping of PPOConfig fields", key=f"trials.{name}", value=overrides
-                )
-            for key in overrides or {}:
-                if key not in ppo_fields:
-                    raise _unknown(key, PER_TRIAL_FIELDS, f"trials.{name}.", TRIAL_KEYS)
-                if key not in PER_TRIAL_FIELDS:
-                    raise ConfigError(
-                        "is shared by every trial (one batched decode): set it under config",
-                        key=f"trials.{name}.{key}",
-                        allowed=TRIAL_KEYS,
-                    )
-        if ("reward_funcs" in data) == ("reward_model" in data):
-            raise ConfigError("give exactly one of reward_funcs and reward_model", key="reward_funcs")
-        es_fields = {f.name for f in dataclasses.fields(EarlyStopping)}
-        for key in data.get("early_stopping") or {}:
-            if key not in es_fields:
-                raise _unknown(key, es_fields, "early_stopping.")
+        _check_trials(data)
+        _check_paths_and_funcs(data)
+        _check_lora(data)
+        _check_rules(data)
     except ConfigError as err:
         raise (err.with_source(source) if source else err) from None
     return {"model": "demo", "dataset": "demo", "lora": DEFAULT_LORA, **data}
 
 
-def load_spec(path: str | Path) -> dict:
-    """Read and validate a sweep YAML file."""
-    from rapidfire_hf.config.loader import read_yaml
+def _unique_key_loader():
+    """A yaml SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last silently)."""
+    import yaml
 
-    if not Path(path).is_file():  # before read_yaml, whose message also offers a config preset name
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader, node, deep=False):
+        loader.flatten_mapping(node)
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the default constructor reports it
+                break
+            if duplicate:
+                raise ConfigError(
+                    f"is given twice (line {key_node.start_mark.line + 1}); each key once",
+                    key=str(key),
+                )
+            seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return UniqueKeyLoader
+
+
+def load_spec(path: str | Path) -> dict:
+    """Read and validate a sweep YAML file (a key given twice is an error, not the last one winning)."""
+    import yaml
+
+    from rapidfire_hf.config.loader import MAX_DOCUMENT_VALUES, count_values
+
+    if not Path(path).is_file():
         raise ConfigError(
             "sweep file not found", value=str(path), allowed="the path of a sweep YAML file (docs/sweep.md)"
         )
-    return validate(dict(read_yaml(path)), source=str(path))
+    try:
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_unique_key_loader())  # noqa: S506
+    except ConfigError as err:
+        raise err.with_source(str(path)) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"invalid YAML: {err}", source=str(path)) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read the file: {err}", source=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("the file must hold a mapping of sweep keys", value=data, source=str(path))
+    if count_values(data, MAX_DOCUMENT_VALUES) > MAX_DOCUMENT_VALUES:
+        raise ConfigError("the document expands to too many values (nested YAML aliases?)", source=str(path))
+    return validate(data, source=str(path))
 
 
 def _reward_func(name: str):
@@ -182,7 +305,14 @@ def build(spec: dict, progress: bool = True, callbacks=None):
         from transformers import AutoModelForSequenceClassification
 
         reward_model = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"])
-    es = spec.get("early_stopping")
+    from rapidfire_hf.sweep.control import SuccessiveHalving
+
+    rules = []
+    if spec.get("early_stopping"):
+        rules.append(EarlyStopping(**spec["early_stopping"]))
+    if spec.get("successive_halving"):
+        halving = spec["successive_halving"]
+        rules.append(SuccessiveHalving(**{k: tuple(v) if isinstance(v, list) else v for k, v in halving.items()}))
     return PPOSweep(
         args=args,
         trials={n: dict(o or {}) for n, o in spec["trials"].items()},
@@ -193,6 +323,6 @@ def build(spec: dict, progress: bool = True, callbacks=None):
         reward_funcs=funcs,
         reward_model=reward_model,
         callbacks=callbacks,
-        early_stopping=EarlyStopping(**es) if es else None,
+        early_stopping=rules,
         progress=progress,
     )

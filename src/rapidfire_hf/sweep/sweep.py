@@ -12,15 +12,20 @@ import torch
 from rapidfire_hf.models import causal_lm_parts
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
-from rapidfire_hf.ppo.trainer import _disable_dropout
 from rapidfire_hf.sweep import checkpoint as ckpt
 from rapidfire_hf.sweep import outputs
-from rapidfire_hf.sweep.control import ControlFile, EarlyStopping
+from rapidfire_hf.sweep.control import ControlFile
+from rapidfire_hf.sweep.fields import check_trial_name
 from rapidfire_hf.sweep.lora import AdapterBank
 from rapidfire_hf.sweep.phases import SweepPhases, trial_metrics
-from rapidfire_hf.sweep.trial import Trial, build_trial, check_trial_name, trial_args
+from rapidfire_hf.sweep.trial import Trial, build_trial, trial_args
 
 logger = logging.getLogger(__name__)
+
+
+class SweepError(RuntimeError):
+    """A failure shared by every trial of a sweep (the reward function raised, a checkpoint could not be
+    written); the message names the update and what was saved. The original error is ``__cause__``."""
 
 
 @dataclass
@@ -57,8 +62,15 @@ class PPOSweep:
         callbacks: ``transformers.TrainerCallback``-like objects; ``on_step_end`` and ``on_log`` are called
             per trial with ``sweep=`` and ``trial=`` keyword arguments, and may call ``sweep.stop(...)``,
             ``sweep.clone(...)`` or set ``control.should_training_stop`` (stops that trial).
-        early_stopping: an :class:`EarlyStopping` rule, or None.
-        progress: draw a live table of every trial (rich).
+        early_stopping: a rule that stops trials (:class:`EarlyStopping`, :class:`SuccessiveHalving`, any
+            object with ``check(trials) -> [(name, reason)]``), a list of them, or None.
+        progress: draw a live table of every trial (rich); off a terminal, one line per update instead.
+
+    Faults stay in their trial: a trial whose rewards, values, log-probs, losses or weights turn non-finite
+    is stopped with state ``diverged`` (the update and the check in its ``reason``, the log and
+    ``summary.json``) and never saved; the others continue unchanged. A failure shared by every trial
+    (the reward function raising) saves every trial's checkpoint, log history and the summary, then
+    raises :class:`SweepError` naming the update.
 
     Example:
         >>> sweep = PPOSweep(args=PPOConfig(output_dir="out/sweep", max_steps=40),
@@ -80,7 +92,7 @@ class PPOSweep:
         reward_funcs=None,
         reward_model=None,
         callbacks=None,
-        early_stopping: EarlyStopping | None = None,
+        early_stopping=None,
         progress: bool = True,
     ):
         if not isinstance(args, PPOConfig):
@@ -90,8 +102,11 @@ class PPOSweep:
                 "PPOSweep shares one frozen base model between trials, so each trial must train a LoRA "
                 "adapter: pass peft_config=LoraConfig(...). Full-model trials are not supported."
             )
-        if not trials:
+        if not isinstance(trials, dict) or not trials:
             raise ValueError("trials is empty: give at least one {name: {overrides}} entry")
+        for name, overrides in trials.items():  # every trial checked before the model moves or changes
+            check_trial_name(name)
+            trial_args(args, overrides or {}, name)
         adapters = [k for k in ("model_adapter_name", "ref_adapter_name") if getattr(args, k) is not None]
         if adapters:
             raise ValueError(
@@ -107,11 +122,21 @@ class PPOSweep:
         )
         if (reward_model is None) == (not funcs):
             raise ValueError("Give exactly one of reward_model and reward_funcs.")
+        bad = [f for f in funcs if not callable(f)]
+        if bad:
+            raise TypeError(f"reward_funcs must be functions; got {bad[0]!r}")
+        rules = list(early_stopping) if isinstance(early_stopping, (list, tuple)) else [early_stopping]
+        rules = [r for r in rules if r is not None]
+        if any(not callable(getattr(r, "check", None)) for r in rules):
+            raise TypeError(
+                "early_stopping must be an EarlyStopping, a SuccessiveHalving, an object with "
+                "check(trials) -> [(name, reason)], or a list of them"
+            )
         tok = processing_class
         if getattr(tok, "pad_token_id", None) is None:
             raise ValueError("processing_class has no pad token: add one distinct from the EOS token.")
         self.args, self.tok, self.callbacks = args, tok, list(callbacks or [])
-        self.early_stopping, self.show_progress = early_stopping, progress
+        self.rules, self.show_progress = rules, progress
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
         self.model = model.to(self.device)
         self.bank = AdapterBank(self.model, peft_config)
@@ -134,9 +159,20 @@ class PPOSweep:
         self._slots = 0
         self._pending: list[tuple] = []
         self._training = False
+        self._phase, self._clean = "start", True
+        self.messages: list[str] = []  # control commands refused or ignored, and divergences (sweep_state.json)
         self.control = ControlFile(Path(args.output_dir))
         for name, overrides in trials.items():
             self._add(name, overrides or {})
+
+    @property
+    def early_stopping(self):
+        """The first stopping rule (None without one); ``rules`` holds them all."""
+        return self.rules[0] if self.rules else None
+
+    @early_stopping.setter
+    def early_stopping(self, rule) -> None:
+        self.rules = [] if rule is None else list(rule) if isinstance(rule, (list, tuple)) else [rule]
 
     # ------------------------------------------------------------------ construction helpers
     def _make_engine(self):
@@ -156,10 +192,11 @@ class PPOSweep:
         )
 
     def _add(self, name: str, overrides: dict, source: Trial | None = None, parent_overrides=None) -> Trial:
+        """A new trial (a clone with ``source``); all or nothing: on an error nothing is left behind."""
         check_trial_name(name)
         if name in self.trials:
             raise ValueError(f"a trial named {name!r} exists already: choose another name")
-        merged = {**(parent_overrides or {}), **overrides}
+        merged = {**(parent_overrides or {}), **(overrides or {})}
         args = trial_args(self.args, merged, name)
         funcs = self.phases.reward_funcs
         if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
@@ -169,19 +206,20 @@ class PPOSweep:
             )
         slot = f"t{self._slots}"
         self._slots += 1
-        trial = build_trial(
-            name,
-            args,
-            merged,
-            self.bank,
-            slot,
-            self.hidden_size,
-            self.device,
-            len(self.train_dataset),
-            source,
-        )
+        try:
+            trial = build_trial(
+                name, args, merged, self.bank, slot, self.hidden_size, self.device, len(self.train_dataset), source
+            )  # fmt: skip
+        except Exception:
+            if slot in self.bank.slots:
+                self.bank.remove(slot)
+            raise
         self.trials[name] = trial
         return trial
+
+    def _drop(self, name: str) -> None:
+        trial = self.trials.pop(name)
+        self.bank.remove(trial.slot)
 
     # ------------------------------------------------------------------ controls
     def stop(self, name: str, reason: str = "stopped") -> None:
@@ -193,7 +231,15 @@ class PPOSweep:
         self._control(("resume", name))
 
     def clone(self, src: str, new: str, **overrides) -> None:
-        """A new trial ``new`` from ``src``'s current adapter, value head and optimizer state, with overrides."""
+        """A new trial ``new`` from ``src``'s current adapter, value head and optimizer state, with overrides.
+
+        The name and the overrides are checked now (ValueError); the clone is made at the next boundary.
+        """
+        source = self._trial(src)
+        check_trial_name(new)
+        if new in self.trials:
+            raise ValueError(f"a trial named {new!r} exists already: choose another name")
+        trial_args(self.args, {**source.overrides, **overrides}, new)
         self._control(("clone", src, new, overrides))
 
     def _control(self, op: tuple) -> None:
@@ -209,49 +255,89 @@ class PPOSweep:
         return self.trials[name]
 
     def _apply(self, op: tuple) -> None:
+        """Apply one command. Raises ValueError (or KeyError) when it cannot be applied; then nothing changed."""
         kind, name = op[0], op[1]
         trial = self._trial(name)
-        if kind == "stop" and trial.status == "running":
+        if kind == "stop":
+            if trial.status != "running":
+                raise ValueError(f"trial {name!r} is {trial.status}, not running: nothing to stop")
             trial.status, trial.reason = ("early_stopped" if op[2] == "early_stopped" else "stopped"), op[2]
-        elif kind == "resume" and trial.status in ("stopped", "early_stopped"):
+        elif kind == "resume":
+            if trial.status not in ("stopped", "early_stopped"):
+                raise ValueError(f"trial {name!r} is {trial.status}: only a stopped trial can be resumed")
             trial.status, trial.reason = "running", ""
         elif kind == "clone":
-            self._add(op[2], op[3], source=trial, parent_overrides=trial.overrides)
+            clone = self._add(op[2], op[3], source=trial, parent_overrides=trial.overrides)
+            try:  # checkpointed at once: a resume restores it from this state, never from its seed
+                ckpt.save_trial(self, clone)
+                ckpt.write_index(self)
+            except Exception:
+                self._drop(op[2])
+                raise
+        else:
+            raise ValueError(f"unknown command {kind!r}")
         logger.info("PPOSweep: %s", " ".join(str(x) for x in op))
 
+    def _note(self, message: str) -> None:
+        logger.warning("PPOSweep: %s", message)
+        self.messages = [*self.messages, message][-20:]
+
     def _boundary(self) -> None:
-        """Apply what arrived since the last update: Python calls, then commands from the control file."""
-        for op in self.control.read():
+        """Apply what arrived since the last update: commands from the control file, then Python calls.
+
+        A command that cannot be applied is logged (with its line of the control file) and skipped."""
+        commands = [(f"{self.control.path.name} line {line}", op) for line, op in self.control.read()]
+        pending, self._pending = self._pending, []
+        for where, op in commands + [("a Python call", op) for op in pending]:
             try:
                 self._apply(op)
-            except (KeyError, ValueError) as err:
-                logger.warning("PPOSweep: ignored control command %s: %s", op, err)
-        pending, self._pending = self._pending, []
-        for op in pending:
-            self._apply(op)
+            except Exception as err:  # noqa: BLE001 - a command never ends the run; the error is reported
+                text = " ".join(str(err).split())[:300] or type(err).__name__
+                self._note(f"ignored `{' '.join(str(x) for x in op[:3])}` from {where}: {text}")
 
     # ------------------------------------------------------------------ the loop
     def train(self, resume_from_checkpoint: bool | str | None = None) -> dict[str, SweepResult]:
-        """Run every trial to its number of updates (or until stopped); returns ``{name: SweepResult}``."""
+        """Run every trial to its number of updates (or until stopped); returns ``{name: SweepResult}``.
+
+        Raises:
+            SweepError: a failure shared by every trial (the reward function raised, a checkpoint could not
+                be written); every trial's state, log history and the summary were saved first.
+            SweepCheckpointError: ``resume_from_checkpoint`` names a damaged checkpoint or index (named);
+                nothing was restored.
+        """
         if resume_from_checkpoint:
             ckpt.load_sweep(self, resume_from_checkpoint)
+        elif (Path(self.args.output_dir) / ckpt.INDEX).exists():
+            logger.warning(
+                "PPOSweep: %s holds an earlier sweep's checkpoints; this run starts afresh and overwrites "
+                "them trial by trial (train(resume_from_checkpoint=True) continues them instead)",
+                self.args.output_dir,
+            )
         self._training, self._start = True, time.perf_counter()
         progress = outputs.SweepProgress(self) if self.show_progress else None
-        self._dispatch("on_train_begin")
         try:
+            outputs.write_state(self, "running")
+            self._dispatch("on_train_begin")
             while True:
+                self._phase, self._clean = "applying control commands", True
                 self._boundary()
                 active = [t for t in self.trials.values() if t.active]
                 if not active:
                     break
                 self._round(active)
-                if self.early_stopping is not None:
-                    for name, why in self.early_stopping.check(self.trials):
-                        self._apply(("stop", name, "early_stopped"))
-                        self._trial(name).reason = why
+                self._phase = "the stopping rules"
+                for rule in self.rules:
+                    for name, why in rule.check(self.trials):
+                        if self.trials[name].status == "running":
+                            self._apply(("stop", name, "early_stopped"))
+                            self._trial(name).reason = why
+                            logger.info("PPOSweep: stopped %s: %s", name, why)
                 if progress is not None:
                     progress.update()
-                outputs.write_state(self)
+                outputs.write_state(self, "running")
+        except BaseException as err:
+            self._fail(err)
+            raise
         finally:
             self._training = False
             if progress is not None:
@@ -261,37 +347,107 @@ class PPOSweep:
                 t.status = "finished"
         self._dispatch("on_train_end")
         ckpt.save_sweep(self)
-        outputs.write_all(self)
+        outputs.write_all(self, status="finished")
         return self.results()
 
+    def _fail(self, err: BaseException) -> None:
+        """Save what can be saved after a failure shared by every trial, then raise :class:`SweepError`
+        (an interrupt, e.g. Ctrl-C, is re-raised as it is by the caller)."""
+        steps = sorted({t.state.global_step + 1 for t in self.trials.values() if t.active})
+        update = "-".join(str(s) for s in (steps[:1] + steps[-1:] if len(steps) > 1 else steps)) or "?"
+        try:
+            if self._clean:  # every trial is at an update boundary: its checkpoint is a state to resume
+                ckpt.save_sweep(self)
+                saved = "every trial's checkpoint, log history and summary.json were saved"
+            else:  # killed inside the PPO epochs: the weights are between two updates, not a resumable state
+                ckpt.write_index(self)
+                saved = "log histories and summary.json were saved (checkpoints: the last ones written)"
+            outputs.write_all(self, status="failed")
+        except Exception as save_err:  # noqa: BLE001 - the original error is the one to raise
+            saved = f"saving the sweep's state failed too ({type(save_err).__name__}: {save_err})"
+        if not isinstance(err, Exception):
+            logger.warning("PPOSweep: interrupted at update %s: %s", update, saved)
+            return
+        raise SweepError(
+            f"the sweep failed at update {update}, in {self._phase}: {type(err).__name__}: "
+            f"{' '.join(str(err).split())[:500]}. {saved.capitalize()} in {self.args.output_dir}; once fixed, "
+            "continue with train(resume_from_checkpoint=True)."
+        ) from err
+
     def _round(self, active: list[Trial]) -> None:
-        """One update of every active trial: batched rollout, scoring and PPO epochs, then per-trial logs."""
+        """One update of every active trial: batched rollout, scoring and PPO epochs, then per-trial logs.
+
+        A trial whose weights, rewards, values, log-probs or losses are not finite leaves the round as
+        ``diverged``; the others go on as if it had never been there."""
+        self._phase = "the check of the adapters"
+        active = self._keep_finite(active, [_params_problem(t) for t in active], "before the rollout")
+        if not active:
+            return
         t0 = time.perf_counter()
+        self._phase = "the rollout"
         batches = [self._prompts(t) for t in active]
         rollouts = self.phases.rollout(active, batches)
         t1 = _sync_time(self.device)
+        self._phase = "scoring (reference log-probs, values, rewards)"
         exps = self.phases.score(active, rollouts)
+        keep = self._keep_finite(active, [_experience_problem(e) for e in exps], "after scoring")
+        exps = [e for t, e in zip(active, exps) if t in keep]
+        active = keep
+        if not active:
+            return
         t2 = _sync_time(self.device)
+        self._phase, self._clean = "the PPO epochs", False
         stats = self.phases.optimize(active, exps)
         t3 = _sync_time(self.device)
+        self._phase = "the update's metrics"
+        problems = [_stats_problem(st) or _params_problem(t) for t, st in zip(active, stats)]
+        keep = self._keep_finite(active, problems, "after the optimizer step")
+        logged = []
         for trial, exp, st in zip(active, exps, stats):
+            if trial not in keep:
+                continue
             trial.state.episode += trial.args.local_batch_size
             metrics = trial_metrics(trial, exp, st, (t0, t1, t2, t3), self.tok.eos_token_id, self._start)
             s = trial.state
             s.global_step += 1
             s.epoch = s.global_step / trial.prompt_order.batches_per_pass
             trial.scheduler.step()
-            self._dispatch("on_step_end", trial)
             every = max(1, int(trial.args.logging_steps))
-            if s.global_step % every == 0 or trial.done:
+            log = s.global_step % every == 0 or trial.done
+            if log:
                 s.log_history.append({**metrics, "epoch": s.epoch, "step": s.global_step})
+            logged.append((trial, metrics if log else None))
+        self._clean = True  # every trial is at an update boundary again
+        self._phase = "the callbacks and checkpoints"
+        saved = False
+        for trial, metrics in logged:
+            self._dispatch("on_step_end", trial)
+            if metrics is not None:
                 self._dispatch("on_log", trial, logs=metrics)
             a = trial.args
-            if a.save_strategy == "steps" and a.save_steps and s.global_step % int(a.save_steps) == 0:
+            if a.save_strategy == "steps" and a.save_steps and trial.state.global_step % int(a.save_steps) == 0:
                 ckpt.save_trial(self, trial)
+                saved = True
             if trial.control.should_training_stop:
                 trial.control.should_training_stop = False
                 self._pending.append(("stop", trial.name, "callback"))
+        if saved:
+            ckpt.write_index(self)
+
+    def _keep_finite(self, trials: list[Trial], problems: list[str | None], when: str) -> list[Trial]:
+        """The trials without a problem; the others are marked ``diverged`` with the update and the check."""
+        keep = []
+        for trial, problem in zip(trials, problems):
+            if problem is None:
+                keep.append(trial)
+                continue
+            trial.status = "diverged"
+            trial.reason = f"update {trial.state.global_step + 1}: {problem} ({when})"
+            self._note(
+                f"trial {trial.name} diverged at {trial.reason}; it stops and is never saved "
+                "(its earlier checkpoints are kept), the other trials continue"
+            )
+        return keep
 
     def _prompts(self, trial: Trial) -> dict:
         from rapidfire_hf.ppo.data import collate_prompts
@@ -325,6 +481,47 @@ class PPOSweep:
     def adapter_state_dict(self, name: str) -> dict[str, torch.Tensor]:
         """Trial ``name``'s LoRA weights under peft's keys (loadable with ``set_peft_model_state_dict``)."""
         return self.bank.state_dict(self._trial(name).slot)
+
+
+# what each tensor of a scored rollout says when it is not finite
+_EXPERIENCE_CHECKS = (
+    ("scores", "non-finite rewards (objective/scores)"),
+    ("values", "non-finite values (the value head)"),
+    ("logprobs", "non-finite log-probs of the sampled tokens (the adapter)"),
+    ("ref_logprobs", "non-finite reference log-probs (the base model)"),
+    ("advantages", "non-finite advantages"),
+    ("returns", "non-finite returns"),
+)
+_LOSS_STATS = ("pg_loss", "vf_loss", "approx_kl")
+
+
+def _first_bad(tensors: list[torch.Tensor], names: list[str]) -> str | None:
+    """The name of the first tensor holding a NaN or infinity (one host sync for all of them)."""
+    finite = torch.stack([t.isfinite().all() for t in tensors]).tolist()
+    return next((n for n, ok in zip(names, finite) if not ok), None)
+
+
+def _experience_problem(exp) -> str | None:
+    adv = exp.adv
+    return _first_bad([getattr(adv, k) for k, _ in _EXPERIENCE_CHECKS], [m for _, m in _EXPERIENCE_CHECKS])
+
+
+def _stats_problem(stats: dict) -> str | None:
+    bad = _first_bad([stats[k] for k in _LOSS_STATS], list(_LOSS_STATS))
+    return None if bad is None else f"non-finite {bad} in the PPO epochs"
+
+
+def _params_problem(trial: Trial) -> str | None:
+    n = len(trial.params) - len(list(trial.value_head.parameters()))
+    bad = _first_bad(list(trial.params), ["adapter"] * n + ["value head"] * (len(trial.params) - n))
+    return None if bad is None else f"non-finite {bad} weights"
+
+
+def _disable_dropout(module) -> None:
+    """Dropout off: a trial's forward must be a function of its rows and weights alone."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
 
 
 def _full_mask(model) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -22,62 +21,19 @@ from rapidfire_hf.models.value_head import ValueHead
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import PromptOrder
 from rapidfire_hf.ppo.setup import default_adamw
-from rapidfire_hf.ppo.trainer import PPOTrainerState
-
-# PPOConfig fields a trial may override. Everything else is shared: the decode (response_length,
-# temperature, top_k/top_p, stop token), the prompt width and the precision are one batched pass for all.
-PER_TRIAL_FIELDS = frozenset(
-    {
-        "learning_rate",
-        "weight_decay",
-        "adam_beta1",
-        "adam_beta2",
-        "adam_epsilon",
-        "max_grad_norm",
-        "lr_scheduler_type",
-        "lr_scheduler_kwargs",
-        "warmup_ratio",
-        "warmup_steps",
-        "seed",
-        "max_steps",
-        "total_episodes",
-        "num_train_epochs",
-        "num_ppo_epochs",
-        "num_mini_batches",
-        "per_device_train_batch_size",
-        "gradient_accumulation_steps",
-        "kl_coef",
-        "kl_estimator",
-        "cliprange",
-        "cliprange_value",
-        "vf_coef",
-        "gamma",
-        "lam",
-        "whiten_rewards",
-        "reward_weights",
-        "missing_eos_penalty",
-        "logging_steps",
-    }
-)
-STATES = ("running", "stopped", "finished", "early_stopped")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
-
-
-def check_trial_name(name: str) -> None:
-    """Trial names become folder names: letters, digits and ``. _ = + -``."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(
-            f"trial name {name!r} is not allowed: use letters, digits and . _ = + - (it names a folder)"
-        )
+from rapidfire_hf.ppo.types import PPOTrainerState
+from rapidfire_hf.sweep.fields import PER_TRIAL_FIELDS, value_problem
 
 
 def trial_args(shared: PPOConfig, overrides: dict, name: str) -> PPOConfig:
     """The trial's PPOConfig: ``shared`` with ``overrides`` applied and its own output folder.
 
     Raises:
-        ValueError: an override names no PPOConfig field (the message suggests the closest ones), or a
-            field every trial must share.
+        ValueError: an override names no PPOConfig field (the message suggests the closest ones), a
+            field every trial must share, or a value PPOConfig or the LR schedule refuses.
     """
+    if not isinstance(overrides, dict):
+        raise ValueError(f"trial {name!r}: the overrides must be a mapping of PPOConfig fields, got {overrides!r}")
     known = {f.name for f in dataclasses.fields(PPOConfig) if f.init}
     for key in overrides:
         if key not in known:
@@ -89,10 +45,18 @@ def trial_args(shared: PPOConfig, overrides: dict, name: str) -> PPOConfig:
                 f"trial {name!r}: {key!r} is shared by every trial of a sweep (one batched decode and forward): "
                 f"set it in the shared config. Per-trial fields: {', '.join(sorted(PER_TRIAL_FIELDS))}"
             )
+        problem = value_problem(key, overrides[key])
+        if problem is not None:
+            raise ValueError(f"trial {name!r}: {problem}")
     out_dir = f"{shared.output_dir}/trials/{name}"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return dataclasses.replace(shared, **overrides, output_dir=out_dir)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = dataclasses.replace(shared, **overrides, output_dir=out_dir)
+        make_optimizer(args, [torch.nn.Parameter(torch.zeros(1))], 1)  # the schedule's settings, now
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"trial {name!r}: {' '.join(str(err).split())[:400]}") from None
+    return args
 
 
 def update_generator(seed: int, update: int) -> torch.Generator:
@@ -124,6 +88,8 @@ class Trial:
     status: str = "running"
     parent: str | None = None
     reason: str = ""
+    branch_step: int | None = None  # a clone: its parent's update when it was made
+    saved_step: int | None = None  # the update of the checkpoint this process last wrote or loaded
 
     @property
     def done(self) -> bool:
@@ -199,6 +165,7 @@ def _take_state(trial: Trial, source: Trial) -> None:
     trial.state.epoch = source.state.epoch
     trial.state.log_history = [dict(h) for h in source.state.log_history]  # the curve up to the clone
     trial.parent = source.name
+    trial.branch_step = source.state.global_step
     with warnings.catch_warnings():  # the schedule catches up to the update count; no step is skipped
         warnings.simplefilter("ignore")
         for _ in range(source.state.global_step):

@@ -1,0 +1,102 @@
+"""What a trial may set, how it may be named, and the states it can be in.
+
+Plain Python on purpose (no torch, no transformers): ``rapidfire sweep ctl`` checks its arguments with
+these tables and answers in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# PPOConfig fields a trial may override, with the kind of value each takes. Everything else is shared:
+# the decode (response_length, temperature, top_k/top_p, stop token), the prompt width and the precision
+# are one batched pass for all. tests/sweep/test_validation.py checks this table against PPOConfig.
+FIELD_KINDS = {
+    "learning_rate": "float",
+    "weight_decay": "float",
+    "adam_beta1": "float",
+    "adam_beta2": "float",
+    "adam_epsilon": "float",
+    "max_grad_norm": "float",
+    "lr_scheduler_type": "str",
+    "lr_scheduler_kwargs": "dict?",
+    "warmup_steps": "float",
+    "seed": "int",
+    "max_steps": "int",
+    "total_episodes": "int?",
+    "num_train_epochs": "float",
+    "num_ppo_epochs": "int",
+    "num_mini_batches": "int",
+    "per_device_train_batch_size": "int",
+    "gradient_accumulation_steps": "int",
+    "kl_coef": "float",
+    "kl_estimator": "str",
+    "cliprange": "float",
+    "cliprange_value": "float",
+    "vf_coef": "float",
+    "gamma": "float",
+    "lam": "float",
+    "whiten_rewards": "bool",
+    "reward_weights": "floats?",
+    "missing_eos_penalty": "float?",
+    "logging_steps": "float",
+}
+PER_TRIAL_FIELDS = frozenset(FIELD_KINDS)
+# the fields that only set how long a trial runs: a resumed trial may change them (to extend a sweep)
+LENGTH_FIELDS = frozenset({"max_steps", "total_episodes", "num_train_epochs"})
+
+STATES = ("running", "stopped", "finished", "early_stopped", "diverged")
+NAME_LIMIT = 128  # characters; a name is a folder name, and checkpoint paths add ~40 more
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
+
+
+def check_trial_name(name) -> None:
+    """Trial names become folder names: letters, digits and ``. _ = + -``, at most ``NAME_LIMIT`` long.
+
+    Raises:
+        ValueError: naming the problem.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+        raise ValueError(
+            f"trial name {shown} is not allowed: use letters, digits and . _ = + -, starting with a letter "
+            "or digit (it names a folder)"
+        )
+    if len(name) > NAME_LIMIT:
+        raise ValueError(
+            f"trial name {name[:40]}... is {len(name)} characters long: at most {NAME_LIMIT} (it names a folder)"
+        )
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def value_problem(key: str, value) -> str | None:
+    """Why ``value`` cannot be trial field ``key`` (its kind is wrong), or None. The full check (ranges,
+    choices) is PPOConfig's; this one needs no import and catches the type mistakes of a command line."""
+    kind = FIELD_KINDS[key]
+    if kind.endswith("?"):
+        if value is None:
+            return None
+        kind = kind[:-1]
+    ok = {
+        "float": _is_number(value),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+        "dict": isinstance(value, dict),
+        "floats": isinstance(value, list) and all(_is_number(v) for v in value),
+    }[kind]
+    if ok:
+        return None
+    wanted = {
+        "float": "a finite number",
+        "int": "an integer",
+        "bool": "true or false",
+        "str": "a string",
+        "dict": "a mapping such as {num_cycles: 2}",
+        "floats": "a list of numbers such as [1.0, 0.5]",
+    }[kind]
+    return f"{key} takes {wanted}{' or null' if FIELD_KINDS[key].endswith('?') else ''}, got {value!r}"
