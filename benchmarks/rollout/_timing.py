@@ -78,16 +78,27 @@ class _StepHook(LogitsProcessor):
         return scores
 
 
+# "ours_<mode>+<variant>": (decode_attention, decode_sampler); no variant = the defaults
+VARIANTS = {
+    "": ("sdpa", "torch"),
+    "matmul": ("matmul", "torch"),
+    "triton": ("triton", "triton-philox"),  # every Triton kernel of kernels/
+    "tattn": ("triton", "torch"),  # the flash-decoding kernel alone
+}
+
+
 def _runner(model, system: str, ids, mask):
     """``run(n, hook)`` generating ``n`` tokens with ``system``; ``hook(k)`` follows decode step k."""
     if system.startswith("ours_"):
+        mode, _, variant = system.removeprefix("ours_").partition("+")
         engine = RolloutEngine(
             model,
             pad_token_id=0,
             stop_token_ids=[],
             backend="static",
-            decode_mode=system.removeprefix("ours_").removesuffix("+matmul"),
-            decode_attention="matmul" if system.endswith("+matmul") else "sdpa",
+            decode_mode=mode,
+            decode_attention=VARIANTS[variant][0],
+            decode_sampler=VARIANTS[variant][1],
         )
 
         def run(n, hook):

@@ -30,7 +30,10 @@ from benchmarks.common import write_json  # noqa: E402
 
 # the 1.1B Llama shape of the README's numbers; the smoke shape runs on a CPU in seconds
 SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke", vocab_size=128)}
-# in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode attention
+# in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode
+# attention, "+triton" = the Triton flash-decoding and fused-sampling kernels, "+tattn" = the attention
+# kernel alone (_timing.VARIANTS); the "+triton" systems are opt-in (--systems)
+OPT_IN = ("ours_compile+triton", "ours_cuda_graph+triton", "ours_compile+tattn", "ours_cuda_graph+tattn")
 SYSTEMS = (
     "ours_cuda_graph",
     "hf_dynamic",
@@ -68,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 32,128,256)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="generated tokens per run (default 384)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS + OPT_IN)}")
     p.add_argument(
         "--budget-s",
         type=float,
@@ -93,6 +96,12 @@ def main(argv=None) -> int:
     prompt_len = args.prompt_len or (8 if args.smoke else 128)
     new_tokens = args.new_tokens or (16 if args.smoke else 384)
     systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in systems if s not in SYSTEMS + OPT_IN]
+    if unknown:
+        print(
+            f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS + OPT_IN)}", file=sys.stderr
+        )
+        return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 correctness must be exact; bf16 is unaffected
 
     import transformers

@@ -1,0 +1,198 @@
+"""benchmarks/kernels: the project's Triton decode kernels against their PyTorch paths and the bandwidth floor.
+
+Two kernels, each at the decode shapes of the 1.1B and 7B Llama (batch 8, 64, 256; cache 512 slots):
+
+- ``attention``: one decode token's GQA attention over a bf16 static cache, ``gqa_decode_attention`` with
+  ``impl="sdpa"`` (the default), ``"matmul"`` and ``"triton"`` (``kernels/triton_flash_decode.py``);
+  the floor is the cache bytes (K and V of one layer) / the GPU's peak bandwidth.
+- ``sampling``: temperature sampling and the drawn token's log-prob from ``[B, 32000]`` logits,
+  ``sample_tokens`` on the fp32 logits as the engine runs it (with its ``.float()`` of the bf16 logits)
+  against ``fused_sample`` on the same noise and with its own Philox noise; the floor is the bytes of the
+  bf16 logits (+ the fp32 noise for the rows that read it) / peak bandwidth.
+
+Each row: correctness against the reference first (max abs difference, equal tokens), then the median of
+``--repeats`` timed calls (CUDA events) after ``--warmup`` calls. Writes results.json / results.csv /
+kernels.png.
+
+    python benchmarks/kernels/run.py --out OUT                 # one H200: under a minute
+    python benchmarks/kernels/run.py --out OUT --smoke         # CPU, Triton interpreter: the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.common import bar_chart, environment, write_csv, write_json  # noqa: E402
+
+# (name, kv heads, query heads per kv head, head dim)
+ATTENTION_SHAPES = {"llama-1.1b": (4, 8, 64), "llama-7b": (32, 1, 128)}
+VOCAB = 32000
+PEAK_TB_S = {"H200": 4.8, "H100": 3.35}  # HBM peak of the GPUs this suite ran on (vendor figures)
+
+
+def _time(fn, device: str, warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    if device != "cuda":
+        import time
+
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _peak_bytes_per_ms(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    tb_s = next((v for k, v in PEAK_TB_S.items() if k in name), None)
+    return tb_s * 1e9 if tb_s else None  # bytes per millisecond
+
+
+def attention_rows(args, device: str, dtype) -> list[dict]:
+    from rapidfire_hf.kernels import gqa_decode_attention
+
+    rows, per_ms = [], _peak_bytes_per_ms(device)
+    for shape, (kv, group, d) in ATTENTION_SHAPES.items():
+        for batch in args.batches:
+            g = torch.Generator(device).manual_seed(0)
+            q = torch.randn(batch, kv, group, d, device=device, generator=g)
+            k = torch.randn(batch, kv, args.cache, d, device=device, generator=g)
+            v = torch.randn(batch, kv, args.cache, d, device=device, generator=g)
+            valid = torch.ones(batch, args.cache, dtype=torch.bool, device=device)
+            valid[: batch // 2, : args.cache // 4] = False  # left padding on half of the rows
+            ref = gqa_decode_attention(q, k, v, valid, d**-0.5, "matmul")  # fp32 reference
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            floor = 2 * k.numel() * k.element_size() / per_ms if per_ms else None
+            for impl in ("sdpa", "matmul", "triton"):
+                out = gqa_decode_attention(q, k, v, valid, d**-0.5, impl)
+                call = partial(gqa_decode_attention, q, k, v, valid, d**-0.5, impl)
+                ms = _time(call, device, args.warmup, args.repeats)
+                rows.append(
+                    {
+                        "kernel": "attention",
+                        "shape": shape,
+                        "batch": batch,
+                        "impl": impl,
+                        "ms": ms,
+                        "floor_ms": floor,
+                        "x_floor": ms / floor if floor else None,
+                        "max_abs_diff": (out.float() - ref).abs().max().item(),
+                    }
+                )
+                print(rows[-1], flush=True)
+    return rows
+
+
+def _torch_sample(logits, params, noise):
+    from rapidfire_hf.rollout.sampling import sample_tokens
+
+    return sample_tokens(logits.float(), params, noise)
+
+
+def sampling_rows(args, device: str, dtype) -> list[dict]:
+    from rapidfire_hf.kernels.triton_sampling import fused_sample, philox_seeds
+    from rapidfire_hf.rollout.sampling import sample_tokens
+    from rapidfire_hf.rollout.types import SamplingParams
+
+    rows, per_ms = [], _peak_bytes_per_ms(device)
+    params = SamplingParams(temperature=0.7)
+    for batch in args.batches:
+        g = torch.Generator(device).manual_seed(0)
+        logits = (torch.randn(batch, args.vocab, device=device, generator=g) * 3).to(dtype)
+        noise = torch.rand(batch, args.vocab, device=device, generator=g)
+        seeds = philox_seeds(None, batch, device)
+        step = torch.ones(1, dtype=torch.long, device=device)
+        ref_tok, ref_lp = sample_tokens(logits.float(), params, noise)
+        calls = {  # the engine's torch path casts the bf16 logits to fp32 first
+            "torch": partial(_torch_sample, logits, params, noise),
+            "triton": partial(fused_sample, logits, 0.7, True, noise),
+            "triton-philox": partial(fused_sample, logits, 0.7, True, seeds=seeds, step=step),
+        }
+        for impl, call in calls.items():
+            tok, lp = call()
+            read = logits.numel() * logits.element_size() + (
+                noise.numel() * 4 if impl != "triton-philox" else 0
+            )
+            floor = read / per_ms if per_ms else None
+            same = impl != "triton-philox"  # Philox draws other noise: only the log-probs are comparable
+            ms = _time(call, device, args.warmup, args.repeats)
+            rows.append(
+                {
+                    "kernel": "sampling",
+                    "shape": f"vocab {args.vocab}",
+                    "batch": batch,
+                    "impl": impl,
+                    "ms": ms,
+                    "floor_ms": floor,
+                    "x_floor": ms / floor if floor else None,
+                    "max_abs_diff": (lp - ref_lp).abs().max().item() if same else None,
+                    "same_tokens": bool(torch.equal(tok, ref_tok)) if same else None,
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", default="8,64,256")
+    p.add_argument("--cache", type=int, default=512, help="cache slots attended (prompt + response)")
+    p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
+    args = p.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device == "cpu":
+        if not args.smoke:
+            print("no CUDA device: run with --smoke (Triton's interpreter, tiny shapes)", file=sys.stderr)
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
+        args.batches, args.cache, args.vocab, args.warmup, args.repeats = [2], 64, 256, 1, 2
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    env["command"] = " ".join(["python", "benchmarks/kernels/run.py", *(argv or sys.argv[1:])])
+    rows = attention_rows(args, device, dtype) + sampling_rows(args, device, dtype)
+    write_json(out / "results.json", {"environment": env, "rows": rows})
+    write_csv(out / "results.csv", rows)
+    bar_chart(
+        out / "kernels.png",
+        [f"{r['kernel']} {r['shape']} b{r['batch']} {r['impl']}" for r in rows],
+        [r["ms"] * 1e3 for r in rows],
+        f"decode kernels, {env.get('gpu') or device} (median of {args.repeats} calls)",
+        "microseconds per call",
+    )
+    print(f"wrote {out}/results.json, results.csv, kernels.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
