@@ -100,8 +100,9 @@ def _announce_pid() -> None:
 
 def run_demo(args) -> int:
     from rapidfire_hf.demo import make_prompt_dataset, vowel_reward
+    from rapidfire_hf.demo.chart import plot_demo_chart
     from rapidfire_hf.ppo import PPOTrainer
-    from rapidfire_hf.utils.reporting import LiveTableCallback, plot_curves
+    from rapidfire_hf.utils.reporting import LiveTableCallback
 
     _check_args(args)
     _announce_pid()
@@ -149,12 +150,7 @@ def run_demo(args) -> int:
             f"miss rate {summary['clip_miss_rate']:.1%}, {summary['skipped_steps']} steps skipped"
             + _deferred_note(summary["deferred_steps"])
         )
-    plot_curves(
-        history,
-        out_dir / "demo_curves.png",
-        {"objective/scores": "reward", "objective/kl": "KL"},
-        title="rapidfire demo: PPO reward and KL per update",
-    )
+    plot_demo_chart(history, out_dir / "demo_curves.png", ppo_args)  # with the reward's range, the KL scale
     return 0
 
 

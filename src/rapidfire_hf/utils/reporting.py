@@ -63,9 +63,17 @@ class LiveTableCallback(TrainerCallback):
 
 
 def plot_curves(
-    history: list[dict], path: str | Path, series: dict[str, str], title: str = "", x_key: str = "step"
+    history: list[dict],
+    path: str | Path,
+    series: dict[str, str],
+    title: str = "",
+    x_key: str = "step",
+    marks: dict[str, list[tuple[float, str]]] | None = None,
 ) -> Path:
-    """Save one panel per metric (key -> label) of ``history`` (a list of log dicts) as a PNG."""
+    """Save one panel per metric (key -> label) of ``history`` (a list of log dicts) as a PNG.
+
+    ``marks`` adds dashed horizontal lines to a metric's panel, ``(y, legend label)`` each (the panel's
+    y range grows to show them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,6 +87,10 @@ def plot_curves(
         ax.set_ylabel(label)
         ax.set_title(label)
         ax.grid(alpha=0.3)
+        for i, (y, text) in enumerate((marks or {}).get(key, [])):
+            ax.axhline(y, linestyle="--", linewidth=1, color=f"C{i + 1}", label=text)
+        if (marks or {}).get(key):
+            ax.legend(fontsize="x-small", loc="best")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
