@@ -248,7 +248,8 @@ class EarlyStopping:
 
     A trial's level is the mean of ``metric`` over its last ``window`` logged updates; "best" is the highest
     level (``mode="max"``, e.g. reward) or the lowest (``mode="min"``) among trials with enough updates.
-    A non-finite level (a diverged trial) is never the best and never compared.
+    A non-finite level (a diverged trial) is never the best and never compared. A trial resumed by hand is
+    not stopped again.
 
     Example:
         >>> PPOSweep(..., early_stopping=EarlyStopping(metric="objective/scores", after_updates=10, margin=0.1))
@@ -283,7 +284,8 @@ class EarlyStopping:
         best = max(levels.values(), key=lambda v: sign * v)
         out = []
         for name, lv in levels.items():
-            if trials[name].active and sign * (best - lv) > self.margin:
+            pinned = getattr(trials[name], "pinned", False)
+            if trials[name].active and not pinned and sign * (best - lv) > self.margin:
                 out.append(
                     (name, f"{self.metric} {lv:.4g} is {abs(best - lv):.4g} behind the best {best:.4g}")
                 )
@@ -292,13 +294,15 @@ class EarlyStopping:
 
 @dataclass
 class SuccessiveHalving:
-    """Successive halving: at each rung (an update count) keep the best ``keep`` fraction of the running
-    trials by ``metric`` and stop the others (state ``early_stopped``, the decision in ``reason``).
+    """Successive halving: at each rung (an update count) keep the best ``keep`` fraction of the trials
+    that reached it, by ``metric``, and stop the others (state ``early_stopped``, the decision in
+    ``reason``).
 
-    The trials of a sweep advance together, so a rung is judged at the boundary where the running trials
-    reach it, among the running trials at exactly that update (a resumed sweep past a rung does not judge
-    it again). The level is the mean of ``metric`` over the last ``window`` logged updates; a non-finite
-    level ranks last. At least one trial is always kept.
+    A rung is judged once every running trial has reached it, over every trial that reached it (those
+    already past it too, by their level at the rung; diverged trials never). Judging a rung again stops
+    nobody new, so a resumed sweep can apply the rule without repeating a cut. The level is the mean of
+    ``metric`` over the last ``window`` logged updates up to the rung; a non-finite level ranks last. At
+    least one trial is always kept. A trial resumed by hand is not stopped again.
 
     Example:
         >>> PPOSweep(..., early_stopping=SuccessiveHalving(rungs=(5, 10, 20), keep=0.5))
@@ -323,27 +327,32 @@ class SuccessiveHalving:
             raise ValueError(f"SuccessiveHalving keep must be a fraction between 0 and 1, got {k!r}")
         self.rungs = tuple(rungs)
 
+    def _rank(self, trial, rung: int) -> tuple:
+        lv = _level(trial, self.metric, self.window, upto=rung)
+        sign = 1.0 if self.mode == "max" else -1.0
+        return (0, -sign * lv) if lv is not None and math.isfinite(lv) else (1, 0.0)
+
     def check(self, trials: dict) -> list[tuple[str, str]]:
+        """``[(name, reason), ...]`` of running trials to stop now."""
         running = [t for t in trials.values() if t.active]
         if not running:
             return []
-        step = min(t.state.global_step for t in running)
-        at = [t for t in running if t.state.global_step == step]
-        if step not in self.rungs or len(at) < 2:
-            return []
-        sign = 1.0 if self.mode == "max" else -1.0
-
-        def rank_key(t):
-            lv = _level(t, self.metric, self.window, upto=step)
-            return (0, -sign * lv) if lv is not None and math.isfinite(lv) else (1, 0.0)
-
-        ordered = sorted(at, key=rank_key)
-        kept = max(1, math.ceil(len(ordered) * self.keep))
-        out = []
-        for pos, t in enumerate(ordered[kept:], start=kept + 1):
-            lv = _level(t, self.metric, self.window, upto=step)
-            out.append((t.name, f"successive halving at update {step}: {self.metric} {lv if lv is None else f'{lv:.4g}'} "
-                        f"ranks {pos} of {len(ordered)} (the best {kept} continue)"))  # fmt: skip
-        self.decisions.append({"update": step, "kept": [t.name for t in ordered[:kept]],
-                               "stopped": [n for n, _ in out]})  # fmt: skip
+        now = min(t.state.global_step for t in running)
+        out, stopping = [], set()
+        for rung in (r for r in self.rungs if r <= now):
+            pool = [t for t in trials.values() if t.status != "diverged" and t.state.global_step >= rung]
+            ordered = sorted(pool, key=lambda t, rung=rung: self._rank(t, rung))
+            kept = max(1, math.ceil(len(ordered) * self.keep))
+            cut = [(pos, t) for pos, t in enumerate(ordered[kept:], start=kept + 1)
+                   if t.active and not getattr(t, "pinned", False) and t.name not in stopping]  # fmt: skip
+            for pos, t in cut:
+                lv = _level(t, self.metric, self.window, upto=rung)
+                shown = "none" if lv is None else f"{lv:.4g}"
+                out.append((t.name, f"successive halving at update {rung}: {self.metric} {shown} ranks {pos} "
+                                    f"of {len(ordered)} (the best {kept} continue)"))  # fmt: skip
+                stopping.add(t.name)
+            if cut:
+                self.decisions.append(
+                    {"update": rung, "kept": [t.name for t in ordered[:kept]], "stopped": [t.name for _, t in cut]}
+                )
         return out

@@ -266,7 +266,10 @@ class SweepPhases:
                 t = trials[i]
                 if t.args.max_grad_norm and t.args.max_grad_norm > 0:
                     torch.nn.utils.clip_grad_norm_(t.params, t.args.max_grad_norm)
-                t.optimizer.step()
+                try:
+                    t.optimizer.step()
+                except (RuntimeError, ValueError, OverflowError) as err:  # this trial diverges, not the sweep
+                    t.step_error = t.step_error or f"its optimizer step raised {type(err).__name__}: {err}"
                 t.optimizer.zero_grad(set_to_none=True)
 
     def _autocast(self):

@@ -265,7 +265,7 @@ class PPOSweep:
         elif kind == "resume":
             if trial.status not in ("stopped", "early_stopped"):
                 raise ValueError(f"trial {name!r} is {trial.status}: only a stopped trial can be resumed")
-            trial.status, trial.reason = "running", ""
+            trial.status, trial.reason, trial.pinned = "running", "", True
         elif kind == "clone":
             clone = self._add(op[2], op[3], source=trial, parent_overrides=trial.overrides)
             try:  # checkpointed at once: a resume restores it from this state, never from its seed
@@ -318,6 +318,8 @@ class PPOSweep:
         try:
             outputs.write_state(self, "running")
             self._dispatch("on_train_begin")
+            if resume_from_checkpoint:  # a cut the stopped run made but could not record is made again
+                self._apply_rules()
             while True:
                 self._phase, self._clean = "applying control commands", True
                 self._boundary()
@@ -325,13 +327,7 @@ class PPOSweep:
                 if not active:
                     break
                 self._round(active)
-                self._phase = "the stopping rules"
-                for rule in self.rules:
-                    for name, why in rule.check(self.trials):
-                        if self.trials[name].status == "running":
-                            self._apply(("stop", name, "early_stopped"))
-                            self._trial(name).reason = why
-                            logger.info("PPOSweep: stopped %s: %s", name, why)
+                self._apply_rules()
                 if progress is not None:
                     progress.update()
                 outputs.write_state(self, "running")
@@ -349,6 +345,20 @@ class PPOSweep:
         ckpt.save_sweep(self)
         outputs.write_all(self, status="finished")
         return self.results()
+
+    def _apply_rules(self) -> None:
+        """Stop the trials the stopping rules name; the index records it at once (a resume keeps the cut)."""
+        self._phase = "the stopping rules"
+        stopped = False
+        for rule in self.rules:
+            for name, why in rule.check(self.trials):
+                if self.trials[name].status == "running":
+                    self._apply(("stop", name, "early_stopped"))
+                    self._trial(name).reason = why
+                    logger.info("PPOSweep: stopped %s: %s", name, why)
+                    stopped = True
+        if stopped:
+            ckpt.write_index(self)
 
     def _fail(self, err: BaseException) -> None:
         """Save what can be saved after a failure shared by every trial, then raise :class:`SweepError`
@@ -400,8 +410,8 @@ class PPOSweep:
         stats = self.phases.optimize(active, exps)
         t3 = _sync_time(self.device)
         self._phase = "the update's metrics"
-        problems = [_stats_problem(st) or _params_problem(t) for t, st in zip(active, stats)]
-        keep = self._keep_finite(active, problems, "after the optimizer step")
+        problems = [t.step_error or _stats_problem(st) or _params_problem(t) for t, st in zip(active, stats)]
+        keep = self._keep_finite(active, problems, "in the PPO epochs")
         logged = []
         for trial, exp, st in zip(active, exps, stats):
             if trial not in keep:
@@ -508,7 +518,7 @@ def _experience_problem(exp) -> str | None:
 
 def _stats_problem(stats: dict) -> str | None:
     bad = _first_bad([stats[k] for k in _LOSS_STATS], list(_LOSS_STATS))
-    return None if bad is None else f"non-finite {bad} in the PPO epochs"
+    return None if bad is None else f"non-finite {bad}"
 
 
 def _params_problem(trial: Trial) -> str | None:

@@ -90,6 +90,8 @@ class Trial:
     reason: str = ""
     branch_step: int | None = None  # a clone: its parent's update when it was made
     saved_step: int | None = None  # the update of the checkpoint this process last wrote or loaded
+    pinned: bool = False  # resumed by hand: the stopping rules leave it alone
+    step_error: str | None = None  # why an optimizer step of this trial failed (it then diverges)
 
     @property
     def done(self) -> bool:

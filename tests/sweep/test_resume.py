@@ -1,0 +1,233 @@
+"""Resuming a sweep: after a SIGKILL at any point of a save or of an update, a resumed sweep equals the
+uninterrupted one (CPU fp32, bit-exact) and really starts from the checkpoints (it runs only the missing
+updates); a clone comes back from its own checkpoint; a damaged or hostile checkpoint or index is refused
+with the file named, before any trial changes; a finished sweep extends with more updates."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidfire_hf.ppo.checkpoint import MARKER
+from rapidfire_hf.sweep.checkpoint import INDEX, SweepCheckpointError
+
+from .crash import CLONE, A, B, CountUpdates, crash_sweep
+from .helpers import curves, make_sweep, max_abs_diff, TRIALS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _snapshot(sweep) -> dict:
+    return {
+        n: (curves(t.state.log_history), sweep.adapter_state_dict(n), t.value_head.state_dict(), t.status)
+        for n, t in sweep.trials.items()
+    }
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name][0] == b[name][0], name
+        assert max_abs_diff(a[name][1], b[name][1]) == 0.0, name
+        assert max_abs_diff(a[name][2], b[name][2]) == 0.0, name
+        assert a[name][3] == b[name][3], name
+
+
+def _updates(sweep) -> int:
+    return next(cb for cb in sweep.callbacks if isinstance(cb, CountUpdates)).updates
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tokenizer, tmp_path_factory):
+    torch.set_num_threads(1)
+    sweep = crash_sweep(tokenizer, tmp_path_factory.mktemp("whole"))
+    sweep.train()
+    assert _updates(sweep) == 4 + 4 + 2  # A, B, and the clone from update 3 on
+    return _snapshot(sweep)
+
+
+# (where, target, n): killed mid-file-set of A's checkpoint-3; before B's checkpoint-3 folder is renamed
+# into place; before the index of update 3 replaces the old one; in the PPO epochs of update 4
+KILLS = [
+    ("save", "optimizer.pt", 6, 2 + 2 + 2),
+    ("replace", "checkpoint-3", 2, 1 + 2 + 2),
+    ("replace", INDEX, 4, 1 + 1 + 1),
+    ("optimize", "-", 4, 1 + 1 + 1),
+]
+
+
+@pytest.mark.parametrize(("where", "target", "n", "left"), KILLS, ids=[f"{k[0]}-{k[1]}" for k in KILLS])
+@pytest.mark.usefixtures("single_thread")
+def test_resume_after_sigkill_equals_the_uninterrupted_sweep(tokenizer, tmp_path, uninterrupted, where, target, n, left):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.sweep.crash", str(tmp_path), where, target, str(n)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == -9, run.stderr[-2000:]  # killed, not finished
+    resumed = crash_sweep(tokenizer, tmp_path)
+    resumed.train(resume_from_checkpoint=True)
+    _same(_snapshot(resumed), uninterrupted)
+    assert _updates(resumed) == left  # only the updates the checkpoints lacked were run again
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_finished_sweep_extends_from_its_checkpoints(tokenizer, tmp_path):
+    flat = dict(lr_scheduler_type="constant")  # the schedule does not depend on the total
+    straight = make_sweep(tokenizer, tmp_path / "straight", {A: TRIALS[A]}, max_steps=3, **flat)
+    straight.train()
+    short = make_sweep(tokenizer, tmp_path / "ext", {A: TRIALS[A]}, max_steps=2, **flat)
+    assert short.train()[A].status == "finished"
+    longer = make_sweep(tokenizer, tmp_path / "ext", {A: TRIALS[A]}, max_steps=3, **flat)
+    counter = CountUpdates()
+    longer.callbacks.append(counter)
+    result = longer.train(resume_from_checkpoint=True)[A]
+    assert counter.updates == 1 and result.status == "finished" and result.global_step == 3
+    assert curves(result) == curves(straight.trials[A].state.log_history)
+    assert max_abs_diff(longer.adapter_state_dict(A), straight.adapter_state_dict(A)) == 0.0
+
+
+def _set_marker_size(folder: Path, name: str) -> None:
+    marker = json.loads((folder / MARKER).read_text())
+    marker["files"][name] = (folder / name).stat().st_size
+    (folder / MARKER).write_text(json.dumps(marker))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def _truncate(folder):
+    f = folder / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    return f, "bytes instead of"
+
+
+def _garbage_safetensors(folder):
+    f = folder / "adapter_model.safetensors"
+    f.write_bytes(b"\x00" * f.stat().st_size)
+    return f, "cannot be read as safetensors"
+
+
+def _hostile_pickle(folder):
+    f = folder / "optimizer.pt"
+    f.write_bytes(pickle.dumps(_Evil()))
+    _set_marker_size(folder, f.name)
+    return f, "optimizer.pt cannot be read"
+
+
+def _wrong_value_head(folder):
+    f = folder / "value_head.pt"
+    torch.save({"summary.weight": torch.zeros(1, 3)}, f)
+    _set_marker_size(folder, f.name)
+    return f, "does not fit this run's value head"
+
+
+def _nan_adapter(folder):
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "adapter_model.safetensors"
+    state = load_file(str(f))
+    next(iter(state.values())).fill_(float("nan"))
+    save_file(state, str(f))
+    _set_marker_size(folder, f.name)
+    return f, "non-finite"
+
+
+def _bad_state(folder):
+    f = folder / "trainer_state.json"
+    f.write_text("{" + " " * (f.stat().st_size - 1))
+    return f, "cannot be read as a trainer state"
+
+
+def _missing_file(folder):
+    f = folder / "scheduler.pt"
+    f.unlink()
+    return f, "is missing"
+
+
+def _bad_marker(folder):
+    f = folder / MARKER
+    f.write_text("[]")
+    return f, "not a valid completeness marker"
+
+
+def _misspelt_status(folder):
+    f = folder.parents[2] / INDEX
+    index = json.loads(f.read_text())
+    index["trials"][B]["status"] = "runing"
+    f.write_text(json.dumps(index))
+    return f, "status 'runing' is none of"
+
+
+def _index_not_json(folder):
+    f = folder.parents[2] / INDEX
+    f.write_bytes(b"\xff{")
+    return f, INDEX
+
+
+def _index_bad_name(folder):
+    f = folder.parents[2] / INDEX
+    index = json.loads(f.read_text())
+    index["trials"]["../../etc"] = index["trials"][B]
+    f.write_text(json.dumps(index))
+    return f, "is not allowed"
+
+
+def _clone_checkpoint_gone(folder):
+    import shutil
+
+    f = folder.parents[1] / CLONE
+    shutil.rmtree(f)
+    return f, "holds no complete checkpoint"
+
+
+DAMAGE = [_truncate, _garbage_safetensors, _hostile_pickle, _wrong_value_head, _nan_adapter, _bad_state,
+          _missing_file, _bad_marker, _misspelt_status, _index_not_json, _index_bad_name, _clone_checkpoint_gone]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved_sweep(tokenizer, tmp_path_factory):
+    """A finished crash sweep's folder (checkpoints of updates 1-4, the clone from 2)."""
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("saved")
+    crash_sweep(tokenizer, out).train()
+    return out
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=[d.__name__.strip("_") for d in DAMAGE])
+def test_damaged_checkpoint_is_refused_naming_the_file(tokenizer, tmp_path, saved_sweep, damage):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(saved_sweep, out)
+    path, message = damage(out / "trials" / B / "checkpoint-4")
+    sweep = crash_sweep(tokenizer, out, max_steps=5)
+    before = _snapshot(sweep)
+    with pytest.raises(SweepCheckpointError) as err:
+        sweep.train(resume_from_checkpoint=True)
+    text = str(err.value)
+    assert str(path) in text and message in text and "\n" not in text
+    _same(_snapshot(sweep), before)  # nothing restored, no clone added
+    assert _updates(sweep) == 0
+
+
+def test_changed_overrides_are_refused(tokenizer, tmp_path, saved_sweep):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(saved_sweep, out)
+    sweep = make_sweep(tokenizer, out, {A: {"kl_coef": 0.3}, B: TRIALS[B]}, max_steps=4)
+    with pytest.raises(SweepCheckpointError, match=r"kl_coef: saved 0.01, this run 0.3"):
+        sweep.train(resume_from_checkpoint=True)
+    other_seed = make_sweep(tokenizer, out, {A: TRIALS[A], B: TRIALS[B]}, max_steps=4, seed=3)
+    with pytest.raises(SweepCheckpointError, match=r"seed saved 0, this run 3"):
+        other_seed.train(resume_from_checkpoint=True)
