@@ -99,11 +99,12 @@ def test_an_unreplayed_clip_miss_and_an_fp16_overflow_are_logged_and_counted(cap
     text = caplog.text
     assert "step 7 skipped" in text and "clip coefficient" in text
     assert "step 8 skipped" in text and "fp16 loss scaling" in text
-    logs = {"loss": 0.0}
-    callback.close_window(logs)
-    assert logs["rapidfire/steps_skipped"] == 2.0
-    assert logs["rapidfire/steps_skipped/clip_prediction"] == 1.0
-    assert logs["rapidfire/steps_skipped/fp16_overflow"] == 1.0
+    counts = callback.take_counts()
+    assert counts == {
+        "steps_skipped": 2.0,
+        "steps_skipped/clip_prediction": 1.0,
+        "steps_skipped/fp16_overflow": 1.0,
+    }
 
 
 def test_console_line_is_short_and_the_loggers_get_every_metric(build, capsys):
@@ -117,3 +118,12 @@ def test_console_line_is_short_and_the_loggers_get_every_metric(build, capsys):
         assert "'rapidfire/tokens_per_sec'" in line and "'rapidfire/steps_skipped'" in line
     logged = next(h for h in trainer.state.log_history if "loss" in h)
     assert sum(k.startswith("rapidfire/") for k in logged) > 20
+
+
+def test_the_count_follows_log_every_and_the_loss_every_log(build):
+    config = {**PARITY_CONFIG, "logging": {"log_every": 2}}
+    trainer = enable_rapidfire(build("sft", max_steps=4, logging_steps=1), config=config)
+    nan_at(trainer, {1})
+    trainer.train()
+    assert math.isnan(train_log(trainer)[0])  # the loss of step 1's own log
+    assert train_log(trainer, "rapidfire/steps_skipped") == [1.0, 0.0]  # steps 1-2, then 3-4

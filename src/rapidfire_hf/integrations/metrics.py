@@ -123,7 +123,8 @@ def part_metrics(trainer) -> dict[str, float]:
 
     Each part's own ``stats()`` keys are kept under ``optim/``, ``memory/`` and ``precision/``, one name
     per counter (e.g. ``optim/rollbacks``, ``optim/skipped``, ``optim/hook_seconds``: the optimizer time
-    spent inside backward's hooks, ``memory/compactions``, ``precision/switches``).
+    spent inside backward's hooks, ``memory/compactions``, ``precision/switches``), plus ``steps_skipped``:
+    the optimizer steps skipped since these metrics were last logged, with one count per reason.
     """
     from rapidfire_hf.integrations.parts import find_rapidfire_optimizer, installed_parts
 
@@ -141,6 +142,9 @@ def part_metrics(trainer) -> dict[str, float]:
     if precision is not None:
         for key, value in _numeric(precision.stats()).items():
             out[f"precision/{key}"] = value
+    skips = parts.get("skips")  # integrations/skips.py: steps skipped since these metrics were last logged
+    if skips is not None:
+        out.update(skips.take_counts())
     return out
 
 

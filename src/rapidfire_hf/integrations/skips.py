@@ -7,11 +7,11 @@ one with its reasons), a predicted clip coefficient missed (the window is rolled
 scaler skips the step silently in stock transformers).
 
 :class:`SkippedStepsCallback` logs the last two kinds itself (one warning per step, with its reason) and
-adds to every training log:
+adds to the training logs:
 
-- ``rapidfire/steps_skipped``: optimizer steps skipped since the previous training log (the logging window);
-  ``rapidfire/steps_skipped/<reason>`` per reason when there were any; ``rapidfire/optim/skipped`` stays the
-  running total.
+- ``rapidfire/steps_skipped``: optimizer steps skipped since the ``rapidfire/*`` metrics were last logged
+  (every log, or every ``logging.log_every`` steps); ``rapidfire/steps_skipped/<reason>`` per reason when
+  there were any; ``rapidfire/optim/skipped`` stays the running total.
 - ``loss``: transformers' ``logging_nan_inf_filter`` (on by default) replaces a NaN/inf step loss by the
   running average of the window so far, which is 0.0 when the first step of a window is non-finite, and a
   skipped step's loss counts although it trained nothing. When a window holds a skipped step or a
@@ -30,6 +30,7 @@ from collections import Counter
 import torch
 from transformers import TrainerCallback
 
+from rapidfire_hf.integrations.metrics import PREFIX
 from rapidfire_hf.integrations.parts import find_rapidfire_optimizer
 from rapidfire_hf.integrations.step_hooks import add_step_observer
 
@@ -41,17 +42,19 @@ CLIP_PREDICTION = "clip_prediction"
 
 
 class SkippedStepsCallback(TrainerCallback):
-    """Counts the skipped optimizer steps of each logging window and logs the window's loss honestly.
+    """Counts the skipped optimizer steps and logs the loss of each logging window honestly.
 
     Args:
         trainer: the trainer; its ``training_step`` gets a step observer (the loss of each micro-batch,
-            kept on the device) and its ``log`` a wrapper (the window's count and loss).
+            kept on the device) and its ``log`` a wrapper (the window's loss). The counts reach the logs
+            through :meth:`take_counts`, called with the other ``rapidfire/*`` metrics.
     """
 
     def __init__(self, trainer):
         self.trainer = trainer
         self._step_loss: torch.Tensor | None = None  # sum of the open step's micro-batch losses
         self._window: list[tuple[torch.Tensor | None, bool]] = []  # (step loss, skipped) since the last log
+        self._skipped = 0  # since take_counts() was last called
         self._reasons: Counter[str] = Counter()
         add_step_observer(trainer, "skips.loss", after=self._add_loss)
         self._wrap_log(trainer)
@@ -66,13 +69,14 @@ class SkippedStepsCallback(TrainerCallback):
         self._window.append((self._step_loss, reasons is not None))
         self._step_loss = None
         if reasons is not None:
+            self._skipped += 1
             self._reasons.update(reasons or ["unknown"])
 
     def _skip_reasons(self, step: int) -> list[str] | None:
         """The reasons the step just taken was skipped, or None when it was applied."""
         if getattr(self.trainer.accelerator, "optimizer_step_was_skipped", False):
             logger.warning(
-                "rapidfire: step %d skipped (not applied to the weights): fp16 loss scaling found inf/NaN "
+                "rapidfire: trainer step %d skipped (not applied to the weights): fp16 loss scaling found inf/NaN "
                 "gradients and lowered the loss scale",
                 step,
             )
@@ -85,7 +89,7 @@ class SkippedStepsCallback(TrainerCallback):
             # the optimizer logs the other skips itself; this one it counts as replayed, which a
             # transformers.Trainer never does
             logger.warning(
-                "rapidfire: step %d skipped (not applied to the weights): the predicted clip coefficient "
+                "rapidfire: trainer step %d skipped (not applied to the weights): the predicted clip coefficient "
                 "missed and the trainer cannot replay the batch; clip_prediction='exact' (the default) "
                 "avoids this",
                 step,
@@ -102,14 +106,18 @@ class SkippedStepsCallback(TrainerCallback):
 
         trainer.log = log_with_skips
 
+    def take_counts(self) -> dict[str, float]:
+        """``{"steps_skipped": n, "steps_skipped/<reason>": k, ...}`` since the last call (which resets them)."""
+        name = SKIPPED.removeprefix(PREFIX)
+        counts = {name: float(self._skipped)}
+        counts.update({f"{name}/{r}": float(n) for r, n in sorted(self._reasons.items())})
+        self._skipped, self._reasons = 0, Counter()
+        return counts
+
     def close_window(self, logs: dict[str, float]) -> None:
-        """Add the window's skip counts to a training log, set its loss (see the module), start a new one."""
-        window, reasons = self._window, self._reasons
-        self._window, self._reasons = [], Counter()
+        """Set the loss of a training log (see the module) and start a new window."""
+        window, self._window = self._window, []
         skipped = sum(s for _, s in window)
-        logs[SKIPPED] = float(skipped)
-        for reason, n in sorted(reasons.items()):
-            logs[f"{SKIPPED}/{reason}"] = float(n)
         if not window or getattr(self.trainer.args, "world_size", 1) > 1:
             return
         losses = [loss for loss, _ in window if loss is not None]
