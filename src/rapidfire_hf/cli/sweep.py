@@ -1,6 +1,8 @@
 """`rapidfire sweep`: run a PPO sweep from YAML, or control a running one from another shell.
 
     rapidfire sweep SWEEP.yaml                        # run (see rapidfire_hf.sweep.spec for the format)
+    rapidfire sweep SWEEP.yaml --resume               # continue it from its checkpoints (after a crash,
+                                                      # or with a larger max_steps)
     rapidfire sweep ctl --dir out/sweep stop kl0.2    # stop a trial at the next update boundary
     rapidfire sweep ctl --dir out/sweep resume kl0.2
     rapidfire sweep ctl --dir out/sweep clone kl0.05 kl0.05-lr2 learning_rate=2e-5
@@ -25,6 +27,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("target", help="SWEEP.yaml to run, or `ctl` to control a running sweep")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="for ctl: --dir DIR {stop,resume,clone,status} ...")
     p.add_argument("--no-progress", action="store_true", help="No live table (for logs and CI).")
+    p.add_argument(
+        "--resume", action="store_true", help="Continue every trial from its latest complete checkpoint."
+    )
     p.set_defaults(func=run_sweep_command)
 
 
@@ -39,16 +44,23 @@ def _ctl_parser() -> argparse.ArgumentParser:
 def run_sweep_command(args) -> int:
     if args.target == "ctl":
         return run_ctl(_ctl_parser().parse_args(args.rest))
-    rest = [a for a in args.rest if a != "--no-progress"]  # REMAINDER also holds options after the file
+    flags = ("--no-progress", "--resume")
+    rest = [a for a in args.rest if a not in flags]  # REMAINDER also holds options after the file
     if rest:
         raise SystemExit(f"unexpected arguments after {args.target}: {' '.join(rest)}")
     from rapidfire_hf.sweep.spec import build, load_spec
 
     progress = not (args.no_progress or "--no-progress" in args.rest)
+    resume = args.resume or "--resume" in args.rest
     spec = load_spec(args.target)  # every key checked before anything loads
     sweep = build(spec, progress=progress)
     start = time.perf_counter()
-    sweep.train()
+    from rapidfire_hf.ppo.checkpoint import CheckpointError
+
+    try:
+        sweep.train(resume_from_checkpoint=True if resume else None)
+    except CheckpointError as err:  # a damaged or mismatched checkpoint: the message names the file
+        raise SystemExit(" ".join(str(err).split())) from None
     _print_summary(sweep, time.perf_counter() - start)
     return 0
 
@@ -56,11 +68,18 @@ def run_sweep_command(args) -> int:
 def run_ctl(ns) -> int:
     """Check the command against the sweep's live state, then queue it; ``status`` prints that state.
     Imports no torch: it answers in a fraction of a second."""
-    from rapidfire_hf.sweep.control import append_command, check_command, read_state
-
     out = Path(ns.dir)
     if not out.is_dir():
         raise SystemExit(f"--dir {out}: no such folder (give the running sweep's output_dir)")
+    try:
+        return _ctl(ns, out)
+    except ValueError as err:  # the command does not fit the sweep: the message says why
+        raise SystemExit(str(err)) from None
+
+
+def _ctl(ns, out: Path) -> int:
+    from rapidfire_hf.sweep.control import append_command, check_command, read_state
+
     if ns.op == "status":
         _print_status(read_state(out))
         return 0
@@ -85,7 +104,11 @@ def run_ctl(ns) -> int:
 
 
 def _print_status(state: dict) -> None:
-    print(f"sweep {state.get('status', '?')} (pid {state.get('pid', '?')}, {state.get('time', '?')})")
+    from rapidfire_hf.sweep.control import process_gone
+
+    gone = state.get("status") == "running" and process_gone(state)
+    gone = "; its process is gone: resume it with --resume" if gone else ""
+    print(f"sweep {state.get('status', '?')} (pid {state.get('pid', '?')}, {state.get('time', '?')}{gone})")
     for name, s in state["trials"].items():
         s = s if isinstance(s, dict) else {}
         reward = s.get("reward_last")

@@ -49,7 +49,7 @@ def read_state(out_dir) -> dict:
     return state
 
 
-def _process_gone(state: dict) -> bool:
+def process_gone(state: dict) -> bool:
     """Whether the sweep's process is known to be dead (only checked on the host that wrote the state)."""
     pid, host = state.get("pid"), state.get("host")
     if not isinstance(pid, int) or host != socket.gethostname():
@@ -75,11 +75,11 @@ def check_command(out_dir, op: str, trial: str, new: str | None = None, override
         raise ValueError(f"unknown sweep command {op!r}: allowed {', '.join(OPS)}")
     state = read_state(out_dir)
     status = state.get("status")
-    if status != "running" or _process_gone(state):
+    if status != "running" or process_gone(state):
         why = f"status {status!r}" if status != "running" else f"its process {state.get('pid')} is gone"
         raise ValueError(
-            f"the sweep in {out_dir} is not running ({why}); a command is read only by a running sweep "
-            "(resume it with train(resume_from_checkpoint=True), then send the command)"
+            f"the sweep in {out_dir} is not running ({why}); only a running sweep reads commands (continue it "
+            "with `rapidfire sweep SWEEP.yaml --resume` or train(resume_from_checkpoint=True), then send it)"
         )
     trials = state["trials"]
     if trial not in trials:
