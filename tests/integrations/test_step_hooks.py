@@ -19,12 +19,12 @@ from rapidfire_hf.integrations.callbacks import CALIBRATION_ROWS
 from rapidfire_hf.integrations.step_hooks import add_step_observer, step_observers
 from rapidfire_hf.optim import RapidFireOptimizer
 
-ENABLED = ["optimizer.loss", "precision", "metrics.tokens"]
+ENABLED = ["optimizer.loss", "precision", "skips.loss", "metrics.tokens"]
 # adaptive precision over the trainer's bf16 autocast with fp32 weights: the plugin calibrates
 CONFIG = {"gradient": {"pipeline": True}, "precision": {"mode": "adaptive"}}
 
 
-def test_enable_rapidfire_installs_one_wrapper_with_three_observers(build):
+def test_enable_rapidfire_installs_one_wrapper_with_its_observers(build):
     from trl import SFTTrainer
 
     trainer = enable_rapidfire(build("sft"), config=CONFIG)

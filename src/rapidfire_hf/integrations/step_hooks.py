@@ -21,7 +21,9 @@ from the step it skips every ``after`` hook, from an ``after`` hook it skips the
 
 ``enable_rapidfire`` registers, in this order: the optimizer's loss feed (``after``: the loss reaches
 ``RapidFireOptimizer.observe_loss``), the precision plugin (``before``: calibration on the first
-micro-batch; ``after``: the loss of the window), the metrics (``before``: the micro-batch's tokens).
+micro-batch; ``after``: the loss of the window), the skipped-step tracking (``after``: the loss of each
+micro-batch, for the logged loss of ``integrations/skips.py``), the metrics (``before``: the micro-batch's
+tokens).
 """
 
 from __future__ import annotations
