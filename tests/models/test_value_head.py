@@ -168,3 +168,30 @@ def test_masked_statistics():
     torch.testing.assert_close(masked_whiten(x, mask)[1:3], expected)
     rows, row_mask = torch.tensor([[1.0, 2.0], [3.0, 5.0]]), torch.tensor([[1, 0], [1, 1]])
     torch.testing.assert_close(masked_mean(rows, row_mask, axis=1), torch.tensor([1.0, 4.0]))  # TRL's keyword
+
+
+def test_one_value_head_class_with_both_initialisations():
+    """PPO's fused head ("scaled") draws N(0, 1/(H+1)) after nn.Linear's own init (the global RNG moves as
+    it did for PPOTrainer and PPOSweep heads); "linear" is nn.Linear's init, as TRL's value-head models."""
+    from torch import nn
+
+    from rapidfire_hf.models.value_head import ValueHead
+
+    torch.manual_seed(0)
+    head = ValueHead(8)
+    after_head = torch.randn(3)
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 1)
+    nn.init.normal_(ref.weight, std=1.0 / 3.0)
+    assert torch.equal(head.summary.weight, ref.weight) and torch.count_nonzero(head.summary.bias) == 0
+    assert torch.equal(after_head, torch.randn(3))  # the RNG moved exactly as before
+    torch.manual_seed(0)
+    linear = ValueHead(8, dropout=0.1, init="linear")
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 1)
+    assert torch.equal(linear.summary.weight, ref.weight) and torch.equal(linear.summary.bias, ref.bias)
+    assert linear.dropout.p == 0.1
+    hidden = torch.randn(2, 5, 8)
+    assert torch.equal(head(hidden), (hidden @ head.summary.weight.T + head.summary.bias).squeeze(-1))
+    with pytest.raises(ValueError, match="'scaled' or 'linear'"):
+        ValueHead(8, init="xavier")

@@ -101,3 +101,23 @@ def test_training_forward_holds_no_full_logits(fused):
         modeling._kernel_head = original
     lp, values, ent = forward()
     assert lp.shape == values.shape == ent.shape == (b, r) and not ent.requires_grad
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_values_alone_equal_the_training_forwards(fused):
+    """PolicyAndValue.values (scoring) and forward (training) compute values in one place: bit-equal."""
+    tok = build_char_tokenizer()
+    policy = build_tiny_llama(tok)
+    if fused:
+        torch.manual_seed(1)
+        module = PolicyAndValue(policy, value_head=ValueHead(policy.config.hidden_size))
+    else:
+        module = PolicyAndValue(policy, value_model=build_tiny_value_model(tok))
+    qr = torch.randint(3, len(tok), (3, 12))
+    qr[0, :2] = tok.pad_token_id  # a left-padded prompt
+    qr[1, -2:] = tok.pad_token_id  # a response ended early
+    with torch.no_grad():
+        _, values, _ = module(qr, tok.pad_token_id, 5, 1.0)
+        alone = module.values(qr, tok.pad_token_id, 5)
+    assert values.shape == alone.shape == (3, 7)
+    assert torch.equal(values, alone.float())

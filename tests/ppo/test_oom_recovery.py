@@ -87,9 +87,9 @@ def test_oom_split_gives_the_same_optimizer_steps_and_update(tmp_path, tokenizer
     )
     trainer.train()
 
-    opt, ref_opt = trainer._rf_opt, reference._rf_opt
+    opt, ref_opt = trainer.rapidfire_optimizer, reference.rapidfire_optimizer
     assert opt.pipeline_enabled == (config == "balanced")
-    assert oom.raised == 1 and trainer._oom_splits == 1
+    assert oom.raised == 1 and trainer.stepper.oom_splits == 1
     # the failed micro-batch ran again as 2 + 2 rows (and, when it was the first, the second one of its
     # update is split up front); the second update runs whole micro-batches again
     assert oom.rows == {2: [4, 4, 2, 2, 4, 4], 1: [4, 2, 2, 2, 2, 4, 4]}[call]
@@ -111,7 +111,7 @@ def test_oom_split_of_a_merged_forward_gives_the_same_update(tmp_path, tokenizer
     oom = only_during(oom_on_calls(causal_lm_parts(trainer.policy)[0], [2], grad=True), trainer, "optimize")
     trainer.train()
     assert oom.raised == 1 and oom.rows == [8, 8, 4, 4]
-    assert trainer._rf_opt.stats()["steps"] == reference._rf_opt.stats()["steps"] == 2
+    assert trainer.rapidfire_optimizer.stats()["steps"] == reference.rapidfire_optimizer.stats()["steps"] == 2
     for a, b in zip(_params(reference), _params(trainer), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=ATOL)
 

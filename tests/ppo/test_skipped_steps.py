@@ -88,10 +88,10 @@ def test_pipeline_runs_under_the_default_clipping(tmp_path, tok):
     with a predicted clip coefficient, checked after backward; the miss rate is logged."""
     cfg = {"preset": "balanced", "gradient": {"clip_prediction": "scale"}}
     trainer, policy = _train(tmp_path, tok, vowel_reward, rapidfire_config=cfg, max_steps=3)
-    assert trainer.args.max_grad_norm == 1.0 and trainer._rf_opt.clip_prediction == "scale"
+    assert trainer.args.max_grad_norm == 1.0 and trainer.rapidfire_optimizer.clip_prediction == "scale"
     trainer.train()
     last = trainer.state.log_history[-1]
-    stats = trainer._rf_opt.stats()
+    stats = trainer.rapidfire_optimizer.stats()
     assert last["rapidfire/pipelined_steps"] > 0 and stats["clip_checks"] == stats["pipelined_steps"]
     assert 0.0 <= last["rapidfire/clip_miss_rate"] <= 1.0
     assert last["rapidfire/clip_miss_rate"] == stats["clip_misses"] / stats["clip_checks"]
@@ -113,9 +113,9 @@ def test_sync_interval_equals_verifying_every_step(tmp_path, tok):
             max_steps=3,
             max_grad_norm=0.0,  # the predicted clip coefficient depends on when norms are read
         )
-        assert trainer._rf_opt.sync_interval == interval
+        assert trainer.rapidfire_optimizer.sync_interval == interval
         trainer.train()
-        results.append(([p.detach().clone() for p in policy.parameters()], trainer._rf_opt))
+        results.append(([p.detach().clone() for p in policy.parameters()], trainer.rapidfire_optimizer))
     (ref, ref_opt), (got, opt) = results
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
@@ -134,9 +134,9 @@ def test_sync_interval_replays_the_healthy_windows_of_a_failed_span(tmp_path, to
         trainer, policy = _train(
             tmp_path / str(interval), tok, vowel_reward, rapidfire_config=cfg, max_steps=2, max_grad_norm=0.0
         )
-        nan_observed_loss(trainer._rf_opt, calls=[2])  # the second window of update 1 (one micro-batch each)
+        nan_observed_loss(trainer.rapidfire_optimizer, calls=[2])  # the second window of update 1 (one micro-batch each)
         trainer.train()
-        assert trainer._rf_opt.poisoned == 1 and trainer._rf_opt.stats()["skipped"] == 1
+        assert trainer.rapidfire_optimizer.poisoned == 1 and trainer.rapidfire_optimizer.stats()["skipped"] == 1
         results.append([p.detach().clone() for p in policy.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)

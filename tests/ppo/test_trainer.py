@@ -210,7 +210,7 @@ def test_lora_reference_is_the_adapter_disabled_base(tmp_path, tokenizer):
     plain.load_state_dict(frozen)
     from rapidfire_hf.ppo.modeling import policy_logprobs
 
-    with trainer._reference_context() as ref:
+    with trainer.scorer.reference() as ref:
         ref_lp = policy_logprobs(ref, ids, tokenizer.pad_token_id, 3, 1.0)
     lora_lp = policy_logprobs(policy, ids, tokenizer.pad_token_id, 3, 1.0)
     base_lp = policy_logprobs(plain, ids, tokenizer.pad_token_id, 3, 1.0)
@@ -352,7 +352,7 @@ def test_clip_prediction_scale_pipelines_binding_windows(tmp_path, tokenizer):
     with a predicted coefficient (misses are rolled back and replayed), training stays finite."""
     cfg = {"gradient": {"pipeline": True, "clip_prediction": "scale", "clip_tolerance": 0.5}}
     trainer = _trainer(tmp_path, tokenizer, rapidfire_config=cfg, max_grad_norm=1e-3, max_steps=3)
-    opt = trainer._rf_opt
+    opt = trainer.rapidfire_optimizer
     assert opt.clip_prediction == "scale" and opt.clip_tolerance == 0.5
     assert opt.pipeline_share == trainer.rf_config.gradient.overlap_factor  # the config reaches it
     assert opt.pipeline_depth == trainer.rf_config.gradient.pipeline_depth

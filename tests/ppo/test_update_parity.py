@@ -43,7 +43,7 @@ def _value_head_model(tok):
 def _nan_second_window(trainer):
     from tests.helpers.faults_train import nan_observed_loss
 
-    nan_observed_loss(trainer._rf_opt, calls=[2])  # a rollback of one window and its replay
+    nan_observed_loss(trainer.rapidfire_optimizer, calls=[2])  # a rollback of one window and its replay
 
 
 # name -> (ppo_args overrides, trainer kwargs built from the tokenizer, hook on the built trainer)

@@ -174,7 +174,7 @@ def test_approx_kl_limit_with_a_rapidfire_config_is_accepted(tmp_path, tokenizer
         reward_funcs=vowel_reward,
         train_dataset=make_prompt_dataset(16),
     )
-    assert trainer._rf_opt is not None
+    assert trainer.rapidfire_optimizer is not None
 
 
 # ------------------------------------------------------------------------------------- reward functions
@@ -199,7 +199,7 @@ def scorer(tmp_path_factory, tokenizer):
 def _score_with(scorer, func):
     trainer, rollout, post = scorer
     trainer.reward_funcs = [func]
-    return trainer._reward_funcs_scores(rollout, post)
+    return trainer.scorer.reward_funcs_scores(rollout, post)
 
 
 def dict_reward(completions, **kw):

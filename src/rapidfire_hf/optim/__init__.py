@@ -14,7 +14,8 @@ How a trainer drives it (what makes the pipeline and rollback work):
    new ones: a missed clip prediction, and with ``sync_interval > 1`` the healthy steps of a failed span.
    Call ``opt.verify_now()`` before saving or stopping (it verifies what is still unverified and returns
    the same kind of report). A skipped step is logged; ``max_consecutive_skips`` in a row raise
-   :class:`ConsecutiveSkipsError`. Plain optimizers get the non-finite check from :class:`NonFiniteGuard`.
+   :class:`ConsecutiveSkipsError`. Plain optimizers get the non-finite check from :class:`NonFiniteGuard`; :class:`StepHealth`
+   (``step_health(optimizer, guard=...)``) is one interface in front of either.
 4. Clip with ``RapidFireOptimizer(max_grad_norm=...)``, not with ``clip_grad_norm_`` after backward:
    with the pipeline, pipelined gradients are already applied and freed when backward returns.
 5. Log ``opt.stats()`` and ``opt.events``; ``opt.disable_pipeline()`` / ``enable_pipeline()`` at will.
@@ -27,6 +28,7 @@ from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
 from rapidfire_hf.optim.snapshot import Snapshot
 from rapidfire_hf.optim.spans import Rollback
+from rapidfire_hf.optim.step_health import StepHealth, step_health
 
 __all__ = [
     "INNER_OPTIMIZERS",
@@ -36,4 +38,6 @@ __all__ = [
     "RapidFireOptimizer",
     "Rollback",
     "Snapshot",
+    "StepHealth",
+    "step_health",
 ]

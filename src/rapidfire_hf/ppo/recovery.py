@@ -1,4 +1,4 @@
-"""Out-of-memory recovery for PPOTrainer (a mixin): training micro-batches, generation and scoring.
+"""Out-of-memory policies of PPOTrainer: training micro-batches (used by the stepper), generation and scoring.
 
 Training: :class:`rapidfire_hf.memory.OOMRecovery` splits a micro-batch that runs out of memory in
 halves, recursively. Every piece's loss is normalised by the token counts of the whole micro-batch
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from rapidfire_hf.memory.oom import OOMRecovery, accelerate_hold, run_in_chunks
+from rapidfire_hf.memory.oom import OOMRecovery, run_in_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -44,46 +44,38 @@ def _merge_pieces(a, b):
     return type(out_a)(**merged), torch.cat([ent_a, ent_b])
 
 
-class OOMRecoveryMixin:
-    """OOM handling of ``PPOTrainer``; needs ``args``, ``accelerator``, ``model``, ``optimizer``."""
+def train_recovery(
+    max_splits: int, params: list[torch.Tensor], optimizer, hold: Callable, release: Callable[[], int] | None
+) -> OOMRecovery:
+    """The split-and-retry policy of training micro-batches: pieces of a chunk ``{"qr", "idx", "offset"}``,
+    each loss normalised by the whole micro-batch (``ppo_loss(counts=...)``), so every piece weighs 1."""
+    return OOMRecovery(
+        max_splits=max_splits,
+        params=params,
+        split_fn=_split_rows,
+        size_fn=lambda chunk: len(chunk["idx"]),
+        weight_fn=lambda chunk, total: 1.0,  # ppo_loss(counts=...) normalises by the whole micro-batch
+        combine=_merge_pieces,
+        hold=hold,
+        release=release,
+        optimizer=optimizer,
+        advice=TRAIN_ADVICE,
+    )
 
-    def _make_oom_recovery(self) -> OOMRecovery:
-        release = None
-        if self.memory_callback is not None:
-            release = lambda: self.memory_callback.compact("oom_split")  # noqa: E731
-        return OOMRecovery(
-            max_splits=self.args.max_oom_splits,
-            params=self._trainable,
-            split_fn=_split_rows,
-            size_fn=lambda chunk: len(chunk["idx"]),
-            weight_fn=lambda chunk, total: 1.0,  # ppo_loss(counts=...) normalises by the whole micro-batch
-            combine=_merge_pieces,
-            hold=lambda: accelerate_hold(self.accelerator, self.model),
-            release=release,
-            optimizer=self.optimizer,
-            advice=TRAIN_ADVICE,
-        )
 
-    @property
-    def _oom_splits(self) -> int:
-        """Micro-batch splits after an OOM so far (``rapidfire/oom_splits``)."""
-        recovery = getattr(self, "_oom_recovery", None)
-        return len(recovery.events) if recovery is not None else 0
+class NoGradChunks:
+    """Generation and scoring in chunks of rows, halving the chunk after each OOM
+    (:func:`rapidfire_hf.memory.oom.run_in_chunks`: the RNG is put back before a retry).
 
-    def _forward_backward_recovering(self, query_responses, ctx, adv, idx):
-        """``_forward_backward`` of one micro-batch, split in pieces on OOM; ``(LossOutput, entropy)``."""
-        if getattr(self, "_oom_recovery", None) is None:
-            self._oom_recovery = self._make_oom_recovery()
+    Args:
+        device: where the chunks run (its RNG is put back too).
+    """
 
-        def step(chunk, weight):
-            if len(chunk["idx"]) == len(idx):  # the whole training forward
-                return self._forward_backward(chunk["qr"], ctx, adv, chunk["idx"])
-            # a piece: each micro-batch it touches is normalised by that micro-batch's whole counts
-            return self._forward_backward(chunk["qr"], ctx, adv, chunk["idx"], idx, chunk["offset"])
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.oom_retries = 0  # chunks retried smaller after an OOM so far
 
-        return self._oom_recovery(step, {"qr": query_responses, "idx": idx, "offset": 0})
-
-    def _no_grad_in_chunks(
+    def run(
         self,
         run: Callable[[int, int], object],
         n: int,
@@ -91,12 +83,12 @@ class OOMRecoveryMixin:
         what: str,
         setting: str,
         on_oom: Callable[[], None] | None = None,
-    ):
-        """``[run(start, stop) for consecutive chunks of n rows]``, halving the chunk after each OOM
-        (:func:`rapidfire_hf.memory.oom.run_in_chunks`: the RNG is put back before a retry)."""
+    ) -> list:
+        """``[run(start, stop) for consecutive chunks of n rows]``; ``setting`` names the option that sets
+        ``chunk``, for the message."""
 
         def count_and_release():
-            self._no_grad_oom_retries = getattr(self, "_no_grad_oom_retries", 0) + 1
+            self.oom_retries += 1
             if on_oom is not None:
                 on_oom()
 
@@ -106,6 +98,6 @@ class OOMRecoveryMixin:
             chunk,
             f"{what} ({setting}={chunk})",
             on_oom=count_and_release,
-            device=self.accelerator.device,
+            device=self.device,
             advice="Lower response_length or max_prompt_length.",
         )

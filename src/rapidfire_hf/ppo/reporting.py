@@ -1,4 +1,4 @@
-"""What PPOTrainer reports: per-update metrics (one host sync per update), logs, sample tables and
+"""What PPOTrainer reports (:class:`Reporter`): per-update metrics (one host sync per update), logs, sample tables and
 the telemetry `rapidfire monitor` reads."""
 
 from __future__ import annotations
@@ -9,17 +9,25 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from rapidfire_hf.optim.step_health import StepHealth
     from rapidfire_hf.ppo.types import Experience
 
 
-class ReportingMixin:
-    """Metrics, logging, sample tables and telemetry of ``PPOTrainer``."""
+class Reporter:
+    """Per-update metrics (one host sync per update), sample tables and telemetry of ``PPOTrainer``.
 
-    def show_samples(self, exp: Experience, rows: int = 4) -> None:
-        """Print a few prompts, completions and scores of a scored rollout and log them as a table."""
-        self._report_completions(self._completion_rows(exp)[:rows])
+    Args:
+        accelerator: gathers the metrics over the processes.
+        processing_class: the tokenizer (decodes sample tables; its EOS is counted).
+    """
 
-    def _completion_rows(self, exp: Experience) -> list[dict]:
+    def __init__(self, accelerator, processing_class):
+        self.accelerator = accelerator
+        self.processing_class = processing_class
+        self._telemetry_seen: dict[str, int] = {}
+
+    def completion_rows(self, exp: Experience) -> list[dict]:
+        """``query``, ``model response`` and ``score`` of each row of a scored rollout."""
         tok = self.processing_class
         prompts = tok.batch_decode(exp.rollout.queries, skip_special_tokens=True)
         completions = tok.batch_decode(exp.postprocessed_responses, skip_special_tokens=True)
@@ -28,50 +36,13 @@ class ReportingMixin:
             {"query": p, "model response": c, "score": s} for p, c, s in zip(prompts, completions, scores)
         ]
 
-    @torch.no_grad()
-    def generate_completions(self, sampling: bool = False) -> list[dict]:
-        """Complete the eval prompts with the current policy, score them, print the first rows and log them
-        as a ``completions`` table to W&B and TensorBoard (when those integrations are active).
-
-        Completions are decoded greedily (TRL 1.12 samples at temperature 0.01 here, nearly the same).
-
-        Args:
-            sampling: stop after one eval batch of ``per_device_eval_batch_size`` prompts (TRL's name for
-                the call made during training); ``False`` completes the whole eval set.
-
-        Returns:
-            One dict per prompt: ``query``, ``model response``, ``score``.
-        """
-        dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
-        size = max(1, int(self.args.per_device_eval_batch_size))
-        rows: list[dict] = []
-        for start in range(0, len(dataset), size):
-            batch = self.data_collator([dataset[i] for i in range(start, min(start + size, len(dataset)))])
-            rows += self._completion_rows(self.score(self.rollout(batch, sampling=False)))
-            if sampling:
-                break
-        if self.accelerator.is_main_process:
-            self._report_completions(rows)
-        return rows
-
-    def evaluate(self, sampling: bool = False) -> dict[str, float]:
-        """Mean reward and completion length of :meth:`generate_completions` on the eval prompts, logged
-        under ``eval/`` and returned."""
-        rows = self.generate_completions(sampling=sampling)
-        tok = self.processing_class
-        lengths = [len(tok(r["model response"], add_special_tokens=False)["input_ids"]) for r in rows]
-        metrics = {
-            "eval/objective/scores": sum(r["score"] for r in rows) / max(len(rows), 1),
-            "eval/response_length": sum(lengths) / max(len(lengths), 1),
-        }
-        self.log(metrics)
-        return metrics
-
-    def _report_completions(self, rows: list[dict], shown: int = 5) -> None:
+    def report_completions(self, rows: list[dict], step: int, callbacks, shown: int = 5) -> None:
+        """Print the first ``shown`` rows as a table, and log all as a ``completions`` table to W&B and
+        TensorBoard when ``callbacks`` hold those integrations."""
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"completions at step {self.state.global_step}", show_lines=True)
+        table = Table(title=f"completions at step {step}", show_lines=True)
         for col in ("query", "model response", "score"):
             table.add_column(col)
         for r in rows[:shown]:
@@ -81,7 +52,7 @@ class ReportingMixin:
             return
         columns = list(rows[0])
         data = [[r[c] for c in columns] for r in rows]
-        for cb in self.callback_handler.callbacks:
+        for cb in callbacks:
             kind = type(cb).__name__
             wandb = getattr(cb, "_wandb", None)
             if kind == "WandbCallback" and wandb is not None and getattr(wandb, "run", None) is not None:
@@ -92,47 +63,32 @@ class ReportingMixin:
                 body = "".join(
                     "| " + " | ".join(str(v).replace("|", "\\|") for v in d) + " |\n" for d in data
                 )
-                writer.add_text("completions", head + body, self.state.global_step)
+                writer.add_text("completions", head + body, step)
                 writer.flush()
 
-    def _metrics(self, exp: Experience, stats: dict, times) -> dict:
+    def metrics(
+        self, exp: Experience, stats: dict, times, *, episode: int, train_start: float, scheduler,
+        health: StepHealth, oom_splits: int,
+    ) -> dict:  # fmt: skip
+        """The metrics of one update: device metrics read with one host sync, host metrics, the step
+        health's counters (a RapidFireOptimizer's rollbacks, skips, clip misses, pipelined steps), OOM splits
+        and skipped steps."""
         acc = self.accelerator
         device_metrics = update_device_metrics(exp, stats, self.processing_class.eos_token_id)
         stacked = acc.gather_for_metrics(torch.stack(list(device_metrics.values())).unsqueeze(0)).mean(0)
         metrics = dict(zip(device_metrics, stacked.tolist()))  # the one host sync of the update
         metrics["val/num_eos_tokens"] *= acc.num_processes
-        metrics.update(
-            update_host_metrics(
-                exp, times, self.state.episode, self._train_start, self.lr_scheduler, acc.num_processes
-            )
-        )
-        if self._rf_opt is not None:
-            opt_stats = self._rf_opt.stats()
+        metrics.update(update_host_metrics(exp, times, episode, train_start, scheduler, acc.num_processes))
+        if health.rapidfire is not None:
+            opt_stats = health.stats()
             for key in ("rollbacks", "skipped", "clip_misses", "pipelined_steps"):
                 metrics[f"rapidfire/{key}"] = opt_stats[key]
-        metrics["rapidfire/oom_splits"] = self._oom_splits
+        metrics["rapidfire/oom_splits"] = oom_splits
+        metrics["rapidfire/skipped_steps"] = health.skipped()
         return metrics
 
-    def log(self, logs: dict[str, float]) -> None:
-        """Record ``logs`` and send them to the callbacks; the ``rapidfire/*`` keys only every
-        ``logging.log_every`` updates of the rapidfire config (every log without one)."""
-        logs = dict(logs)
-        cadence = getattr(self, "_log_cadence", None)
-        if cadence is None:
-            from rapidfire_hf.utils.logs import LogCadence
-
-            cadence = self._log_cadence = LogCadence.from_config(getattr(self, "rf_config", None))
-        if not cadence.due(self.state.global_step):
-            logs = {k: v for k, v in logs.items() if not k.startswith("rapidfire/")}
-        if self.state.epoch is not None:
-            logs["epoch"] = self.state.epoch
-        self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
-
-    def _to_telemetry(self, step: int, metrics: dict) -> None:
+    def to_telemetry(self, step: int, metrics: dict) -> None:
         """Feed `rapidfire monitor`: tokens/s every update, and rollback / OOM-split events as they happen."""
-        if self.memory_callback is None:
-            return
         from rapidfire_hf.memory import get_telemetry
 
         telemetry = get_telemetry()

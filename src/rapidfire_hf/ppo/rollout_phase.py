@@ -1,11 +1,12 @@
-"""The rollout phase of PPOTrainer (a mixin): the prompt batch of an update, and responses generated
-for it with the current policy by ``rapidfire_hf.rollout``."""
+"""The rollout phase of PPOTrainer (:class:`Roller`): responses generated for a batch of prompts with the
+current policy by ``rapidfire_hf.rollout``."""
 
 from __future__ import annotations
 
 import torch
 
 from rapidfire_hf.distributed.generation import gathered_for_generation
+from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.types import Rollout
 
 
@@ -23,58 +24,83 @@ def sampling_params(args, sampling: bool = True):
     )
 
 
-class RolloutMixin:
-    """Prompt batches and generation of ``PPOTrainer``."""
+class Roller:
+    """The rollout phase: responses generated for a batch of prompts with the current policy.
 
-    def next_prompts(self, batch_index: int) -> dict:
-        rows = [self.train_dataset[i] for i in self.prompt_order.indices(batch_index)]
-        return self.data_collator(rows)
+    Args:
+        args: the PPOConfig (sampling settings, rollout backend and decode mode).
+        accelerator: the trainer's accelerator.
+        model: the prepared policy-and-value module (generation runs its policy alone).
+        pad_token_id, stop_token_id: the tokenizer's pad token and the token that ends a response.
+        kernel_patches: the trainer's kernel patches (generation runs the models' own kernels).
+        engine_support: what the distributed engine supports (the backend is "hf" under ZeRO-3 / FSDP2).
+        chunks: runs generation in chunks of prompts, smaller after an OOM.
 
-    def _next_batch(self, update: int) -> dict:
-        """The prompt batch of ``update``: from the prefetcher while ``train()`` runs, else collated now."""
-        prompts = getattr(self, "_prompts", None)
-        return prompts.take(update) if prompts is not None else self.next_prompts(update)
+    The :class:`rapidfire_hf.rollout.RolloutEngine` is built at the first rollout and kept in :attr:`engine`.
+    """
 
-    def rollout(self, batch: dict, sampling: bool = True) -> Rollout:
-        """Generate responses for a batch of prompts with the current policy (greedy when not ``sampling``)."""
-        from rapidfire_hf.ppo.planning import unplanned_run
+    def __init__(
+        self,
+        args,
+        accelerator,
+        model,
+        pad_token_id: int,
+        stop_token_id: int | None,
+        kernel_patches,
+        engine_support,
+        chunks: NoGradChunks,
+    ):
+        self.args = args
+        self.accelerator = accelerator
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.stop_token_id = stop_token_id
+        self.kernel_patches = kernel_patches
+        self.engine_support = engine_support
+        self.chunks = chunks
+        self.engine = None
+
+    def rollout(self, batch: dict, generation_rows: int | None, sampling: bool = True) -> Rollout:
+        """Generate responses for a batch of prompts (greedy when not ``sampling``), ``generation_rows``
+        prompts at a time (all at once when None)."""
         from rapidfire_hf.rollout import RolloutEngine
 
         args, device = self.args, self.accelerator.device
+        policy = self.accelerator.unwrap_model(self.model).policy
         queries = batch["input_ids"].to(device)
-        if self._rollout_engine is None:
+        if self.engine is None:
             stops = [self.stop_token_id] if self.stop_token_id is not None else []
-            self._rollout_engine = RolloutEngine(
-                self.policy,
+            self.engine = RolloutEngine(
+                policy,
                 self.pad_token_id,
                 stops,
-                backend=self._rollout_backend(),
+                backend=rollout_backend(args, self.engine_support),
                 decode_mode=args.rollout_decode_mode,
             )
         params = sampling_params(args, sampling)
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
         # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
         # rollout_generation_batch_size (or the plan) bounds the KV cache: chunks of prompts, one after another
-        plan = self.plan or unplanned_run(self, queries.shape[1])
-        chunk = plan.generation_rows or queries.shape[0]
+        chunk = generation_rows or queries.shape[0]
+        engine = self.engine
 
         def generate_rows(start, stop):
             part = queries[start:stop]
-            out = self._rollout_engine.generate(part, part != self.pad_token_id, params)
+            out = engine.generate(part, part != self.pad_token_id, params)
             return out.responses, out.logprobs.float()
 
         with (
             torch.no_grad(),
-            gathered_for_generation(self.accelerator, self.model, self.policy),
+            gathered_for_generation(self.accelerator, self.model, policy),
             self.kernel_patches.original(),
         ):  # an OOM halves the chunk and retries (ppo/recovery.py)
-            parts = self._no_grad_in_chunks(
+            parts = self.chunks.run(
                 generate_rows,
                 queries.shape[0],
                 chunk,
                 "generation",
                 "rollout_generation_batch_size",
-                on_oom=self._rollout_engine.release,
+                on_oom=engine.release,
             )
         responses, logprobs = zip(*parts)
         extra = {k: v for k, v in batch.items() if k != "input_ids"}
@@ -82,10 +108,11 @@ class RolloutMixin:
             queries=queries, responses=torch.cat(responses), logprobs=torch.cat(logprobs), extra=extra
         )
 
-    def _rollout_backend(self) -> str:
-        """The configured backend, except "hf" for sharded weights (recorded graphs would keep pointers
-        to weights that ZeRO-3/FSDP2 free again after the rollout)."""
-        from rapidfire_hf.distributed import Engine
 
-        sharded = self.engine_support.engine in (Engine.ZERO3, Engine.FSDP2)
-        return "hf" if sharded and self.args.rollout_backend == "auto" else self.args.rollout_backend
+def rollout_backend(args, engine_support) -> str:
+    """The configured backend, except "hf" for sharded weights (recorded graphs would keep pointers
+    to weights that ZeRO-3/FSDP2 free again after the rollout)."""
+    from rapidfire_hf.distributed import Engine
+
+    sharded = engine_support.engine in (Engine.ZERO3, Engine.FSDP2)
+    return "hf" if sharded and args.rollout_backend == "auto" else args.rollout_backend

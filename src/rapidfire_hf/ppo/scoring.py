@@ -1,4 +1,4 @@
-"""Scoring for PPOTrainer (a mixin): reference log-probs, values and rewards of a rollout, all without
+"""Scoring for PPOTrainer (:class:`Scorer`): reference log-probs, values and rewards of a rollout, all without
 gradients in large batches, then KL-shaped rewards and advantages (``rapidfire_hf.ppo.core``)."""
 
 from __future__ import annotations
@@ -10,16 +10,54 @@ import torch
 from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo.core import compute_advantages, first_true_indices, truncate_after_stop
 from rapidfire_hf.ppo.modeling import policy_logprobs, reward_model_scores
-from rapidfire_hf.ppo.planning import unplanned_run
+from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.rewards import reward_funcs_scores
 from rapidfire_hf.ppo.types import Experience, Rollout
 
 
-class ScoringMixin:
-    """Scoring of ``PPOTrainer``: a :class:`Rollout` in, an :class:`Experience` out."""
+class Scorer:
+    """Scoring of ``PPOTrainer``: a :class:`Rollout` in, an :class:`Experience` out.
+
+    Args:
+        args: the PPOConfig (temperature, reward shaping, GAE settings, ``ref_adapter_name``).
+        accelerator: the trainer's accelerator.
+        processing_class: the tokenizer (EOS, decoding for reward functions).
+        pad_token_id, stop_token_id: the pad token and the token that ends a response.
+        chunks: runs scoring in chunks of rows, smaller after an OOM.
+
+    The models are the owner's to set (PPOTrainer's ``ref_model``, ``reward_model`` and ``reward_funcs``
+    are these attributes, so replacing one on the trainer replaces it here):
+
+    Attributes:
+        model: the prepared policy-and-value module (values; the policy is its own reference with LoRA).
+        ref_model: the separate frozen reference, or None (the adapter-disabled or ``ref_adapter_name`` policy).
+        reward_model: a sequence-classification reward model, or None (``reward_funcs`` score).
+        reward_funcs: reward callables (weighted by ``args.reward_weights``).
+        train_adapter: the LoRA adapter trained (made active again after a ``ref_adapter_name`` pass).
+    """
+
+    def __init__(
+        self, args, accelerator, processing_class, pad_token_id: int, stop_token_id: int | None,
+        chunks: NoGradChunks,
+    ):  # fmt: skip
+        self.args = args
+        self.accelerator = accelerator
+        self.processing_class = processing_class
+        self.pad_token_id = pad_token_id
+        self.stop_token_id = stop_token_id
+        self.chunks = chunks
+        self.model = None
+        self.ref_model = None
+        self.reward_model = None
+        self.reward_funcs: list = []
+        self.train_adapter: str | None = None
+
+    @property
+    def policy(self):
+        return self.accelerator.unwrap_model(self.model).policy
 
     @contextmanager
-    def _reference_context(self):
+    def reference(self):
         """The reference policy: the separate reference model; with LoRA, the policy with the
         ``ref_adapter_name`` adapter active (the training adapter again afterwards), or with its adapters off."""
         if self.ref_model is not None:
@@ -29,21 +67,21 @@ class ScoringMixin:
             try:
                 yield self.policy
             finally:
-                self.policy.set_adapter(self._train_adapter)
+                self.policy.set_adapter(self.train_adapter)
         else:
             with self.policy.disable_adapter():
                 yield self.policy
 
     @torch.no_grad()
-    def score(self, rollout: Rollout) -> Experience:
-        """Reference log-probs, values and scores of a rollout, then KL-shaped rewards and advantages."""
+    def score(self, rollout: Rollout, scoring_rows: int) -> Experience:
+        """Reference log-probs, values and scores of a rollout, ``scoring_rows`` rows per forward, then
+        KL-shaped rewards and advantages."""
         args = self.args
         pad, ctx = self.pad_token_id, rollout.queries.shape[1]
         qr = rollout.query_responses
         post = truncate_after_stop(rollout.responses, self.stop_token_id, pad)
         post_qr = torch.cat([rollout.queries, post], dim=1)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        step = (self.plan or unplanned_run(self, ctx)).scoring_rows
         # what scoring runs of the trained module: with a separate reference model, only the value model
         # (a separate 7B policy then stays sharded under ZeRO-3 / FSDP2); the policy too when it is its
         # own reference (LoRA) or carries the value head
@@ -54,7 +92,7 @@ class ScoringMixin:
                 chunk = qr[start:stop]
                 # only the reference log-probs run with the adapter off (LoRA); the values, from the fused
                 # head on the policy's hidden states, need the adapter on, as in training
-                with self._reference_context() as ref:
+                with self.reference() as ref:
                     lp = policy_logprobs(ref, chunk, pad, ctx, args.temperature, unwrapped.full_mask)
                 rm = None
                 if self.reward_model is not None:
@@ -62,12 +100,12 @@ class ScoringMixin:
                 return lp, unwrapped.values(chunk, pad, ctx), rm
 
             # an OOM halves the forward batch and retries (ppo/recovery.py)
-            parts = self._no_grad_in_chunks(
-                score_rows, qr.shape[0], step, "scoring", "local_rollout_forward_batch_size"
+            parts = self.chunks.run(
+                score_rows, qr.shape[0], scoring_rows, "scoring", "local_rollout_forward_batch_size"
             )
         ref_lp, values, scores = (list(col) for col in zip(*parts))
         scores = (
-            torch.cat(scores) if self.reward_model is not None else self._reward_funcs_scores(rollout, post)
+            torch.cat(scores) if self.reward_model is not None else self.reward_funcs_scores(rollout, post)
         )
         eos = self.processing_class.eos_token_id
         if args.missing_eos_penalty is not None and eos is not None:
@@ -87,7 +125,7 @@ class ScoringMixin:
         )
         return Experience(rollout=rollout, adv=adv, postprocessed_responses=post)
 
-    def _reward_funcs_scores(self, rollout: Rollout, post: torch.Tensor) -> torch.Tensor:
+    def reward_funcs_scores(self, rollout: Rollout, post: torch.Tensor) -> torch.Tensor:
         tok = self.processing_class
         prompts = tok.batch_decode(rollout.queries, skip_special_tokens=True)
         completions = tok.batch_decode(post, skip_special_tokens=True)

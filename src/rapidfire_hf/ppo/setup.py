@@ -17,6 +17,7 @@ from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
 from rapidfire_hf.models.plumbing import causal_lm_parts
 from rapidfire_hf.models.value_head import ValueHead
+from rapidfire_hf.optim.step_health import rapidfire_optimizer
 from rapidfire_hf.ppo.config import check_optimizer_options, check_value_mode
 from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset, prompt_limits
 from rapidfire_hf.ppo.modeling import PolicyAndValue, check_value_model, value_head_dtype
@@ -352,6 +353,7 @@ class SetupMixin:
             # accelerate reads this from a prepared dataloader; PPO prepares none (prompts are indexed).
             ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         self.model, self.optimizer = acc.prepare(module, self.optimizer)
+        self.stepper.attach(self.model)
         for name in ("ref_model", "reward_model"):
             frozen = getattr(self, name)
             if frozen is not None:  # bitsandbytes models are placed at load time and refuse .to()
@@ -409,18 +411,15 @@ class SetupMixin:
                     **getattr(optimizer, "defaults_taken", {}),
                     "max_grad_norm": args.max_grad_norm,
                 }
-        self._optimizer_clips = getattr(optimizer, "max_grad_norm", None) is not None
-        self._rf_opt = optimizer if hasattr(optimizer, "observe_loss") else None
-        if self._rf_opt is not None:  # ppo/optimization.py replays what a missed clip prediction skipped
-            self._rf_opt.replays_missed_windows = True
+        rapidfire = rapidfire_optimizer(optimizer)
+        if rapidfire is not None:  # ppo/optimization.py replays what a missed clip prediction skipped
+            rapidfire.replays_missed_windows = True
             # the PPO loss is signed and near zero (whitened advantages): judge spikes on the scale of 1
-            if hasattr(self._rf_opt, "set_loss_scale"):
-                self._rf_opt.set_loss_scale(PPO_LOSS_SCALE)
-        self._step_guard = self._make_step_guard()
+            rapidfire.set_loss_scale(PPO_LOSS_SCALE)
         if (
-            self._rf_opt is not None
-            and getattr(self._rf_opt, "pipeline_enabled", False)
-            and not self._optimizer_clips
+            rapidfire is not None
+            and rapidfire.pipeline_enabled
+            and rapidfire.max_grad_norm is None
             and args.max_grad_norm
             and args.max_grad_norm > 0
         ):
@@ -430,10 +429,10 @@ class SetupMixin:
                 "(or build it without parameters: PPOTrainer then hands it PPOConfig's max_grad_norm).",
                 args.max_grad_norm,
             )
-        check_optimizer_options(args, self._rf_opt is not None)
-        if self._rf_opt is not None and args.approx_kl_limit is not None:
+        check_optimizer_options(args, rapidfire is not None)
+        if rapidfire is not None and args.approx_kl_limit is not None:
             limit = args.approx_kl_limit
-            self._rf_opt.add_rule("approx_kl", lambda m: m["approx_kl"] < limit)
+            rapidfire.add_rule("approx_kl", lambda m: m["approx_kl"] < limit)
         if scheduler is None:
             scheduler = get_scheduler(
                 args.lr_scheduler_type,

@@ -5,10 +5,17 @@ no-grad in large batches) -> advantages (``rapidfire_hf.ppo.core``) -> ``num_ppo
 mini-batches x micro-batches of the clipped PPO loss. Statistics stay on the device and reach the
 host once per update; nothing calls ``empty_cache`` or ``.item()`` per micro-batch.
 
-This module holds the construction and the loop; the phases are mixins: the rollout
-(``ppo/rollout_phase.py``), scoring (``ppo/scoring.py``), the optimisation pass
-(``ppo/optimization.py``), out-of-memory recovery (``ppo/recovery.py``), reporting
-(``ppo/reporting.py``) and the construction helpers (``ppo/setup.py``).
+The trainer holds explicit components and calls them; one update is :meth:`PPOTrainer._one_update`:
+
+* ``roller`` (:class:`~rapidfire_hf.ppo.rollout_phase.Roller`): prompts -> :class:`Rollout`;
+* ``scorer`` (:class:`~rapidfire_hf.ppo.scoring.Scorer`): :class:`Rollout` -> :class:`Experience`;
+* ``epochs`` (:class:`~rapidfire_hf.ppo.optimization.PPOEpochs`): :class:`Experience` -> statistics, each
+  micro-batch stepped by
+* ``stepper`` (:class:`~rapidfire_hf.ppo.stepper.Stepper`): the optimizer, its step health
+  (:class:`~rapidfire_hf.optim.step_health.StepHealth`), clipping and the OOM split policy;
+* ``reporter`` (:class:`~rapidfire_hf.ppo.reporting.Reporter`): metrics, sample tables, telemetry.
+
+Construction helpers are in ``ppo/setup.py``.
 """
 
 from __future__ import annotations
@@ -23,24 +30,27 @@ from transformers import TrainerCallback, TrainerControl
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import PrinterCallback
 
+from rapidfire_hf.memory.stats import release_cached_memory
+from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.ppo import checkpoint as ckpt
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.memory_options import PromptPrefetch
-from rapidfire_hf.ppo.optimization import OptimizationMixin
-from rapidfire_hf.ppo.planning import plan_run
-from rapidfire_hf.ppo.recovery import OOMRecoveryMixin
-from rapidfire_hf.ppo.reporting import ReportingMixin
-from rapidfire_hf.ppo.rollout_phase import RolloutMixin
-from rapidfire_hf.ppo.scoring import ScoringMixin
+from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
+from rapidfire_hf.ppo.planning import plan_run, unplanned_run
+from rapidfire_hf.ppo.recovery import NoGradChunks
+from rapidfire_hf.ppo.reporting import Reporter
+from rapidfire_hf.ppo.rollout_phase import Roller
+from rapidfire_hf.ppo.scoring import Scorer
 from rapidfire_hf.ppo.setup import SetupMixin, _disable_dropout, _split_value_head_model
 from rapidfire_hf.ppo.speedups import check_liger_usable
+from rapidfire_hf.ppo.stepper import StepEvents, Stepper
 from rapidfire_hf.ppo.types import Experience, PPOTrainerState, Rollout, _sync_time, _to_float
-from rapidfire_hf.utils.logs import apply_logging_config
+from rapidfire_hf.utils.logs import LogCadence, apply_logging_config
 
 __all__ = ["Experience", "PPOTrainer", "PPOTrainerState", "Rollout", "_disable_dropout"]
 
 
-class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin, ReportingMixin, SetupMixin):
+class PPOTrainer(SetupMixin):
     """Proximal Policy Optimization with a value model (or a fused value head) and KL-shaped rewards.
 
     Args:
@@ -120,6 +130,16 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
         self.rf_config = self._load_rapidfire_config(args.rapidfire_config)
         # Created before any model reaches the GPU, so expandable segments cover every allocation.
         self.memory_callback = self._make_memory_callback()
+        chunks = NoGradChunks(self.accelerator.device)  # generation and scoring: smaller after an OOM
+        self.scorer = Scorer(args, self.accelerator, tok, self.pad_token_id, self.stop_token_id, chunks)
+        self.stepper = Stepper(
+            self.accelerator,
+            max_grad_norm=args.max_grad_norm,
+            max_oom_splits=args.max_oom_splits,
+            max_consecutive_skips=args.max_consecutive_skips,
+            events=StepEvents(self._before_optimizer_step, self._gradients_ready, self._after_optimizer_step),
+            release=self._release_after_oom,
+        )
 
         model, given_head = _split_value_head_model(model, value_model)
         policy = self._apply_peft(model, peft_config)
@@ -143,15 +163,20 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
         self.control = TrainerControl()
         self.callback_handler = self._make_callback_handler(callbacks)
         self._perm_generator = torch.Generator().manual_seed(args.seed)
-        self._trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self._oom_recovery = None  # built at the first micro-batch (rapidfire_hf.memory.OOMRecovery)
-        self._telemetry_seen: dict[str, int] = {}
-        self._rollout_engine = None
         self.plan = None  # the throughput plan, made at the first update (ppo/planning.py)
+        self._prompts: PromptPrefetch | None = None  # prompt batches prefetched while train() runs
+        self._log_cadence: LogCadence | None = None  # at the first log (enable_rapidfire sets rf_config)
         from rapidfire_hf.distributed import attach_sync_debug, describe_engine
 
         self.engine_support = describe_engine(acc)  # says which features hold under DDP/ZeRO/FSDP
         attach_sync_debug(self)  # only when RAPIDFIRE_SYNC_DEBUG=1
+        self.roller = Roller(
+            args, acc, self.model, self.pad_token_id, self.stop_token_id, self.kernel_patches,
+            self.engine_support, chunks,
+        )  # fmt: skip
+        self.scorer.model, self.scorer.train_adapter = self.model, self._train_adapter
+        self.epochs = PPOEpochs(args, acc, self.model, self.pad_token_id, self.stepper, self._perm_generator)
+        self.reporter = Reporter(acc, tok)
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
 
     # ------------------------------------------------------------------ public controls
@@ -168,18 +193,112 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
 
     def disable_pipeline(self):
         """Turn the optimizer's gradient pipeline off (a no-op for optimizers without one)."""
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        if hasattr(inner, "disable_pipeline"):
-            inner.disable_pipeline()
+        if self.rapidfire_optimizer is not None:
+            self.rapidfire_optimizer.disable_pipeline()
 
     def enable_pipeline(self):
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        if hasattr(inner, "enable_pipeline"):
-            inner.enable_pipeline()
+        if self.rapidfire_optimizer is not None:
+            self.rapidfire_optimizer.enable_pipeline()
 
     @property
     def policy(self):
         return self.accelerator.unwrap_model(self.model).policy
+
+    @property
+    def optimizer(self):
+        """The optimizer (accelerate's wrapper once prepared); owned by :attr:`stepper`."""
+        return self.stepper.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer) -> None:
+        self.stepper.optimizer = optimizer  # its step health follows (enable_rapidfire may replace it)
+
+    @property
+    def ref_model(self):
+        """The separate frozen reference policy, or None (LoRA: the adapter-disabled policy); the scorer's."""
+        return self.scorer.ref_model
+
+    @ref_model.setter
+    def ref_model(self, model) -> None:
+        self.scorer.ref_model = model
+
+    @property
+    def reward_model(self):
+        """The reward model, or None (``reward_funcs`` score); the scorer's."""
+        return self.scorer.reward_model
+
+    @reward_model.setter
+    def reward_model(self, model) -> None:
+        self.scorer.reward_model = model
+
+    @property
+    def reward_funcs(self) -> list:
+        """The reward functions (empty with a reward model); the scorer's."""
+        return self.scorer.reward_funcs
+
+    @reward_funcs.setter
+    def reward_funcs(self, funcs: list) -> None:
+        self.scorer.reward_funcs = funcs
+
+    @property
+    def rapidfire_optimizer(self) -> RapidFireOptimizer | None:
+        """The RapidFireOptimizer being trained with, or None (a plain optimizer, guarded)."""
+        return self.stepper.health.rapidfire
+
+    @property
+    def _rollout_engine(self):
+        """The rollout engine (built at the first rollout); kept by :attr:`roller`."""
+        return self.roller.engine
+
+    @_rollout_engine.setter
+    def _rollout_engine(self, engine) -> None:
+        self.roller.engine = engine
+
+    # ------------------------------------------------------------------ the phases
+    def next_prompts(self, batch_index: int) -> dict:
+        """The collated prompt batch number ``batch_index`` of this rank (the seeded prompt order)."""
+        rows = [self.train_dataset[i] for i in self.prompt_order.indices(batch_index)]
+        return self.data_collator(rows)
+
+    def rollout(self, batch: dict, sampling: bool = True) -> Rollout:
+        """Generate responses for a batch of prompts with the current policy (greedy when not ``sampling``)."""
+        plan = self.plan or unplanned_run(self, batch["input_ids"].shape[1])
+        return self.roller.rollout(batch, plan.generation_rows, sampling)
+
+    def score(self, rollout: Rollout) -> Experience:
+        """Reference log-probs, values and scores of a rollout, then KL-shaped rewards and advantages."""
+        plan = self.plan or unplanned_run(self, rollout.queries.shape[1])
+        return self.scorer.score(rollout, plan.scoring_rows)
+
+    def optimize(
+        self, exp: Experience, permutations: list[torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``num_ppo_epochs`` passes of mini-batch PPO over a scored rollout. Returns device-side statistics.
+
+        Args:
+            exp: the scored rollout.
+            permutations: one row order per epoch (default: drawn from the trainer's seeded generator).
+        """
+        if self.plan is None:  # optimize() called outside train(): plan (and apply) now
+            plan_run(self, exp.rollout.queries)
+        return self.epochs.optimize(exp, self.plan.train_rows, permutations)
+
+    # ------------------------------------------------------------------ the stepper's events
+    def _before_optimizer_step(self) -> None:
+        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+
+    def _gradients_ready(self) -> None:
+        if self.precision_plugin is not None:
+            self.precision_plugin.observe_gradients()
+
+    def _after_optimizer_step(self) -> None:
+        self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+
+    def _release_after_oom(self) -> int:
+        """Cached memory back to the device after an OOM (through the memory callback when there is one)."""
+        if self.memory_callback is not None:
+            return self.memory_callback.compact("oom_split")
+        return release_cached_memory(collect_garbage=True)
 
     # ------------------------------------------------------------------ the loop
     def train(self, resume_from_checkpoint: str | bool | None = None):
@@ -225,38 +344,115 @@ class PPOTrainer(RolloutMixin, ScoringMixin, OptimizationMixin, OOMRecoveryMixin
         return self.state
 
     def _one_update(self, update: int) -> dict:
-        args, acc = self.args, self.accelerator
+        """Rollout -> scoring -> PPO epochs over one prompt batch; returns the update's metrics."""
+        args, device = self.args, self.accelerator.device
         t0 = time.perf_counter()
-        batch = self._next_batch(update)
+        batch = self._prompts.take(update) if self._prompts is not None else self.next_prompts(update)
         planned_now = self.plan is None
         if planned_now:  # memory.optimization as a target: micro-batches, chunks, checkpointing
             plan_run(self, batch["input_ids"])
         rollout = self.rollout(batch)
-        t1 = _sync_time(acc.device)
+        t1 = _sync_time(device)
         exp = self.score(rollout)
         if self.precision_plugin is not None and not self.precision_plugin.calibration_done:
             self._calibrate_precision(exp)
-        t2 = _sync_time(acc.device)
+        t2 = _sync_time(device)
         if self.memory_callback is not None:  # rollout -> training: release the generation/scoring blocks
             self.memory_callback.phase_boundary("rollout", "train", step=update)
         stats = self.optimize(exp)
-        t3 = _sync_time(acc.device)
-        self.state.episode += args.local_batch_size * acc.num_processes
-        metrics = self._metrics(exp, stats, (t0, t1, t2, t3))
-        metrics["rapidfire/skipped_steps"] = self._skipped_steps()
+        t3 = _sync_time(device)
+        self.state.episode += args.local_batch_size * self.accelerator.num_processes
+        metrics = self._update_metrics(update, exp, stats, (t0, t1, t2, t3), planned_now)
+        self._show_samples_if_due(update, exp)
+        return metrics
+
+    def _update_metrics(self, update: int, exp: Experience, stats: dict, times, planned_now: bool) -> dict:
+        health = self.stepper.health
+        metrics = self.reporter.metrics(
+            exp, stats, times, episode=self.state.episode, train_start=self._train_start,
+            scheduler=self.lr_scheduler, health=health, oom_splits=self.stepper.oom_splits,
+        )  # fmt: skip
         if planned_now and self.plan.planned:
             metrics.update(self.plan.metrics())
-        if self._rf_opt is not None:  # predicted clip coefficients checked, and the share that missed
-            opt_stats = self._rf_opt.stats()
+        if health.rapidfire is not None:  # predicted clip coefficients checked, and the share that missed
+            opt_stats = health.stats()
             metrics["rapidfire/clip_miss_rate"] = opt_stats["clip_misses"] / max(1, opt_stats["clip_checks"])
-        self._to_telemetry(update + 1, metrics)
+        if self.memory_callback is not None:
+            self.reporter.to_telemetry(update + 1, metrics)
+        return metrics
+
+    def _show_samples_if_due(self, update: int, exp: Experience) -> None:
+        args = self.args
         every = max(1, self.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
         if every and update % every == 0:
             if self.eval_dataset is not None:  # every rank generates (collectives under ZeRO-3/FSDP2)
                 self.generate_completions(sampling=True)
-            elif acc.is_main_process:
+            elif self.accelerator.is_main_process:
                 self.show_samples(exp)
+
+    def _calibrate_precision(self, exp: Experience) -> None:
+        """The precision plugin's sensitivity pass on a scored rollout (``ppo/optimization.py``)."""
+        calibrate_precision(self.precision_plugin, exp, self.args, self.pad_token_id)
+
+    # ------------------------------------------------------------------ reporting
+    def show_samples(self, exp: Experience, rows: int = 4) -> None:
+        """Print a few prompts, completions and scores of a scored rollout and log them as a table."""
+        self._report_completions(self.reporter.completion_rows(exp)[:rows])
+
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False) -> list[dict]:
+        """Complete the eval prompts with the current policy, score them, print the first rows and log them
+        as a ``completions`` table to W&B and TensorBoard (when those integrations are active).
+
+        Completions are decoded greedily (TRL 1.12 samples at temperature 0.01 here, nearly the same).
+
+        Args:
+            sampling: stop after one eval batch of ``per_device_eval_batch_size`` prompts (TRL's name for
+                the call made during training); ``False`` completes the whole eval set.
+
+        Returns:
+            One dict per prompt: ``query``, ``model response``, ``score``.
+        """
+        dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
+        size = max(1, int(self.args.per_device_eval_batch_size))
+        rows: list[dict] = []
+        for start in range(0, len(dataset), size):
+            batch = self.data_collator([dataset[i] for i in range(start, min(start + size, len(dataset)))])
+            rows += self.reporter.completion_rows(self.score(self.rollout(batch, sampling=False)))
+            if sampling:
+                break
+        if self.accelerator.is_main_process:
+            self._report_completions(rows)
+        return rows
+
+    def evaluate(self, sampling: bool = False) -> dict[str, float]:
+        """Mean reward and completion length of :meth:`generate_completions` on the eval prompts, logged
+        under ``eval/`` and returned."""
+        rows = self.generate_completions(sampling=sampling)
+        tok = self.processing_class
+        lengths = [len(tok(r["model response"], add_special_tokens=False)["input_ids"]) for r in rows]
+        metrics = {
+            "eval/objective/scores": sum(r["score"] for r in rows) / max(len(rows), 1),
+            "eval/response_length": sum(lengths) / max(len(lengths), 1),
+        }
+        self.log(metrics)
         return metrics
+
+    def _report_completions(self, rows: list[dict]) -> None:
+        self.reporter.report_completions(rows, self.state.global_step, self.callback_handler.callbacks)
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Record ``logs`` and send them to the callbacks; the ``rapidfire/*`` keys only every
+        ``logging.log_every`` updates of the rapidfire config (every log without one)."""
+        logs = dict(logs)
+        if self._log_cadence is None:
+            self._log_cadence = LogCadence.from_config(self.rf_config)
+        if not self._log_cadence.due(self.state.global_step):
+            logs = {k: v for k, v in logs.items() if not k.startswith("rapidfire/")}
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def save_model(self, output_dir: str | None = None, dataset_name: str | None = None) -> None:
         """Save the policy where ``from_pretrained(output_dir)`` finds it, with the tokenizer, the value
