@@ -73,6 +73,11 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=None, help="generated tokens per run (default 384)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS + OPT_IN)}")
     p.add_argument(
+        "--no-correctness",
+        action="store_true",
+        help="skip the correctness section (timing only; results.json says it was skipped)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=300.0,
@@ -132,10 +137,15 @@ def main(argv=None) -> int:
     }
     max_pos = max(2048, prompt_len + new_tokens)
     model = build_model(shape, device, torch.float32, max_pos)
-    meta["correctness_fp32"] = correctness(model, prompt_len, min(64, new_tokens), device)
+    skipped = "skipped (--no-correctness)"
+    meta["correctness_fp32"] = (
+        skipped if args.no_correctness else correctness(model, prompt_len, min(64, new_tokens), device)
+    )
     model = model.to(torch.bfloat16) if cuda else model
     if cuda:
-        meta["correctness_bf16"] = correctness(model, prompt_len, min(64, new_tokens), device)
+        meta["correctness_bf16"] = (
+            skipped if args.no_correctness else correctness(model, prompt_len, min(64, new_tokens), device)
+        )
     print(json.dumps({k: v for k, v in meta.items() if k.startswith("correctness")}, indent=1), flush=True)
 
     rows = []
