@@ -24,7 +24,7 @@ for part in "$@"; do
            --rows none,balanced,aggressive,advanced,snippet,conservative,aggressive-noplan,trl ;;
     b256) $PY benchmarks/presets/run.py --out "$OUT/b256" --batch 256 --value-mode fused --liger --compile \
            --timeout 150 --rows none,balanced,balancedscale,trl ;;
-    clip64) $PY benchmarks/presets/run.py --out "$OUT/clip64" --batch 64 --timeout 75 \
+    clip64) $PY benchmarks/presets/run.py --out "$OUT/clip64" --batch 64 --timeout 120 \
            --rows none,balanced,balancedscale,trl ;;
     full7b) $PY benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch 160 \
            --value-mode fused --trl-batch 4 --timeout 240 --hand-optimizer adamw8bit --hand-gen-chunk 80 \
