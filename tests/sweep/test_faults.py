@@ -238,3 +238,36 @@ def test_successive_halving_in_a_sweep(tokenizer, tmp_path):
     assert [r.status for r in results.values()].count("finished") == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [d["update"] for d in summary["decisions"]] == [1, 2]
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_trial_diverged_mid_run_is_never_saved(tokenizer, tmp_path):
+    """Without save_steps every trial is checkpointed at the end: never the diverged one's weights."""
+
+    class Overflow:
+        def on_step_end(self, args, state, control, sweep=None, trial=None, **kwargs):
+            if trial == B and state.global_step == 1:
+                sweep.trials[B].optimizer.param_groups[0]["lr"] = 1e30
+
+    sweep = make_sweep(tokenizer, tmp_path, TWO)
+    sweep.callbacks.append(Overflow())
+    results = sweep.train()
+    assert results[B].status == "diverged" and results[B].global_step == 1
+    assert not list((tmp_path / "trials" / B).glob("checkpoint-*"))
+    assert [p.name for p in (tmp_path / "trials" / A).glob("checkpoint-*")] == ["checkpoint-3"]
+
+
+def test_a_clone_that_cannot_be_built_leaves_nothing_behind(tokenizer, tmp_path, monkeypatch):
+    import rapidfire_hf.sweep.sweep as sweep_module
+
+    sweep = make_sweep(tokenizer, tmp_path, {A: TRIALS[A]})
+    slots = list(sweep.bank.slots)
+
+    def failing_build(name, args, overrides, bank, slot, *rest):
+        bank.add(slot, seed=0)
+        raise RuntimeError("out of memory while building the trial")
+
+    monkeypatch.setattr(sweep_module, "build_trial", failing_build)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sweep.clone(A, "copy")
+    assert list(sweep.trials) == [A] and sweep.bank.slots == slots
