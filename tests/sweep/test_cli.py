@@ -79,8 +79,16 @@ def test_spec_file_errors_name_the_file(tmp_path):
 def _live_sweep(out, status="running", pid=None, **trial_states):
     """A sweep_state.json as a running sweep writes it (this process stands in for the sweep)."""
     out.mkdir(parents=True, exist_ok=True)
-    trials = {n: {"state": st, "updates": 1, "num_updates": 3, "reward_last": 0.5} for n, st in trial_states.items()}
-    state = {"format": 1, "status": status, "pid": pid or os.getpid(), "host": socket.gethostname(), "trials": trials}
+    trials = {
+        n: {"state": st, "updates": 1, "num_updates": 3, "reward_last": 0.5} for n, st in trial_states.items()
+    }
+    state = {
+        "format": 1,
+        "status": status,
+        "pid": pid or os.getpid(),
+        "host": socket.gethostname(),
+        "trials": trials,
+    }
     (out / "sweep_state.json").write_text(json.dumps(state))
 
 
@@ -135,7 +143,9 @@ def test_ctl_refuses_folders_without_a_running_sweep(tmp_path, capsys):
     _live_sweep(tmp_path / "done", status="finished", a="finished")
     assert _ctl(tmp_path / "done", "stop", "a") == 2
     assert "is not running (status 'finished')" in capsys.readouterr().err
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     _live_sweep(tmp_path / "killed", pid=int(dead.stdout), a="running")
     assert _ctl(tmp_path / "killed", "stop", "a") == 2
     assert "is gone" in capsys.readouterr().err

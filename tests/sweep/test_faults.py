@@ -92,7 +92,9 @@ def _reward_failing_at(update: int):
 def test_a_shared_failure_saves_everything_then_raises_naming_the_update(tokenizer, tmp_path):
     sweep = make_sweep(tokenizer, tmp_path, TWO)
     sweep.phases.reward_funcs = [_reward_failing_at(3)]
-    with pytest.raises(SweepError, match=r"failed at update 3, in scoring.*RuntimeError: the reward server is down") as err:
+    with pytest.raises(
+        SweepError, match=r"failed at update 3, in scoring.*RuntimeError: the reward server is down"
+    ) as err:
         sweep.train()
     assert "resume_from_checkpoint=True" in str(err.value)
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -19,7 +19,7 @@ from rapidfire_hf.ppo.checkpoint import MARKER
 from rapidfire_hf.sweep.checkpoint import INDEX, SweepCheckpointError
 
 from .crash import CLONE, A, B, CountUpdates, crash_sweep
-from .helpers import curves, make_sweep, max_abs_diff, TRIALS
+from .helpers import TRIALS, curves, make_sweep, max_abs_diff
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,13 @@ KILLS = [
 
 @pytest.mark.parametrize(("where", "target", "n", "left"), KILLS, ids=[f"{k[0]}-{k[1]}" for k in KILLS])
 @pytest.mark.usefixtures("single_thread")
-def test_resume_after_sigkill_equals_the_uninterrupted_sweep(tokenizer, tmp_path, uninterrupted, where, target, n, left):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def test_resume_after_sigkill_equals_the_uninterrupted_sweep(
+    tokenizer, tmp_path, uninterrupted, where, target, n, left
+):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     run = subprocess.run(
         [sys.executable, "-m", "tests.sweep.crash", str(tmp_path), where, target, str(n)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,

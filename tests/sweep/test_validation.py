@@ -23,7 +23,10 @@ BASE = {"reward_funcs": ["demo"], "trials": {"a": {"kl_coef": 0.1}}}
         ({"trials": {"a/b": {}}}, r"trials: trial name 'a/b' is not allowed"),
         ({"trials": {"..": {}}}, r"trials: trial name '\.\.' is not allowed"),
         ({"trials": {"a": {"kl_coef": "lots"}}}, r"trials.a: trial 'a': kl_coef takes a finite number"),
-        ({"trials": {"a": {"lr_scheduler_kwargs": "oops"}}}, r"trials.a: .*lr_scheduler_kwargs takes a mapping"),
+        (
+            {"trials": {"a": {"lr_scheduler_kwargs": "oops"}}},
+            r"trials.a: .*lr_scheduler_kwargs takes a mapping",
+        ),
         ({"trials": {"a": {"lr_scheduler_type": "bogus"}}}, r"trials.a: trial 'a': .*bogus"),
         ({"trials": {"a": {"kl_estimator": "k9"}}}, r"trials.a: trial 'a': .*k9"),
         ({"trials": {"a": {"warmup_ratio": 0.1}}}, r"trials.a.warmup_ratio: unknown key"),
@@ -36,9 +39,15 @@ BASE = {"reward_funcs": ["demo"], "trials": {"a": {"kl_coef": 0.1}}}
         ({"reward_funcs": [42]}, r"reward_funcs: must be 'demo', 'package.module:function'"),
         ({"reward_funcs": []}, r"reward_funcs: must be"),
         ({"model": 3}, r"model: must be a string"),
-        ({"early_stopping": {"margin": "lots"}}, r"early_stopping: EarlyStopping margin must be a finite number"),
+        (
+            {"early_stopping": {"margin": "lots"}},
+            r"early_stopping: EarlyStopping margin must be a finite number",
+        ),
         ({"early_stopping": "yes"}, r"early_stopping: must be a mapping"),
-        ({"successive_halving": {"keep": 2}}, r"successive_halving: SuccessiveHalving keep must be a fraction"),
+        (
+            {"successive_halving": {"keep": 2}},
+            r"successive_halving: SuccessiveHalving keep must be a fraction",
+        ),
         ({"successive_halving": {"rungs": [4, 2]}}, r"successive_halving: .*increasing update counts"),
         ({"successive_halving": {"eta": 3}}, r"successive_halving.eta: unknown key"),
     ],
@@ -56,8 +65,14 @@ def test_good_spec_passes_with_both_rules():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("reward_funcs: [demo]\ntrials:\n  a: {kl_coef: 0.1}\n  a: {kl_coef: 0.2}\n", r"a: is given twice \(line 4\)"),
-        ("reward_funcs: [demo]\nreward_funcs: [demo]\ntrials: {a: {}}\n", r"reward_funcs: is given twice \(line 2\)"),
+        (
+            "reward_funcs: [demo]\ntrials:\n  a: {kl_coef: 0.1}\n  a: {kl_coef: 0.2}\n",
+            r"a: is given twice \(line 4\)",
+        ),
+        (
+            "reward_funcs: [demo]\nreward_funcs: [demo]\ntrials: {a: {}}\n",
+            r"reward_funcs: is given twice \(line 2\)",
+        ),
         ("reward_funcs: [demo]\ntrials: {a: {kl_coef: 0.1, kl_coef: 0.2}}\n", r"kl_coef: is given twice"),
         ("- 1\n- 2\n", "must hold a mapping"),
         ("a: [\n", "invalid YAML"),

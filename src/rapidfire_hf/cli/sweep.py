@@ -128,7 +128,9 @@ def _coerce(key: str, text: str):
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
-        raise SystemExit(f"{key}={text}: not a value (write it as in YAML: 0.01, true, [1, 0.5], {{a: 1}})") from None
+        raise SystemExit(
+            f"{key}={text}: not a value (write it as in YAML: 0.01, true, [1, 0.5], {{a: 1}})"
+        ) from None
     kind = FIELD_KINDS.get(key, "")
     if kind.startswith("float") and isinstance(value, int | str) and not isinstance(value, bool):
         try:  # YAML reads 1e-3 (no dot) as a string
@@ -192,7 +194,9 @@ def demo_trials(assignments: list[str]) -> dict[str, dict]:
     seen = set()
     for (key, values), text in zip(axes, assignments, strict=True):
         if key in seen:
-            raise SystemExit(f"--sweep {text}: {key} is given by another --sweep too: list all its values in one")
+            raise SystemExit(
+                f"--sweep {text}: {key} is given by another --sweep too: list all its values in one"
+            )
         seen.add(key)
         _check_trial_field(key, text, values)
     trials = {}

@@ -198,7 +198,9 @@ def _read_pt(path: Path, what: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError (a pickled object: refused unread), EOFError, RuntimeError
-        raise _damaged(path, f"cannot be read as a {what} (it may hold objects other than tensors)", err) from None
+        raise _damaged(
+            path, f"cannot be read as a {what} (it may hold objects other than tensors)", err
+        ) from None
 
 
 def _tensors(path: Path, value, what: str) -> dict:
@@ -233,7 +235,9 @@ def read_trial(path: Path) -> SavedTrial:
     try:
         torch.Generator().set_state(perm)
     except (TypeError, RuntimeError) as err:
-        raise _damaged(path / "rng_state.pt", "does not hold the permutation generator's state", err) from None
+        raise _damaged(
+            path / "rng_state.pt", "does not hold the permutation generator's state", err
+        ) from None
     state_file = path / "trainer_state.json"
     try:
         state = PPOTrainerState.load_from_json(str(state_file))
@@ -262,7 +266,9 @@ def check_fits(sweep, args, saved: SavedTrial) -> None:
     groups = saved.optimizer["param_groups"]
     ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
     if len(groups) != 1 or ids != list(range(len(shapes))):
-        raise _damaged(path / "optimizer.pt", f"does not hold one parameter group of {len(shapes)} parameters")
+        raise _damaged(
+            path / "optimizer.pt", f"does not hold one parameter group of {len(shapes)} parameters"
+        )
     for i, entry in saved.optimizer["state"].items():
         bad = not isinstance(entry, dict) or i not in ids
         bad = bad or any(
@@ -309,7 +315,11 @@ def read_index(out: Path) -> dict[str, dict]:
         data = read_json(path, "a sweep index")
     except SweepFileError as err:
         raise SweepCheckpointError(f"cannot resume the sweep: {err}") from None
-    if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT or not isinstance(data.get("trials"), dict):
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != INDEX_FORMAT
+        or not isinstance(data.get("trials"), dict)
+    ):
         raise SweepCheckpointError(
             f"cannot resume the sweep: {path} is not a sweep index of format {INDEX_FORMAT} "
             "(an older rapidfire_hf, or a damaged file)"
@@ -323,7 +333,9 @@ def read_index(out: Path) -> dict[str, dict]:
         if not isinstance(entry, dict) or not isinstance(entry.get("overrides"), dict):
             raise SweepCheckpointError(f"{where}: needs an object with 'overrides'")
         if entry.get("status") not in STATES:
-            raise SweepCheckpointError(f"{where}: status {entry.get('status')!r} is none of {', '.join(STATES)}")
+            raise SweepCheckpointError(
+                f"{where}: status {entry.get('status')!r} is none of {', '.join(STATES)}"
+            )
         if not (entry.get("parent") is None or isinstance(entry.get("parent"), str)):
             raise SweepCheckpointError(f"{where}: parent must be a trial name or null")
         branch = entry.get("branch_step")
@@ -371,6 +383,15 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
         if saved is not None:
             check_fits(sweep, args, saved)
         plan.append((name, entry, saved))
+    trials_dir = out / "trials"
+    for folder in sorted(trials_dir.iterdir()) if trials_dir.is_dir() else []:
+        if folder.name not in index and folder.is_dir() and latest_checkpoint(folder) is not None:
+            logger.warning(
+                "PPOSweep: %s has checkpoints but %s does not list it (a clone made just before the sweep "
+                "stopped, or a trial of an earlier sweep in this folder): it is not resumed",
+                folder,
+                INDEX,
+            )
     restored = {}
     for name, entry, saved in plan:  # every check passed: now change the trials
         if name not in sweep.trials:
@@ -379,7 +400,11 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
         if saved is not None:
             _restore(sweep, trial, saved)
             restored[name] = saved.path
-        trial.parent, trial.reason, trial.branch_step = entry["parent"], entry["reason"], entry.get("branch_step")
+        trial.parent, trial.reason, trial.branch_step = (
+            entry["parent"],
+            entry["reason"],
+            entry.get("branch_step"),
+        )
         trial.status = "running" if entry["status"] == "finished" and not trial.done else entry["status"]
     for name, path in restored.items():
         logger.info("PPOSweep: trial %s resumed from %s", name, path)
@@ -387,7 +412,9 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
 
 
 def _check_same_overrides(index: Path, name: str, saved: dict, now: dict) -> None:
-    changed = sorted(k for k in set(saved) | set(now) if k not in LENGTH_FIELDS and saved.get(k) != now.get(k))
+    changed = sorted(
+        k for k in set(saved) | set(now) if k not in LENGTH_FIELDS and saved.get(k) != now.get(k)
+    )
     if changed:
         detail = "; ".join(f"{k}: saved {saved.get(k)!r}, this run {now.get(k)!r}" for k in changed)
         raise SweepCheckpointError(

@@ -45,7 +45,9 @@ def read_state(out_dir) -> dict:
         )
     state = read_json(path, "a sweep state")
     if not isinstance(state, dict) or not isinstance(state.get("trials"), dict):
-        raise SweepFileError(f"{path} is not a sweep state (written by another program or an older rapidfire_hf)")
+        raise SweepFileError(
+            f"{path} is not a sweep state (written by another program or an older rapidfire_hf)"
+        )
     return state
 
 
@@ -63,7 +65,9 @@ def process_gone(state: dict) -> bool:
     return False
 
 
-def check_command(out_dir, op: str, trial: str, new: str | None = None, overrides: dict | None = None) -> dict:
+def check_command(
+    out_dir, op: str, trial: str, new: str | None = None, overrides: dict | None = None
+) -> dict:
     """Check a command against the sweep's live state before it is queued; returns the state.
 
     Raises:
@@ -151,7 +155,9 @@ def parse_line(raw: bytes) -> tuple | None:
     except ValueError as err:
         raise ValueError(f"is not JSON ({err})") from None
     if not isinstance(cmd, dict):
-        raise ValueError(f"is a JSON {type(cmd).__name__}, not an object like {{\"op\": \"stop\", \"trial\": NAME}}")
+        raise ValueError(
+            f'is a JSON {type(cmd).__name__}, not an object like {{"op": "stop", "trial": NAME}}'
+        )
     op = cmd.get("op")
     if op not in OPS:
         raise ValueError(f"has an unknown op {op!r}: allowed {', '.join(OPS)}")
@@ -159,13 +165,13 @@ def parse_line(raw: bytes) -> tuple | None:
     if extra:
         raise ValueError(f"has keys a {op} command does not take: {', '.join(map(str, extra))}")
     if not isinstance(cmd.get("trial"), str) or not cmd["trial"]:
-        raise ValueError(f"needs \"trial\": the name of the trial to {op}")
+        raise ValueError(f'needs "trial": the name of the trial to {op}')
     if op == "stop":
         return ("stop", cmd["trial"], "ctl")
     if op == "resume":
         return ("resume", cmd["trial"])
     if not isinstance(cmd.get("new"), str) or not cmd["new"]:
-        raise ValueError("needs \"new\": the clone's name")
+        raise ValueError('needs "new": the clone\'s name')
     overrides = cmd.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise ValueError(f"has overrides {overrides!r}: give an object of PPOConfig fields")
@@ -263,8 +269,14 @@ class EarlyStopping:
 
     def __post_init__(self):
         _check_rule(self, self.metric, self.window, self.mode)
-        if not isinstance(self.after_updates, int) or isinstance(self.after_updates, bool) or self.after_updates < 1:
-            raise ValueError(f"EarlyStopping after_updates must be an integer >= 1, got {self.after_updates!r}")
+        if (
+            not isinstance(self.after_updates, int)
+            or isinstance(self.after_updates, bool)
+            or self.after_updates < 1
+        ):
+            raise ValueError(
+                f"EarlyStopping after_updates must be an integer >= 1, got {self.after_updates!r}"
+            )
         m = self.margin
         if not isinstance(m, int | float) or isinstance(m, bool) or not math.isfinite(m) or m < 0:
             raise ValueError(f"EarlyStopping margin must be a finite number >= 0, got {m!r}")
@@ -353,6 +365,10 @@ class SuccessiveHalving:
                 stopping.add(t.name)
             if cut:
                 self.decisions.append(
-                    {"update": rung, "kept": [t.name for t in ordered[:kept]], "stopped": [t.name for _, t in cut]}
+                    {
+                        "update": rung,
+                        "kept": [t.name for t in ordered[:kept]],
+                        "stopped": [t.name for _, t in cut],
+                    }
                 )
         return out

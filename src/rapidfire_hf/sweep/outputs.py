@@ -129,7 +129,10 @@ class SweepProgress:
         for name, t in self.sweep.trials.items():
             last = t.state.log_history[-1] if t.state.log_history else {}
             reward = f" {last['objective/scores']:.4f}" if "objective/scores" in last else ""
-            parts.append(f"{name} {t.state.global_step}/{t.num_updates}{reward}" + ("" if t.status == "running" else f" {t.status}"))
+            parts.append(
+                f"{name} {t.state.global_step}/{t.num_updates}{reward}"
+                + ("" if t.status == "running" else f" {t.status}")
+            )
         return "PPOSweep: " + " | ".join(parts)
 
     def _table(self):

@@ -101,7 +101,9 @@ def _check_lora(data: dict) -> None:
     try:
         config = LoraConfig(**lora)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"peft's LoraConfig refuses it ({_one_line(err)})", key="lora", value=lora) from None
+        raise ConfigError(
+            f"peft's LoraConfig refuses it ({_one_line(err)})", key="lora", value=lora
+        ) from None
     if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:
         raise ConfigError("r must be an integer >= 1", key="lora.r", value=config.r)
 
@@ -312,7 +314,9 @@ def build(spec: dict, progress: bool = True, callbacks=None):
         rules.append(EarlyStopping(**spec["early_stopping"]))
     if spec.get("successive_halving"):
         halving = spec["successive_halving"]
-        rules.append(SuccessiveHalving(**{k: tuple(v) if isinstance(v, list) else v for k, v in halving.items()}))
+        rules.append(
+            SuccessiveHalving(**{k: tuple(v) if isinstance(v, list) else v for k, v in halving.items()})
+        )
     return PPOSweep(
         args=args,
         trials={n: dict(o or {}) for n, o in spec["trials"].items()},

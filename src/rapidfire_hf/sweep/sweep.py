@@ -102,8 +102,16 @@ class PPOSweep:
                 "PPOSweep shares one frozen base model between trials, so each trial must train a LoRA "
                 "adapter: pass peft_config=LoraConfig(...). Full-model trials are not supported."
             )
-        if not isinstance(trials, dict) or not trials:
+        if not isinstance(trials, dict):
+            raise TypeError(
+                f"trials must be a mapping {{name: {{overrides}}}}, got a {type(trials).__name__}"
+            )
+        if not trials:
             raise ValueError("trials is empty: give at least one {name: {overrides}} entry")
+        if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+            raise ValueError(
+                f"output_dir {args.output_dir} is a file: give a folder (the sweep writes one per trial)"
+            )
         for name, overrides in trials.items():  # every trial checked before the model moves or changes
             check_trial_name(name)
             trial_args(args, overrides or {}, name)
@@ -160,7 +168,9 @@ class PPOSweep:
         self._pending: list[tuple] = []
         self._training = False
         self._phase, self._clean = "start", True
-        self.messages: list[str] = []  # control commands refused or ignored, and divergences (sweep_state.json)
+        self.messages: list[
+            str
+        ] = []  # control commands refused or ignored, and divergences (sweep_state.json)
         self.control = ControlFile(Path(args.output_dir))
         for name, overrides in trials.items():
             self._add(name, overrides or {})
@@ -380,7 +390,7 @@ class PPOSweep:
             return
         raise SweepError(
             f"the sweep failed at update {update}, in {self._phase}: {type(err).__name__}: "
-            f"{' '.join(str(err).split())[:500]}. {saved.capitalize()} in {self.args.output_dir}; once fixed, "
+            f"{' '.join(str(err).split())[:500]}. {saved[0].upper()}{saved[1:]} in {self.args.output_dir}; once fixed, "
             "continue with train(resume_from_checkpoint=True)."
         ) from err
 
@@ -435,7 +445,11 @@ class PPOSweep:
             if metrics is not None:
                 self._dispatch("on_log", trial, logs=metrics)
             a = trial.args
-            if a.save_strategy == "steps" and a.save_steps and trial.state.global_step % int(a.save_steps) == 0:
+            if (
+                a.save_strategy == "steps"
+                and a.save_steps
+                and trial.state.global_step % int(a.save_steps) == 0
+            ):
                 ckpt.save_trial(self, trial)
                 saved = True
             if trial.control.should_training_stop:

@@ -33,7 +33,9 @@ def trial_args(shared: PPOConfig, overrides: dict, name: str) -> PPOConfig:
             field every trial must share, or a value PPOConfig or the LR schedule refuses.
     """
     if not isinstance(overrides, dict):
-        raise ValueError(f"trial {name!r}: the overrides must be a mapping of PPOConfig fields, got {overrides!r}")
+        raise ValueError(
+            f"trial {name!r}: the overrides must be a mapping of PPOConfig fields, got {overrides!r}"
+        )
     known = {f.name for f in dataclasses.fields(PPOConfig) if f.init}
     for key in overrides:
         if key not in known:
