@@ -59,6 +59,16 @@ def test_clone_starts_from_the_parent_state(tokenizer, tmp_path, alone):
     assert fast[0] == curves(alone[0])["loss/value_avg"][0]
     assert fast[1:] != curves(alone[0])["loss/value_avg"][1:]
     assert results["fast"].log_history[-1]["lr"] != results[A].log_history[-1]["lr"]
+    # the chart draws the clone from its branch point (update 1) on, not the parent's update 1 again
+    from rapidfire_hf.sweep.outputs import curve
+
+    fast = sweep.trials["fast"]
+    assert fast.branch_step == 1 and [u for u, _ in curve(fast, "objective/scores")] == [1, 2, 3]
+    fast.branch_step = 2  # as if cloned after update 2: its line starts there
+    assert [u for u, _ in curve(fast, "objective/scores")] == [2, 3]
+    clone_at_0 = make_sweep(tokenizer, tmp_path / "c0", {A: TRIALS[A]}, max_steps=1)
+    clone_at_0.clone(A, "b")
+    assert clone_at_0.trials["b"].branch_step == 0
 
 
 @pytest.mark.usefixtures("single_thread")

@@ -82,6 +82,13 @@ def write_all(sweep, wall_seconds: float | None = None, status: str = "finished"
     return summary
 
 
+def curve(trial, key: str) -> list[tuple[int, float]]:
+    """``[(update, value), ...]`` of one trial's chart line: a clone's starts where it left its parent
+    (its history before that is the parent's, drawn by the parent's line)."""
+    branch = trial.branch_step or 0
+    return [(h["step"], h[key]) for h in trial.state.log_history if key in h and h.get("step", 0) >= branch]
+
+
 def plot(sweep, path: Path) -> Path:
     """Reward and KL per update, one line per trial, side by side."""
     import matplotlib
@@ -93,8 +100,7 @@ def plot(sweep, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(SERIES), figsize=(5.5 * len(SERIES), 3.8), squeeze=False)
     for ax, (key, label) in zip(axes[0], SERIES.items()):
         for name, trial in sweep.trials.items():
-            branch = trial.branch_step or 0  # a clone's curve starts where it left its parent
-            pts = [(h["step"], h[key]) for h in trial.state.log_history if key in h and h["step"] >= branch]
+            pts = curve(trial, key)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=2, label=name)
         for i, rung in enumerate(rungs):
