@@ -81,3 +81,55 @@ def test_lora_is_required(tokenizer, tmp_path):
             reward_funcs=vowel_reward,
             train_dataset=make_prompt_dataset(16),
         )
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_each_trial_logs_to_tensorboard(tokenizer, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sweep = make_sweep(
+        tokenizer, tmp_path, {A: TRIALS[A], B: TRIALS[B]}, max_steps=2, report_to=["tensorboard"]
+    )
+    results = sweep.train()
+    for name in (A, B):
+        events = EventAccumulator(str(tmp_path / "runs" / name))
+        events.Reload()
+        scores = [(e.step, e.value) for e in events.Scalars("objective/scores")]
+        expected = [(h["step"], h["objective/scores"]) for h in results[name].log_history]
+        assert [s for s, _ in scores] == [1, 2]
+        assert [v for _, v in scores] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+
+def test_unknown_tracker_is_refused(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="report_to 'mlflow': a sweep logs each trial to tensorboard, wandb"):
+        make_sweep(tokenizer, tmp_path, {A: {}}, report_to=["mlflow"])
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_each_trial_is_a_wandb_run_grouped_by_sweep(tokenizer, tmp_path, monkeypatch):
+    import sys
+    import types
+
+    runs = []
+
+    class Run:
+        def __init__(self, **kwargs):
+            self.kwargs, self.logged, self.finished = kwargs, [], False
+            runs.append(self)
+
+        def log(self, data, step):
+            self.logged.append((step, data["objective/scores"]))
+
+        def finish(self):
+            self.finished = True
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: Run(**kw)))
+    out = tmp_path / "my-sweep"
+    sweep = make_sweep(tokenizer, out, {A: TRIALS[A], B: TRIALS[B]}, max_steps=2, report_to=["wandb"])
+    results = sweep.train()
+    assert sorted(r.kwargs["name"] for r in runs) == sorted([A, B])
+    assert {r.kwargs["group"] for r in runs} == {"my-sweep"} and all(r.finished for r in runs)
+    for run in runs:
+        name = run.kwargs["name"]
+        assert run.logged == [(h["step"], h["objective/scores"]) for h in results[name].log_history]
+        assert run.kwargs["config"]["kl_coef"] == TRIALS[name]["kl_coef"]

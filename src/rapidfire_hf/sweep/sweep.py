@@ -18,6 +18,7 @@ from rapidfire_hf.sweep.control import ControlFile
 from rapidfire_hf.sweep.fields import check_trial_name
 from rapidfire_hf.sweep.lora import AdapterBank
 from rapidfire_hf.sweep.phases import SweepPhases, trial_metrics
+from rapidfire_hf.sweep.trackers import TrialTrackers
 from rapidfire_hf.sweep.trial import Trial, build_trial, trial_args
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class PPOSweep:
         early_stopping: a rule that stops trials (:class:`EarlyStopping`, :class:`SuccessiveHalving`, any
             object with ``check(trials) -> [(name, reason)]``), a list of them, or None.
         progress: draw a live table of every trial (rich); off a terminal, one line per update instead.
+
+    ``args.report_to`` may name ``"tensorboard"`` (one sub-folder per trial under ``output_dir/runs``) and
+    ``"wandb"`` (one run per trial, grouped by the sweep's folder name).
 
     Faults stay in their trial: a trial whose rewards, values, log-probs, losses or weights turn non-finite
     is stopped with state ``diverged`` (the update and the check in its ``reason``, the log and
@@ -143,6 +147,7 @@ class PPOSweep:
         tok = processing_class
         if getattr(tok, "pad_token_id", None) is None:
             raise ValueError("processing_class has no pad token: add one distinct from the EOS token.")
+        self.trackers = TrialTrackers(args.report_to, args.output_dir)  # report_to checked before the model
         self.args, self.tok, self.callbacks = args, tok, list(callbacks or [])
         self.rules, self.show_progress = rules, progress
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
@@ -346,6 +351,7 @@ class PPOSweep:
             raise
         finally:
             self._training = False
+            self.trackers.close()
             if progress is not None:
                 progress.close()
         for t in self.trials.values():
@@ -444,6 +450,7 @@ class PPOSweep:
             self._dispatch("on_step_end", trial)
             if metrics is not None:
                 self._dispatch("on_log", trial, logs=metrics)
+                self.trackers.log(trial, metrics, trial.state.global_step)
             a = trial.args
             if (
                 a.save_strategy == "steps"
