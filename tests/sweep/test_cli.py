@@ -202,3 +202,13 @@ def test_demo_sweep_grid():
 def test_demo_sweep_grid_refusals(grid, message):
     with pytest.raises(SystemExit, match=message):
         demo_trials(grid)
+
+
+def test_ctl_line_after_an_unfinished_one_is_kept(tmp_path):
+    from rapidfire_hf.sweep.control import ControlFile
+
+    _live_sweep(tmp_path, a="running")
+    reader = ControlFile(tmp_path)
+    (tmp_path / "control.jsonl").write_bytes(b'{"op": "stop", "tri')  # a writer killed mid-line
+    assert _ctl(tmp_path, "stop", "a") == 0
+    assert [cmd for _, cmd in reader.read()] == [("stop", "a", "ctl")]

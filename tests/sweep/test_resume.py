@@ -153,6 +153,13 @@ def _bad_state(folder):
     return f, "cannot be read as a trainer state"
 
 
+def _wrong_step(folder):
+    f = folder / "trainer_state.json"
+    f.write_text(f.read_text().replace('"global_step": 4', '"global_step": 7'))
+    _set_marker_size(folder, f.name)
+    return f, "global_step 7 is not the update checkpoint-4 was saved at"
+
+
 def _missing_file(folder):
     f = folder / "scheduler.pt"
     f.unlink()
@@ -196,7 +203,7 @@ def _clone_checkpoint_gone(folder):
 
 
 DAMAGE = [_truncate, _garbage_safetensors, _hostile_pickle, _wrong_value_head, _nan_adapter, _bad_state,
-          _missing_file, _bad_marker, _misspelt_status, _index_not_json, _index_bad_name, _clone_checkpoint_gone]  # fmt: skip
+          _wrong_step, _missing_file, _bad_marker, _misspelt_status, _index_not_json, _index_bad_name, _clone_checkpoint_gone]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -241,8 +241,10 @@ def read_trial(path: Path) -> SavedTrial:
     state_file = path / "trainer_state.json"
     try:
         state = PPOTrainerState.load_from_json(str(state_file))
-        if not isinstance(state.global_step, int) or not isinstance(state.log_history, list):
-            raise TypeError("global_step or log_history has the wrong type")
+        if not isinstance(state.log_history, list) or not all(isinstance(h, dict) for h in state.log_history):
+            raise TypeError("log_history is not a list of objects")
+        if state.global_step != int(path.name.rpartition("-")[2]):
+            raise ValueError(f"global_step {state.global_step!r} is not the update {path.name} was saved at")
     except (OSError, ValueError, TypeError) as err:
         raise _damaged(state_file, "cannot be read as a trainer state", err) from None
     try:
@@ -369,6 +371,14 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
             _check_same_overrides(out / INDEX, name, entry["overrides"], trial.overrides)
             args = trial.args
         else:
+            if entry["parent"] is None:
+                logger.warning(
+                    "PPOSweep: trial %s is not among this run's trials but %s lists it: it is resumed too "
+                    "(stop it with sweep.stop or `rapidfire sweep ctl ... stop %s`)",
+                    name,
+                    INDEX,
+                    name,
+                )
             try:
                 args = trial_args(sweep.args, entry["overrides"], name)
             except ValueError as err:

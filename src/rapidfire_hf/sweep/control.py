@@ -131,9 +131,17 @@ def append_command(
     line = {"op": op, "trial": trial}
     if op == "clone":
         line.update(new=new, overrides=overrides or {})
-    with open(path, "a", encoding="utf-8") as f:  # one write of one line: appends of two shells do not mix
-        f.write(json.dumps(line) + "\n")
+    with open(path, "ab") as f:  # one write of one line: appends of two shells do not mix
+        # a line left unfinished by a writer that died would swallow this one: end it first
+        cut = f.tell() > 0 and _last_byte(path) != b"\n"
+        f.write((b"\n" if cut else b"") + json.dumps(line).encode("utf-8") + b"\n")
     return path
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
 
 
 # ------------------------------------------------------------------------------------- the sweep side
