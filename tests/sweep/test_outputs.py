@@ -133,3 +133,31 @@ def test_each_trial_is_a_wandb_run_grouped_by_sweep(tokenizer, tmp_path, monkeyp
         name = run.kwargs["name"]
         assert run.logged == [(h["step"], h["objective/scores"]) for h in results[name].log_history]
         assert run.kwargs["config"]["kl_coef"] == TRIALS[name]["kl_coef"]
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_progress_off_a_terminal_is_one_line_per_update(tokenizer, tmp_path, capsys):
+    sweep = make_sweep(tokenizer, tmp_path, {A: TRIALS[A], B: TRIALS[B]}, max_steps=2)
+    sweep.show_progress = True  # pytest's captured stdout is not a terminal
+    sweep.train()
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("PPOSweep:")]
+    assert len(lines) == 2 and f"{A} 2/2" in lines[1] and f"{B} 1/2" in lines[0]
+
+
+def test_yaml_rules_reach_the_sweep(tmp_path):
+    from rapidfire_hf.sweep.control import EarlyStopping, SuccessiveHalving
+    from rapidfire_hf.sweep.spec import build, validate
+
+    spec = validate(
+        {
+            "reward_funcs": ["demo"],
+            "config": {"output_dir": str(tmp_path), "use_cpu": True, "response_length": 4},
+            "trials": {"a": {"kl_coef": 0.1}, "b": {}},
+            "early_stopping": {"margin": 0.2},
+            "successive_halving": {"rungs": [2, 4], "keep": 0.25},
+        }
+    )
+    sweep = build(spec, progress=False)
+    halving = sweep.rules[1]
+    assert isinstance(sweep.rules[0], EarlyStopping) and sweep.rules[0].margin == 0.2
+    assert isinstance(halving, SuccessiveHalving) and halving.rungs == (2, 4) and halving.keep == 0.25
