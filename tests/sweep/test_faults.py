@@ -273,3 +273,19 @@ def test_a_clone_that_cannot_be_built_leaves_nothing_behind(tokenizer, tmp_path,
     with pytest.raises(RuntimeError, match="out of memory"):
         sweep.clone(A, "copy")
     assert list(sweep.trials) == [A] and sweep.bank.slots == slots
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_ctrl_c_saves_then_stops(tokenizer, tmp_path):
+    class CtrlC:
+        def on_step_end(self, args, state, control, sweep=None, trial=None, **kwargs):
+            if trial == B and state.global_step == 2:
+                raise KeyboardInterrupt
+
+    sweep = make_sweep(tokenizer, tmp_path, TWO)
+    sweep.callbacks.append(CtrlC())
+    with pytest.raises(KeyboardInterrupt):
+        sweep.train()
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
+    for name in TWO:
+        assert (tmp_path / "trials" / name / "checkpoint-2" / "checkpoint_complete.json").is_file()

@@ -22,6 +22,7 @@ BASE = {"reward_funcs": ["demo"], "trials": {"a": {"kl_coef": 0.1}}}
         ({"trials": {"n" * 300: {}}}, r"trials: trial name n{40}\.\.\. is 300 characters long: at most 128"),
         ({"trials": {"a/b": {}}}, r"trials: trial name 'a/b' is not allowed"),
         ({"trials": {"..": {}}}, r"trials: trial name '\.\.' is not allowed"),
+        ({"trials": {1: {}}}, r"trials: trial name 1 must be a string \(in YAML, quote it: '1'\)"),
         ({"trials": {"a": {"kl_coef": "lots"}}}, r"trials.a: trial 'a': kl_coef takes a finite number"),
         (
             {"trials": {"a": {"lr_scheduler_kwargs": "oops"}}},

@@ -57,7 +57,9 @@ def check_trial_name(name) -> None:
     Raises:
         ValueError: naming the problem.
     """
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str):
+        raise ValueError(f"trial name {name!r} must be a string (in YAML, quote it: '{name}')")
+    if not _NAME.match(name):
         shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
         raise ValueError(
             f"trial name {shown} is not allowed: use letters, digits and . _ = + -, starting with a letter "

@@ -388,7 +388,7 @@ class PPOSweep:
             else:  # killed inside the PPO epochs: the weights are between two updates, not a resumable state
                 ckpt.write_index(self)
                 saved = "log histories and summary.json were saved (checkpoints: the last ones written)"
-            outputs.write_all(self, status="failed")
+            outputs.write_all(self, status="failed" if isinstance(err, Exception) else "interrupted")
         except Exception as save_err:  # noqa: BLE001 - the original error is the one to raise
             saved = f"saving the sweep's state failed too ({type(save_err).__name__}: {save_err})"
         if not isinstance(err, Exception):
