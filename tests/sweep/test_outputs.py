@@ -161,3 +161,15 @@ def test_yaml_rules_reach_the_sweep(tmp_path):
     halving = sweep.rules[1]
     assert isinstance(sweep.rules[0], EarlyStopping) and sweep.rules[0].margin == 0.2
     assert isinstance(halving, SuccessiveHalving) and halving.rungs == (2, 4) and halving.keep == 0.25
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_save_total_limit_keeps_the_newest_checkpoints(tokenizer, tmp_path):
+    sweep = make_sweep(
+        tokenizer, tmp_path, {A: TRIALS[A]}, save_strategy="steps", save_steps=1, save_total_limit=2
+    )
+    sweep.train()
+    assert sorted(p.name for p in (tmp_path / "trials" / A).iterdir() if p.is_dir()) == [
+        "checkpoint-2",
+        "checkpoint-3",
+    ]

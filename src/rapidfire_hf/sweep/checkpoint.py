@@ -82,6 +82,8 @@ def save_trial(sweep, trial) -> Path:
             fsync(f)
         _write_marker(tmp, step)
         _publish(tmp, final)
+        if trial.args.save_total_limit:
+            _rotate(root, int(trial.args.save_total_limit), keep=final)
     except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(
@@ -127,6 +129,20 @@ def _publish(tmp: Path, final: Path) -> None:
     fsync(final.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+def _rotate(root: Path, limit: int, keep: Path) -> None:
+    """Delete the oldest complete checkpoints so that ``limit`` remain (``keep``, just written, among them).
+    Each is renamed first, so a kill during the deletion never leaves half a checkpoint under its name."""
+    done = []
+    for path in root.glob("checkpoint-*"):
+        number = path.name.rpartition("-")[2]
+        if path != keep and number.isdigit() and (path / MARKER).is_file():
+            done.append((int(number), path))
+    for _, path in sorted(done, reverse=True)[max(limit - 1, 0) :]:
+        gone = path.with_name("old-" + path.name)
+        os.replace(path, gone)
+        shutil.rmtree(gone)
 
 
 def write_index(sweep) -> None:
