@@ -1,12 +1,14 @@
-"""How PPOTrainer builds its parts: input checks, PEFT, the reference model, quantized copies, the
-policy-and-value module (with its kernel patches), the prompt datasets and their order, the optimizer
-and scheduler, device placement, the callbacks, the memory callback and the precision plugin."""
+"""How PPOTrainer builds its parts, as functions of explicit inputs: input checks, PEFT, the reference
+model, quantized copies, the policy-and-value module (with its kernel patches), the prompt datasets and
+their order, the optimizer and scheduler, device placement, the callbacks and the memory callback."""
 
 from __future__ import annotations
 
 import copy
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import DistributedType
@@ -68,440 +70,443 @@ def default_adamw(args, params, **kernel) -> torch.optim.AdamW:
 PPO_LOSS_SCALE = 1.0
 
 
-class SetupMixin:
-    """Construction helpers of ``PPOTrainer``."""
+def _as_list(funcs) -> list:
+    if funcs is None:
+        return []
+    return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
 
-    @staticmethod
-    def _as_list(funcs):
-        if funcs is None:
-            return []
-        return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
 
-    def _check_inputs(
-        self, tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model
-    ):
-        if tok is None or getattr(tok, "pad_token_id", None) is None:
-            raise ValueError(
-                "processing_class has no pad token: set one before building the trainer, e.g. "
-                "`tokenizer.add_special_tokens({'pad_token': '<pad>'})` and resize the model's embeddings "
-                "(reusing the EOS token as pad would mask real EOS tokens)."
-            )
-        if (reward_model is None) == (not self._as_list(reward_funcs)):
-            raise ValueError(
-                "Give exactly one of reward_model (a sequence-classification model) and reward_funcs "
-                f"(callables returning one float per completion); got reward_model={type(reward_model).__name__}, "
-                f"reward_funcs={reward_funcs!r}."
-            )
-        for f in self._as_list(reward_funcs):
-            if not callable(f):
-                raise TypeError(f"reward_funcs entries must be callables, got {type(f).__name__}")
-        if optimizer is not None and any(o is not None for o in optimizers):
-            raise ValueError("Pass either optimizer= or optimizers=(optimizer, scheduler), not both.")
-        if ref_model is not None and ref_model is model:
-            raise ValueError(
-                "ref_model is the same object as model: pass ref_model=None (a frozen copy is made)."
-            )
-        if value_model is not None and value_model is model:
-            raise ValueError(
-                "value_model is the same object as model: use PPOConfig(value_mode='fused') instead."
-            )
-        check_value_mode(self.args, value_model)
-        if self.args.stop_token == "eos" and tok.eos_token_id is None:
-            raise ValueError(
-                "stop_token='eos' but the tokenizer has no eos_token: set stop_token_id instead."
-            )
-        stop = tok.eos_token_id if self.args.stop_token == "eos" else self.args.stop_token_id
-        if stop is not None and stop == tok.pad_token_id:
-            raise ValueError(
-                f"The stop token id {stop} is also the pad token: PPO masks pad tokens, so the stop token would "
-                "vanish. Give the tokenizer a distinct pad token."
-            )
-
-    def _reward_functions(self, reward_funcs) -> list:
-        """``reward_funcs`` as a list, with one ``reward_weights`` entry per function when weights are given."""
-        funcs = self._as_list(reward_funcs)
-        weights = self.args.reward_weights
-        if weights is not None and len(weights) != len(funcs):
-            raise ValueError(
-                f"reward_weights has {len(weights)} entries but there are {len(funcs)} "
-                "reward functions: give one weight per function."
-            )
-        return funcs
-
-    def _load_rapidfire_config(self, src):
-        if src is None:
-            return None
-        from rapidfire_hf.config import load_config
-        from rapidfire_hf.utils.logs import apply_logging_config
-
-        cfg = load_config(src)
-        apply_logging_config(cfg)  # logging.level
-        return cfg
-
-    def _make_memory_callback(self):
-        if not self.args.memory_management:
-            return None
-        from rapidfire_hf.memory import MemoryCompactionCallback
-
-        cfg = self.rf_config
-        return MemoryCompactionCallback(
-            cfg.memory if cfg is not None else None,
-            telemetry_dir=getattr(getattr(cfg, "logging", None), "telemetry_dir", None),
+def check_inputs(args, tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model):
+    """Refuse inputs PPOTrainer cannot train with, each with the fix."""
+    if tok is None or getattr(tok, "pad_token_id", None) is None:
+        raise ValueError(
+            "processing_class has no pad token: set one before building the trainer, e.g. "
+            "`tokenizer.add_special_tokens({'pad_token': '<pad>'})` and resize the model's embeddings "
+            "(reusing the EOS token as pad would mask real EOS tokens)."
+        )
+    if (reward_model is None) == (not _as_list(reward_funcs)):
+        raise ValueError(
+            "Give exactly one of reward_model (a sequence-classification model) and reward_funcs "
+            f"(callables returning one float per completion); got reward_model={type(reward_model).__name__}, "
+            f"reward_funcs={reward_funcs!r}."
+        )
+    for f in _as_list(reward_funcs):
+        if not callable(f):
+            raise TypeError(f"reward_funcs entries must be callables, got {type(f).__name__}")
+    if optimizer is not None and any(o is not None for o in optimizers):
+        raise ValueError("Pass either optimizer= or optimizers=(optimizer, scheduler), not both.")
+    if ref_model is not None and ref_model is model:
+        raise ValueError(
+            "ref_model is the same object as model: pass ref_model=None (a frozen copy is made)."
+        )
+    if value_model is not None and value_model is model:
+        raise ValueError(
+            "value_model is the same object as model: use PPOConfig(value_mode='fused') instead."
+        )
+    check_value_mode(args, value_model)
+    if args.stop_token == "eos" and tok.eos_token_id is None:
+        raise ValueError("stop_token='eos' but the tokenizer has no eos_token: set stop_token_id instead.")
+    stop = tok.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+    if stop is not None and stop == tok.pad_token_id:
+        raise ValueError(
+            f"The stop token id {stop} is also the pad token: PPO masks pad tokens, so the stop token would "
+            "vanish. Give the tokenizer a distinct pad token."
         )
 
-    def _make_precision_plugin(self):
-        """The adaptive precision plugin when the rapidfire config asks for it (precision.mode adaptive)."""
-        cfg = self.rf_config
-        if cfg is None or str(getattr(cfg.precision.mode, "value", cfg.precision.mode)) != "adaptive":
-            return None
-        from rapidfire_hf.integrations.callbacks import trainer_precision
-        from rapidfire_hf.precision import AdaptivePrecisionPlugin
 
-        # The trainer's forward runs under accelerator.autocast(), i.e. in the precision of PPOConfig's
-        # bf16/fp16: that is the base precision, and precision.initial cannot change it from here (as in
-        # enable_rapidfire). Starting the plugin elsewhere would only warn a user who can do nothing about it.
-        initial = trainer_precision(self)
-        if initial != cfg.precision.initial.value:
-            logger.info(
-                "rapidfire: precision.initial=%s but PPOConfig runs in %s (its bf16/fp16 arguments); using %s",
-                cfg.precision.initial.value,
-                initial,
-                initial,
-            )
-        plugin = AdaptivePrecisionPlugin.from_config(cfg, initial=initial)
-        compact = (lambda: self.memory_callback.compact("precision_rule")) if self.memory_callback else None
-        return plugin.attach(
-            self.accelerator,
-            self.accelerator.unwrap_model(self.model),
-            self.optimizer,
-            compact_memory=compact,
-            handlers={"disable_pipeline": self.disable_pipeline, "enable_pipeline": self.enable_pipeline},
+def reward_functions(args, reward_funcs) -> list:
+    """``reward_funcs`` as a list, with one ``reward_weights`` entry per function when weights are given."""
+    funcs = _as_list(reward_funcs)
+    weights = args.reward_weights
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(
+            f"reward_weights has {len(weights)} entries but there are {len(funcs)} "
+            "reward functions: give one weight per function."
         )
+    return funcs
 
-    def _apply_peft(self, model, peft_config):
-        if peft_config is None:
-            return model
-        from peft import PeftConfig, get_peft_model
 
-        if not isinstance(peft_config, PeftConfig):
-            raise TypeError(
-                f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config).__name__}"
-            )
-        if hasattr(model, "peft_config"):
+def load_rapidfire_config(src):
+    """The rapidfire config (``RapidFireConfig``) from a preset name, YAML path or dict; None for None."""
+    if src is None:
+        return None
+    from rapidfire_hf.config import load_config
+    from rapidfire_hf.utils.logs import apply_logging_config
+
+    cfg = load_config(src)
+    apply_logging_config(cfg)  # logging.level
+    return cfg
+
+
+def make_memory_callback(args, rf_config):
+    """The memory callback when ``memory_management`` is on."""
+    if not args.memory_management:
+        return None
+    from rapidfire_hf.memory import MemoryCompactionCallback
+
+    cfg = rf_config
+    return MemoryCompactionCallback(
+        cfg.memory if cfg is not None else None,
+        telemetry_dir=getattr(getattr(cfg, "logging", None), "telemetry_dir", None),
+    )
+
+
+def apply_peft(model, peft_config):
+    """``model`` with a new PEFT adapter from ``peft_config`` (as given without one)."""
+    if peft_config is None:
+        return model
+    from peft import PeftConfig, get_peft_model
+
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(
+            f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config).__name__}"
+        )
+    if hasattr(model, "peft_config"):
+        raise ValueError(
+            "model is already a PeftModel: pass the base model with peft_config, or no peft_config."
+        )
+    return get_peft_model(model, peft_config)
+
+
+def select_adapters(args, policy, ref_model, is_peft: bool) -> str | None:
+    """Check ``model_adapter_name`` / ``ref_adapter_name`` against the PeftModel's adapters, make the
+    training adapter active, and return its name (None without PEFT)."""
+    names = {"model_adapter_name": args.model_adapter_name, "ref_adapter_name": args.ref_adapter_name}
+    given = {k: v for k, v in names.items() if v is not None}
+    if not is_peft:
+        if given:
             raise ValueError(
-                "model is already a PeftModel: pass the base model with peft_config, or no peft_config."
+                f"{', '.join(given)} name adapters of a PeftModel, but the model is not one: pass a PeftModel "
+                "holding those adapters (peft.PeftModel.from_pretrained + load_adapter), or drop them."
             )
-        return get_peft_model(model, peft_config)
-
-    def _select_adapters(self, policy, ref_model) -> str | None:
-        """Check ``model_adapter_name`` / ``ref_adapter_name`` against the PeftModel's adapters, make the
-        training adapter active, and return its name (None without PEFT)."""
-        args = self.args
-        names = {"model_adapter_name": args.model_adapter_name, "ref_adapter_name": args.ref_adapter_name}
-        given = {k: v for k, v in names.items() if v is not None}
-        if not self.is_peft:
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} name adapters of a PeftModel, but the model is not one: pass a PeftModel "
-                    "holding those adapters (peft.PeftModel.from_pretrained + load_adapter), or drop them."
-                )
-            return None
-        adapters = sorted(policy.peft_config)
-        for key, name in given.items():
-            if name not in adapters:
-                raise ValueError(f"{key}={name!r}: the PeftModel has no such adapter (it has {adapters})")
-        train = args.model_adapter_name or policy.active_adapter
-        if args.ref_adapter_name is not None:
-            if ref_model is not None:
-                raise ValueError(
-                    f"ref_adapter_name={args.ref_adapter_name!r} and a ref_model were both given: the reference "
-                    "is one or the other; drop one."
-                )
-            if args.ref_adapter_name == train:
-                raise ValueError(
-                    f"ref_adapter_name={args.ref_adapter_name!r} is the adapter being trained: the reference must "
-                    "be another adapter (or None: the adapter-disabled base)."
-                )
-        if args.model_adapter_name is not None:
-            policy.set_adapter(train)  # the adapter trained; set_adapter makes only it require gradients
-        return train
-
-    def _check_generation_gather(self) -> None:
-        """Refuse ``ds3_gather_for_generation=False`` under ZeRO-3 (the rollout engine needs whole weights)."""
-        from rapidfire_hf.distributed.features import Engine, detect_engine
-
-        if not self.args.ds3_gather_for_generation and detect_engine(self.accelerator) is Engine.ZERO3:
-            raise ValueError(
-                "ds3_gather_for_generation=False (generation from ZeRO-3-sharded weights) is not supported: "
-                "rapidfire's rollout engine generates from gathered weights. Keep it True; for a policy larger "
-                "than one GPU, bound the KV cache with rollout_generation_batch_size or use FSDP2."
-            )
-
-    def _make_reference(self, policy, ref_model):
-        bits = self.args.ref_model_quantization
-        if self.is_peft:
-            if bits is not None:
-                raise ValueError(
-                    f"ref_model_quantization={bits!r} with LoRA: the reference is the adapter-disabled policy "
-                    "itself, not a separate model. Quantize the base model when loading it (QLoRA) instead."
-                )
-            if ref_model is None:
-                return None  # the adapter-disabled policy is the reference
+        return None
+    adapters = sorted(policy.peft_config)
+    for key, name in given.items():
+        if name not in adapters:
+            raise ValueError(f"{key}={name!r}: the PeftModel has no such adapter (it has {adapters})")
+    train = args.model_adapter_name or policy.active_adapter
+    if args.ref_adapter_name is not None:
         if ref_model is not None:
-            ref_model.requires_grad_(False)
-            return self._maybe_quantize(ref_model, bits, "ref_model_quantization")
-        if bits is not None:  # a quantized frozen copy, without a full-precision one on the way
-            return self._maybe_quantize(policy, bits, "ref_model_quantization")
-        ref = copy.deepcopy(policy)
-        ref.requires_grad_(False)
-        return ref
-
-    def _maybe_quantize(self, model, bits: str | None, option: str):
-        """``model`` as given, or a frozen 8-bit/4-bit copy of it (see :mod:`rapidfire_hf.ppo.quantized`)."""
-        if model is None:
-            if bits is not None:
-                raise ValueError(
-                    f"{option}={bits!r} but there is no such model (reward_funcs score instead?)"
-                )
-            return None
-        if bits is None or is_quantized(model):
-            return model
-        if not hasattr(model, "save_pretrained"):
-            raise TypeError(
-                f"{option}={bits!r} needs a transformers model (save_pretrained/from_pretrained); got "
-                f"{type(model).__name__}. Load it quantized yourself or drop the option."
-            )
-        logger.info("rapidfire: holding the frozen %s in %s (%s)", type(model).__name__, bits, option)
-        return quantized_copy(model, bits, device=self.accelerator.device)
-
-    def _make_module(self, policy, value_model, given_head) -> PolicyAndValue:
-        """The trained module: the policy with a separate value model, the value head a value-head model
-        came with, or a new value head (``value_mode='fused'``). Dropout is turned off in it and in the
-        frozen models, then gradient checkpointing, Liger kernels and ``torch_compile`` are applied."""
-        args, precision = self.args, self.accelerator.mixed_precision
-        if value_model is not None:
-            check_value_model(value_model, policy)
-            module = PolicyAndValue(policy, value_model=value_model)
-        elif given_head is not None:
-            module = PolicyAndValue(policy, value_head=given_head.to(value_head_dtype(policy, precision)))
-        elif args.value_mode == "fused":
-            head = ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
-            module = PolicyAndValue(policy, value_head=head.to(value_head_dtype(policy, precision)))
-        else:
             raise ValueError(
-                "value_model is None: pass a value model (e.g. AutoModelForSequenceClassification with num_labels=1) "
-                "or set PPOConfig(value_mode='fused') to train a value head on the policy."
+                f"ref_adapter_name={args.ref_adapter_name!r} and a ref_model were both given: the reference "
+                "is one or the other; drop one."
             )
-        for m in (module, self.ref_model, self.reward_model):
-            if m is not None:
-                _disable_dropout(m)
-        if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+        if args.ref_adapter_name == train:
+            raise ValueError(
+                f"ref_adapter_name={args.ref_adapter_name!r} is the adapter being trained: the reference must "
+                "be another adapter (or None: the adapter-disabled base)."
             )
-        # after the reference copy (a deepcopy of patched or compiled modules is not one) and PEFT
-        self.kernel_patches = KernelPatches()
-        roles = {"policy": policy, "value_model": value_model, "ref_model": self.ref_model}
-        if self._use_liger:
-            apply_liger(roles, args.liger_kernel_config, self.kernel_patches, compiled=args.torch_compile)
-        if args.torch_compile:
-            compile_layers(roles, args.torch_compile_backend, args.torch_compile_mode, self.kernel_patches)
-            module.full_mask = all_sdpa(roles)  # one mask kind for the compiled layers: no recompiles
-        return module
+    if args.model_adapter_name is not None:
+        policy.set_adapter(train)  # the adapter trained; set_adapter makes only it require gradients
+    return train
 
-    def _prepare_prompts(self, policy, train_dataset, eval_dataset, data_collator) -> None:
-        """The tokenized train and eval prompts, their collator, the prompt order over the ranks and the
-        number of updates (``max_steps``, else ``total_episodes`` or ``num_train_epochs`` of prompts)."""
-        args, acc, tok = self.args, self.accelerator, self.processing_class
-        limits = prompt_limits(policy, args.response_length)  # ids in the vocabulary, prompts that fit
-        limits["num_proc"] = args.dataset_num_proc
-        self.train_dataset = prepare_prompt_dataset(
-            train_dataset, tok, args.dataset_text_field, args.max_prompt_length, **limits
-        )
-        # As in TRL's PPO, the eval prompts serve the sample tables of `num_sample_generations`.
-        self.eval_dataset = None
-        if eval_dataset is not None:
-            self.eval_dataset = prepare_prompt_dataset(
-                eval_dataset,
-                tok,
-                args.dataset_text_field,
-                args.max_prompt_length,
-                name="eval_dataset",
-                **limits,
-            )
-        self.data_collator = data_collator or (lambda rows: collate_prompts(rows, self.pad_token_id))
-        self.prompt_order = PromptOrder(
-            len(self.train_dataset),
-            args.local_batch_size * acc.num_processes,
-            args.seed,
-            acc.process_index,
-            acc.num_processes,
-        )
-        total = args.total_episodes or int(args.num_train_epochs * len(self.train_dataset))
-        self.num_updates = (
-            args.max_steps
-            if args.max_steps > 0
-            else max(1, math.ceil(total / (args.local_batch_size * acc.num_processes)))
+
+def check_generation_gather(args, accelerator) -> None:
+    """Refuse ``ds3_gather_for_generation=False`` under ZeRO-3 (the rollout engine needs whole weights)."""
+    from rapidfire_hf.distributed.features import Engine, detect_engine
+
+    if not args.ds3_gather_for_generation and detect_engine(accelerator) is Engine.ZERO3:
+        raise ValueError(
+            "ds3_gather_for_generation=False (generation from ZeRO-3-sharded weights) is not supported: "
+            "rapidfire's rollout engine generates from gathered weights. Keep it True; for a policy larger "
+            "than one GPU, bound the KV cache with rollout_generation_batch_size or use FSDP2."
         )
 
-    def _prepare_models(self, module) -> None:
-        """``accelerate.prepare`` of the trained module and the optimizer; the frozen models go to the
-        device in eval mode."""
-        args, acc = self.args, self.accelerator
-        ds_plugin = getattr(acc.state, "deepspeed_plugin", None)
-        if ds_plugin is not None and ds_plugin.is_auto("train_micro_batch_size_per_gpu"):
-            # accelerate reads this from a prepared dataloader; PPO prepares none (prompts are indexed).
-            ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-        self.model, self.optimizer = acc.prepare(module, self.optimizer)
-        self.stepper.attach(self.model)
-        for name in ("ref_model", "reward_model"):
-            frozen = getattr(self, name)
-            if frozen is not None:  # bitsandbytes models are placed at load time and refuse .to()
-                setattr(self, name, (frozen if is_quantized(frozen) else frozen.to(acc.device)).eval())
 
-    def _make_callback_handler(self, callbacks) -> CallbackHandler:
-        """transformers' default callbacks, those of ``report_to``, the progress bar (or printer), the
-        memory callback and ``callbacks``, in that order."""
-        args = self.args
-        reporting = get_reporting_integration_callbacks(args.report_to)
-        progress = PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK
-        return CallbackHandler(
-            DEFAULT_CALLBACKS
-            + reporting
-            + [progress]
-            + [c for c in [self.memory_callback] if c]
-            + list(callbacks or []),
-            self.model,
-            self.processing_class,
-            self.optimizer,
-            self.lr_scheduler,
-        )
-
-    def _make_optimizer(self, module, optimizer, optimizers):
-        args = self.args
-        optimizer = optimizer if optimizer is not None else optimizers[0]
-        scheduler = optimizers[1]
-        self._optimizer_is_default = optimizer is None  # enable_rapidfire may rebuild a default one
-        params = [p for p in module.parameters() if p.requires_grad]
-        if optimizer is None and self.rf_config is not None:
-            optimizer = self._optimizer_from_config(params, module)
-        if optimizer is None:
-            optimizer = default_adamw(args, params, **self._default_adamw_kernel())
-        elif getattr(optimizer, "is_bound", True) is False:
-            # what the optimizer was built without comes from PPOConfig, as for the default AdamW
-            optimizer.bind(
-                params,
-                defaults={
-                    "lr": args.learning_rate,
-                    "betas": (args.adam_beta1, args.adam_beta2),
-                    "eps": args.adam_epsilon,
-                    "weight_decay": args.weight_decay,
-                },
+def make_reference(args, policy, ref_model, is_peft: bool, device):
+    """The frozen reference: ``ref_model``, a (maybe quantized) copy of the policy, or None with LoRA (the
+    adapter-disabled policy)."""
+    bits = args.ref_model_quantization
+    if is_peft:
+        if bits is not None:
+            raise ValueError(
+                f"ref_model_quantization={bits!r} with LoRA: the reference is the adapter-disabled policy "
+                "itself, not a separate model. Quantize the base model when loading it (QLoRA) instead."
             )
-            if (
-                getattr(optimizer, "pipeline_enabled", False)
-                and getattr(optimizer, "max_grad_norm", 0) is None
-                and args.max_grad_norm
-                and args.max_grad_norm > 0
-            ):
-                # clip_grad_norm_ after backward would come too late for pipelined buckets: the
-                # optimizer clips instead, with PPOConfig's max_grad_norm (0 there turns clipping off)
-                optimizer.set_max_grad_norm(args.max_grad_norm)
-                optimizer.defaults_taken = {
-                    **getattr(optimizer, "defaults_taken", {}),
-                    "max_grad_norm": args.max_grad_norm,
-                }
-        rapidfire = rapidfire_optimizer(optimizer)
-        if rapidfire is not None:  # ppo/optimization.py replays what a missed clip prediction skipped
-            rapidfire.replays_missed_windows = True
-            # the PPO loss is signed and near zero (whitened advantages): judge spikes on the scale of 1
-            rapidfire.set_loss_scale(PPO_LOSS_SCALE)
+        if ref_model is None:
+            return None  # the adapter-disabled policy is the reference
+    if ref_model is not None:
+        ref_model.requires_grad_(False)
+        return maybe_quantize(ref_model, bits, "ref_model_quantization", device)
+    if bits is not None:  # a quantized frozen copy, without a full-precision one on the way
+        return maybe_quantize(policy, bits, "ref_model_quantization", device)
+    ref = copy.deepcopy(policy)
+    ref.requires_grad_(False)
+    return ref
+
+
+def maybe_quantize(model, bits: str | None, option: str, device):
+    """``model`` as given, or a frozen 8-bit/4-bit copy of it (see :mod:`rapidfire_hf.ppo.quantized`)."""
+    if model is None:
+        if bits is not None:
+            raise ValueError(f"{option}={bits!r} but there is no such model (reward_funcs score instead?)")
+        return None
+    if bits is None or is_quantized(model):
+        return model
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(
+            f"{option}={bits!r} needs a transformers model (save_pretrained/from_pretrained); got "
+            f"{type(model).__name__}. Load it quantized yourself or drop the option."
+        )
+    logger.info("rapidfire: holding the frozen %s in %s (%s)", type(model).__name__, bits, option)
+    return quantized_copy(model, bits, device=device)
+
+
+def make_module(
+    args, accelerator, policy, value_model, given_head, ref_model, reward_model, use_liger: bool
+) -> tuple[PolicyAndValue, KernelPatches]:
+    """The trained module: the policy with a separate value model, the value head a value-head model
+    came with, or a new value head (``value_mode='fused'``). Dropout is turned off in it and in the
+    frozen models, then gradient checkpointing, Liger kernels and ``torch_compile`` are applied."""
+    precision = accelerator.mixed_precision
+    if value_model is not None:
+        check_value_model(value_model, policy)
+        module = PolicyAndValue(policy, value_model=value_model)
+    elif given_head is not None:
+        module = PolicyAndValue(policy, value_head=given_head.to(value_head_dtype(policy, precision)))
+    elif args.value_mode == "fused":
+        head = ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
+        module = PolicyAndValue(policy, value_head=head.to(value_head_dtype(policy, precision)))
+    else:
+        raise ValueError(
+            "value_model is None: pass a value model (e.g. AutoModelForSequenceClassification with num_labels=1) "
+            "or set PPOConfig(value_mode='fused') to train a value head on the policy."
+        )
+    for m in (module, ref_model, reward_model):
+        if m is not None:
+            _disable_dropout(m)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    # after the reference copy (a deepcopy of patched or compiled modules is not one) and PEFT
+    patches = KernelPatches()
+    roles = {"policy": policy, "value_model": value_model, "ref_model": ref_model}
+    if use_liger:
+        apply_liger(roles, args.liger_kernel_config, patches, compiled=args.torch_compile)
+    if args.torch_compile:
+        compile_layers(roles, args.torch_compile_backend, args.torch_compile_mode, patches)
+        module.full_mask = all_sdpa(roles)  # one mask kind for the compiled layers: no recompiles
+    return module, patches
+
+
+@dataclass
+class Prompts:
+    """The tokenized prompts of a run and their order."""
+
+    train_dataset: object
+    eval_dataset: object | None
+    data_collator: Callable[[list], dict]
+    prompt_order: PromptOrder
+    num_updates: int  # max_steps, else total_episodes or num_train_epochs worth of prompts
+
+
+def prepare_prompts(
+    args, accelerator, tok, pad_token_id: int, policy, train_dataset, eval_dataset, data_collator
+) -> Prompts:
+    """The tokenized train and eval prompts, their collator, the prompt order over the ranks and the
+    number of updates (``max_steps``, else ``total_episodes`` or ``num_train_epochs`` of prompts)."""
+    acc = accelerator
+    limits = prompt_limits(policy, args.response_length)  # ids in the vocabulary, prompts that fit
+    limits["num_proc"] = args.dataset_num_proc
+    train = prepare_prompt_dataset(
+        train_dataset, tok, args.dataset_text_field, args.max_prompt_length, **limits
+    )
+    # As in TRL's PPO, the eval prompts serve the sample tables of `num_sample_generations`.
+    evaluation = None
+    if eval_dataset is not None:
+        evaluation = prepare_prompt_dataset(
+            eval_dataset,
+            tok,
+            args.dataset_text_field,
+            args.max_prompt_length,
+            name="eval_dataset",
+            **limits,
+        )
+    order = PromptOrder(
+        len(train), args.local_batch_size * acc.num_processes, args.seed, acc.process_index, acc.num_processes
+    )
+    total = args.total_episodes or int(args.num_train_epochs * len(train))
+    num_updates = (
+        args.max_steps
+        if args.max_steps > 0
+        else max(1, math.ceil(total / (args.local_batch_size * acc.num_processes)))
+    )
+    collator = data_collator or (lambda rows: collate_prompts(rows, pad_token_id))
+    return Prompts(train, evaluation, collator, order, num_updates)
+
+
+def prepare_models(args, accelerator, module, optimizer, ref_model, reward_model) -> tuple:
+    """``accelerate.prepare`` of the trained module and the optimizer; the frozen models go to the device
+    in eval mode. Returns ``(model, optimizer, ref_model, reward_model)``."""
+    acc = accelerator
+    ds_plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if ds_plugin is not None and ds_plugin.is_auto("train_micro_batch_size_per_gpu"):
+        # accelerate reads this from a prepared dataloader; PPO prepares none (prompts are indexed).
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    model, optimizer = acc.prepare(module, optimizer)
+
+    def placed(frozen):  # bitsandbytes models are placed at load time and refuse .to()
+        if frozen is None:
+            return None
+        return (frozen if is_quantized(frozen) else frozen.to(acc.device)).eval()
+
+    return model, optimizer, placed(ref_model), placed(reward_model)
+
+
+def make_callback_handler(
+    args, memory_callback, callbacks, model, tok, optimizer, scheduler
+) -> CallbackHandler:
+    """transformers' default callbacks, those of ``report_to``, the progress bar (or printer), the
+    memory callback and ``callbacks``, in that order."""
+    reporting = get_reporting_integration_callbacks(args.report_to)
+    progress = PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK
+    return CallbackHandler(
+        DEFAULT_CALLBACKS
+        + reporting
+        + [progress]
+        + [c for c in [memory_callback] if c]
+        + list(callbacks or []),
+        model,
+        tok,
+        optimizer,
+        scheduler,
+    )
+
+
+def make_optimizer(args, rf_config, accelerator, module, optimizer, optimizers, num_updates: int, frozen=()):
+    """The optimizer (the one given, bound to the trained parameters when built without them; else a
+    RapidFireOptimizer from the rapidfire config, else torch AdamW) and its LR scheduler.
+
+    Returns:
+        ``(optimizer, scheduler, is_default, state_decision)``: ``is_default`` when the trainer built it
+        (``enable_rapidfire`` may rebuild it), ``state_decision`` the 8-bit-state choice of a
+        config-built optimizer (None otherwise).
+    """
+    optimizer = optimizer if optimizer is not None else optimizers[0]
+    scheduler = optimizers[1]
+    is_default = optimizer is None  # enable_rapidfire may rebuild a default one
+    decision = None
+    params = [p for p in module.parameters() if p.requires_grad]
+    if optimizer is None and rf_config is not None:
+        decision = plan_optimizer_state(rf_config, accelerator, params, [module, *frozen])
+        optimizer = optimizer_from_config(args, rf_config, params, decision)
+    if optimizer is None:
+        optimizer = default_adamw(args, params, **default_adamw_kernel(accelerator))
+    elif getattr(optimizer, "is_bound", True) is False:
+        # what the optimizer was built without comes from PPOConfig, as for the default AdamW
+        optimizer.bind(
+            params,
+            defaults={
+                "lr": args.learning_rate,
+                "betas": (args.adam_beta1, args.adam_beta2),
+                "eps": args.adam_epsilon,
+                "weight_decay": args.weight_decay,
+            },
+        )
         if (
-            rapidfire is not None
-            and rapidfire.pipeline_enabled
-            and rapidfire.max_grad_norm is None
+            getattr(optimizer, "pipeline_enabled", False)
+            and getattr(optimizer, "max_grad_norm", 0) is None
             and args.max_grad_norm
             and args.max_grad_norm > 0
         ):
-            logger.warning(
-                "max_grad_norm=%s is applied by clip_grad_norm_ after backward; with a gradient pipeline the "
-                "pipelined gradients are already applied then. Pass RapidFireOptimizer(max_grad_norm=...) instead "
-                "(or build it without parameters: PPOTrainer then hands it PPOConfig's max_grad_norm).",
-                args.max_grad_norm,
-            )
-        check_optimizer_options(args, rapidfire is not None)
-        if rapidfire is not None and args.approx_kl_limit is not None:
-            limit = args.approx_kl_limit
-            rapidfire.add_rule("approx_kl", lambda m: m["approx_kl"] < limit)
-        if scheduler is None:
-            scheduler = get_scheduler(
-                args.lr_scheduler_type,
-                optimizer,
-                num_warmup_steps=args.get_warmup_steps(self.num_updates),
-                num_training_steps=self.num_updates,
-            )
-        return optimizer, scheduler
-
-    def _default_adamw_kernel(self) -> dict:
-        """``fused=True`` for the default AdamW on one GPU or under DDP, as transformers' Trainer defaults
-        to (``adamw_torch_fused``). torch's default there is the foreach kernel, whose temporaries (e.g.
-        ``_foreach_sqrt`` of every second moment) hold a copy of the optimizer state during step(): on
-        the 7B shape with a separate value model (13.3B trainable parameters, bf16) that was the
-        difference between an OOM at 136.6 GiB and training (benchmarks/ppo_vs_trl, size7b). Sharded
-        engines (DeepSpeed, FSDP) keep torch's default."""
-        acc = self.accelerator
-        plain = acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-        return {"fused": True} if plain and acc.device.type == "cuda" else {}
-
-    def _plan_optimizer_state(self, params, module) -> tuple[bool, str]:
-        """8-bit AdamW state for the optimizer the trainer builds? (``memory.optimization`` as a target:
-        ``rapidfire_hf.memory.planner.choose_optimizer_state``; only on a CUDA device, which is where
-        bitsandbytes' 8-bit AdamW runs.)"""
-        from rapidfire_hf.memory.planner import LEVEL_TARGETS, choose_optimizer_state
-        from rapidfire_hf.utils.imports import is_available
-
-        device = self.accelerator.device
-        if device.type != "cuda":
-            return False, "fits"
-        models = [module, self.ref_model, self.reward_model]
-        seen, model_bytes = set(), 0
-        for m in models:
-            if not isinstance(m, torch.nn.Module):
-                continue
-            for t in [*m.parameters(), *m.buffers()]:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    model_bytes += t.numel() * t.element_size()
-        grads = sum(p.numel() * p.element_size() for p in params)
-        level = self.rf_config.memory.optimization
-        target = int(LEVEL_TARGETS[level.value].device_share * torch.cuda.mem_get_info(device)[1])
-        available = is_available("bitsandbytes")
-        return choose_optimizer_state(level, model_bytes, grads, 2 * grads, 2 * sum(p.numel() for p in params),
-                                      target, available)  # fmt: skip
-
-    def _optimizer_from_config(self, params, module):
-        """A RapidFireOptimizer with the trainer's hyper-parameters and the rapidfire config's pipeline."""
-        from rapidfire_hf.optim import RapidFireOptimizer
-
-        args, grad_cfg = self.args, self.rf_config.gradient
-        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        self.state_decision = self._plan_optimizer_state(params, module)
-        return RapidFireOptimizer(
-            params,
-            optimizer="adamw8bit" if self.state_decision[0] else "adamw",
-            lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_epsilon,
-            weight_decay=args.weight_decay,
-            gradient_pipeline=bool(self.rf_config.gradient.pipeline),
-            pipeline_bucket_mb=self.rf_config.gradient.bucket_mb,
-            pipeline_share=self.rf_config.gradient.overlap_factor,
-            pipeline_depth=self.rf_config.gradient.pipeline_depth,
-            max_grad_norm=clip,
-            rollback="auto",
-            sync_interval=grad_cfg.sync_interval,
-            max_consecutive_skips=args.max_consecutive_skips,
-            # predicting needs a clip to predict; without max_grad_norm the exact mode is the same
-            clip_prediction=grad_cfg.clip_prediction.value if clip is not None else "exact",
-            clip_tolerance=grad_cfg.clip_tolerance,
+            # clip_grad_norm_ after backward would come too late for pipelined buckets: the
+            # optimizer clips instead, with PPOConfig's max_grad_norm (0 there turns clipping off)
+            optimizer.set_max_grad_norm(args.max_grad_norm)
+            optimizer.defaults_taken = {
+                **getattr(optimizer, "defaults_taken", {}),
+                "max_grad_norm": args.max_grad_norm,
+            }
+    rapidfire = rapidfire_optimizer(optimizer)
+    if rapidfire is not None:  # ppo/optimization.py replays what a missed clip prediction skipped
+        rapidfire.replays_missed_windows = True
+        # the PPO loss is signed and near zero (whitened advantages): judge spikes on the scale of 1
+        rapidfire.set_loss_scale(PPO_LOSS_SCALE)
+    if (
+        rapidfire is not None
+        and rapidfire.pipeline_enabled
+        and rapidfire.max_grad_norm is None
+        and args.max_grad_norm
+        and args.max_grad_norm > 0
+    ):
+        logger.warning(
+            "max_grad_norm=%s is applied by clip_grad_norm_ after backward; with a gradient pipeline the "
+            "pipelined gradients are already applied then. Pass RapidFireOptimizer(max_grad_norm=...) instead "
+            "(or build it without parameters: PPOTrainer then hands it PPOConfig's max_grad_norm).",
+            args.max_grad_norm,
         )
+    check_optimizer_options(args, rapidfire is not None)
+    if rapidfire is not None and args.approx_kl_limit is not None:
+        limit = args.approx_kl_limit
+        rapidfire.add_rule("approx_kl", lambda m: m["approx_kl"] < limit)
+    if scheduler is None:
+        scheduler = get_scheduler(
+            args.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=args.get_warmup_steps(num_updates),
+            num_training_steps=num_updates,
+        )
+    return optimizer, scheduler, is_default, decision
+
+
+def default_adamw_kernel(accelerator) -> dict:
+    """``fused=True`` for the default AdamW on one GPU or under DDP, as transformers' Trainer defaults
+    to (``adamw_torch_fused``). torch's default there is the foreach kernel, whose temporaries (e.g.
+    ``_foreach_sqrt`` of every second moment) hold a copy of the optimizer state during step(): on
+    the 7B shape with a separate value model (13.3B trainable parameters, bf16) that was the
+    difference between an OOM at 136.6 GiB and training (benchmarks/ppo_vs_trl, size7b). Sharded
+    engines (DeepSpeed, FSDP) keep torch's default."""
+    acc = accelerator
+    plain = acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+    return {"fused": True} if plain and acc.device.type == "cuda" else {}
+
+
+def plan_optimizer_state(rf_config, accelerator, params, models) -> tuple[bool, str]:
+    """8-bit AdamW state for the optimizer the trainer builds? (``memory.optimization`` as a target:
+    ``rapidfire_hf.memory.planner.choose_optimizer_state``; only on a CUDA device, which is where
+    bitsandbytes' 8-bit AdamW runs.)"""
+    from rapidfire_hf.memory.planner import LEVEL_TARGETS, choose_optimizer_state
+    from rapidfire_hf.utils.imports import is_available
+
+    device = accelerator.device
+    if device.type != "cuda":
+        return False, "fits"
+    seen, model_bytes = set(), 0
+    for m in models:
+        if not isinstance(m, torch.nn.Module):
+            continue
+        for t in [*m.parameters(), *m.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                model_bytes += t.numel() * t.element_size()
+    grads = sum(p.numel() * p.element_size() for p in params)
+    level = rf_config.memory.optimization
+    target = int(LEVEL_TARGETS[level.value].device_share * torch.cuda.mem_get_info(device)[1])
+    available = is_available("bitsandbytes")
+    return choose_optimizer_state(level, model_bytes, grads, 2 * grads, 2 * sum(p.numel() for p in params),
+                                  target, available)  # fmt: skip
+
+
+def optimizer_from_config(args, rf_config, params, decision: tuple[bool, str]):
+    """A RapidFireOptimizer with the trainer's hyper-parameters and the rapidfire config's pipeline."""
+    from rapidfire_hf.optim import RapidFireOptimizer
+
+    grad_cfg = rf_config.gradient
+    clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+    return RapidFireOptimizer(
+        params,
+        optimizer="adamw8bit" if decision[0] else "adamw",
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        gradient_pipeline=bool(grad_cfg.pipeline),
+        pipeline_bucket_mb=grad_cfg.bucket_mb,
+        pipeline_share=grad_cfg.overlap_factor,
+        pipeline_depth=grad_cfg.pipeline_depth,
+        max_grad_norm=clip,
+        rollback="auto",
+        sync_interval=grad_cfg.sync_interval,
+        max_consecutive_skips=args.max_consecutive_skips,
+        # predicting needs a clip to predict; without max_grad_norm the exact mode is the same
+        clip_prediction=grad_cfg.clip_prediction.value if clip is not None else "exact",
+        clip_tolerance=grad_cfg.clip_tolerance,
+    )

@@ -20,6 +20,7 @@ Construction helpers are in ``ppo/setup.py``.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -41,16 +42,37 @@ from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.reporting import Reporter
 from rapidfire_hf.ppo.rollout_phase import Roller
 from rapidfire_hf.ppo.scoring import Scorer
-from rapidfire_hf.ppo.setup import SetupMixin, _disable_dropout, _split_value_head_model
+from rapidfire_hf.ppo.setup import (
+    _disable_dropout,
+    _split_value_head_model,
+    apply_peft,
+    check_generation_gather,
+    check_inputs,
+    load_rapidfire_config,
+    make_callback_handler,
+    make_memory_callback,
+    make_module,
+    make_optimizer,
+    make_reference,
+    maybe_quantize,
+    prepare_models,
+    prepare_prompts,
+    reward_functions,
+    select_adapters,
+)
 from rapidfire_hf.ppo.speedups import check_liger_usable
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
 from rapidfire_hf.ppo.types import Experience, PPOTrainerState, Rollout, _sync_time, _to_float
 from rapidfire_hf.utils.logs import LogCadence, apply_logging_config
 
+logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
+
+# Experience, PPOTrainerState and Rollout are defined in ppo/types.py; they and _disable_dropout (ppo/setup.py) are
+# importable from here only for callers that still do (the committed sweep/): import them where defined.
 __all__ = ["Experience", "PPOTrainer", "PPOTrainerState", "Rollout", "_disable_dropout"]
 
 
-class PPOTrainer(SetupMixin):
+class PPOTrainer:
     """Proximal Policy Optimization with a value model (or a fused value head) and KL-shaped rewards.
 
     Args:
@@ -103,8 +125,8 @@ class PPOTrainer(SetupMixin):
             raise TypeError(f"args must be a rapidfire_hf.PPOConfig, got {type(args).__name__}")
         self.args = args
         self.processing_class = tok = processing_class
-        self._check_inputs(
-            tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model
+        check_inputs(
+            args, tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model
         )
         self.stop_token_id = tok.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         self.pad_token_id = tok.pad_token_id
@@ -113,27 +135,27 @@ class PPOTrainer(SetupMixin):
         # ACCELERATE_GRADIENT_ACCUMULATION_STEPS, which `accelerate launch` sets to "auto" from a DeepSpeed
         # config and int() rejects (seen under ZeRO-2/3 on 2x H200); DeepSpeed's "auto" is then filled
         # from this plugin at prepare().
-        self.accelerator = Accelerator(
+        self.accelerator = acc = Accelerator(
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.micro_batches_per_step),
             mixed_precision=optimizer_precision(args, optimizer if optimizer is not None else optimizers[0]),
             cpu=args.use_cpu,
-            # torch_compile compiles per decoder layer (_make_module); accelerate's whole-model compile (from
+            # torch_compile compiles per decoder layer (make_module); accelerate's whole-model compile (from
             # ACCELERATE_DYNAMO_BACKEND, e.g. `accelerate launch --dynamo_backend`) would compile it twice
             **({"dynamo_backend": "no"} if args.torch_compile else {}),
         )
         self._use_liger = args.use_liger_kernel or fused_kernels_requested(
-            optimizer if optimizer is not None else optimizers[0], self.accelerator.device
+            optimizer if optimizer is not None else optimizers[0], acc.device
         )
         if self._use_liger:  # fail before any model is copied or moved
-            check_liger_usable(self.accelerator.device)
-        self._check_generation_gather()
-        self.rf_config = self._load_rapidfire_config(args.rapidfire_config)
+            check_liger_usable(acc.device)
+        check_generation_gather(args, acc)
+        self.rf_config = load_rapidfire_config(args.rapidfire_config)
         # Created before any model reaches the GPU, so expandable segments cover every allocation.
         self.memory_callback = self._make_memory_callback()
-        chunks = NoGradChunks(self.accelerator.device)  # generation and scoring: smaller after an OOM
-        self.scorer = Scorer(args, self.accelerator, tok, self.pad_token_id, self.stop_token_id, chunks)
+        chunks = NoGradChunks(acc.device)  # generation and scoring: smaller after an OOM
+        self.scorer = Scorer(args, acc, tok, self.pad_token_id, self.stop_token_id, chunks)
         self.stepper = Stepper(
-            self.accelerator,
+            acc,
             max_grad_norm=args.max_grad_norm,
             max_oom_splits=args.max_oom_splits,
             max_consecutive_skips=args.max_consecutive_skips,
@@ -142,26 +164,37 @@ class PPOTrainer(SetupMixin):
         )
 
         model, given_head = _split_value_head_model(model, value_model)
-        policy = self._apply_peft(model, peft_config)
+        policy = apply_peft(model, peft_config)
         self.is_peft = hasattr(policy, "peft_config")
-        self._train_adapter = self._select_adapters(policy, ref_model)
-        self.ref_model = self._make_reference(policy, ref_model)
-        self.reward_model = self._maybe_quantize(
-            reward_model, args.reward_model_quantization, "reward_model_quantization"
+        self._train_adapter = select_adapters(args, policy, ref_model, self.is_peft)
+        self.ref_model = make_reference(args, policy, ref_model, self.is_peft, acc.device)
+        self.reward_model = maybe_quantize(
+            reward_model, args.reward_model_quantization, "reward_model_quantization", acc.device
         )
-        self.reward_funcs = self._reward_functions(reward_funcs)
-        module = self._make_module(policy, value_model, given_head)  # dropout off, kernels patched
-        self._prepare_prompts(policy, train_dataset, eval_dataset, data_collator)
+        self.reward_funcs = reward_functions(args, reward_funcs)
+        module, self.kernel_patches = make_module(  # dropout off, kernels patched
+            args, acc, policy, value_model, given_head, self.ref_model, self.reward_model, self._use_liger
+        )
+        prompts = prepare_prompts(
+            args, acc, tok, self.pad_token_id, policy, train_dataset, eval_dataset, data_collator
+        )
+        self.train_dataset, self.eval_dataset = prompts.train_dataset, prompts.eval_dataset
+        self.data_collator, self.prompt_order = prompts.data_collator, prompts.prompt_order
+        self.num_updates = prompts.num_updates
         self.optimizer, self.lr_scheduler = self._make_optimizer(module, optimizer, optimizers)
-        self._prepare_models(module)  # self.model, the prepared module; frozen models on the device
+        self.model, self.optimizer, self.ref_model, self.reward_model = prepare_models(
+            args, acc, module, self.optimizer, self.ref_model, self.reward_model
+        )
+        self.stepper.attach(self.model)
 
-        acc = self.accelerator
         self.precision_plugin = self._make_precision_plugin()
         self.state = PPOTrainerState(
             is_local_process_zero=acc.is_local_main_process, is_world_process_zero=acc.is_main_process
         )
         self.control = TrainerControl()
-        self.callback_handler = self._make_callback_handler(callbacks)
+        self.callback_handler = make_callback_handler(
+            args, self.memory_callback, callbacks, self.model, tok, self.optimizer, self.lr_scheduler
+        )
         self._perm_generator = torch.Generator().manual_seed(args.seed)
         self.plan = None  # the throughput plan, made at the first update (ppo/planning.py)
         self._prompts: PromptPrefetch | None = None  # prompt batches prefetched while train() runs
@@ -178,6 +211,48 @@ class PPOTrainer(SetupMixin):
         self.epochs = PPOEpochs(args, acc, self.model, self.pad_token_id, self.stepper, self._perm_generator)
         self.reporter = Reporter(acc, tok)
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
+
+    # ------------------------------------------------------------------ built from the rapidfire config
+    # (methods: enable_rapidfire rebuilds these on a built trainer, integrations/ppo_trainer.py)
+    def _make_memory_callback(self):
+        return make_memory_callback(self.args, self.rf_config)
+
+    def _make_optimizer(self, module, optimizer, optimizers):
+        """``(optimizer, scheduler)`` for ``module`` (``ppo/setup.make_optimizer``)."""
+        optimizer, scheduler, self._optimizer_is_default, self.state_decision = make_optimizer(
+            self.args, self.rf_config, self.accelerator, module, optimizer, optimizers, self.num_updates,
+            frozen=(self.ref_model, self.reward_model),
+        )  # fmt: skip
+        return optimizer, scheduler
+
+    def _make_precision_plugin(self):
+        """The adaptive precision plugin when the rapidfire config asks for it (precision.mode adaptive)."""
+        cfg = self.rf_config
+        if cfg is None or str(getattr(cfg.precision.mode, "value", cfg.precision.mode)) != "adaptive":
+            return None
+        from rapidfire_hf.integrations.callbacks import trainer_precision
+        from rapidfire_hf.precision import AdaptivePrecisionPlugin
+
+        # The trainer's forward runs under accelerator.autocast(), i.e. in the precision of PPOConfig's
+        # bf16/fp16: that is the base precision, and precision.initial cannot change it from here (as in
+        # enable_rapidfire). Starting the plugin elsewhere would only warn a user who can do nothing about it.
+        initial = trainer_precision(self)
+        if initial != cfg.precision.initial.value:
+            logger.info(
+                "rapidfire: precision.initial=%s but PPOConfig runs in %s (its bf16/fp16 arguments); using %s",
+                cfg.precision.initial.value,
+                initial,
+                initial,
+            )
+        plugin = AdaptivePrecisionPlugin.from_config(cfg, initial=initial)
+        compact = (lambda: self.memory_callback.compact("precision_rule")) if self.memory_callback else None
+        return plugin.attach(
+            self.accelerator,
+            self.accelerator.unwrap_model(self.model),
+            self.optimizer,
+            compact_memory=compact,
+            handlers={"disable_pipeline": self.disable_pipeline, "enable_pipeline": self.enable_pipeline},
+        )
 
     # ------------------------------------------------------------------ public controls
     def add_callback(self, callback):
