@@ -173,3 +173,12 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tokenizer, tmp_path):
         "checkpoint-2",
         "checkpoint-3",
     ]
+
+
+def test_settings_a_sweep_does_not_use_are_named(tokenizer, tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        make_sweep(tokenizer, tmp_path, {A: {}}, optim="adafactor", save_strategy="epoch", push_to_hub=False)
+    assert "optim=adafactor (every trial trains with torch AdamW)" in caplog.text
+    assert "save_strategy=epoch" in caplog.text and "push_to_hub" not in caplog.text

@@ -148,6 +148,9 @@ class PPOSweep:
         if getattr(tok, "pad_token_id", None) is None:
             raise ValueError("processing_class has no pad token: add one distinct from the EOS token.")
         self.trackers = TrialTrackers(args.report_to, args.output_dir)  # report_to checked before the model
+        unused = _unused_settings(args)
+        if unused:
+            logger.warning("PPOSweep does not use these PPOConfig settings: %s", "; ".join(unused))
         self.args, self.tok, self.callbacks = args, tok, list(callbacks or [])
         self.rules, self.show_progress = rules, progress
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
@@ -546,6 +549,25 @@ def _params_problem(trial: Trial) -> str | None:
     n = len(trial.params) - len(list(trial.value_head.parameters()))
     bad = _first_bad(list(trial.params), ["adapter"] * n + ["value head"] * (len(trial.params) - n))
     return None if bad is None else f"non-finite {bad} weights"
+
+
+def _unused_settings(args: PPOConfig) -> list[str]:
+    """The shared settings a user may set that a sweep does not implement (each said, never ignored silently)."""
+    out = []
+    optim = str(getattr(args.optim, "value", args.optim))
+    if not optim.startswith("adamw_torch"):
+        out.append(f"optim={optim} (every trial trains with torch AdamW)")
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy not in ("no", "steps"):
+        out.append(f"save_strategy={strategy} (a sweep saves every save_steps with 'steps', and at the end)")
+    for key, why in (
+        ("push_to_hub", "a sweep writes its trials to output_dir only"),
+        ("gradient_checkpointing", "the sweep's forwards do not recompute activations"),
+        ("torch_compile", "the sweep's forwards are not compiled"),
+    ):
+        if getattr(args, key, False):
+            out.append(f"{key}=True ({why})")
+    return out
 
 
 def _disable_dropout(module) -> None:
