@@ -181,7 +181,7 @@ def test_approx_kl_limit_with_a_rapidfire_config_is_accepted(tmp_path, tokenizer
 @pytest.fixture(scope="module")
 def scorer(tmp_path_factory, tokenizer):
     """A trainer and a fake rollout of 4 completions, to call the reward-function scoring on."""
-    from rapidfire_hf.ppo.trainer import Rollout
+    from rapidfire_hf.ppo.types import Rollout
 
     trainer = PPOTrainer(
         args=ppo_args(tmp_path_factory.mktemp("rewards"), value_mode="fused"),

@@ -43,7 +43,6 @@ from rapidfire_hf.ppo.reporting import Reporter
 from rapidfire_hf.ppo.rollout_phase import Roller
 from rapidfire_hf.ppo.scoring import Scorer
 from rapidfire_hf.ppo.setup import (
-    _disable_dropout,
     _split_value_head_model,
     apply_peft,
     check_generation_gather,
@@ -67,9 +66,9 @@ from rapidfire_hf.utils.logs import LogCadence, apply_logging_config
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
 
-# Experience, PPOTrainerState and Rollout are defined in ppo/types.py; they and _disable_dropout (ppo/setup.py) are
-# importable from here only for callers that still do (the committed sweep/): import them where defined.
-__all__ = ["Experience", "PPOTrainer", "PPOTrainerState", "Rollout", "_disable_dropout"]
+# Experience, PPOTrainerState and Rollout are defined in ppo/types.py (import them from there); they stay
+# importable from here for callers that still do (sweep/phases.py) and TRL-style `ppo_trainer.Rollout`.
+__all__ = ["Experience", "PPOTrainer", "PPOTrainerState", "Rollout"]
 
 
 class PPOTrainer:
