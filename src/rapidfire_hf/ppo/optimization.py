@@ -6,12 +6,19 @@ plugin's sensitivity pass on the first scored rollout."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from rapidfire_hf.ppo.core import ppo_loss
 from rapidfire_hf.ppo.stepper import Stepper
 from rapidfire_hf.ppo.types import STAT_KEYS, Experience
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from rapidfire_hf.ppo.config import PPOConfig
+    from rapidfire_hf.ppo.modeling import PolicyAndValue
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
 
@@ -46,7 +53,13 @@ class PPOEpochs:
     """
 
     def __init__(
-        self, args, accelerator, model, pad_token_id: int, stepper: Stepper, generator: torch.Generator
+        self,
+        args: PPOConfig,
+        accelerator: Accelerator,
+        model: PolicyAndValue,
+        pad_token_id: int,
+        stepper: Stepper,
+        generator: torch.Generator,
     ):
         self.args = args
         self.accelerator = accelerator

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+
     from rapidfire_hf.optim.step_health import StepHealth
     from rapidfire_hf.ppo.types import Experience
 
@@ -21,7 +23,7 @@ class Reporter:
         processing_class: the tokenizer (decodes sample tables; its EOS is counted).
     """
 
-    def __init__(self, accelerator, processing_class):
+    def __init__(self, accelerator: Accelerator, processing_class):
         self.accelerator = accelerator
         self.processing_class = processing_class
         self._telemetry_seen: dict[str, int] = {}

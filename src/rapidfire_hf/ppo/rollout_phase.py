@@ -3,11 +3,21 @@ current policy by ``rapidfire_hf.rollout``."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.types import Rollout
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from rapidfire_hf.distributed.features import EngineSupport
+    from rapidfire_hf.ppo.config import PPOConfig
+    from rapidfire_hf.ppo.modeling import PolicyAndValue
+    from rapidfire_hf.ppo.speedups import KernelPatches
 
 
 def sampling_params(args, sampling: bool = True):
@@ -41,13 +51,13 @@ class Roller:
 
     def __init__(
         self,
-        args,
-        accelerator,
-        model,
+        args: PPOConfig,
+        accelerator: Accelerator,
+        model: PolicyAndValue,
         pad_token_id: int,
         stop_token_id: int | None,
-        kernel_patches,
-        engine_support,
+        kernel_patches: KernelPatches,
+        engine_support: EngineSupport,
         chunks: NoGradChunks,
     ):
         self.args = args

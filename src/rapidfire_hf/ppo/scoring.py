@@ -4,6 +4,7 @@ gradients in large batches, then KL-shaped rewards and advantages (``rapidfire_h
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,12 @@ from rapidfire_hf.ppo.modeling import policy_logprobs, reward_model_scores
 from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.rewards import reward_funcs_scores
 from rapidfire_hf.ppo.types import Experience, Rollout
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from rapidfire_hf.ppo.config import PPOConfig
+    from rapidfire_hf.ppo.modeling import PolicyAndValue
 
 
 class Scorer:
@@ -37,8 +44,8 @@ class Scorer:
     """
 
     def __init__(
-        self, args, accelerator, processing_class, pad_token_id: int, stop_token_id: int | None,
-        chunks: NoGradChunks,
+        self, args: PPOConfig, accelerator: Accelerator, processing_class, pad_token_id: int,
+        stop_token_id: int | None, chunks: NoGradChunks,
     ):  # fmt: skip
         self.args = args
         self.accelerator = accelerator
@@ -46,9 +53,9 @@ class Scorer:
         self.pad_token_id = pad_token_id
         self.stop_token_id = stop_token_id
         self.chunks = chunks
-        self.model = None
-        self.ref_model = None
-        self.reward_model = None
+        self.model: PolicyAndValue | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.reward_model: torch.nn.Module | None = None
         self.reward_funcs: list = []
         self.train_adapter: str | None = None
 
