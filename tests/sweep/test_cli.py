@@ -12,7 +12,7 @@ import pytest
 
 from rapidfire_hf.cli.main import main
 from rapidfire_hf.cli.sweep import demo_trials
-from rapidfire_hf.config import ConfigError
+from rapidfire_hf.config.errors import ConfigError
 from rapidfire_hf.sweep.spec import load_spec, validate
 
 TINY = """

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rapidfire_hf.demo import vowel_reward
-from rapidfire_hf.sweep import EarlyStopping, SuccessiveHalving, SweepError
-from rapidfire_hf.sweep.control import CONTROL_FILE
+from rapidfire_hf.sweep.control import CONTROL_FILE, EarlyStopping, SuccessiveHalving
+from rapidfire_hf.sweep.sweep import SweepError
 
 from .helpers import TRIALS, curves, make_sweep, max_abs_diff
 

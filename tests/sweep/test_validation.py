@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from rapidfire_hf.config import ConfigError
+from rapidfire_hf.config.errors import ConfigError
 from rapidfire_hf.ppo import PPOConfig
 from rapidfire_hf.sweep.fields import FIELD_KINDS, NAME_LIMIT, PER_TRIAL_FIELDS, value_problem
 from rapidfire_hf.sweep.spec import load_spec, validate

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rapidfire_hf.config import ConfigError
+from rapidfire_hf.config.errors import ConfigError
 
 KEYS = (
     "model",
