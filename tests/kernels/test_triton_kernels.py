@@ -185,3 +185,12 @@ def test_bf16_flash_decode_and_sampler_on_cuda():
     tok, _ = fused_sample(logits.bfloat16(), 1.0, True, noise)
     ref_tok, _ = sample_tokens(logits.bfloat16().float(), SamplingParams(), noise)
     assert (tok == ref_tok).float().mean() > 0.98
+
+
+@pytest.mark.gpu
+def test_flash_decode_under_torch_compile_matches_eager():
+    q, k, v, valid = _attention_inputs(8, 4, 8, 512, 64, seed=5)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    eager = flash_decode(q, k, v, valid, 0.125)
+    compiled = torch.compile(lambda *a: flash_decode(*a, 0.125), fullgraph=True)(q, k, v, valid)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)

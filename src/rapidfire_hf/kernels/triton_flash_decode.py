@@ -165,7 +165,7 @@ def flash_decode(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("flash_decode needs the caches' head dimension contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
-    valid = key_valid if key_valid.dtype != torch.bool else key_valid.view(torch.uint8)
+    valid = key_valid  # bool is loaded as int1 (a dtype view here would break torch.compile: no bool iinfo)
     out = torch.empty_like(q)
     n_splits = splits or num_splits(b, n_kv, kv_len, q.device)
     split_len = triton.cdiv(triton.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
