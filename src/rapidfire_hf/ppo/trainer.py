@@ -319,6 +319,15 @@ class PPOTrainer:
         """The RapidFireOptimizer being trained with, or None (a plain optimizer, guarded)."""
         return self.stepper.health.rapidfire
 
+    # read by benchmark scripts (benchmarks/ppo_vs_trl/worker.py, benchmarks/distributed/ppo_throughput.py)
+    @property
+    def _trainable(self) -> list[torch.Tensor]:
+        return self.stepper.params
+
+    @property
+    def _oom_splits(self) -> int:
+        return self.stepper.oom_splits
+
     @property
     def _rollout_engine(self):
         """The rollout engine (built at the first rollout); kept by :attr:`roller`."""
