@@ -69,7 +69,8 @@ def _partial_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        # under torch.compile a Python float argument arrives as fp64: keep the loop's values fp32
+        s = tl.where(ok[None, :], (s * scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no valid slot yet keeps m = -inf; shift by 0 there so exp() gives 0, never NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)

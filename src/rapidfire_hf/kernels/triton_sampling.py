@@ -46,6 +46,7 @@ def _sample_kernel(
         cols = v0 + offs
         ok = cols < vocab
         x = tl.load(Logits + row * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32) / temperature
+        x = x.to(tl.float32)  # a Python float argument can arrive as fp64 (torch.compile)
         if MODE == 1:
             u = tl.load(Noise + row * stride_n + cols, mask=ok, other=0.5)
             key = x - tl.log(-tl.log(u))
