@@ -53,17 +53,22 @@ def uninterrupted(tokenizer, tmp_path_factory):
     return _snapshot(sweep)
 
 
-# (where, target, n): killed mid-file-set of A's checkpoint-3; before B's checkpoint-3 folder is renamed
-# into place; before the index of update 3 replaces the old one; in the PPO epochs of update 4
+# (where, target, n, updates left): killed mid-file-set of A's checkpoint-3; before B's checkpoint-3
+# folder is renamed into place; between the clone's checkpoint and the index that lists it (the index is
+# written at the start, after updates 1 and 2, for the clone, after update 3); before the index of update 3
+# replaces the old one; in the PPO epochs of update 4
 KILLS = [
     ("save", "optimizer.pt", 6, 2 + 2 + 2),
     ("replace", "checkpoint-3", 2, 1 + 2 + 2),
-    ("replace", INDEX, 4, 1 + 1 + 1),
+    ("replace", INDEX, 4, 2 + 2 + 2),
+    ("replace", INDEX, 5, 1 + 1 + 1),
     ("optimize", "-", 4, 1 + 1 + 1),
 ]
 
 
-@pytest.mark.parametrize(("where", "target", "n", "left"), KILLS, ids=[f"{k[0]}-{k[1]}" for k in KILLS])
+@pytest.mark.parametrize(
+    ("where", "target", "n", "left"), KILLS, ids=[f"{k[0]}-{k[1]}-{k[2]}" for k in KILLS]
+)
 @pytest.mark.usefixtures("single_thread")
 def test_resume_after_sigkill_equals_the_uninterrupted_sweep(
     tokenizer, tmp_path, uninterrupted, where, target, n, left
@@ -160,6 +165,13 @@ def _wrong_step(folder):
     return f, "global_step 7 is not the update checkpoint-4 was saved at"
 
 
+def _trial_json_of_another_trial(folder):
+    f = folder / "trial.json"
+    f.write_text(f.read_text().replace(B, A))
+    _set_marker_size(folder, f.name)
+    return f, "cannot be read as the trial's description"
+
+
 def _missing_file(folder):
     f = folder / "scheduler.pt"
     f.unlink()
@@ -203,7 +215,7 @@ def _clone_checkpoint_gone(folder):
 
 
 DAMAGE = [_truncate, _garbage_safetensors, _hostile_pickle, _wrong_value_head, _nan_adapter, _bad_state,
-          _wrong_step, _missing_file, _bad_marker, _misspelt_status, _index_not_json, _index_bad_name, _clone_checkpoint_gone]  # fmt: skip
+          _wrong_step, _trial_json_of_another_trial, _missing_file, _bad_marker, _misspelt_status, _index_not_json, _index_bad_name, _clone_checkpoint_gone]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +255,22 @@ def test_changed_overrides_are_refused(tokenizer, tmp_path, saved_sweep):
     other_seed = make_sweep(tokenizer, out, {A: TRIALS[A], B: TRIALS[B]}, max_steps=4, seed=3)
     with pytest.raises(SweepCheckpointError, match=r"seed saved 0, this run 3"):
         other_seed.train(resume_from_checkpoint=True)
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_checkpoints_of_an_earlier_sweep_in_the_folder_are_never_resumed(tokenizer, tmp_path, caplog):
+    import logging
+
+    make_sweep(tokenizer, tmp_path, {A: TRIALS[A]}, save_strategy="steps", save_steps=1).train()  # 1..3
+    fresh = dict(seed=7, lr_scheduler_type="constant")
+    make_sweep(tokenizer, tmp_path, {A: TRIALS[A]}, max_steps=1, **fresh).train()  # a new sweep, same folder
+    straight = make_sweep(tokenizer, tmp_path / "straight", {A: TRIALS[A]}, max_steps=2, **fresh)
+    straight.train()
+    resumed = make_sweep(tokenizer, tmp_path, {A: TRIALS[A]}, max_steps=2, **fresh)
+    counter = CountUpdates()
+    resumed.callbacks.append(counter)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=True)
+    assert "checkpoint-3: an earlier sweep in this output folder wrote it" in caplog.text
+    assert counter.updates == 1  # from this sweep's checkpoint-1, not the earlier sweep's checkpoint-3
+    assert max_abs_diff(resumed.adapter_state_dict(A), straight.adapter_state_dict(A)) == 0.0

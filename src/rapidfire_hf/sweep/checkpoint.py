@@ -4,9 +4,10 @@
 (``adapter_model.safetensors`` + ``adapter_config.json``: loadable with ``PeftModel.from_pretrained``
 on the base model), ``value_head.pt``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pt`` (the epoch
 permutation generator), ``trainer_state.json``, ``run_settings.json`` and, written last,
-``checkpoint_complete.json`` (the size of every file; the marker ``PPOTrainer``'s checkpoints carry).
+``checkpoint_complete.json`` (the size of every file; the marker ``PPOTrainer``'s checkpoints carry), and
+``trial.json`` (the trial's name, overrides, parent, branch point and the sweep's id).
 ``<output_dir>/sweep_checkpoint.json`` lists the trials (clones included) with their overrides, parent,
-status and reason, so resuming rebuilds the same set.
+status and reason, and the sweep's id, so resuming rebuilds the same set.
 
 Safety:
 
@@ -14,7 +15,10 @@ Safety:
   then the folder renamed; the index is written to a temporary file and renamed. A kill at any moment
   leaves every trial's earlier complete checkpoints and the earlier index.
 - A clone is checkpointed the moment it is made, so a resume restores it from its own state, never from
-  its seed.
+  its seed; a clone whose checkpoint was written but not yet listed in the index (a kill in between) is
+  found by its ``trial.json`` and resumed too.
+- Checkpoints left in the folder by an earlier sweep (another id) are skipped with a warning, never
+  resumed as this sweep's.
 - Resuming reads every file of every trial and checks it against the run (adapter and value-head shapes,
   optimizer state, rollout batch, seed, mini-batches, number of prompts) before any trial changes; a
   damaged, truncated or hostile file raises :class:`SweepCheckpointError` naming the file. ``.pt`` files
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +38,7 @@ from pathlib import Path
 import torch
 
 from rapidfire_hf.models.value_head import ValueHead
-from rapidfire_hf.ppo.checkpoint import MARKER, CheckpointError, CheckpointSaveError, latest_checkpoint
+from rapidfire_hf.ppo.checkpoint import MARKER, CheckpointError, CheckpointSaveError
 from rapidfire_hf.ppo.types import PPOTrainerState
 from rapidfire_hf.sweep.fields import LENGTH_FIELDS, STATES, check_trial_name
 from rapidfire_hf.sweep.files import SweepFileError, fsync, read_json, write_json
@@ -43,7 +48,9 @@ logger = logging.getLogger(__name__)
 INDEX = "sweep_checkpoint.json"
 INDEX_FORMAT = 1
 SETTINGS = "run_settings.json"
+TRIAL_FILE = "trial.json"
 _FILES = ("adapter_model.safetensors", "value_head.pt", "optimizer.pt", "scheduler.pt", "rng_state.pt")
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
 
 
 class SweepCheckpointError(CheckpointError):
@@ -106,6 +113,9 @@ def _write_files(sweep, trial, folder: Path) -> None:
     trial.state.save_to_json(str(folder / "trainer_state.json"))
     settings = run_settings(trial.args, len(sweep.train_dataset))
     (folder / SETTINGS).write_text(json.dumps(settings, indent=1), encoding="utf-8")
+    meta = {"sweep_id": sweep.sweep_id, "name": trial.name, "overrides": trial.overrides,
+            "parent": trial.parent, "branch_step": trial.branch_step}  # fmt: skip
+    (folder / TRIAL_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
 
 
 def _write_marker(folder: Path, step: int) -> None:
@@ -157,7 +167,8 @@ def write_index(sweep) -> None:
         }
         for name, t in sweep.trials.items()
     }
-    write_json(Path(sweep.args.output_dir) / INDEX, {"format": INDEX_FORMAT, "trials": trials})
+    index = {"format": INDEX_FORMAT, "sweep_id": sweep.sweep_id, "trials": trials}
+    write_json(Path(sweep.args.output_dir) / INDEX, index)
 
 
 def save_sweep(sweep) -> None:
@@ -182,6 +193,7 @@ class SavedTrial:
     permutation: torch.Tensor
     state: PPOTrainerState
     settings: dict
+    meta: dict
 
 
 def _damaged(path: Path, what: str, err: BaseException | None = None) -> SweepCheckpointError:
@@ -199,7 +211,7 @@ def _check_complete(path: Path) -> None:
         files = {str(k): int(v) for k, v in info["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise _damaged(marker, "is not a valid completeness marker", err) from None
-    for name in (*_FILES, "trainer_state.json", SETTINGS):
+    for name in (*_FILES, "trainer_state.json", SETTINGS, TRIAL_FILE):
         if name not in files:
             raise _damaged(path / name, f"is not listed in {MARKER}")
     for name, size in files.items():
@@ -269,7 +281,48 @@ def read_trial(path: Path) -> SavedTrial:
             raise TypeError(f"a JSON {type(settings).__name__}, not an object")
     except (SweepFileError, TypeError) as err:
         raise _damaged(path / SETTINGS, "cannot be read as run settings", err) from None
-    return SavedTrial(path, adapter, head, optimizer, scheduler, perm, state, settings)
+    return SavedTrial(path, adapter, head, optimizer, scheduler, perm, state, settings, read_meta(path))
+
+
+def read_meta(path: Path) -> dict:
+    """A checkpoint's ``trial.json``, checked: sweep id, name, overrides, parent, branch point."""
+    f = path / TRIAL_FILE
+    try:
+        meta = read_json(f, "a trial's description")
+        ok = (
+            isinstance(meta, dict)
+            and isinstance(meta.get("sweep_id"), str)
+            and meta.get("name") == path.parent.name
+            and isinstance(meta.get("overrides"), dict)
+            and (meta.get("parent") is None or isinstance(meta.get("parent"), str))
+            and (meta.get("branch_step") is None or isinstance(meta.get("branch_step"), int))
+        )
+        if not ok:
+            raise TypeError("needs sweep_id, name (the trial's folder), overrides, parent and branch_step")
+    except (SweepFileError, TypeError) as err:
+        raise _damaged(f, "cannot be read as the trial's description", err) from None
+    return meta
+
+
+def latest_of(folder: Path, sweep_id: str) -> Path | None:
+    """The newest complete checkpoint of ``folder`` that this sweep wrote; incomplete ones and those of an
+    earlier sweep in the same output folder are skipped with a warning."""
+    found = sorted(
+        (
+            (int(m.group(1)), p)
+            for p in folder.glob("checkpoint-*")
+            if (m := _CKPT.match(p.name)) and p.is_dir()
+        ),
+        reverse=True,
+    )
+    for _, path in found:
+        if not (path / MARKER).is_file():
+            logger.warning("PPOSweep: skipping %s: its save did not finish (no %s)", path, MARKER)
+            continue
+        if read_meta(path)["sweep_id"] == sweep_id:
+            return path
+        logger.warning("PPOSweep: skipping %s: an earlier sweep in this output folder wrote it", path)
+    return None
 
 
 def check_fits(sweep, args, saved: SavedTrial) -> None:
@@ -337,6 +390,7 @@ def read_index(out: Path) -> dict[str, dict]:
         not isinstance(data, dict)
         or data.get("format") != INDEX_FORMAT
         or not isinstance(data.get("trials"), dict)
+        or not isinstance(data.get("sweep_id"), str)
     ):
         raise SweepCheckpointError(
             f"cannot resume the sweep: {path} is not a sweep index of format {INDEX_FORMAT} "
@@ -361,7 +415,7 @@ def read_index(out: Path) -> dict[str, dict]:
             raise SweepCheckpointError(f"{where}: branch_step must be an update count or null")
         if not isinstance(entry.setdefault("reason", ""), str):
             raise SweepCheckpointError(f"{where}: reason must be a string")
-    return data["trials"]
+    return data
 
 
 # -------------------------------------------------------------------------------------------- resuming
@@ -379,7 +433,9 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
     from rapidfire_hf.sweep.trial import trial_args
 
     out = Path(sweep.args.output_dir if resume_from_checkpoint is True else resume_from_checkpoint)
-    index = read_index(out)
+    data = read_index(out)
+    index, sweep_id = data["trials"], data["sweep_id"]
+    index.update(_unlisted_clones(out, index, sweep_id))
     plan = []
     for name, entry in index.items():
         trial = sweep.trials.get(name)
@@ -399,7 +455,7 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
                 args = trial_args(sweep.args, entry["overrides"], name)
             except ValueError as err:
                 raise SweepCheckpointError(f"cannot resume the sweep: {out / INDEX}: {err}") from None
-        found = latest_checkpoint(out / "trials" / name)
+        found = latest_of(out / "trials" / name, sweep_id)
         if found is None and entry["parent"] is not None:
             raise SweepCheckpointError(
                 f"cannot resume the sweep: trial {name!r} is a clone of {entry['parent']!r} and "
@@ -409,15 +465,7 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
         if saved is not None:
             check_fits(sweep, args, saved)
         plan.append((name, entry, saved))
-    trials_dir = out / "trials"
-    for folder in sorted(trials_dir.iterdir()) if trials_dir.is_dir() else []:
-        if folder.name not in index and folder.is_dir() and latest_checkpoint(folder) is not None:
-            logger.warning(
-                "PPOSweep: %s has checkpoints but %s does not list it (a clone made just before the sweep "
-                "stopped, or a trial of an earlier sweep in this folder): it is not resumed",
-                folder,
-                INDEX,
-            )
+    sweep.sweep_id = sweep_id
     restored = {}
     for name, entry, saved in plan:  # every check passed: now change the trials
         if name not in sweep.trials:
@@ -435,6 +483,37 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
     for name, path in restored.items():
         logger.info("PPOSweep: trial %s resumed from %s", name, path)
     return restored
+
+
+def _unlisted_clones(out: Path, index: dict, sweep_id: str) -> dict[str, dict]:
+    """Index entries for the clones whose checkpoint this sweep wrote but whose index entry a kill
+    prevented (the index is written just after a clone's checkpoint)."""
+    found = {}
+    trials_dir = out / "trials"
+    for folder in sorted(trials_dir.iterdir()) if trials_dir.is_dir() else []:
+        if folder.name in index or not folder.is_dir() or not _valid_name(folder.name):
+            continue
+        path = latest_of(folder, sweep_id)
+        if path is None:
+            continue
+        meta = read_meta(path)
+        if meta["parent"] is None:  # a trial of this sweep is always in its first index
+            logger.warning("PPOSweep: %s is not listed in %s: not resumed", folder, INDEX)
+            continue
+        found[folder.name] = {"overrides": meta["overrides"], "parent": meta["parent"],
+                              "branch_step": meta["branch_step"], "status": "running", "reason": ""}  # fmt: skip
+        logger.warning(
+            "PPOSweep: clone %s was made just before the sweep stopped: resumed from %s", folder.name, path
+        )
+    return found
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        check_trial_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_same_overrides(index: Path, name: str, saved: dict, now: dict) -> None:

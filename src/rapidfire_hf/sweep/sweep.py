@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,9 +177,10 @@ class PPOSweep:
         self._pending: list[tuple] = []
         self._training = False
         self._phase, self._clean = "start", True
-        self.messages: list[
-            str
-        ] = []  # control commands refused or ignored, and divergences (sweep_state.json)
+        # control commands refused or ignored, and divergences (sweep_state.json)
+        self.messages: list[str] = []
+        # marks this sweep's checkpoints (a resume takes over the saved sweep's id)
+        self.sweep_id = uuid.uuid4().hex
         self.control = ControlFile(Path(args.output_dir))
         for name, overrides in trials.items():
             self._add(name, overrides or {})
@@ -334,6 +336,7 @@ class PPOSweep:
         self._training, self._start = True, time.perf_counter()
         progress = outputs.SweepProgress(self) if self.show_progress else None
         try:
+            ckpt.write_index(self)  # from the start: a kill before the first save still leaves the sweep
             outputs.write_state(self, "running")
             self._dispatch("on_train_begin")
             if resume_from_checkpoint:  # a cut the stopped run made but could not record is made again
