@@ -56,11 +56,12 @@ ENTRIES=(
   "memory_defaults|memory/results/h200/defaults|the default callback, largest micro-batch"
   "memory_defaults_pressure|memory/results/h200/defaults_pressure|native allocator with the pressure rule"
   "presets_b64|presets/results/h200/b64|1.1B batch 64: stock, no config, every preset, advanced.yaml, the snippet, with/without the planner"
-  "presets_b256|presets/results/h200/b256|1.1B batch 256 fused + Liger + compile: stock, no config, balanced (exact clip) and balanced with clip_prediction scale (not run yet)"
-  "presets_clip64|presets/results/h200/clip64|1.1B batch 64: no config, balanced (clip_prediction exact), balanced with scale, stock (the last two not run yet)"
+  "presets_b256|presets/results/h200/b256|1.1B batch 256 fused + Liger + compile: stock, no config, balanced (exact clip) and balanced with clip_prediction scale (README row 13)"
+  "presets_clip64|presets/results/h200/clip64|1.1B batch 64: no config, balanced (clip_prediction exact), balanced with scale, stock (stock timed out in the stored call)"
   "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model: stock b4, ours aggressive b160 from the batch alone, today's hand-tuned b160 (not run yet)"
   "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (not run yet)"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
+  "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
   "precision_torchao|precision/results/h200/torchao|fp16 overflow; FP8 linears per backend; 40-step loss"
   "precision_fp8_7b|precision/results/h200/fp8_loss/llama-7b_bf16|compiled FP8 training, 7B (README row 10)"
   "precision_fp8_1b_bf16|precision/results/h200/fp8_loss/llama-1.1b_bf16|compiled FP8 training, 1.1B bf16 weights"
@@ -193,6 +194,7 @@ entry() {  # the commands of one entry, writing into $1
     presets_full7b) bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
     presets_lora7b) bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
+    kernels) bash benchmarks/kernels/h200.sh "$o" ;;
     precision_torchao) $PY benchmarks/precision/run.py --out "$o" --budget-s 275 ;;
     precision_fp8_7b) $PY benchmarks/precision/run.py --out "$o" --parts fp8_loss --fp8-loss-shape llama-7b --fp8-loss-weights bf16 \
         --fp8-loss-variants bf16_compiled,torchao_tensorwise_compiled,torchao_rowwise_compiled --fp8-loss-steps 30 --budget-s 130 ;;

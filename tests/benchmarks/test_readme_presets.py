@@ -46,3 +46,15 @@ def test_presets_readme_table_is_the_stored_call():
         assert cells[5].startswith(f"{rows[name]['plan_train_rows']}, {rows[name]['plan_checkpointing']}"), (
             name
         )
+
+
+def test_readme_row_13_is_the_stored_b256_call():
+    stored = ROOT / "benchmarks" / "presets" / "results" / "h200" / "b256" / "results.csv"
+    rows = {r["row"]: r for r in csv.DictReader(stored.open())}
+    assert all(rows[name]["status"] == "ok" for name in ("none", "balanced", "balancedscale", "trl"))
+    none, balanced = float(rows["none"]["tokens_per_s"]), float(rows["balanced"]["tokens_per_s"])
+    cells = _cells((ROOT / "README.md").read_text(), "| 13 | ")
+    assert cells[2] == f"{none:,.0f}" and cells[3] == f"{balanced:,.0f}"
+    assert cells[4] == f"**{balanced / none:.2f}×**"
+    assert f"stock TRL {float(rows['trl']['tokens_per_s']):,.0f}" in cells[1]
+    assert f"merges {int(rows['balanced']['plan_train_rows']) // 8} micro-batches" in cells[1]
