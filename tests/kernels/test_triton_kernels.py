@@ -194,3 +194,18 @@ def test_flash_decode_under_torch_compile_matches_eager():
     eager = flash_decode(q, k, v, valid, 0.125)
     compiled = torch.compile(lambda *a: flash_decode(*a, 0.125), fullgraph=True)(q, k, v, valid)
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+
+
+def test_a_nan_row_gives_a_nan_log_prob_never_a_finite_one():
+    logits, noise = _logits(3, 300)
+    logits[1, 5] = float("nan")
+    logits[2] = float("nan")
+    _, lp = fused_sample(logits, 1.0, True, noise)
+    assert torch.isfinite(lp[0]) and torch.isnan(lp[1:]).all()
+
+
+def test_static_only_options_on_the_hf_backend_are_named_not_dropped(tokenizer):
+    model = build_tiny_llama(tokenizer)
+    with pytest.warns(UserWarning, match=r"decode_sampler='triton' apply to the static engine only"):
+        engine = RolloutEngine(model, 0, [], backend="hf", decode_sampler="triton")
+    assert engine.backend == "hf"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 
 import torch
 
@@ -103,6 +104,18 @@ class RolloutEngine:
             if on_cuda and reason is not None:
                 logger.info("rapidfire rollout: using model.generate (%s)", reason)
         self.backend = backend
+        static_only = {
+            "decode_attention": (decode_attention, "sdpa"),
+            "decode_sampler": (decode_sampler, "torch"),
+        }
+        ignored = [f"{k}={v!r}" for k, (v, default) in static_only.items() if v != default]
+        if backend == "hf" and ignored:
+            # said once per engine: the hf backend has no decode step of its own to put them in
+            warnings.warn(
+                f"{', '.join(ignored)} apply to the static engine only; this engine runs model.generate "
+                f"({reason or 'backend=' + repr(backend)}), so they are not used",
+                stacklevel=2,
+            )
         self._static = None
         if backend == "static":
             from rapidfire_hf.rollout.static_engine import StaticEngine
