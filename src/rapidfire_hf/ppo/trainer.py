@@ -319,7 +319,12 @@ class PPOTrainer:
         """The RapidFireOptimizer being trained with, or None (a plain optimizer, guarded)."""
         return self.stepper.health.rapidfire
 
-    # read by benchmark scripts (benchmarks/ppo_vs_trl/worker.py, benchmarks/distributed/ppo_throughput.py)
+    # read by `rapidfire demo` (cli/demo.py) and benchmark scripts (benchmarks/ppo_vs_trl/worker.py,
+    # benchmarks/distributed/ppo_throughput.py): read-only views of the components
+    @property
+    def _rf_opt(self) -> RapidFireOptimizer | None:
+        return self.rapidfire_optimizer
+
     @property
     def _trainable(self) -> list[torch.Tensor]:
         return self.stepper.params
