@@ -140,8 +140,17 @@ def test_progress_off_a_terminal_is_one_line_per_update(tokenizer, tmp_path, cap
     sweep = make_sweep(tokenizer, tmp_path, {A: TRIALS[A], B: TRIALS[B]}, max_steps=2)
     sweep.show_progress = True  # pytest's captured stdout is not a terminal
     sweep.train()
-    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("PPOSweep:")]
+    out = capsys.readouterr().out.splitlines()
+    lines = [x for x in out if x.startswith("PPOSweep:")]
     assert len(lines) == 2 and f"{A} 2/2" in lines[1] and f"{B} 1/2" in lines[0]
+    # the log hears at once that the sweep started, before its first update
+    assert out[0].startswith("PPOSweep started: 2 trials") and str(tmp_path) in out[0]
+    from rapidfire_hf.cli.sweep import print_summary
+
+    print_summary(sweep, 1.0)
+    summary = capsys.readouterr().out.splitlines()
+    # the summary is set apart from the progress lines by a blank line and its own header
+    assert summary[0] == "" and summary[1].startswith("summary (") and summary[2].startswith(f"{A}: reward")
 
 
 def test_yaml_rules_reach_the_sweep(tmp_path):

@@ -53,6 +53,8 @@ def run_sweep_command(args) -> int:
     progress = not (args.no_progress or "--no-progress" in args.rest)
     resume = args.resume or "--resume" in args.rest
     spec = load_spec(args.target)  # every key checked before anything loads
+    if progress:
+        print(f"rapidfire sweep {args.target}: loading the model, the data and the trials ...", flush=True)
     sweep = build(spec, progress=progress)
     start = time.perf_counter()
     from rapidfire_hf.ppo.checkpoint import CheckpointError
@@ -61,7 +63,7 @@ def run_sweep_command(args) -> int:
         sweep.train(resume_from_checkpoint=True if resume else None)
     except CheckpointError as err:  # a damaged or mismatched checkpoint: the message names the file
         raise SystemExit(" ".join(str(err).split())) from None
-    _print_summary(sweep, time.perf_counter() - start)
+    print_summary(sweep, time.perf_counter() - start)
     return 0
 
 
@@ -245,15 +247,17 @@ def run_demo_sweep(args) -> int:
     )
     start = time.perf_counter()
     sweep.train()
-    _print_summary(sweep, time.perf_counter() - start)
+    print_summary(sweep, time.perf_counter() - start)
     return 0
 
 
-def _print_summary(sweep, wall: float) -> None:
+def print_summary(sweep, wall: float) -> None:
     from rapidfire_hf.sweep import outputs
 
     summary = outputs.write_all(sweep, wall_seconds=wall)
     out = Path(sweep.args.output_dir)
+    # set apart from the progress lines or table above it
+    print(f"\nsummary ({out / 'summary.json'}):")
     for name, s in summary["trials"].items():
         first, last, kl = s["reward_first"], s["reward_last"], s["kl_last"]
         if first is None:

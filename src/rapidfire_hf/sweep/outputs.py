@@ -124,6 +124,12 @@ class SweepProgress:
         self.sweep = sweep
         self.live = None
         if not sys.stdout.isatty():
+            # a log file hears at once what follows: the first update can be minutes away on a large model
+            print(
+                f"PPOSweep started: {len(sweep.trials)} trials ({', '.join(sweep.trials)}), output in "
+                f"{sweep.args.output_dir}; one line per update follows",
+                flush=True,
+            )
             return
         from rich.live import Live
 
