@@ -143,3 +143,22 @@ def test_ppo_sweep_checks_trials_before_the_model(tokenizer, tmp_path, trials, m
             train_dataset=make_prompt_dataset(8),
             peft_config=lora_config(),
         )
+
+
+def test_the_docs_sweep_file_is_valid_and_is_the_example_that_learns():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from rapidfire_hf.sweep.spec import validate
+
+    root = Path(__file__).resolve().parents[2]
+    block = re.search(r"```yaml\n(.*?)```", (root / "docs" / "sweep.md").read_text(), re.S).group(1)
+    doc = yaml.safe_load(block)
+    validate(doc)
+    example = yaml.safe_load((root / "examples" / "sweep.yaml").read_text())
+    # the documented file is examples/sweep.yaml (whose trials are shown to separate by a test) plus
+    # successive halving; its trials and shared settings may not drift back to rates that learn nothing
+    assert doc["trials"] == example["trials"] and doc["config"] == example["config"]
+    assert doc["lora"] == example["lora"]
