@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rapidfire_hf.memory.planner import UNPLANNED_SCORING_ROWS
+from rapidfire_hf.memory.planner import MAX_TRAIN_TOKENS, UNPLANNED_SCORING_ROWS
 from rapidfire_hf.models.plumbing import classifier_parts
 from rapidfire_hf.ppo.core import compute_advantages, first_true_indices, ppo_loss, truncate_after_stop
 from rapidfire_hf.ppo.modeling import (
@@ -69,12 +69,25 @@ class SweepPhases:
         reward_model / reward_funcs: one of them, shared by every trial.
         full_mask / reward_full_mask: give the policy's / the reward model's forwards the 4-D mask
             (:func:`rapidfire_hf.ppo.modeling.sequence_inputs`; SDPA models only).
+        train_rows_per_forward: the most rows one training forward takes across trials (None: the
+            throughput planner's merge limit, see :func:`train_pack_rows`).
     """
 
     def __init__(
-        self, model, bank, shared, tokenizer, engine, reward_model, reward_funcs, full_mask, reward_full_mask
+        self,
+        model,
+        bank,
+        shared,
+        tokenizer,
+        engine,
+        reward_model,
+        reward_funcs,
+        full_mask,
+        reward_full_mask,
+        train_rows_per_forward: int | None = None,
     ):
         self.model, self.bank, self.shared, self.tok = model, bank, shared, tokenizer
+        self.train_rows_per_forward = train_rows_per_forward
         self.engine, self.reward_model, self.reward_funcs = engine, reward_model, reward_funcs
         self.full_mask, self.reward_full_mask = full_mask, reward_full_mask  # 4-D masks: see sweep._full_mask
         self.pad = tokenizer.pad_token_id
@@ -224,11 +237,17 @@ class SweepPhases:
         for head in (t.value_head for t in trials):
             head.train()
         steps = [iter(s) for s in schedules]
+        seq = exps[0].rollout.query_responses.shape[1]
+        micro = max(t.args.per_device_train_batch_size for t in trials)
+        cap = train_pack_rows(seq, micro, self.train_rows_per_forward)
         while True:
             batch = [(i, nxt) for i, it in enumerate(steps) if (nxt := next(it, None)) is not None]
             if not batch:
                 break
-            self._micro_step(trials, exps, stats, batch, ctx)
+            # each trial's gradient comes from its own rows only (the base is frozen), so the trials of one
+            # micro-step may share a forward or not without changing the math; packing bounds the peak
+            for pack in pack_in_order(batch, lambda item: int(item[1][0].numel()), cap):
+                self._micro_step(trials, exps, stats, pack, ctx)
         return stats
 
     def _micro_step(self, trials, exps, stats, batch, ctx) -> None:
@@ -278,6 +297,36 @@ class SweepPhases:
         return torch.autocast(
             self.device.type, dtype=torch.bfloat16 if a.bf16 else torch.float16, enabled=enabled
         )
+
+
+def train_pack_rows(seq_len: int, micro_rows: int, override: int | None = None) -> int:
+    """Rows one training forward of a sweep may take across its trials.
+
+    ``override`` when given; else as many rows as the throughput planner would merge into one forward of
+    a single run (:data:`rapidfire_hf.memory.planner.MAX_TRAIN_TOKENS` tokens; H200, 1.1B: no measurable
+    speed above it), and never fewer than one trial's micro-batch. So the training peak of a sweep stops
+    growing with the number of trials once their rows pass that many tokens.
+    """
+    if override is not None:
+        if int(override) < 1:
+            raise ValueError(f"train_rows_per_forward must be >= 1, got {override}")
+        return int(override)
+    return max(micro_rows, MAX_TRAIN_TOKENS // max(1, seq_len))
+
+
+def pack_in_order(items: list, rows_of, cap: int) -> list[list]:
+    """Consecutive groups of ``items`` of at most ``cap`` rows each (an item larger than ``cap`` alone)."""
+    groups, current, rows = [], [], 0
+    for item in items:
+        n = rows_of(item)
+        if current and rows + n > cap:
+            groups.append(current)
+            current, rows = [], 0
+        current.append(item)
+        rows += n
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _stat_shape(trial) -> tuple[int, int, int]:

@@ -67,6 +67,9 @@ class PPOSweep:
         early_stopping: a rule that stops trials (:class:`EarlyStopping`, :class:`SuccessiveHalving`, any
             object with ``check(trials) -> [(name, reason)]``), a list of them, or None.
         progress: draw a live table of every trial (rich); off a terminal, one line per update instead.
+        train_rows_per_forward: the most rows one training forward takes across the trials of a micro-step
+            (None: as many as the throughput planner merges for one run, 16,384 tokens, and at least one
+            trial's micro-batch; the math is the same either way, only the peak and the speed change).
 
     ``args.report_to`` may name ``"tensorboard"`` (one sub-folder per trial under ``output_dir/runs``) and
     ``"wandb"`` (one run per trial, grouped by the sweep's folder name).
@@ -99,9 +102,18 @@ class PPOSweep:
         callbacks=None,
         early_stopping=None,
         progress: bool = True,
+        train_rows_per_forward: int | None = None,
     ):
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a rapidfire_hf.PPOConfig, got {type(args).__name__}")
+        if train_rows_per_forward is not None and (
+            isinstance(train_rows_per_forward, bool)
+            or not isinstance(train_rows_per_forward, int)
+            or train_rows_per_forward < 1
+        ):
+            raise ValueError(
+                f"train_rows_per_forward must be a whole number >= 1, got {train_rows_per_forward!r}"
+            )
         if peft_config is None:
             raise ValueError(
                 "PPOSweep shares one frozen base model between trials, so each trial must train a LoRA "
@@ -171,6 +183,7 @@ class PPOSweep:
         self.phases = SweepPhases(
             self.model, self.bank, args, tok, self._make_engine(), reward_model, funcs,
             full_mask=_full_mask(self.model), reward_full_mask=_full_mask(reward_model),
+            train_rows_per_forward=train_rows_per_forward,
         )  # fmt: skip
         self.trials: dict[str, Trial] = {}
         self._slots = 0
