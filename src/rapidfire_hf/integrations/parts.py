@@ -49,16 +49,9 @@ class RapidFireState:
     def table(self, trainer_name: str) -> str:
         """What is on, what was skipped and why, and where the telemetry and the process registry are:
         the lines ``enable_rapidfire`` prints once."""
-        from rapidfire_hf.memory.telemetry import cache_dir
+        from rapidfire_hf.utils.start_table import start_table
 
-        lines = [f"rapidfire on {trainer_name}:"]
-        lines += [f"  on       {item}" for item in self.installed]
-        lines += [f"  skipped  {item}" for item in self.skipped]
-        lines.append(
-            f"  process registry {cache_dir() / 'procs'} (RAPIDFIRE_CACHE_DIR moves it), telemetry in "
-            "<output_dir>/telemetry (RAPIDFIRE_TELEMETRY_DIR moves it); watch with rapidfire monitor --pid PID"
-        )
-        return "\n".join(lines)
+        return start_table(f"rapidfire on {trainer_name}:", self.installed, self.skipped)
 
 
 def installed_parts(trainer) -> dict[str, Any]:

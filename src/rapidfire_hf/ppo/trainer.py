@@ -40,7 +40,7 @@ from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
 from rapidfire_hf.ppo.planning import plan_run, unplanned_run
 from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.reporting import Reporter
-from rapidfire_hf.ppo.rollout_phase import Roller
+from rapidfire_hf.ppo.rollout_phase import Roller, rollout_backend
 from rapidfire_hf.ppo.scoring import Scorer
 from rapidfire_hf.ppo.setup import (
     _split_value_head_model,
@@ -60,9 +60,11 @@ from rapidfire_hf.ppo.setup import (
     select_adapters,
 )
 from rapidfire_hf.ppo.speedups import check_liger_usable
+from rapidfire_hf.ppo.start_report import start_facts, start_lines
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
 from rapidfire_hf.ppo.types import Experience, PPOTrainerState, Rollout, _sync_time, _to_float
 from rapidfire_hf.utils.logs import LogCadence, apply_logging_config
+from rapidfire_hf.utils.start_table import start_table
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
 
@@ -403,6 +405,7 @@ class PPOTrainer:
         self._train_start = time.perf_counter()
         self._prompts = PromptPrefetch.for_trainer(self, start_update)  # memory.prefetch_window
         apply_logging_config(self.rf_config)  # logging.level (also for a config given by enable_rapidfire)
+        self._print_start_table()
         for update in range(start_update, self.num_updates):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             metrics = self._one_update(update)
@@ -430,6 +433,23 @@ class PPOTrainer:
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         acc.wait_for_everyone()
         return self.state
+
+    def _print_start_table(self) -> None:
+        """Once per ``train()``, on the main process: what is on, what is off and why (quiet at
+        ``logging.level`` warning / error)."""
+        cfg = self.rf_config
+        if not self.accelerator.is_main_process or (
+            cfg is not None and cfg.logging.level.value in ("warning", "error")
+        ):
+            return
+        facts = start_facts(
+            self.args, cfg, self.policy, self.accelerator.unwrap_model(self.model).fused,
+            getattr(self.optimizer, "optimizer", self.optimizer),  # inside accelerate's wrapper
+            self.rapidfire_optimizer, self.precision_plugin, self.memory_callback, self.kernel_patches,
+            rollout_backend(self.args, self.engine_support), self.accelerator.device,
+        )  # fmt: skip
+        on, skipped, watched = start_lines(facts)
+        print(start_table("rapidfire PPOTrainer:", on, skipped, watched), flush=True)
 
     def _one_update(self, update: int) -> dict:
         """Rollout -> scoring -> PPO epochs over one prompt batch; returns the update's metrics."""

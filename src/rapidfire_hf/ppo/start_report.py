@@ -1,0 +1,83 @@
+"""What ``PPOTrainer`` prints once when ``train()`` starts: what is on, what is off and why, where the
+telemetry and the process registry are (:func:`rapidfire_hf.utils.start_table.start_table`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rapidfire_hf.rollout.llama_forward import unsupported_reason
+
+
+@dataclass
+class StartFacts:
+    """The facts the table reports, read from a built trainer (see :func:`start_facts`)."""
+
+    rollout: str  # the backend the rollout will use, and why when it is not the static engine
+    static: bool
+    value: str
+    optimizer: str
+    precision: str | None
+    memory: str | None
+    liger: bool
+    compiled_layers: int
+    planner: str | None  # None: no throughput plan (why in ``skipped``)
+    skipped: list[str]
+
+
+def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire_optimizer, precision_plugin,
+                memory_callback, kernel_patches, backend: str, device) -> StartFacts:  # fmt: skip
+    """Collect the table's facts from the trainer's parts (no side effects)."""
+    skipped = []
+    reason = unsupported_reason(policy)
+    if backend == "hf":
+        rollout, static = "rollout: model.generate (rollout_backend='hf' or sharded weights)", False
+    elif backend == "auto" and (device.type != "cuda" or reason is not None):
+        why = reason or f"the static engine records CUDA graphs; this run is on {device.type}"
+        rollout, static = "rollout: model.generate", False
+        skipped.append(f"fast rollout engine ({why})")
+    else:
+        rollout, static = f"rollout: static engine, decode_mode={args.rollout_decode_mode}", True
+    value = "value: fused head on the policy" if fused_value else "value: separate value model"
+    if rapidfire_optimizer is not None:
+        rf = rapidfire_optimizer
+        optim = (
+            f"optimizer: RapidFireOptimizer({type(rf.inner).__name__}, "
+            f"pipeline={'on' if rf.pipeline_enabled else 'off'})"
+        )
+    else:
+        optim = f"optimizer: {type(optimizer).__name__} with the finite-step guard"
+    precision = None
+    if precision_plugin is not None:
+        precision = f"AdaptivePrecisionPlugin ({precision_plugin.mode.value}, starts in {precision_plugin.current.value})"
+    elif rf_config is None:
+        skipped.append("AdaptivePrecisionPlugin (no rapidfire_config)")
+    else:
+        skipped.append(f"AdaptivePrecisionPlugin (precision.mode={rf_config.precision.mode.value})")
+    memory = None
+    if memory_callback is not None:
+        memory = f"MemoryCompactionCallback ({memory_callback.optimization})"
+    else:
+        skipped.append("MemoryCompactionCallback (memory_management=False)")
+    planner = None
+    if rf_config is None:
+        skipped.append("throughput planner (no rapidfire_config: your micro-batch, TRL's chunks)")
+    elif not rf_config.memory.planner:
+        skipped.append("throughput planner (memory.planner: false keeps your split exactly)")
+    else:
+        planner = f"throughput planner (memory.optimization={rf_config.memory.optimization.value}; plan at update 1)"
+    summary = kernel_patches.summary()
+    compiled = sum(summary["compiled_layers"].values())
+    return StartFacts(
+        rollout, static, value, optim, precision, memory, bool(summary["liger"]), compiled, planner, skipped
+    )
+
+
+def start_lines(facts: StartFacts) -> tuple[list[str], list[str], bool]:
+    """``(on, skipped, watched)`` for :func:`~rapidfire_hf.utils.start_table.start_table`."""
+    on = [facts.rollout, facts.value, facts.optimizer]
+    on += [item for item in (facts.precision, facts.memory, facts.planner) if item]
+    if facts.liger:
+        on.append("Liger kernels")
+    if facts.compiled_layers:
+        on.append(f"torch.compile of {facts.compiled_layers} decoder layers")
+    return on, list(facts.skipped), facts.memory is not None
