@@ -13,7 +13,8 @@ from rapidfire_hf.ppo import trainer as ppo_trainer  # TRL's module name, for `f
 from rapidfire_hf.ppo.compat import batch_generation, masked_mean, masked_var, masked_whiten
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.quantized import load_quantized
-from rapidfire_hf.ppo.trainer import Experience, PPOTrainer, Rollout
+from rapidfire_hf.ppo.trainer import PPOTrainer
+from rapidfire_hf.ppo.types import Experience, Rollout
 
 __all__ = [
     "AutoModelForCausalLMWithValueHead",

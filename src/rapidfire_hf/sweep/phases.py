@@ -21,8 +21,8 @@ from rapidfire_hf.ppo.modeling import (
 )
 from rapidfire_hf.ppo.reporting import update_device_metrics, update_host_metrics
 from rapidfire_hf.ppo.rollout_phase import sampling_params
-from rapidfire_hf.ppo.trainer import Experience, Rollout
 from rapidfire_hf.ppo.types import STAT_KEYS as _STAT_KEYS
+from rapidfire_hf.ppo.types import Experience, Rollout
 
 
 def blocks(trials, rows_of) -> list[tuple[object, int, int]]:
