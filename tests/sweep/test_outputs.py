@@ -191,3 +191,11 @@ def test_settings_a_sweep_does_not_use_are_named(tokenizer, tmp_path, caplog):
         make_sweep(tokenizer, tmp_path, {A: {}}, optim="adafactor", save_strategy="epoch", push_to_hub=False)
     assert "optim=adafactor (every trial trains with torch AdamW)" in caplog.text
     assert "save_strategy=epoch" in caplog.text and "push_to_hub" not in caplog.text
+    assert "rollout_generation_batch_size" not in caplog.text and "rapidfire_config" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        make_sweep(
+            tokenizer, tmp_path / "b", {A: {}}, rollout_generation_batch_size=4, rapidfire_config="balanced"
+        )
+    assert "rollout_generation_batch_size=4 (the sweep decodes every trial's prompts" in caplog.text
+    assert "rapidfire_config (the sweep's trials train with torch AdamW" in caplog.text

@@ -583,6 +583,16 @@ def _unused_settings(args: PPOConfig) -> list[str]:
     ):
         if getattr(args, key, False):
             out.append(f"{key}=True ({why})")
+    if isinstance(args.rollout_generation_batch_size, int):
+        out.append(
+            f"rollout_generation_batch_size={args.rollout_generation_batch_size} (the sweep decodes every "
+            "trial's prompts in one call of the rollout engine)"
+        )
+    if args.rapidfire_config is not None:
+        out.append(
+            "rapidfire_config (the sweep's trials train with torch AdamW, no memory callback, planner probe "
+            "or precision plugin; training forwards are bounded by train_rows_per_forward)"
+        )
     return out
 
 
