@@ -209,3 +209,24 @@ def test_static_only_options_on_the_hf_backend_are_named_not_dropped(tokenizer):
     with pytest.warns(UserWarning, match=r"decode_sampler='triton' apply to the static engine only"):
         engine = RolloutEngine(model, 0, [], backend="hf", decode_sampler="triton")
     assert engine.backend == "hf"
+
+
+def test_ppo_config_reaches_the_kernels_and_refuses_unknown_names(tmp_path, tokenizer):
+    from rapidfire_hf.config import ConfigError
+    from tests.ppo.helpers import tiny_trainer
+
+    def rollout_of(**kernels):
+        trainer = tiny_trainer(tmp_path / str(len(kernels)), tokenizer, rollout_backend="static", **kernels)
+        batch = trainer.next_prompts(0)
+        torch.manual_seed(11)  # the engine draws its noise from the global generator here
+        return trainer, trainer.rollout(batch)
+
+    plain_trainer, plain = rollout_of()
+    trainer, fused = rollout_of(rollout_decode_attention="triton", rollout_decode_sampler="triton")
+    engine = trainer.roller.engine._static
+    assert (engine.net.attention, engine.sampler) == ("triton", "triton")
+    assert plain_trainer.roller.engine._static.sampler == "torch"
+    assert torch.equal(fused.responses, plain.responses)
+    torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="rollout_decode_sampler"):
+        tiny_trainer(tmp_path / "bad", tokenizer, rollout_decode_sampler="cuda-magic")

@@ -86,6 +86,8 @@ class Roller:
                 stops,
                 backend=rollout_backend(args, self.engine_support),
                 decode_mode=args.rollout_decode_mode,
+                decode_attention=args.rollout_decode_attention,
+                decode_sampler=args.rollout_decode_sampler,
             )
         params = sampling_params(args, sampling)
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)

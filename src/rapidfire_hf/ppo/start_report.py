@@ -36,7 +36,16 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
         rollout, static = "rollout: model.generate", False
         skipped.append(f"fast rollout engine ({why})")
     else:
-        rollout, static = f"rollout: static engine, decode_mode={args.rollout_decode_mode}", True
+        kernels = [
+            f"{name}={value}"
+            for name, value, default in (
+                ("attention", args.rollout_decode_attention, "sdpa"),
+                ("sampler", args.rollout_decode_sampler, "torch"),
+            )
+            if value != default
+        ]
+        extra = f", {', '.join(kernels)}" if kernels else ""
+        rollout, static = f"rollout: static engine, decode_mode={args.rollout_decode_mode}{extra}", True
     value = "value: fused head on the policy" if fused_value else "value: separate value model"
     if rapidfire_optimizer is not None:
         rf = rapidfire_optimizer

@@ -222,6 +222,8 @@ class PPOSweep:
             [stop] if stop is not None else [],
             backend="static" if reason is None else "hf",
             decode_mode=self.args.rollout_decode_mode,
+            decode_attention=self.args.rollout_decode_attention,
+            decode_sampler=self.args.rollout_decode_sampler,
         )
 
     def _add(self, name: str, overrides: dict, source: Trial | None = None, parent_overrides=None) -> Trial:
