@@ -83,3 +83,12 @@ def classifier_parts(model: nn.Module, role: str = "model") -> tuple[nn.Module, 
             "(path, num_labels=1)"
         )
     return backbone, score
+
+
+def disable_dropout(module: nn.Module) -> None:
+    """Dropout off in every submodule: PPO's forwards must be functions of their rows and weights alone
+    (the rollout's log-probs and the training forward's must agree; a sweep trial must not depend on its
+    neighbours' rows)."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0

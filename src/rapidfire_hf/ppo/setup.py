@@ -17,7 +17,7 @@ from transformers.optimization import get_scheduler
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
-from rapidfire_hf.models.plumbing import causal_lm_parts
+from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.models.value_head import ValueHead
 from rapidfire_hf.optim.step_health import rapidfire_optimizer
 from rapidfire_hf.ppo.config import check_optimizer_options, check_value_mode
@@ -44,12 +44,6 @@ def _split_value_head_model(model, value_model):
             "or pass model.pretrained_model with the separate value_model"
         )
     return model.pretrained_model, model.v_head
-
-
-def _disable_dropout(module: torch.nn.Module) -> None:
-    for m in module.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
 
 
 def default_adamw(args, params, **kernel) -> torch.optim.AdamW:
@@ -274,7 +268,7 @@ def make_module(
         )
     for m in (module, ref_model, reward_model):
         if m is not None:
-            _disable_dropout(m)
+            disable_dropout(m)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     # after the reference copy (a deepcopy of patched or compiled modules is not one) and PEFT

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rapidfire_hf.models import causal_lm_parts
+from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
 from rapidfire_hf.sweep import checkpoint as ckpt
@@ -169,10 +169,10 @@ class PPOSweep:
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
         self.model = model.to(self.device)
         self.bank = AdapterBank(self.model, peft_config)
-        _disable_dropout(self.model)
+        disable_dropout(self.model)
         if reward_model is not None:
             reward_model = reward_model.to(self.device).eval().requires_grad_(False)
-            _disable_dropout(reward_model)
+            disable_dropout(reward_model)
         self.train_dataset = prepare_prompt_dataset(
             train_dataset, tok, args.dataset_text_field, args.max_prompt_length
         )
@@ -596,13 +596,6 @@ def _unused_settings(args: PPOConfig) -> list[str]:
             "or precision plugin; training forwards are bounded by train_rows_per_forward)"
         )
     return out
-
-
-def _disable_dropout(module) -> None:
-    """Dropout off: a trial's forward must be a function of its rows and weights alone."""
-    for m in module.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
 
 
 def _full_mask(model) -> bool:
