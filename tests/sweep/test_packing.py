@@ -65,3 +65,19 @@ def test_a_bad_limit_is_refused_before_anything_loads(tokenizer, tmp_path):
         from rapidfire_hf.sweep import PPOSweep
 
         PPOSweep(PPOConfig(output_dir=str(tmp_path)), {"a": {}}, None, None, None, train_rows_per_forward=0)
+
+
+def test_the_yaml_key_is_checked_before_anything_loads_and_reaches_the_sweep(tmp_path):
+    from rapidfire_hf.config import ConfigError
+    from rapidfire_hf.sweep.spec import build, validate
+
+    doc = {
+        "reward_funcs": ["demo"],
+        "config": {"output_dir": str(tmp_path), "use_cpu": True, "response_length": 4},
+        "trials": {"a": {}, "b": {"kl_coef": 0.2}},
+    }
+    for bad in (0, "lots", 2.5, True):
+        with pytest.raises(ConfigError, match="train_rows_per_forward"):
+            validate({**doc, "train_rows_per_forward": bad})
+    sweep = build(validate({**doc, "train_rows_per_forward": 4}), progress=False)
+    assert sweep.phases.train_rows_per_forward == 4

@@ -15,6 +15,7 @@
       kl0.2: {kl_coef: 0.2, learning_rate: 2.0e-5}
     early_stopping: {metric: objective/scores, after_updates: 10, margin: 0.1}
     # successive_halving: {rungs: [5, 10, 20], keep: 0.5, metric: objective/scores}
+    # train_rows_per_forward: 16  # rows of one training forward across trials (default: 16,384 tokens)
 
 Every key and value is checked before anything loads: an unknown key, a key given twice, an unknown
 PPOConfig field in ``config`` or a trial, a field trials must share, a value PPOConfig refuses, a trial
@@ -44,6 +45,7 @@ KEYS = (
     "trials",
     "early_stopping",
     "successive_halving",
+    "train_rows_per_forward",
 )
 DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -172,6 +174,14 @@ def validate(data: dict, source: str | None = None) -> dict:
         _check_paths_and_funcs(data)
         _check_lora(data)
         _check_rules(data)
+        rows = data.get("train_rows_per_forward")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ConfigError(
+                "must be a whole number >= 1",
+                key="train_rows_per_forward",
+                value=rows,
+                allowed="rows of one training forward across the trials of a micro-step (omit: 16,384 tokens)",
+            )
     except ConfigError as err:
         raise (err.with_source(source) if source else err) from None
     return {"model": "demo", "dataset": "demo", "lora": DEFAULT_LORA, **data}
@@ -329,4 +339,5 @@ def build(spec: dict, progress: bool = True, callbacks=None):
         callbacks=callbacks,
         early_stopping=rules,
         progress=progress,
+        train_rows_per_forward=spec.get("train_rows_per_forward"),
     )
