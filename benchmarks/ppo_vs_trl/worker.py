@@ -456,6 +456,10 @@ def run_ours(cfg: dict, device: str) -> dict:
         "reward_class": type(trainer.reward_model).__name__,
         "speedups": trainer.kernel_patches.summary(),
         "plan": trainer.plan.to_dict() if trainer.plan is not None else None,
+        # None: not a RapidFireOptimizer; else whether its gradient pipeline ran
+        "pipeline": (
+            trainer.rapidfire_optimizer.pipeline_enabled if trainer.rapidfire_optimizer is not None else None
+        ),
     }
 
 

@@ -8,6 +8,8 @@
 #                                               # (exact) against the previous one (scale), no config, stock
 #   bash benchmarks/presets/h200.sh OUT full7b  # 7B full fine-tuning, 7B reward model: stock b4, ours b160
 #   bash benchmarks/presets/h200.sh OUT lora7b  # 7B LoRA, 7B reward model: stock b64, ours b256
+#   bash benchmarks/presets/h200.sh OUT pipe64  # 1.1B, batch 64: the gradient pipeline on/off at 1, 4, 8
+#                                               # accumulation steps (balanced, planner off), stock
 set -u
 OUT=${1:?output folder}; shift
 PY=${PYTHON:-python3}  # reproduce_h200.sh's PYTHON (its tests record the commands instead of running them)
@@ -31,8 +33,10 @@ for part in "$@"; do
            --rows aggressive,handtuned,trl ;;
     lora7b) $PY benchmarks/presets/run.py --out "$OUT/lora7b" --shape llama-7b --reward model --batch 256 \
            --peft --value-mode fused --trl-batch 64 --timeout 240 --rows aggressive,handtuned,trl ;;
+    pipe64) $PY benchmarks/presets/run.py --out "$OUT/pipe64" --batch 64 --timeout 100 \
+           --rows pipeline-a1,nopipeline-a1,pipeline-a4,nopipeline-a4,pipeline-a8,nopipeline-a8,trl ;;
     b8) $PY benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout 120 \
            --rows none,balanced,aggressive,conservative,advanced,snippet,trl ;;
-    *) echo "unknown part $part (b64, b256, b8, clip64, full7b, lora7b)"; exit 2 ;;
+    *) echo "unknown part $part (b64, b256, b8, clip64, full7b, lora7b, pipe64)"; exit 2 ;;
   esac
 done

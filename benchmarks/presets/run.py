@@ -7,7 +7,9 @@ models, prompts and rule reward as the ppo_vs_trl suite), run one after another 
 - ``none``: our PPOTrainer with no rapidfire config (the user's micro-batch, TRL's chunks);
 - each preset (``conservative``, ``balanced``, ``aggressive``), ``config/advanced.yaml`` and the articles'
   snippet (``{"gradient_pipeline": True, "memory_optimization": "aggressive", "precision": "adaptive"}``),
-  with the throughput planner (the default) and, as ``<name>-noplan``, with ``memory.planner: false``.
+  with the throughput planner (the default) and, as ``<name>-noplan``, with ``memory.planner: false``;
+- ``pipeline-aN`` / ``nopipeline-aN``: ``balanced`` without the planner, the gradient pipeline on / off, at
+  N accumulation steps (micro-batch = rollout batch / N): where the pipeline pays.
 
 Tokens/s = rollout batch x (prompt + response) / median s per update of the updates after the first.
 Each row stores the plan the trainer printed. Writes ``results.json``, ``results.csv`` and ``presets.png``.
@@ -40,6 +42,19 @@ CONFIGS = {
     "balancedscale": {"preset": "balanced", "gradient": {"clip_prediction": "scale"}},
 }
 ROW_NAMES = ("trl", "handtuned", *CONFIGS, *(f"{n}-noplan" for n in CONFIGS if n != "none"))
+# the gradient pipeline at a given number of accumulation steps: "pipeline-a4" / "nopipeline-a4" run
+# `balanced` with the planner off (the user's split kept) and micro-batch = rollout batch / 4
+ACCUMULATION_ROWS = ("pipeline-a", "nopipeline-a")
+
+
+def pipeline_row(name: str) -> tuple[bool, int] | None:
+    """``(pipeline on, accumulation steps)`` of a pipeline row, or None for any other row."""
+    for prefix in ACCUMULATION_ROWS:
+        if name.startswith(prefix) and name[len(prefix) :].isdigit() and int(name[len(prefix) :]) >= 1:
+            return prefix == "pipeline-a", int(name[len(prefix) :])
+    return None
+
+
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
@@ -94,7 +109,22 @@ def row_config(name: str, args) -> dict:
         "liger": args.liger and name != "trl",
         "compile": args.compile and name != "trl",
     }
-    if name == "handtuned":  # today's hand-set sizes: no rapidfire config, everything given by hand
+    pipe = pipeline_row(name)
+    if pipe is not None:
+        on, steps = pipe
+        if batch % steps:
+            raise SystemExit(
+                f"row {name}: the rollout batch {batch} does not split into {steps} micro-batches"
+            )
+        cfg["micro"] = batch // steps
+        cfg["rapidfire_config"] = {
+            "preset": "balanced",
+            "memory": {"planner": False},
+            "gradient": {"pipeline": on},
+        }
+        cfg["score_chunk"] = "auto"
+        cfg["rollout_generation_batch_size"] = "auto"
+    elif name == "handtuned":  # today's hand-set sizes: no rapidfire config, everything given by hand
         cfg["micro"] = args.hand_micro
         cfg["score_chunk"] = args.hand_score_chunk
         if args.hand_gen_chunk:
@@ -114,7 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--rows",
         default="trl,none,conservative,balanced,aggressive,advanced,snippet",
-        help=f"comma-separated rows, in order; known: {', '.join(ROW_NAMES)}",
+        help=f"comma-separated rows, in order; known: {', '.join(ROW_NAMES)}, pipeline-aN / nopipeline-aN "
+        "(the gradient pipeline on / off at N accumulation steps)",
     )
     p.add_argument("--batch", type=int, default=64, help="rollout batch (prompts per update)")
     p.add_argument(
@@ -154,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny smoke shape, 8 + 8 tokens, batch 8")
     args = p.parse_args(argv)
     args.rows = [r for r in args.rows.split(",") if r]
-    unknown = [r for r in args.rows if r not in ROW_NAMES]
+    unknown = [r for r in args.rows if r not in ROW_NAMES and pipeline_row(r) is None]
     if unknown:
         p.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROW_NAMES)}")
     if args.smoke:
@@ -182,6 +213,8 @@ def summary_row(row: dict, baseline: dict | None) -> dict:
         "plan_scoring_rows": plan.get("scoring_rows"),
         "plan_generation_rows": plan.get("generation_rows"),
         "plan_peak_gib": plan.get("planned_peak_bytes", 0) / 2**30 if plan else None,
+        "micro": row.get("micro"),
+        "pipeline": row.get("pipeline"),
     }
 
 

@@ -1,0 +1,29 @@
+"""benchmarks/presets/run.py --smoke runs its rows on the CPU and records what each row ran with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.presets.run import main, parse_args, pipeline_row
+
+
+def test_pipeline_rows_parse_and_unknown_rows_are_refused(capsys):
+    assert pipeline_row("pipeline-a4") == (True, 4) and pipeline_row("nopipeline-a8") == (False, 8)
+    assert pipeline_row("pipeline-a0") is None and pipeline_row("pipeline-x") is None
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--rows", "pipeline-a0"])
+    assert "unknown row(s) pipeline-a0" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # three tiny PPO runs in worker processes (~30 s)
+def test_smoke_pipeline_rows_run_the_split_and_the_pipeline_they_name(tmp_path):
+    main(["--out", str(tmp_path), "--smoke", "--rows", "nopipeline-a4,pipeline-a4,pipeline-a1"])
+    rows = {r["row"]: r for r in json.loads((tmp_path / "results.json").read_text())["summary"]}
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows.values())
+    assert (rows["pipeline-a4"]["micro"], rows["pipeline-a1"]["micro"]) == (2, 8)  # smoke batch 8
+    assert rows["pipeline-a4"]["pipeline"] is True and rows["nopipeline-a4"]["pipeline"] is False
+    # the planner is off in these rows: the forward takes the user's micro-batch
+    assert rows["pipeline-a4"]["plan_train_rows"] == 2
+    assert (tmp_path / "presets.png").stat().st_size > 0
