@@ -131,8 +131,8 @@ def _torch_sample(logits, params, noise):
 
 
 def sampling_rows(args, device: str, dtype) -> list[dict]:
-    from rapidfire_hf.kernels.triton_sampling import fused_sample, philox_seeds
-    from rapidfire_hf.rollout.sampling import sample_tokens
+    from rapidfire_hf.kernels.triton_sampling import fused_sample
+    from rapidfire_hf.rollout.sampling import philox_seeds, sample_tokens
     from rapidfire_hf.rollout.types import SamplingParams
 
     rows, per_ms = [], _peak_bytes_per_ms(device)

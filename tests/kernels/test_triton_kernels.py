@@ -15,9 +15,9 @@ from rapidfire_hf.demo import build_tiny_llama  # noqa: E402
 from rapidfire_hf.kernels import gqa_decode_attention  # noqa: E402
 from rapidfire_hf.kernels.decode_attention import triton_unavailable_reason  # noqa: E402
 from rapidfire_hf.kernels.triton_flash_decode import flash_decode, num_splits  # noqa: E402
-from rapidfire_hf.kernels.triton_sampling import fused_sample, philox_seeds  # noqa: E402
+from rapidfire_hf.kernels.triton_sampling import fused_sample  # noqa: E402
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from rapidfire_hf.rollout.sampling import sample_tokens  # noqa: E402
+from rapidfire_hf.rollout.sampling import philox_seeds, sample_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

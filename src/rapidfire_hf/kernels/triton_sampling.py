@@ -72,11 +72,6 @@ def _sample_kernel(
     tl.store(Lp + row + one, best_x - lse)
 
 
-def philox_seeds(generator: torch.Generator | None, rows: int, device) -> torch.Tensor:
-    """``[rows]`` int64 seeds for :func:`fused_sample`'s Philox mode, drawn from ``generator``."""
-    return torch.randint(0, 2**31 - 1, (rows,), generator=generator, dtype=torch.int64).to(device)
-
-
 def fused_sample(
     logits: torch.Tensor,
     temperature: float,
@@ -92,7 +87,8 @@ def fused_sample(
         temperature: divides the logits (> 0).
         do_sample: draw (Gumbel-max) or take the argmax of the raw logits.
         noise_uniform: ``[B, V]`` float32 uniform(0, 1) noise, as the PyTorch path takes it.
-        seeds: instead of ``noise_uniform``, ``[B]`` int64 Philox seeds (see :func:`philox_seeds`); the
+        seeds: instead of ``noise_uniform``, ``[B]`` int64 Philox seeds
+            (:func:`rapidfire_hf.rollout.sampling.philox_seeds`); the
             noise of a row is a function of its seed, ``step`` and the token id.
         step: ``[1]`` int64 tensor holding the decode step (Philox mode only; default step 0).
 

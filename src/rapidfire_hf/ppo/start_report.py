@@ -13,7 +13,6 @@ class StartFacts:
     """The facts the table reports, read from a built trainer (see :func:`start_facts`)."""
 
     rollout: str  # the backend the rollout will use, and why when it is not the static engine
-    static: bool
     value: str
     optimizer: str
     precision: str | None
@@ -30,10 +29,10 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
     skipped = []
     reason = unsupported_reason(policy)
     if backend == "hf":
-        rollout, static = "rollout: model.generate (rollout_backend='hf' or sharded weights)", False
+        rollout = "rollout: model.generate (rollout_backend='hf' or sharded weights)"
     elif backend == "auto" and (device.type != "cuda" or reason is not None):
         why = reason or f"the static engine records CUDA graphs; this run is on {device.type}"
-        rollout, static = "rollout: model.generate", False
+        rollout = "rollout: model.generate"
         skipped.append(f"fast rollout engine ({why})")
     else:
         kernels = [
@@ -45,7 +44,7 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
             if value != default
         ]
         extra = f", {', '.join(kernels)}" if kernels else ""
-        rollout, static = f"rollout: static engine, decode_mode={args.rollout_decode_mode}{extra}", True
+        rollout = f"rollout: static engine, decode_mode={args.rollout_decode_mode}{extra}"
     value = "value: fused head on the policy" if fused_value else "value: separate value model"
     if rapidfire_optimizer is not None:
         rf = rapidfire_optimizer
@@ -77,7 +76,7 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
     summary = kernel_patches.summary()
     compiled = sum(summary["compiled_layers"].values())
     return StartFacts(
-        rollout, static, value, optim, precision, memory, bool(summary["liger"]), compiled, planner, skipped
+        rollout, value, optim, precision, memory, bool(summary["liger"]), compiled, planner, skipped
     )
 
 

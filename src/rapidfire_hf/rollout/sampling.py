@@ -43,6 +43,14 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return scores
 
 
+def philox_seeds(generator: torch.Generator | None, rows: int, device) -> torch.Tensor:
+    """``[rows]`` int64 seeds for the fused sampler's own noise (``decode_sampler="triton-philox"``), drawn
+    from ``generator`` on its device (the default generator of ``device`` when None), then moved to ``device``."""
+    where = generator.device if generator is not None else device
+    drawn = torch.randint(0, 2**31 - 1, (rows,), generator=generator, dtype=torch.long, device=where)
+    return drawn.to(device)
+
+
 def gumbel_noise(noise_uniform: torch.Tensor) -> torch.Tensor:
     """``[B, V]`` uniform(0, 1) samples -> Gumbel(0, 1) samples (u = 0 maps to -inf: never picked)."""
     return -torch.log(-torch.log(noise_uniform))

@@ -16,7 +16,7 @@ import torch
 from rapidfire_hf.kernels.decode_attention import triton_unavailable_reason
 from rapidfire_hf.rollout.llama_forward import StaticLlama
 from rapidfire_hf.rollout.prefill import chunk_prefill
-from rapidfire_hf.rollout.sampling import sample_tokens
+from rapidfire_hf.rollout.sampling import philox_seeds, sample_tokens
 from rapidfire_hf.rollout.types import SamplingParams
 
 DECODE_MODES = ("eager", "cuda_graph", "compile")
@@ -386,7 +386,5 @@ def _fill_seeds(seeds: torch.Tensor, generator) -> None:
     blocks = generator if isinstance(generator, list) else [(seeds.shape[0], generator)]
     start = 0
     for rows, gen in blocks:
-        device = gen.device if gen is not None else seeds.device
-        drawn = torch.randint(0, 2**31 - 1, (rows,), generator=gen, dtype=torch.long, device=device)
-        seeds[start : start + rows].copy_(drawn)
+        seeds[start : start + rows].copy_(philox_seeds(gen, rows, seeds.device))
         start += rows
