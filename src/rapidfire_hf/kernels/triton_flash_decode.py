@@ -24,6 +24,16 @@ PROGRAMS_PER_SM = 2
 
 
 @triton.jit
+def _store_out(Out, base, stride_og, offs_g, offs_d, out, g_ok, d_ok):
+    """The ``[G, D]`` output tile of one (row, K/V head), in the output's dtype."""
+    tl.store(
+        Out + base + offs_g[:, None] * stride_og + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=g_ok[:, None] & d_ok[None, :],
+    )
+
+
+@triton.jit
 def _partial_kernel(
     Q, K, V, Valid, Out, Acc, Mx, Sums,
     stride_qb, stride_qh, stride_qg,
@@ -89,11 +99,8 @@ def _partial_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SINGLE:
-        out = acc / l_i[:, None]
-        tl.store(
-            Out + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=g_ok[:, None] & d_ok[None, :],
+        _store_out(
+            Out, b * stride_ob + h * stride_oh, stride_og, offs_g, offs_d, acc / l_i[:, None], g_ok, d_ok
         )
     else:
         row = (bh * n_splits + split) * BLOCK_G
@@ -127,12 +134,8 @@ def _merge_kernel(
         Acc + rows[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=s_ok[:, None, None], other=0.0
     )
     out = tl.sum(w[:, :, None] * acc, 0) / denom[:, None]
-    g_ok = offs_g < group
-    d_ok = offs_d < HEAD_DIM
-    tl.store(
-        Out + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=g_ok[:, None] & d_ok[None, :],
+    _store_out(
+        Out, b * stride_ob + h * stride_oh, stride_og, offs_g, offs_d, out, offs_g < group, offs_d < HEAD_DIM
     )
 
 
