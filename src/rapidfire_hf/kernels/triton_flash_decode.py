@@ -15,6 +15,8 @@ Triton decides at import whether kernels are compiled for the GPU or run by its 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -139,9 +141,15 @@ def _merge_kernel(
     )
 
 
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (asked once per device: this runs for every layer of an eager decode step)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4  # the interpreter: a few splits, so the merge path runs in the CPU tests too
 
 
