@@ -1,4 +1,5 @@
-"""benchmarks/kernels/run.py --smoke (Triton's interpreter on the CPU) writes its results, correct rows."""
+"""The kernels benchmarks in their CPU smoke modes: run.py (Triton's interpreter) writes correct rows;
+profile_decode.py splits the step into categories, gaps and a floor; logprobs.py matches the fp32 reference."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -37,3 +39,54 @@ def test_smoke_run_writes_results_and_every_kernel_matches_its_reference(tmp_pat
         if row.get("same_tokens") is not None:
             assert row["same_tokens"], row
     assert (tmp_path / "results.csv").stat().st_size > 0 and (tmp_path / "kernels.png").stat().st_size > 0
+
+
+def test_profile_smoke_splits_the_step_into_categories_gaps_and_a_floor_from_the_bytes(tmp_path):
+    from tests.benchmarks.loader import load_benchmark
+
+    prof = load_benchmark("kernels/profile_decode.py")
+    assert prof.main(["--out", str(tmp_path), "--smoke"]) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["window"] == "between markers", row
+    per_cat = [row[f"{c}_ms"] for c in prof.CATEGORIES]
+    assert sum(per_cat) == pytest.approx(row["kernel_ms"])
+    # the CPU step's ops: the projections (aten::mm), SDPA, the vocabulary log-softmax / noise, the norms
+    assert all(row[f"{c}_ms"] > 0 for c in ("gemm", "attention", "sampling", "norm_rope_elementwise")), row
+    assert row["gap_ms"] == pytest.approx(row["wall_ms"] - row["kernel_ms"])
+    assert 0 < row["kernel_ms"] <= row["span_ms"] * 1.01  # the ops lie inside the span between the markers
+    # the floor is the bytes read over the bandwidth: the model's parameters (less the unread embedding
+    # rows) and the K/V slots the 3 profiled steps read (prompt 8 padded to 32, + steps 3..5, bucket 64)
+    shape = prof.SMOKE_SHAPES["smoke"]
+    model = prof.build_model(shape, "cpu", torch.float32, 128)
+    assert row["weight_bytes"] == prof.weight_read_bytes(model, 2)
+    layers, kv, d = shape["num_hidden_layers"], shape["num_key_value_heads"], 64 // 4
+    assert row["kv_slots"] == 40 and row["kv_bytes"] == layers * 2 * kv * d * 4 * 2 * 40
+    assert row["floor_ms"] == pytest.approx(
+        (row["weight_bytes"] + row["kv_bytes"]) / (row["peak_tb_s"] * 1e9)
+    )
+    assert row["top_kernels"] and all(k["category"] in prof.CATEGORIES for k in row["top_kernels"])
+    assert (tmp_path / "results.csv").stat().st_size > 0 and (tmp_path / "profile.png").stat().st_size > 0
+
+
+def test_logprobs_smoke_every_implementation_matches_the_fp32_reference(tmp_path):
+    from tests.benchmarks.loader import load_benchmark
+
+    lp = load_benchmark("kernels/logprobs.py")
+    assert lp.main(["--out", str(tmp_path), "--smoke"]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {(r["impl"], r["mode"], r["rows"]) for r in rows} == {
+        (i, m, n) for i in lp.IMPLS for m in lp.MODES for n in (16, 24)
+    }
+    for row in rows:
+        if row["impl"] == "liger" and row["status"].startswith("skipped"):
+            assert "not installed" in row["status"]  # optional: only where liger-kernel is installed
+            continue
+        assert row["status"] == "ok", row
+        assert row["ms"] > 0
+        # fp32 on the CPU: chunking changes only the summation order
+        assert row["logprobs_max_abs_err"] < 1e-5, row
+        if row["mode"] == "fwd+bwd":
+            assert row["grad_hidden_rel_err"] < 1e-5 and row["grad_weight_rel_err"] < 1e-5, row
+        else:
+            assert "grad_hidden_max_abs_err" not in row
+    assert (tmp_path / "results.csv").stat().st_size > 0 and (tmp_path / "logprobs.png").stat().st_size > 0
