@@ -1,12 +1,55 @@
 #!/usr/bin/env bash
 # One device call for benchmarks/kernels (run from the repository root on the GPU machine, .whl/ carried):
 #   bash benchmarks/kernels/h200.sh OUT
-# the GPU tests of the Triton kernels, the kernel benchmark, then the decode step end to end
-# (benchmarks/rollout: compiled / recorded step with and without the Triton kernels, batch 8 and 64).
+# in this order, each part under its own time limit (seconds, capped by what is left of TOTAL_S for the call),
+# each writing its rows as they finish, so a part that runs out of time keeps what it measured:
+#   tests     the GPU tests of the Triton kernels (tests/kernels -m gpu)                      ~40 s, cap 60
+#   kernels   benchmarks/kernels/run.py: each kernel against its PyTorch path and the floor   ~60 s, cap 80
+#   logprobs  benchmarks/kernels/logprobs.py: chunked log-probs, ours / TRL 1.16 / Liger      ~45 s, cap 70
+#   rollout   benchmarks/rollout/run.py: the decode step end to end, with and without Triton  ~150 s, cap 170
+#   profile   benchmarks/kernels/profile_decode.py: the compiled decode step by kernel category,
+#             1.1B / 7B, batch 8 / 64 / 256, default and Triton; ~25-40 s a cell, so the cells left when
+#             its budget ends are recorded as skipped (run them with PARTS=profile PROFILE_BATCHES=...)
+# PARTS picks parts (default all, in the order above); TOTAL_S (default 510) bounds the call after the
+# wheel install, which takes ~15-20 s. On the rollout part's compiled batch 8 / 64 steps the profile reuses
+# inductor's on-disk cache (same step, same shapes).
 set -u
 OUT=${1:?output folder}
+mkdir -p "$OUT"
 source benchmarks/common/gpu_env.sh
-python3 -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4
-python3 benchmarks/kernels/run.py --out "$OUT/kernels" 2>&1 | grep -v "^{" | tail -3
-python3 benchmarks/rollout/run.py --out "$OUT/rollout" --batches ${ROLLOUT_BATCHES:-8,64} --budget-s ${ROLLOUT_BUDGET_S:-150} --no-correctness \
-  --systems ${ROLLOUT_SYSTEMS:-ours_compile,ours_compile+triton,ours_compile+tattn,ours_cuda_graph,ours_cuda_graph+triton} 2>&1 | tail -14
+PARTS=${PARTS:-tests kernels logprobs rollout profile}
+TOTAL_S=${TOTAL_S:-510}
+SECONDS=0
+
+# run NAME CAP COMMAND...: COMMAND under `timeout`, at most CAP seconds and at most what is left of TOTAL_S
+run() {
+  local name=$1 cap=$2 left=$((TOTAL_S - SECONDS))
+  shift 2
+  case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
+  ((cap > left)) && cap=$left
+  if ((cap < 15)); then
+    echo "== $name: skipped, ${left}s left of ${TOTAL_S}s" | tee -a "$OUT/parts.log"
+    return 0
+  fi
+  echo "== $name (limit ${cap}s, at ${SECONDS}s)"
+  local start=$SECONDS
+  timeout -k 10 "$cap" "$@"
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - start))s$( ((rc == 124 || rc == 137)) && echo ' (time limit: rows so far kept)')" |
+    tee -a "$OUT/parts.log"
+}
+
+run tests 60 bash -o pipefail -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4'
+run kernels 80 bash -o pipefail -c "python3 benchmarks/kernels/run.py --out '$OUT/kernels' 2>&1 | grep -v '^{' | tail -3"
+run logprobs 70 bash -o pipefail -c "python3 benchmarks/kernels/logprobs.py --out '$OUT/logprobs' --budget-s ${LOGPROBS_BUDGET_S:-45} \
+  2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"
+run rollout 170 bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \
+  --budget-s ${ROLLOUT_BUDGET_S:-140} --no-correctness \
+  --systems ${ROLLOUT_SYSTEMS:-ours_compile,ours_compile+triton,ours_compile+tattn,ours_cuda_graph,ours_cuda_graph+triton} \
+  2>&1 | tail -14"
+# the profile's own budget leaves ~40 s for the cell started last (a compiled 7B cell)
+left=$((TOTAL_S - SECONDS))
+run profile $left bash -o pipefail -c "python3 benchmarks/kernels/profile_decode.py --out '$OUT/profile' \
+  --batches ${PROFILE_BATCHES:-8,64,256} --mode ${PROFILE_MODE:-compile} --budget-s ${PROFILE_BUDGET_S:-$((left - 40))} \
+  2>&1 | grep -E '^\{|wrote' | cut -c1-260 | tail -14"
+echo "== done in ${SECONDS}s"
