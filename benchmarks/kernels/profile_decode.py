@@ -500,7 +500,7 @@ def chart(path: Path, env: dict, rows: list[dict]) -> None:
         f"decode step by kernel category, {env.get('gpu') or 'cpu (smoke)'}, mode {ok[0]['mode']}",
         fontsize=10,
     )
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     save_figure(fig, path)
