@@ -196,7 +196,7 @@ def common_args(cfg: dict, device: str) -> dict:
         report_to=[],
         save_strategy="no",
         logging_steps=1,
-        learning_rate=cfg.get("lr", 2e-5) if learning else 3e-6,
+        learning_rate=cfg.get("lr", 2e-5 if learning else 3e-6),  # benchmarks/sweep gives each trial its rate
         temperature=cfg.get("temperature", 1.0) if learning else 0.7,
         seed=cfg.get("seed", 0),
         use_cpu=device == "cpu",

@@ -63,7 +63,10 @@ def ints(text: str) -> list[int]:
 def trial_grid(kls: list[float], lrs: list[float]) -> dict[str, dict]:
     """``{name: overrides}`` of the kl_coef x learning_rate grid; trial i gets seed i."""
     grid = [(kl, lr) for kl in kls for lr in lrs]
-    return {f"kl{kl:g}-lr{lr:g}": {"kl_coef": kl, "learning_rate": lr, "seed": i} for i, (kl, lr) in enumerate(grid)}
+    return {
+        f"kl{kl:g}-lr{lr:g}": {"kl_coef": kl, "learning_rate": lr, "seed": i}
+        for i, (kl, lr) in enumerate(grid)
+    }
 
 
 def trl_available(path: str | None) -> str | None:
@@ -221,7 +224,9 @@ def sequential_summary(part: dict, updates: int) -> dict | None:
         else:
             first, later = t["t"][0], [b - a for a, b in zip(t["t"], t["t"][1:])]
             per[name] = first + (statistics.median(later) if later else first) * (updates - 1)
-            how.add(f"extrapolated per trial: first update + median of {len(later)} later updates x {updates - 1}")
+            how.add(
+                f"extrapolated per trial: first update + median of {len(later)} later updates x {updates - 1}"
+            )
     loads = {n: t["build_s"] + t["init_s"] for n, t in trials.items()}
     missing = total - len(trials)
     typical, typical_load = statistics.median(per.values()), statistics.median(loads.values())
@@ -271,7 +276,9 @@ def summarize(parts: dict, args) -> dict:
         )
         out["best_trial"] = {"sweep_halving": halving.get("winner"), "sequential_ours": seq.get("winner")}
         out["same_best_trial"] = (
-            halving.get("winner") == seq.get("winner") if halving.get("winner") and seq.get("winner") else None
+            halving.get("winner") == seq.get("winner")
+            if halving.get("winner") and seq.get("winner")
+            else None
         )
     if halving and trl:
         out["time_to_best_speedup_vs_trl"] = ratio(trl["time_to_best_s"], halving.get("time_to_best_s"))
@@ -279,7 +286,9 @@ def summarize(parts: dict, args) -> dict:
     source = every if every and every.get("steady_s_all_trials") else halving
     if seq and source and source.get("steady_s_all_trials"):
         out["steady_throughput_ratio"] = ratio(seq["steady_s_all_trials"], source["steady_s_all_trials"])
-        out["steady_throughput_from"] = "sweep_all" if source is every else "sweep_halving (updates before the first rung)"
+        out["steady_throughput_from"] = (
+            "sweep_all" if source is every else "sweep_halving (updates before the first rung)"
+        )
     peaks = [p.get("peak_gib") for p in (halving, every) if p and p.get("peak_gib")]
     if seq and peaks:
         out["peak_memory_ratio"] = ratio(max(peaks), seq.get("one_trial_peak_gib"))
@@ -323,13 +332,22 @@ def plot(parts: dict, summary: dict, path: Path, args) -> Path | None:
     left.grid(alpha=0.3)
     left.legend(fontsize=7)
     if bars:
-        right.barh(range(len(bars)), [b[1] for b in bars], color=["C2" if "extrapolated" in b[2] else "C0" for b in bars])
-        right.set_yticks(range(len(bars)), [b[0] + (" (extrap.)" if "extrapolated" in b[2] else "") for b in bars])
+        right.barh(
+            range(len(bars)),
+            [b[1] for b in bars],
+            color=["C2" if "extrapolated" in b[2] else "C0" for b in bars],
+        )
+        right.set_yticks(
+            range(len(bars)), [b[0] + (" (extrap.)" if "extrapolated" in b[2] else "") for b in bars]
+        )
         ref = summary.get("sweep_halving", {}) and summary["sweep_halving"].get("time_to_best_s")
         for y, (_, v, _) in enumerate(bars):
             right.text(v, y, f" {v:,.1f} s" + (f" ({v / ref:.1f}x)" if ref else ""), va="center", fontsize=8)
         right.set_xlim(0, max(b[1] for b in bars) * 1.35)
-    right.set(xlabel="seconds until the best trial's final reward is known", title=f"{args.shape}, U = {args.updates}")
+    right.set(
+        xlabel="seconds until the best trial's final reward is known",
+        title=f"{args.shape}, U = {args.updates}",
+    )
     right.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     out = save_figure(fig, path)
@@ -356,7 +374,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=12, help="U: updates of every trial that is not stopped")
     p.add_argument("--rungs", type=ints, default=[3, 6], help="successive halving: the rungs (updates)")
     p.add_argument("--keep", type=float, default=0.5, help="successive halving: fraction kept at each rung")
-    p.add_argument("--seq-updates", type=int, default=None, help="sequential_ours: updates per trial (default U)")
+    p.add_argument(
+        "--seq-updates", type=int, default=None, help="sequential_ours: updates per trial (default U)"
+    )
     p.add_argument("--all-updates", type=int, default=None, help="sweep_all: updates (default U)")
     p.add_argument("--trl-updates", type=int, default=3, help="trl: updates of the one stock trial measured")
     p.add_argument("--decode-mode", default="auto", choices=["auto", "compile", "cuda_graph", "eager"],
@@ -392,7 +412,9 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(smoke=args.smoke)
-    env["command"] = " ".join(["python", "benchmarks/sweep/run.py", *(sys.argv[1:] if argv is None else argv)])
+    env["command"] = " ".join(
+        ["python", "benchmarks/sweep/run.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     parts: dict[str, dict] = {}
     t_start = time.perf_counter()
     for i, name in enumerate(args.parts, 1):
@@ -408,10 +430,14 @@ def main(argv=None) -> None:
             parts[name] = run_part(part_config(name, args), timeout)
         summary = summarize(parts, args)
         brief = {k: v for k, v in (summary.get(name) or {}).items() if not isinstance(v, (dict, list))}
-        print(json.dumps({"part": name, "status": parts[name].get("status"), **brief}, default=str), flush=True)
+        print(
+            json.dumps({"part": name, "status": parts[name].get("status"), **brief}, default=str), flush=True
+        )
         if parts[name].get("status") != "ok":
             print(f"  {str(parts[name].get('error'))[-400:]}", flush=True)
-        write_json(out / "results.json", {"environment": env, "summary": summary, "parts": list(parts.values())})
+        write_json(
+            out / "results.json", {"environment": env, "summary": summary, "parts": list(parts.values())}
+        )
         write_csv(out / "results.csv", csv_rows(parts, summary))
         plot(parts, summary, out / "sweep.png", args)
     print(json.dumps({k: summary.get(k) for k in ("time_to_best_speedup", "same_best_trial", "best_trial",

@@ -131,13 +131,20 @@ def run_sequential(cfg: dict, rec: Recorder, device: str) -> None:
         )  # fmt: skip
         trainer.remove_progress_callbacks()
         del policy, reward
-        row = {"overrides": overrides, "steps": [], "t": [], "rewards": [], "update_s": [], "status": "running"}
+        row = {
+            "overrides": overrides,
+            "steps": [],
+            "t": [],
+            "rewards": [],
+            "update_s": [],
+            "status": "running",
+        }
         row.update(build_s=build_s, init_s=_now(device) - t0 - build_s)
         per_trial[name] = row
         start = {}
 
         class Clock(TrainerCallback):
-            def on_log(self, args, state, control, logs=None, row=row, **kw):
+            def on_log(self, args, state, control, logs=None, row=row, start=start, **kw):
                 if "objective/scores" not in (logs or {}):
                     return
                 row["steps"].append(state.global_step)
