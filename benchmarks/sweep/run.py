@@ -237,6 +237,7 @@ def sequential_summary(part: dict, updates: int) -> dict | None:
            "time_to_best_with_load_s": sum(per.values()) + sum(loads.values()) + missing * (typical + typical_load),
            "how": "; ".join(sorted(how)) + (f"; {missing} trial(s) not run, counted at the median trial" if missing else ""),
            "per_trial_s": per, "final_rewards": finals, "winner": best(finals) if len(finals) == total else None,
+           "winner_among_run": best(finals),
            "steady_s_one_trial": statistics.median(steady),
            "steady_s_all_trials": statistics.median(steady) * total,
            "one_trial_peak_gib": max((t.get("peak_gib") or 0.0 for t in trials.values()), default=None) or None}  # fmt: skip

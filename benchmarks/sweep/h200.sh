@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call of benchmarks/sweep on the H200 (run from the repository root with .whl/ and .whl-trl112/
+# carried; ../shared/gpu/wheels.sh trl112 fetches them):
+#   bash benchmarks/sweep/h200.sh OUT          # 1.1B, 8 trials (kl_coef 0.01/0.1 x lr 3e-5..1e-3), U = 12 (~8 min)
+#   bash benchmarks/sweep/h200.sh OUT 7b       # 7B, 4 trials (kl_coef 0.01/0.1 x lr 1e-4/1e-3), U = 8 (a call of its own)
+# The parts run in order of what the targets need most (halving, stock TRL, ours one after another, all
+# trials without halving), each with its own timeout and all within --budget-s; results.json is rewritten
+# after every part, so a part cut by its timeout leaves the others (and what it measured itself).
+set -u
+OUT=${1:?output folder}
+PART=${2:-1b}
+PY=${PYTHON:-python3}  # reproduce_h200.sh's PYTHON (its tests record the commands instead of running them)
+if [ -d .whl ]; then  # the carried wheels (a machine without internet)
+  source benchmarks/common/gpu_env.sh
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site112 .whl-trl112/*.whl \
+    .whl/datasets* .whl/dill* .whl/multiprocess* 2>&1 | tail -2
+  export TRL112_PATH=/tmp/site112
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+case "$PART" in
+  1b) $PY benchmarks/sweep/run.py --out "$OUT" --updates 12 --rungs 4,8 --keep 0.5 --all-updates 4 --trl-updates 3 \
+        --parts sweep_halving,trl,sequential_ours,sweep_all \
+        --timeouts sweep_halving=200,trl=80,sequential_ours=260,sweep_all=130 --budget-s 450 ;;
+  7b) $PY benchmarks/sweep/run.py --out "$OUT" --shape llama-7b --kl 0.01,0.1 --lr 1e-4,1e-3 --updates 8 --rungs 2,4 \
+        --all-updates 3 --trl-updates 2 --parts sweep_halving,trl,sequential_ours,sweep_all \
+        --timeouts sweep_halving=200,trl=100,sequential_ours=240,sweep_all=120 --budget-s 450 ;;
+  *) echo "unknown part $PART (1b, 7b)"; exit 2 ;;
+esac
