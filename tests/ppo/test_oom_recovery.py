@@ -16,6 +16,7 @@ import torch
 from rapidfire_hf.demo import build_tiny_llama, build_tiny_value_model, make_prompt_dataset, vowel_reward
 from rapidfire_hf.ppo import PPOTrainer
 from rapidfire_hf.ppo.modeling import causal_lm_parts
+from rapidfire_hf.ppo.seeds import sampling_generator
 from tests.helpers.faults_train import only_during, oom_above_rows, oom_on_calls
 from tests.ppo.helpers import ppo_args
 
@@ -198,7 +199,8 @@ def test_greedy_generation_oom_gives_the_tokens_of_the_run_without_it(tmp_path, 
 
 def test_generation_oom_mid_decode_restores_the_rng(tmp_path, tokenizer):
     """The second chunk of 4 prompts OOMs at its third decode step, after it drew tokens: the retry puts
-    the RNG back, so its halves draw what a run generating them 2 at a time from there would."""
+    the sampling generator back, so its halves draw what a run generating them 2 at a time from there
+    would."""
     trainer = _build(tmp_path, tokenizer, rollout_generation_batch_size=4)
     decoder = causal_lm_parts(trainer.policy)[0]
     probe = oom_above_rows(decoder, 10**9, grad=False)  # never raises: records the forwards' shapes
@@ -211,9 +213,12 @@ def test_generation_oom_mid_decode_restores_the_rng(tmp_path, tokenizer):
     oom.remove()
     assert oom.raised == 1
 
-    torch.manual_seed(3)
+    # the rollout's noise comes from the update's generator (rapidfire_hf.ppo.seeds), drawn chunk by chunk
+    generator = sampling_generator(trainer.args.seed, trainer.state.global_step)
     pieces = [
-        trainer._rollout_engine.generate(*_prompt_and_mask(trainer, a, b), _params_of(trainer))
+        trainer._rollout_engine.generate(
+            *_prompt_and_mask(trainer, a, b), _params_of(trainer), generator=generator
+        )
         for a, b in ((0, 4), (4, 6), (6, 8))
     ]
     assert torch.equal(recovered.responses, torch.cat([p.responses for p in pieces]))

@@ -36,9 +36,12 @@ def test_merged_micro_batches_train_the_same_update(tmp_path, tokenizer):
     assert planned.plan.merge == 4 and planned.plan.train_rows == 8  # all four micro-batches in one forward
     assert kept.plan.merge == 1 and kept.plan.train_rows == 2
     # same rollouts (the first update's weights are the same) and the same gradients up to fp32 regrouping
-    # of the GEMMs; measured max |diff| 0 to 3e-8 after 2 updates of 2 epochs on a 2-core CPU
+    # of the GEMMs; measured max |diff| 0 to 3e-8 after 2 updates of 2 epochs on a 2-core CPU, except where
+    # Adam amplifies it: an element whose gradient is near zero moves by lr * g / (|g| + eps), so a 1e-9
+    # regrouping difference there can reach a fraction of lr (measured: one element of 8,192 in
+    # layers.0.mlp.down_proj off by 4.4e-6 = 0.0044 lr, with the sampling noise of ppo/seeds.py); held to lr / 100
     for (name, a), b in zip(planned.policy.state_dict().items(), kept.policy.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=planned.args.learning_rate / 100, msg=name)
     log_on = [h for h in planned.state.log_history if "loss/policy_avg" in h]
     log_off = [h for h in kept.state.log_history if "loss/policy_avg" in h]
     for on, off in zip(log_on, log_off):

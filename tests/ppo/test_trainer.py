@@ -356,10 +356,18 @@ def test_clip_prediction_scale_pipelines_binding_windows(tmp_path, tokenizer):
     assert opt.clip_prediction == "scale" and opt.clip_tolerance == 0.5
     assert opt.pipeline_share == trainer.rf_config.gradient.overlap_factor  # the config reaches it
     assert opt.pipeline_depth == trainer.rf_config.gradient.pipeline_depth
+    predicted = []  # the last verified window's predicted coefficient, after each step (None: not pipelined)
+
+    class Predictions(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            predicted.append(opt.stats()["clip_coef_predicted"])
+
+    trainer.add_callback(Predictions())
     trainer.train()
     stats = opt.stats()
     assert stats["pipelined_steps"] > 0 and stats["clip_checks"] == stats["pipelined_steps"]
-    assert stats["clip_coef_predicted"] is not None and stats["clip_coef_predicted"] < 1.0
+    # (after a clip miss the next windows are stepped after backward, so the last one may have none)
+    assert any(c is not None and c < 1.0 for c in predicted)
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 

@@ -152,7 +152,10 @@ FAULTS = [
     ("nan_values", _nan_values, 1, "values (the value head) (after scoring)"),
     ("nan_value_head", _poison_value_head, 1, "value head weights (before the rollout)"),
     ("inf_adapter", _poison_adapter, 1, "adapter weights (before the rollout)"),
-    ("inf_step", _learning_rate(1e30), 1, "non-finite pg_loss (in the PPO epochs)"),
+    # the first step (lr 1e30) makes the weights huge but finite; the finite-step guard then skips the
+    # windows whose loss is not finite (before issue 28 item 4 they reached the weights as NaN, and pg_loss
+    # was the first non-finite statistic); the value loss of the huge value head is the one left
+    ("inf_step", _learning_rate(1e30), 1, "non-finite vf_loss (in the PPO epochs)"),
     ("raising_step", _learning_rate(1e39), 1, "optimizer step raised RuntimeError"),
 ]
 

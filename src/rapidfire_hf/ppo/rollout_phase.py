@@ -70,9 +70,16 @@ class Roller:
         self.chunks = chunks
         self.engine = None
 
-    def rollout(self, batch: dict, generation_rows: int | None, sampling: bool = True) -> Rollout:
+    def rollout(
+        self,
+        batch: dict,
+        generation_rows: int | None,
+        sampling: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
         """Generate responses for a batch of prompts (greedy when not ``sampling``), ``generation_rows``
-        prompts at a time (all at once when None)."""
+        prompts at a time (all at once when None), the noise drawn from ``generator`` (chunk after chunk;
+        None: the global RNG)."""
         from rapidfire_hf.rollout import RolloutEngine
 
         args, device = self.args, self.accelerator.device
@@ -96,9 +103,12 @@ class Roller:
         chunk = generation_rows or queries.shape[0]
         engine = self.engine
 
+        replay = _ChunkReplay(generator)
+
         def generate_rows(start, stop):
+            replay.begin(start)
             part = queries[start:stop]
-            out = engine.generate(part, part != self.pad_token_id, params)
+            out = engine.generate(part, part != self.pad_token_id, params, generator=generator)
             return out.responses, out.logprobs.float()
 
         with (
@@ -119,6 +129,25 @@ class Roller:
         return Rollout(
             queries=queries, responses=torch.cat(responses), logprobs=torch.cat(logprobs), extra=extra
         )
+
+
+class _ChunkReplay:
+    """Puts ``generator`` back to where it was when a chunk is run again from the same row (a retry in
+    smaller pieces after an OOM), so the retry draws what a run with the smaller chunk draws; the chunk
+    runner puts the global RNG back the same way."""
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+        self.start: int | None = None
+        self.state: torch.Tensor | None = None
+
+    def begin(self, start: int) -> None:
+        if self.generator is None:
+            return
+        if start == self.start:
+            self.generator.set_state(self.state)
+        else:
+            self.start, self.state = start, self.generator.get_state()
 
 
 def rollout_backend(args, engine_support) -> str:

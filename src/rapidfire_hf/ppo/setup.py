@@ -18,12 +18,12 @@ from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
 from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
-from rapidfire_hf.models.value_head import ValueHead
 from rapidfire_hf.optim.step_health import rapidfire_optimizer
 from rapidfire_hf.ppo.config import check_optimizer_options, check_value_mode
 from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset, prompt_limits
 from rapidfire_hf.ppo.modeling import PolicyAndValue, check_value_model, value_head_dtype
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
+from rapidfire_hf.ppo.seeds import init_lora, new_value_head, prompt_order
 from rapidfire_hf.ppo.speedups import KernelPatches, all_sdpa, apply_liger, compile_layers
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
@@ -145,8 +145,12 @@ def make_memory_callback(args, rf_config):
     )
 
 
-def apply_peft(model, peft_config):
-    """``model`` with a new PEFT adapter from ``peft_config`` (as given without one)."""
+def apply_peft(model, peft_config, seed: int = 0):
+    """``model`` with a new PEFT adapter from ``peft_config`` (as given without one).
+
+    A plain LoRA adapter with peft's default init (A Kaiming-uniform, B zero) is drawn from ``seed``
+    (:func:`rapidfire_hf.ppo.seeds.init_lora`), as a sweep's trial with that seed draws it; other adapters
+    keep peft's own init."""
     if peft_config is None:
         return model
     from peft import PeftConfig, get_peft_model
@@ -159,7 +163,35 @@ def apply_peft(model, peft_config):
         raise ValueError(
             "model is already a PeftModel: pass the base model with peft_config, or no peft_config."
         )
-    return get_peft_model(model, peft_config)
+    policy = get_peft_model(model, peft_config)
+    pairs = _default_lora_pairs(policy, peft_config)
+    if pairs is not None:
+        init_lora(pairs, seed)
+    return policy
+
+
+def _default_lora_pairs(policy, peft_config) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The ``(A, B)`` weights of each LoRA linear of ``policy`` in module order, when the adapter is plain
+    LoRA with peft's default init (the one a sweep's trial draws); else None."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(peft_config, LoraConfig) or peft_config.init_lora_weights is not True:
+        return None
+    if peft_config.use_dora or getattr(peft_config, "modules_to_save", None):
+        return None
+    pairs = []
+    for module in policy.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        name = policy.active_adapter
+        if module.lora_embedding_A or name not in module.lora_A:
+            return None
+        a, b = module.lora_A[name], module.lora_B[name]
+        if not (type(a) is torch.nn.Linear and type(b) is torch.nn.Linear):
+            return None
+        pairs.append((a.weight, b.weight))
+    return pairs or None
 
 
 def select_adapters(args, policy, ref_model, is_peft: bool) -> str | None:
@@ -258,8 +290,8 @@ def make_module(
         module = PolicyAndValue(policy, value_model=value_model)
     elif given_head is not None:
         module = PolicyAndValue(policy, value_head=given_head.to(value_head_dtype(policy, precision)))
-    elif args.value_mode == "fused":
-        head = ValueHead(causal_lm_parts(policy)[0].config.hidden_size)
+    elif args.value_mode == "fused":  # drawn from the seed, as a sweep's trial draws its head
+        head = new_value_head(causal_lm_parts(policy)[0].config.hidden_size, args.seed)
         module = PolicyAndValue(policy, value_head=head.to(value_head_dtype(policy, precision)))
     else:
         raise ValueError(
@@ -315,7 +347,7 @@ def prepare_prompts(
             name="eval_dataset",
             **limits,
         )
-    order = PromptOrder(
+    order = prompt_order(
         len(train), args.local_batch_size * acc.num_processes, args.seed, acc.process_index, acc.num_processes
     )
     total = args.total_episodes or int(args.num_train_epochs * len(train))

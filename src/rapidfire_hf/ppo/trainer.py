@@ -42,6 +42,7 @@ from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.reporting import Reporter
 from rapidfire_hf.ppo.rollout_phase import Roller, rollout_backend
 from rapidfire_hf.ppo.scoring import Scorer
+from rapidfire_hf.ppo.seeds import permutation_generator, sampling_generator
 from rapidfire_hf.ppo.setup import (
     _split_value_head_model,
     apply_peft,
@@ -165,7 +166,7 @@ class PPOTrainer:
         )
 
         model, given_head = _split_value_head_model(model, value_model)
-        policy = apply_peft(model, peft_config)
+        policy = apply_peft(model, peft_config, args.seed)
         self.is_peft = hasattr(policy, "peft_config")
         self._train_adapter = select_adapters(args, policy, ref_model, self.is_peft)
         self.ref_model = make_reference(args, policy, ref_model, self.is_peft, acc.device)
@@ -196,7 +197,7 @@ class PPOTrainer:
         self.callback_handler = make_callback_handler(
             args, self.memory_callback, callbacks, self.model, tok, self.optimizer, self.lr_scheduler
         )
-        self._perm_generator = torch.Generator().manual_seed(args.seed)
+        self._perm_generator = permutation_generator(args.seed)  # the rule of ppo/seeds.py
         self.plan = None  # the throughput plan, made at the first update (ppo/planning.py)
         self._prompts: PromptPrefetch | None = None  # prompt batches prefetched while train() runs
         self._log_cadence: LogCadence | None = None  # at the first log (enable_rapidfire sets rf_config)
@@ -353,7 +354,10 @@ class PPOTrainer:
     def rollout(self, batch: dict, sampling: bool = True) -> Rollout:
         """Generate responses for a batch of prompts with the current policy (greedy when not ``sampling``)."""
         plan = self.plan or unplanned_run(self, batch["input_ids"].shape[1])
-        return self.roller.rollout(batch, plan.generation_rows, sampling)
+        generator = None
+        if sampling:  # the noise of this update, from (seed, update, rank) alone (ppo/seeds.py)
+            generator = sampling_generator(self.args.seed, self.state.global_step, self.accelerator.process_index)
+        return self.roller.rollout(batch, plan.generation_rows, sampling, generator)
 
     def score(self, rollout: Rollout) -> Experience:
         """Reference log-probs, values and scores of a rollout, then KL-shaped rewards and advantages."""

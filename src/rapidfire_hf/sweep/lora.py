@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rapidfire_hf.ppo.seeds import init_lora
+
 
 def _lora_settings(peft_config) -> dict:
     """``r``, ``scaling`` and ``targets`` of a peft ``LoraConfig``; anything a sweep cannot share raises."""
@@ -80,11 +82,10 @@ class MultiLoRALinear(nn.Module):
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
     def add_slot(self, slot: str) -> None:
-        """A fresh pair: A Kaiming-uniform from the global RNG (as peft), B zero."""
+        """A new pair, uninitialised (:meth:`AdapterBank.add` draws it)."""
         w = self.base_layer.weight
         a = torch.empty(self.r, w.shape[1], dtype=self.adapter_dtype(), device=w.device)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-        b = torch.zeros(w.shape[0], self.r, dtype=a.dtype, device=w.device)
+        b = torch.empty(w.shape[0], self.r, dtype=a.dtype, device=w.device)
         self.lora_A[slot], self.lora_B[slot] = nn.Parameter(a), nn.Parameter(b)
 
     def _delta(self, slot: str, x: torch.Tensor) -> torch.Tensor:
@@ -163,13 +164,13 @@ class AdapterBank:
         return list(first.lora_A.keys())
 
     def add(self, slot: str, seed: int) -> list[nn.Parameter]:
-        """Create adapter ``slot`` from ``seed`` alone (the global RNG is left as it was)."""
+        """Create adapter ``slot`` from ``seed`` alone, as ``PPOTrainer(peft_config=...)`` draws its adapter
+        (:func:`rapidfire_hf.ppo.seeds.init_lora`; the global RNG is left as it was)."""
         if slot in self.slots:
             raise ValueError(f"adapter slot {slot!r} exists already")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for layer in self.layers.values():
-                layer.add_slot(slot)
+        for layer in self.layers.values():
+            layer.add_slot(slot)
+        init_lora([(layer.lora_A[slot], layer.lora_B[slot]) for layer in self.layers.values()], seed)
         return self.parameters(slot)
 
     def copy(self, src: str, dst: str) -> list[nn.Parameter]:

@@ -271,6 +271,7 @@ class SweepPhases:
                 cliprange=a.cliprange, cliprange_value=a.cliprange_value, vf_coef=a.vf_coef,
             )  # fmt: skip
             window = a.micro_batches_per_step
+            t.health.observe_loss(out.loss.detach())  # the window's finite-step check, as PPOTrainer's
             total = total + (out.loss / window if window > 1 else out.loss)  # as accelerate's backward
             for key, value in zip(
                 _STAT_KEYS,
@@ -282,14 +283,21 @@ class SweepPhases:
         total.backward()
         for i, (_, _, closes) in batch:
             if closes:
-                t = trials[i]
-                if t.args.max_grad_norm and t.args.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(t.params, t.args.max_grad_norm)
-                try:
-                    t.optimizer.step()
-                except (RuntimeError, ValueError, OverflowError) as err:  # this trial diverges, not the sweep
-                    t.step_error = t.step_error or f"its optimizer step raised {type(err).__name__}: {err}"
-                t.optimizer.zero_grad(set_to_none=True)
+                self._step(trials[i])
+
+    @staticmethod
+    def _step(trial) -> None:
+        """Close ``trial``'s window as PPOTrainer's Stepper closes one: clip, then its step health steps the
+        optimizer or skips a window whose loss or gradients are not finite."""
+        a = trial.args
+        grad_norm = None
+        if a.max_grad_norm and a.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(trial.params, a.max_grad_norm)
+        try:
+            trial.health.step(trial.optimizer, trial.params, grad_norm)
+        except (RuntimeError, ValueError, OverflowError) as err:  # this trial diverges, not the sweep
+            trial.step_error = trial.step_error or f"its optimizer step raised {type(err).__name__}: {err}"
+        trial.optimizer.zero_grad(set_to_none=True)
 
     def _autocast(self):
         a = self.shared

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
+from rapidfire_hf.optim.skips import ConsecutiveSkipsError
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
 from rapidfire_hf.sweep import checkpoint as ckpt
@@ -447,7 +448,11 @@ class PPOSweep:
         stats = self.phases.optimize(active, exps)
         t3 = _sync_time(self.device)
         self._phase = "the update's metrics"
-        problems = [t.step_error or _stats_problem(st) or _params_problem(t) for t, st in zip(active, stats)]
+        skipped = {t.name: _skips(t) for t in active}  # the guards' flags, one host read per trial
+        problems = [
+            t.step_error or _stats_problem(st) or _skips_problem(skipped[t.name]) or _params_problem(t)
+            for t, st in zip(active, stats)
+        ]
         keep = self._keep_finite(active, problems, "in the PPO epochs")
         logged = []
         for trial, exp, st in zip(active, exps, stats):
@@ -455,6 +460,7 @@ class PPOSweep:
                 continue
             trial.state.episode += trial.args.local_batch_size
             metrics = trial_metrics(trial, exp, st, (t0, t1, t2, t3), self.tok.eos_token_id, self._start)
+            metrics["rapidfire/skipped_steps"] = skipped[trial.name]  # as PPOTrainer logs it
             s = trial.state
             s.global_step += 1
             s.epoch = s.global_step / trial.prompt_order.batches_per_pass
@@ -561,6 +567,20 @@ def _experience_problem(exp) -> str | None:
 def _stats_problem(stats: dict) -> str | None:
     bad = _first_bad([stats[k] for k in _LOSS_STATS], list(_LOSS_STATS))
     return None if bad is None else f"non-finite {bad}"
+
+
+def _skips(trial: Trial) -> int | ConsecutiveSkipsError:
+    """Optimizer steps the trial's guard skipped so far, or the error of a run of too many in a row."""
+    try:
+        return trial.health.skipped()
+    except ConsecutiveSkipsError as err:
+        return err
+
+
+def _skips_problem(skipped: int | ConsecutiveSkipsError) -> str | None:
+    if not isinstance(skipped, ConsecutiveSkipsError):
+        return None
+    return " ".join(str(skipped).split()).split(". ")[0]  # "... skipped N optimizer steps in a row ..."
 
 
 def _params_problem(trial: Trial) -> str | None:

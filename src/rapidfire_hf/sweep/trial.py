@@ -1,7 +1,8 @@
 """One trial of a sweep: its PPOConfig (shared settings plus overrides) and everything it owns.
 
 A trial owns its LoRA adapter slot, value head, optimizer, LR scheduler, prompt order, permutation
-generator and per-update sampling seeds, log history and status; nothing in it is shared with another
+generator and per-update sampling seeds (all drawn by the rule of :mod:`rapidfire_hf.ppo.seeds`, as
+``PPOTrainer`` draws them), log history and status; nothing in it is shared with another
 trial, which is what makes its results independent of the trials beside it.
 """
 
@@ -18,8 +19,10 @@ from transformers import TrainerControl
 from transformers.optimization import get_scheduler
 
 from rapidfire_hf.models.value_head import ValueHead
+from rapidfire_hf.optim.step_health import StepHealth, step_health
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import PromptOrder
+from rapidfire_hf.ppo.seeds import new_value_head, permutation_generator, prompt_order, sampling_generator
 from rapidfire_hf.ppo.setup import default_adamw
 from rapidfire_hf.ppo.types import PPOTrainerState
 from rapidfire_hf.sweep.fields import PER_TRIAL_FIELDS, value_problem
@@ -61,15 +64,6 @@ def trial_args(shared: PPOConfig, overrides: dict, name: str) -> PPOConfig:
     return args
 
 
-def update_generator(seed: int, update: int) -> torch.Generator:
-    """The sampling-noise generator of a trial's rollout number ``update``.
-
-    A fresh seed per update, rather than one stream for the whole run, because the decode of a batch ends
-    when its last row stops: the noise a trial draws would otherwise depend on the other trials' rows.
-    """
-    return torch.Generator().manual_seed((seed * 1_000_003 + update) % (2**63 - 1))
-
-
 @dataclass
 class Trial:
     """Everything one trial owns (built by :func:`build_trial`)."""
@@ -85,6 +79,7 @@ class Trial:
     prompt_order: PromptOrder
     perm_generator: torch.Generator
     num_updates: int
+    health: StepHealth | None = None  # the finite-step guard of its optimizer (set by build_trial)
     state: PPOTrainerState = field(default_factory=PPOTrainerState)
     control: TrainerControl = field(default_factory=TrainerControl)
     status: str = "running"
@@ -104,7 +99,8 @@ class Trial:
         return self.status == "running" and not self.done
 
     def update_generator(self) -> torch.Generator:
-        return update_generator(self.args.seed, self.state.global_step)
+        """The sampling noise of this trial's next rollout (:func:`rapidfire_hf.ppo.seeds.sampling_generator`)."""
+        return sampling_generator(self.args.seed, self.state.global_step)
 
 
 def num_updates(args: PPOConfig, num_prompts: int) -> int:
@@ -134,11 +130,9 @@ def build_trial(name, args, overrides, bank, slot, hidden_size, device, num_prom
     A copy (clone) takes the source's adapter, value head, optimizer moments, prompt order position,
     permutation generator and update count, then its own hyper-parameters from ``args``.
     """
-    if source is None:
+    if source is None:  # drawn as PPOTrainer draws them from the trial's seed (rapidfire_hf.ppo.seeds)
         adapter = bank.add(slot, seed=args.seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed + 1)  # ValueHead's own init, from the trial's seed alone
-            head = ValueHead(hidden_size)
+        head = new_value_head(hidden_size, args.seed)
     else:
         adapter = bank.copy(source.slot, slot)
         head = ValueHead(hidden_size)
@@ -147,11 +141,14 @@ def build_trial(name, args, overrides, bank, slot, hidden_size, device, num_prom
     params = adapter + list(head.parameters())
     updates = num_updates(args, num_prompts)
     opt, sched = make_optimizer(args, params, updates)
-    order = PromptOrder(num_prompts, args.local_batch_size, args.seed)
+    order = prompt_order(num_prompts, args.local_batch_size, args.seed)
     trial = Trial(
-        name, args, dict(overrides), slot, head, params, opt, sched, order, torch.Generator(), updates
-    )
-    trial.perm_generator.manual_seed(args.seed)
+        name, args, dict(overrides), slot, head, params, opt, sched, order, permutation_generator(args.seed),
+        updates,
+    )  # fmt: skip
+    trial.health = step_health(
+        opt, guard=True, max_consecutive_skips=args.max_consecutive_skips, owner=f"PPOSweep trial {name}"
+    )  # as PPOTrainer's Stepper guards a plain optimizer: a non-finite window is skipped
     if source is not None:
         _take_state(trial, source)
     return trial
