@@ -46,7 +46,7 @@ ENTRIES=(
   "ppo_size7b_table|ppo_vs_trl/results/h200/size7b_table|README's 7B table: the five 7B entries above, then one summary.csv / size7b.png of their rows"
   "ppo_sweep|ppo_vs_trl/results/h200/sweep|LoRA sweeps, 1.1B: N trials one after another (stock, ours) vs PPOSweep (not run yet)"
   "ppo_sweep_7b|ppo_vs_trl/results/h200/sweep_7b|LoRA sweeps, 7B: 4 trials one after another (ours) vs PPOSweep (not run yet)"
-  "sweep|sweep/results/h200|8 LoRA trials, 1.1B: PPOSweep with successive halving vs PPOTrainer one after another vs stock TRL 1.12: time to the best trial, memory (not run yet)"
+  "sweep|sweep/results/h200/first_run|8 LoRA trials, 1.1B: PPOSweep with successive halving vs PPOTrainer one after another vs stock TRL 1.12: time to the best trial, memory (stored: a shorter first call, see sweep/README.md)"
   "sweep_7b|sweep/results/h200_7b|4 LoRA trials, 7B: the same parts as sweep (not run yet)"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"

@@ -62,7 +62,7 @@ def torch_logprobs(hidden, weight, tokens):
 def rapidfire_logprobs(hidden, weight, tokens):
     from rapidfire_hf.kernels import chunked_logprobs
 
-    return chunked_logprobs(hidden, weight, tokens)
+    return chunked_logprobs(hidden, weight, tokens, backend="rapidfire")
 
 
 def trl_logprobs(hidden, weight, tokens):

@@ -6,6 +6,18 @@ import pytest
 import torch
 
 from rapidfire_hf.kernels import chunked_logprobs, chunked_logprobs_and_entropy
+from rapidfire_hf.kernels.chunked_logprobs import resolve_backend
+
+try:  # TRL >= 1.16's chunked log-prob, the default on CUDA where installed (runs on CPU through torch ops)
+    from trl.kernels import ChunkedLogProbFunction  # noqa: F401
+
+    HAVE_TRL_KERNEL = True
+except Exception:
+    HAVE_TRL_KERNEL = False
+BACKENDS = [
+    "rapidfire",
+    pytest.param("trl", marks=pytest.mark.skipif(not HAVE_TRL_KERNEL, reason="trl < 1.16")),
+]
 
 # (N, H, V, chunk): odd shapes, a chunk that does not divide N, and a chunk larger than N
 SHAPES = [(7, 16, 131, 3), (513, 32, 1000, 128), (64, 24, 257, 1024)]
@@ -47,11 +59,12 @@ def _run(fn, hidden, weight, tokens, temperature, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,h,v,chunk", SHAPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_forward_and_grad_match_reference(n, h, v, chunk, dtype, temperature):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_and_grad_match_reference(n, h, v, chunk, dtype, temperature, backend):
     hidden, weight, tokens = _inputs(n, h, v, dtype)  # values exactly representable in dtype
 
     def ours_fn(h_, w_, t_, temp):
-        return chunked_logprobs_and_entropy(h_, w_, t_, temp, chunk)
+        return chunked_logprobs_and_entropy(h_, w_, t_, temp, chunk, backend=backend)
 
     truth = _run(_reference, hidden, weight, tokens, temperature, torch.float64)
     ours = _run(ours_fn, hidden, weight, tokens, temperature, dtype)
@@ -68,10 +81,11 @@ def test_forward_and_grad_match_reference(n, h, v, chunk, dtype, temperature):
             )
 
 
-def test_logprobs_only_grad_and_leading_dims():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprobs_only_grad_and_leading_dims(backend):
     hidden, weight, tokens = _inputs(2 * 9, 16, 131, torch.float32, seed=2)
     h3, t2 = hidden.detach().view(2, 9, 16).requires_grad_(), tokens.view(2, 9)
-    lp = chunked_logprobs(h3, weight, t2, temperature=1.3, chunk_size=4)
+    lp = chunked_logprobs(h3, weight, t2, temperature=1.3, chunk_size=4, backend=backend)
     assert lp.shape == (2, 9)
     lp.sum().backward()
     ref_lp, _ = _reference(hidden.detach(), weight.detach(), tokens, 1.3)
@@ -81,20 +95,44 @@ def test_logprobs_only_grad_and_leading_dims():
     torch.testing.assert_close(h3.grad.flatten(0, 1), h_ref.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_frozen_weight_gets_no_grad():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_weight_gets_no_grad(backend):
     hidden, weight, tokens = _inputs(7, 16, 131, torch.float32)
     weight.requires_grad_(False)
-    chunked_logprobs(hidden, weight, tokens, chunk_size=3).sum().backward()
+    chunked_logprobs(hidden, weight, tokens, chunk_size=3, backend=backend).sum().backward()
     assert weight.grad is None and hidden.grad is not None
 
 
+def test_backend_choice():
+    """auto: TRL's function on CUDA where TRL >= 1.16 has it (1.7-2.5x faster on the H200), ours elsewhere."""
+    assert resolve_backend("auto", torch.device("cpu")) == "rapidfire"
+    assert resolve_backend("auto", torch.device("cuda")) == ("trl" if HAVE_TRL_KERNEL else "rapidfire")
+    assert resolve_backend("rapidfire", torch.device("cuda")) == "rapidfire"
+    with pytest.raises(ValueError, match="log-prob backend 'fast'"):
+        resolve_backend("fast", torch.device("cpu"))
+
+
+def test_trl_backend_refused_without_trl(monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(
+        "rapidfire_hf.kernels.chunked_logprobs"
+    )  # the package re-exports a same-named function
+
+    monkeypatch.setattr(mod, "_trl_function", lambda: None)
+    assert mod.resolve_backend("auto", torch.device("cuda")) == "rapidfire"
+    with pytest.raises(ValueError, match="needs trl >= 1.16"):
+        mod.resolve_backend("trl", torch.device("cpu"))
+
+
 @pytest.mark.gpu
-def test_cuda_bf16_matches_cpu_float64():
+@pytest.mark.parametrize("backend", ["auto", "rapidfire"])
+def test_cuda_bf16_matches_cpu_float64(backend):
     hidden, weight, tokens = _inputs(300, 64, 5003, torch.bfloat16)
     truth = _run(_reference, hidden, weight, tokens, 0.9, torch.float64)
     h = hidden.detach().cuda().requires_grad_()
     w = weight.detach().cuda().requires_grad_()
-    lp, ent = chunked_logprobs_and_entropy(h, w, tokens.cuda(), 0.9, 128)
+    lp, ent = chunked_logprobs_and_entropy(h, w, tokens.cuda(), 0.9, 128, backend=backend)
     g = torch.Generator().manual_seed(1)
     up_lp, up_ent = torch.randn(300, generator=g).cuda(), torch.randn(300, generator=g).cuda()
     (lp * up_lp + ent * up_ent).sum().backward()
