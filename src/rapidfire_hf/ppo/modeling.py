@@ -188,12 +188,11 @@ class PolicyAndValue(nn.Module):
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns ``(logprobs [B, R], values [B, R], entropy [B, R] or None)`` for the response part."""
-        inputs = sequence_inputs(query_responses, pad_token_id, self.full_mask)
         decoder, lm_head = causal_lm_parts(self.policy)
-        hidden = decoder(**inputs, use_cache=False, return_dict=True).last_hidden_state
-        resp_hidden = hidden[:, context_length - 1 : -1]
-        responses = query_responses[:, context_length:]
-        logprobs, entropy = response_logprobs(resp_hidden, lm_head, responses, temperature, with_entropy)
+        inputs, resp_hidden, logprobs, entropy = policy_outputs(
+            decoder, lm_head, query_responses, pad_token_id, context_length, temperature, self.full_mask,
+            with_entropy,
+        )  # fmt: skip
         return logprobs, self._values(inputs, context_length, resp_hidden).float(), entropy
 
     def values(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
@@ -209,10 +208,45 @@ class PolicyAndValue(nn.Module):
         if not self.fused:
             return value_positions(self.value_model, inputs, context_length)
         if resp_hidden is None:
-            decoder, _ = causal_lm_parts(self.policy)
-            hidden = decoder(**inputs, use_cache=False, return_dict=True).last_hidden_state
-            resp_hidden = hidden[:, context_length - 1 : -1]
-        return self.value_head(resp_hidden)
+            resp_hidden = response_hidden(causal_lm_parts(self.policy)[0], inputs, context_length)
+        return block_values([self.value_head], [resp_hidden.shape[0]], resp_hidden)
+
+
+def response_hidden(decoder: nn.Module, inputs: dict[str, torch.Tensor], context_length: int) -> torch.Tensor:
+    """The decoder's last hidden states of the positions that predict the response tokens. [B, R, H]"""
+    hidden = decoder(**inputs, use_cache=False, return_dict=True).last_hidden_state
+    return hidden[:, context_length - 1 : -1]
+
+
+def policy_outputs(
+    decoder: nn.Module,
+    lm_head: nn.Module,
+    query_responses: torch.Tensor,
+    pad_token_id: int,
+    context_length: int,
+    temperature: float,
+    full_mask: bool = False,
+    with_entropy: bool = False,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One training forward of a policy: ``(inputs, response hidden states [B, R, H], log-probs [B, R],
+    entropy [B, R] or None)``; the fused values come from the same hidden states (:func:`block_values`)."""
+    inputs = sequence_inputs(query_responses, pad_token_id, full_mask)
+    resp_hidden = response_hidden(decoder, inputs, context_length)
+    responses = query_responses[:, context_length:]
+    logprobs, entropy = response_logprobs(resp_hidden, lm_head, responses, temperature, with_entropy)
+    return inputs, resp_hidden, logprobs, entropy
+
+
+def block_values(heads: list[ValueHead], rows: list[int], resp_hidden: torch.Tensor) -> torch.Tensor:
+    """The fused values: each block of ``rows[i]`` consecutive rows from its own head ``heads[i]`` (one
+    head: PPOTrainer; one per trial: a sweep). ``[sum(rows), R, H]`` -> ``[sum(rows), R]``."""
+    if len(heads) == 1:
+        return heads[0](resp_hidden)
+    parts, start = [], 0
+    for head, n in zip(heads, rows):
+        parts.append(head(resp_hidden[start : start + n]))
+        start += n
+    return torch.cat(parts)
 
 
 def value_positions(

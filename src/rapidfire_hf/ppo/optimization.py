@@ -36,6 +36,67 @@ def micro_batch_parts(whole: int, micro: int, offset: int, length: int) -> list[
     return parts
 
 
+def mini_batches(args, generator: torch.Generator, permutations: list[torch.Tensor] | None = None):
+    """The optimizer windows of one update in order: ``(epoch, mini-batch, row indices)``.
+
+    Each epoch's row order is drawn from ``generator`` when the epoch starts (``permutations`` given: those);
+    a window is one mini-batch of ``args.local_mini_batch_size`` rows. The order PPOTrainer and every trial
+    of a sweep train in.
+    """
+    n, mb = args.local_batch_size, args.local_mini_batch_size
+    for epoch in range(args.num_ppo_epochs):
+        perm = permutations[epoch] if permutations is not None else torch.randperm(n, generator=generator)
+        for m, start in enumerate(range(0, n, mb)):
+            yield epoch, m, perm[start : start + mb]
+
+
+def micro_batch_starts(args, rows_per_forward: int) -> range:
+    """Where each forward of a window starts in its mini-batch (``rows_per_forward`` rows each)."""
+    return range(0, args.local_mini_batch_size, rows_per_forward)
+
+
+def new_stats(args, rows_per_forward: int, device) -> dict[str, torch.Tensor]:
+    """Zeroed statistics ``{key: [epochs, mini-batches, forwards per window]}`` of one update."""
+    shape = (args.num_ppo_epochs, args.num_mini_batches, len(micro_batch_starts(args, rows_per_forward)))
+    return {k: torch.zeros(shape, device=device) for k in STAT_KEYS}
+
+
+def record_stats(
+    stats: dict[str, torch.Tensor], pos: tuple[int, int, int], out, entropy: torch.Tensor
+) -> None:
+    """Write one forward's loss statistics (a ``LossOutput``) and mean entropy at ``(epoch, mini, micro)``."""
+    values = (
+        out.approx_kl,
+        out.pg_clipfrac,
+        out.pg_loss,
+        out.vf_loss,
+        out.vf_clipfrac,
+        entropy,
+        out.ratio_mean,
+    )
+    for key, value in zip(STAT_KEYS, values):
+        stats[key][pos] = value.detach()
+
+
+def rows_loss(args, adv, rows: torch.Tensor, logprobs: torch.Tensor, values: torch.Tensor, counts=None):
+    """:func:`~rapidfire_hf.ppo.core.ppo_loss` of rows ``rows`` of a scored rollout's advantages ``adv``, given
+    their new ``logprobs`` and ``values`` ``[len(rows), R]``, with ``args``' clip ranges and ``vf_coef``."""
+    return ppo_loss(
+        logprobs,
+        adv.logprobs[rows],
+        adv.advantages[rows],
+        values,
+        adv.values[rows],
+        adv.returns[rows],
+        adv.padding_mask[rows],
+        adv.padding_mask_p1[rows],
+        cliprange=args.cliprange,
+        cliprange_value=args.cliprange_value,
+        vf_coef=args.vf_coef,
+        counts=counts,
+    )
+
+
 def _add(a, b):
     return type(a)(**{f: getattr(a, f) + getattr(b, f) for f in vars(a)})
 
@@ -79,21 +140,11 @@ class PPOEpochs:
             train_rows: rows per training forward (the plan's; merged micro-batches).
             permutations: one row order per epoch (default: drawn from ``generator``).
         """
-        args = self.args
-        n, mb = args.local_batch_size, args.local_mini_batch_size
-        steps = -(-mb // train_rows)  # forwards per optimizer step (merged micro-batches)
-        shape = (args.num_ppo_epochs, args.num_mini_batches, steps)
-        stats = {k: torch.zeros(shape, device=self.accelerator.device) for k in STAT_KEYS}
+        stats = new_stats(self.args, train_rows, self.accelerator.device)  # forwards: merged micro-batches
         self.model.train()
         self.stepper.new_update()
-        for epoch in range(args.num_ppo_epochs):
-            perm = (
-                permutations[epoch]
-                if permutations is not None
-                else torch.randperm(n, generator=self.generator)
-            )
-            for m, mb_start in enumerate(range(0, n, mb)):
-                self._train_windows(exp, stats, train_rows, [(epoch, m, perm[mb_start : mb_start + mb])])
+        for window in mini_batches(self.args, self.generator, permutations):
+            self._train_windows(exp, stats, train_rows, [window])
         # the rollout of the next update uses these weights: verify what is still unverified now
         self._train_windows(exp, stats, train_rows, self._replays(self.stepper.health.verify_now()))
         self._window_rows = {}
@@ -103,18 +154,15 @@ class PPOEpochs:
         """Run optimizer windows ``(epoch, mini-batch, rows)`` in order, and the windows the step health
         asks to replay after a rollback before anything new."""
         qr, ctx, adv = exp.rollout.query_responses, exp.rollout.queries.shape[1], exp.adv
-        mb = self.args.local_mini_batch_size
         queue = list(windows)
         budget = 4 * max(1, self.args.num_ppo_epochs * self.args.num_mini_batches)  # replays per call
         while queue:
             epoch, m, mb_idx = queue.pop(0)
             self._window_rows[self.stepper.health.stats()["steps"]] = (epoch, m, mb_idx)
-            for u, start in enumerate(range(0, mb, micro)):
+            for u, start in enumerate(micro_batch_starts(self.args, micro)):
                 idx = mb_idx[start : start + micro].to(qr.device)
                 out, ent = self._micro_step(qr[idx], ctx, adv, idx)
-                values = (out.approx_kl, out.pg_clipfrac, out.pg_loss, out.vf_loss, out.vf_clipfrac, ent)
-                for key, value in zip(STAT_KEYS, (*values, out.ratio_mean)):
-                    stats[key][epoch, m, u] = value
+                record_stats(stats, (epoch, m, u), out, ent)
             replays = self._replays(self.stepper.health.last_rollback())
             if replays and budget > 0:
                 budget -= len(replays)
@@ -164,20 +212,7 @@ class PPOEpochs:
             if (hi - lo) != (g_hi - g_lo):  # a piece of this micro-batch: its whole counts
                 pad, p1 = adv.padding_mask[group], adv.padding_mask_p1[group]
                 counts = ((~pad).sum().clamp_min(1), (~p1).sum().clamp_min(1), pad.numel())
-            part = ppo_loss(
-                lp[lo:hi],
-                adv.logprobs[rows],
-                adv.advantages[rows],
-                vpred[lo:hi],
-                adv.values[rows],
-                adv.returns[rows],
-                adv.padding_mask[rows],
-                adv.padding_mask_p1[rows],
-                cliprange=args.cliprange,
-                cliprange_value=args.cliprange_value,
-                vf_coef=args.vf_coef,
-                counts=counts,
-            )
+            part = rows_loss(args, adv, rows, lp[lo:hi], vpred[lo:hi], counts)
             out = part if out is None else _add(out, part)
         groups = -(-len(whole) // args.per_device_train_batch_size)
         if groups > 1:  # the mean over the merged micro-batches

@@ -99,15 +99,43 @@ def reward_funcs_scores(
         weights: one weight per function (None: 1.0 each).
         columns: the dataset's other columns for this batch, one list entry per prompt.
     """
-    weights = list(weights) if weights is not None else [1.0] * len(funcs)
-    if len(weights) != len(funcs):
+    check_weights(weights, len(funcs))
+    return weighted_scores(reward_columns(funcs, prompts, completions, completion_ids, columns), weights)
+
+
+def check_weights(weights: Sequence[float] | None, num_funcs: int) -> None:
+    """Raise ValueError unless ``weights`` is None or holds one weight per reward function."""
+    if weights is not None and len(weights) != num_funcs:
         raise ValueError(
-            f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions: give one per function"
+            f"reward_weights has {len(weights)} entries for {num_funcs} reward functions: give one per function"
         )
-    total = torch.zeros(len(completions), dtype=torch.float32)
-    for weight, func in zip(weights, funcs):
+
+
+def reward_columns(
+    funcs: Sequence[Callable],
+    prompts: list[str],
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Every reward function's checked scores, one column per function: float32 on the CPU,
+    ``[len(completions), len(funcs)]`` (a sweep calls the functions once for every trial's rows)."""
+    cols = []
+    for func in funcs:
         values = func(
             prompts=prompts, completions=completions, completion_ids=completion_ids, **(columns or {})
         )
-        total += weight * check_scores(func, values, len(completions))
+        cols.append(check_scores(func, values, len(completions)))
+    if not cols:
+        return torch.zeros(len(completions), 0)
+    return torch.stack(cols, dim=1)
+
+
+def weighted_scores(columns: torch.Tensor, weights: Sequence[float] | None) -> torch.Tensor:
+    """Each row's reward: ``sum_j weights[j] * columns[:, j]``, added in the functions' order (None: 1.0
+    each). ``columns`` ``[rows, functions]``; returns ``[rows]`` float32 on its device."""
+    weights = list(weights) if weights is not None else [1.0] * columns.shape[1]
+    total = torch.zeros(columns.shape[0], dtype=torch.float32, device=columns.device)
+    for j, weight in enumerate(weights):
+        total += weight * columns[:, j]
     return total

@@ -114,30 +114,59 @@ class Scorer:
         scores = (
             torch.cat(scores) if self.reward_model is not None else self.reward_funcs_scores(rollout, post)
         )
-        eos = self.processing_class.eos_token_id
-        if args.missing_eos_penalty is not None and eos is not None:
-            scores = scores - args.missing_eos_penalty * (~(post == eos).any(-1)).float()
-        sequence_lengths = first_true_indices(post == pad) - 1
-        adv = compute_advantages(
-            rollout.logprobs,
-            torch.cat(ref_lp).float(),
-            torch.cat(values).float(),
-            scores.float(),
-            sequence_lengths,
-            kl_coef=args.kl_coef,
-            kl_estimator=args.kl_estimator,
-            gamma=args.gamma,
-            lam=args.lam,
-            whiten_rewards=args.whiten_rewards,
-        )
-        return Experience(rollout=rollout, adv=adv, postprocessed_responses=post)
+        return scored_experience(
+            args, rollout, post, torch.cat(ref_lp).float(), torch.cat(values).float(), scores,
+            self.processing_class.eos_token_id, pad,
+        )  # fmt: skip
 
     def reward_funcs_scores(self, rollout: Rollout, post: torch.Tensor) -> torch.Tensor:
-        tok = self.processing_class
-        prompts = tok.batch_decode(rollout.queries, skip_special_tokens=True)
-        completions = tok.batch_decode(post, skip_special_tokens=True)
-        completion_ids = [row[row != self.pad_token_id].tolist() for row in post.cpu()]
-        total = reward_funcs_scores(
-            self.reward_funcs, self.args.reward_weights, prompts, completions, completion_ids, rollout.extra
-        )  # each function's scores checked (type, shape, count), naming the function
+        texts = reward_texts(self.processing_class, rollout.queries, post, self.pad_token_id)
+        total = reward_funcs_scores(self.reward_funcs, self.args.reward_weights, *texts, rollout.extra)
+        # each function's scores checked (type, shape, count), naming the function
         return total.to(rollout.queries.device)
+
+
+def reward_texts(
+    tokenizer, queries: torch.Tensor, post: torch.Tensor, pad_token_id: int
+) -> tuple[list, list, list]:
+    """What reward functions are given: ``(prompts, completions, completion_ids)`` of left-padded prompts
+    ``[B, P]`` and responses truncated after the stop token ``[B, R]``."""
+    prompts = tokenizer.batch_decode(queries, skip_special_tokens=True)
+    completions = tokenizer.batch_decode(post, skip_special_tokens=True)
+    completion_ids = [row[row != pad_token_id].tolist() for row in post.cpu()]
+    return prompts, completions, completion_ids
+
+
+def scored_experience(
+    args: PPOConfig,
+    rollout: Rollout,
+    post: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    eos_token_id: int | None,
+    pad_token_id: int,
+) -> Experience:
+    """A scored rollout's :class:`Experience`: ``missing_eos_penalty`` taken from the scores of responses
+    without EOS, then KL-shaped rewards, GAE and whitened advantages with ``args``' settings.
+
+    Args:
+        post: the responses truncated after the stop token ``[B, R]``.
+        ref_logprobs, values: ``[B, R]`` float32; scores: ``[B]`` (weighted reward functions or reward model).
+    """
+    if args.missing_eos_penalty is not None and eos_token_id is not None:
+        scores = scores - args.missing_eos_penalty * (~(post == eos_token_id).any(-1)).float()
+    sequence_lengths = first_true_indices(post == pad_token_id) - 1
+    adv = compute_advantages(
+        rollout.logprobs,
+        ref_logprobs,
+        values,
+        scores.float(),
+        sequence_lengths,
+        kl_coef=args.kl_coef,
+        kl_estimator=args.kl_estimator,
+        gamma=args.gamma,
+        lam=args.lam,
+        whiten_rewards=args.whiten_rewards,
+    )
+    return Experience(rollout=rollout, adv=adv, postprocessed_responses=post)

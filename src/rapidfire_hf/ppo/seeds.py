@@ -43,7 +43,9 @@ def permutation_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def prompt_order(num_rows: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> PromptOrder:
+def prompt_order(
+    num_rows: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+) -> PromptOrder:
     """The prompts of each rollout batch: ``batch_size`` (all processes together) of ``num_rows`` prompts."""
     return PromptOrder(num_rows, batch_size, seed, rank, world_size)
 

@@ -356,7 +356,9 @@ class PPOTrainer:
         plan = self.plan or unplanned_run(self, batch["input_ids"].shape[1])
         generator = None
         if sampling:  # the noise of this update, from (seed, update, rank) alone (ppo/seeds.py)
-            generator = sampling_generator(self.args.seed, self.state.global_step, self.accelerator.process_index)
+            generator = sampling_generator(
+                self.args.seed, self.state.global_step, self.accelerator.process_index
+            )
         return self.roller.rollout(batch, plan.generation_rows, sampling, generator)
 
     def score(self, rollout: Rollout) -> Experience:

@@ -1,9 +1,13 @@
 """The three phases of one sweep update, each batched across trials: rollout, scoring, PPO epochs.
 
 Every phase lays the active trials' rows out in consecutive blocks, one block per trial, and routes each
-block through its trial's adapter (:class:`rapidfire_hf.sweep.lora.AdapterBank`). Per-trial math (KL
-shaping, GAE, whitening, the clipped losses) is the PPO code of :mod:`rapidfire_hf.ppo.core`, applied to
-each trial's block with that trial's settings; the statistics are those ``PPOTrainer`` logs.
+block through its trial's adapter (:class:`rapidfire_hf.sweep.lora.AdapterBank`). What this module holds is
+that layout (row blocks, scoring packs, training packs) and the per-trial state it routes; the per-trial
+math is PPOTrainer's own, called on each trial's block with that trial's settings: the training forward and
+the fused values (``ppo/modeling.policy_outputs``, ``block_values``), reward weighting
+(``ppo/rewards.weighted_scores``), ``missing_eos_penalty`` and advantages (``ppo/scoring.scored_experience``),
+the window schedule, loss and statistics (``ppo/optimization.mini_batches``, ``rows_loss``,
+``record_stats``) and the step guard (``optim/step_health``).
 """
 
 from __future__ import annotations
@@ -11,17 +15,20 @@ from __future__ import annotations
 import torch
 
 from rapidfire_hf.memory.planner import MAX_TRAIN_TOKENS, UNPLANNED_SCORING_ROWS
-from rapidfire_hf.models.plumbing import classifier_parts
-from rapidfire_hf.ppo.core import compute_advantages, first_true_indices, ppo_loss, truncate_after_stop
+from rapidfire_hf.models.plumbing import causal_lm_parts, classifier_parts
+from rapidfire_hf.ppo.core import first_true_indices, truncate_after_stop
 from rapidfire_hf.ppo.modeling import (
-    causal_lm_parts,
+    block_values,
     policy_logprobs,
-    response_logprobs,
+    policy_outputs,
+    response_hidden,
     sequence_inputs,
 )
+from rapidfire_hf.ppo.optimization import micro_batch_starts, mini_batches, new_stats, record_stats, rows_loss
 from rapidfire_hf.ppo.reporting import update_device_metrics, update_host_metrics
+from rapidfire_hf.ppo.rewards import reward_columns, weighted_scores
 from rapidfire_hf.ppo.rollout_phase import sampling_params
-from rapidfire_hf.ppo.types import STAT_KEYS as _STAT_KEYS
+from rapidfire_hf.ppo.scoring import reward_texts, scored_experience
 from rapidfire_hf.ppo.types import Experience, Rollout
 
 
@@ -152,36 +159,29 @@ class SweepPhases:
                 )
                 segs = [(t.slot, e - s) for t, s, e in pieces]
                 with self.bank.route(segs):
-                    hidden = self.decoder(**sequence_inputs(chunk, self.pad, self.full_mask), use_cache=False)
-                heads = [t.value_head for t, _, _ in pieces]
-                values.append(self._heads(heads, segs, hidden.last_hidden_state[:, ctx - 1 : -1]))
+                    hidden = response_hidden(
+                        self.decoder, sequence_inputs(chunk, self.pad, self.full_mask), ctx
+                    )
+                values.append(
+                    block_values([t.value_head for t, _, _ in pieces], [n for _, n in segs], hidden)
+                )
                 if self.reward_model is not None:
                     scores.append(self._reward_model_scores(post_qr[lo:hi], segs, ctx))
         ref_lp, values = torch.cat(ref_lp).float(), torch.cat(values).float()
-        per_func = torch.cat(scores)[:, None] if scores else self._reward_funcs_scores(rollouts, posts)
+        # the reward model's scores, or every reward function's once for all trials' rows (on the CPU)
+        rm_scores = torch.cat(scores) if scores else None
+        columns = self._reward_columns(rollouts, posts) if rm_scores is None else None
         out = []
-        eos = self.tok.eos_token_id
         for (t, s, e), r, post in zip(layout, rollouts, posts):
-            a = t.args
-            weights = (self.reward_model is None and a.reward_weights) or [1.0] * per_func.shape[1]
-            sc = torch.zeros(e - s, dtype=torch.float32, device=per_func.device)
-            for j, w in enumerate(weights):  # in PPOTrainer's order of additions
-                sc = sc + w * per_func[s:e, j]
-            if a.missing_eos_penalty is not None and eos is not None:
-                sc = sc - a.missing_eos_penalty * (~(post == eos).any(-1)).float()
-            adv = compute_advantages(
-                r.logprobs,
-                ref_lp[s:e],
-                values[s:e],
-                sc.float(),
-                first_true_indices(post == self.pad) - 1,
-                kl_coef=a.kl_coef,
-                kl_estimator=a.kl_estimator,
-                gamma=a.gamma,
-                lam=a.lam,
-                whiten_rewards=a.whiten_rewards,
+            if rm_scores is not None:
+                sc = rm_scores[s:e]
+            else:  # each trial's weights, added as PPOTrainer adds them
+                sc = weighted_scores(columns[s:e], t.args.reward_weights).to(self.device)
+            out.append(
+                scored_experience(
+                    t.args, r, post, ref_lp[s:e], values[s:e], sc, self.tok.eos_token_id, self.pad
+                )
             )
-            out.append(Experience(rollout=r, adv=adv, postprocessed_responses=post))
         return out
 
     def _reward_model_scores(self, post_qr: torch.Tensor, segs, ctx: int) -> torch.Tensor:
@@ -194,44 +194,18 @@ class SweepPhases:
         final = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [rows, H]
         return torch.cat([score(x).squeeze(-1).float() for x in final.split([n for _, n in segs])])
 
-    @staticmethod
-    def _heads(heads, segs, hidden: torch.Tensor) -> torch.Tensor:
-        """Each row block's values from its own trial's value head. [rows, R]"""
-        parts, start = [], 0
-        for head, (_, rows) in zip(heads, segs):
-            parts.append(head(hidden[start : start + rows]))
-            start += rows
-        return torch.cat(parts)
-
-    def _reward_funcs_scores(self, rollouts, posts) -> torch.Tensor:
-        """Every reward function called once on all trials' completions: ``[rows, functions]``."""
-        tok = self.tok
-        queries = torch.cat([r.queries for r in rollouts])
-        post = torch.cat(posts)
-        prompts = tok.batch_decode(queries, skip_special_tokens=True)
-        completions = tok.batch_decode(post, skip_special_tokens=True)
-        completion_ids = [row[row != self.pad].tolist() for row in post.cpu()]
-        columns = {}
-        for key in rollouts[0].extra or {}:
-            columns[key] = [v for r in rollouts for v in r.extra[key]]
-        cols = []
-        for func in self.reward_funcs:
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-            if values is None or len(values) != len(completions):
-                raise ValueError(
-                    f"reward function {getattr(func, '__name__', func)!r} returned "
-                    f"{None if values is None else len(values)} scores for {len(completions)} completions: "
-                    "return one float per completion."
-                )
-            cols.append(torch.tensor([float(v) for v in values], dtype=torch.float32))
-        return torch.stack(cols, dim=1).to(self.device)
+    def _reward_columns(self, rollouts, posts) -> torch.Tensor:
+        """Every reward function called once on all trials' completions: ``[rows, functions]`` on the CPU."""
+        texts = reward_texts(self.tok, torch.cat([r.queries for r in rollouts]), torch.cat(posts), self.pad)
+        columns = {key: [v for r in rollouts for v in r.extra[key]] for key in rollouts[0].extra or {}}
+        return reward_columns(self.reward_funcs, *texts, columns)
 
     # ------------------------------------------------------------------ PPO epochs
     def optimize(self, trials, exps: list[Experience]) -> list[dict[str, torch.Tensor]]:
         """Every trial's PPO epochs, micro-step by micro-step together: the k-th micro-batch of each trial
         shares one forward and one backward; each trial's optimizer steps when its own window closes."""
         schedules = [_schedule(t) for t in trials]
-        stats = [{k: torch.zeros(_stat_shape(t), device=self.device) for k in _STAT_KEYS} for t in trials]
+        stats = [new_stats(t.args, t.args.per_device_train_batch_size, self.device) for t in trials]
         ctx = exps[0].rollout.queries.shape[1]
         self.model.train()
         for head in (t.value_head for t in trials):
@@ -255,30 +229,19 @@ class SweepPhases:
         segs = [(trials[i].slot, r.shape[0]) for (i, _), r in zip(batch, rows)]
         qr = torch.cat(rows)
         with self._autocast(), self.bank.route(segs):
-            hidden = self.decoder(**sequence_inputs(qr, self.pad, self.full_mask), use_cache=False)
-            resp_hidden = hidden.last_hidden_state[:, ctx - 1 : -1]
-            lp, ent = response_logprobs(resp_hidden, self.lm_head, qr[:, ctx:], self.shared.temperature, True)
-            vpred = self._heads([trials[i].value_head for i, _ in batch], segs, resp_hidden).float()
+            _, resp_hidden, lp, ent = policy_outputs(
+                self.decoder, self.lm_head, qr, self.pad, ctx, self.shared.temperature, self.full_mask, True
+            )
+            heads = [trials[i].value_head for i, _ in batch]
+            vpred = block_values(heads, [n for _, n in segs], resp_hidden).float()
         total, start = 0.0, 0
         for (i, (idx, pos, _)), (_, n) in zip(batch, segs):
-            t, adv = trials[i], exps[i].adv
-            idx = idx.to(self.device)
-            a = t.args
-            sl = slice(start, start + n)
-            out = ppo_loss(
-                lp[sl], adv.logprobs[idx], adv.advantages[idx], vpred[sl], adv.values[idx], adv.returns[idx],
-                adv.padding_mask[idx], adv.padding_mask_p1[idx],
-                cliprange=a.cliprange, cliprange_value=a.cliprange_value, vf_coef=a.vf_coef,
-            )  # fmt: skip
-            window = a.micro_batches_per_step
+            t, sl = trials[i], slice(start, start + n)
+            out = rows_loss(t.args, exps[i].adv, idx.to(self.device), lp[sl], vpred[sl])
             t.health.observe_loss(out.loss.detach())  # the window's finite-step check, as PPOTrainer's
+            window = t.args.micro_batches_per_step
             total = total + (out.loss / window if window > 1 else out.loss)  # as accelerate's backward
-            for key, value in zip(
-                _STAT_KEYS,
-                (out.approx_kl, out.pg_clipfrac, out.pg_loss, out.vf_loss, out.vf_clipfrac, ent[sl].mean(),
-                 out.ratio_mean),
-            ):  # fmt: skip
-                stats[i][key][pos] = value.detach()
+            record_stats(stats[i], pos, out, ent[sl].mean())
             start += n
         total.backward()
         for i, (_, _, closes) in batch:
@@ -337,26 +300,14 @@ def pack_in_order(items: list, rows_of, cap: int) -> list[list]:
     return groups
 
 
-def _stat_shape(trial) -> tuple[int, int, int]:
-    a = trial.args
-    return (a.num_ppo_epochs, a.num_mini_batches, a.micro_batches_per_step)
-
-
 def _schedule(trial):
-    """One trial's micro-steps in PPOTrainer's order: ``(row indices, (epoch, mini, micro), closes window)``.
-
-    The permutation of an epoch is drawn from the trial's generator when the epoch starts, as PPOTrainer
-    draws it.
-    """
-    a = trial.args
-    n, mb, micro = a.local_batch_size, a.local_mini_batch_size, a.per_device_train_batch_size
-    for epoch in range(a.num_ppo_epochs):
-        perm = torch.randperm(n, generator=trial.perm_generator)
-        for m, mb_start in enumerate(range(0, n, mb)):
-            mb_idx = perm[mb_start : mb_start + mb]
-            starts = list(range(0, mb, micro))
-            for u, start in enumerate(starts):
-                yield mb_idx[start : start + micro], (epoch, m, u), u == len(starts) - 1
+    """One trial's micro-steps in PPOTrainer's order: ``(row indices, (epoch, mini, micro), closes window)``
+    (:func:`rapidfire_hf.ppo.optimization.mini_batches`, each mini-batch cut in the trial's micro-batches)."""
+    micro = trial.args.per_device_train_batch_size
+    starts = micro_batch_starts(trial.args, micro)
+    for epoch, m, mb_idx in mini_batches(trial.args, trial.perm_generator):
+        for u, start in enumerate(starts):
+            yield mb_idx[start : start + micro], (epoch, m, u), u == len(starts) - 1
 
 
 def trial_metrics(trial, exp: Experience, stats: dict, times, eos_id, train_start: float) -> dict:
