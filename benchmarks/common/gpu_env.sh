@@ -7,3 +7,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATAS
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl .whl-ds/*.whl \
   .whl-ao/*.whl 2>/dev/null) 2>&1 | tail -2
 export PYTHONPATH=$PWD/src:$PWD:/tmp/site
+# stock TRL 1.12 (the PPO baseline) in its own folder, never next to trl 1.16, when .whl-trl112 is carried
+if [ -d .whl-trl112 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site112 .whl-trl112/*.whl \
+    .whl/datasets* .whl/dill* .whl/multiprocess* 2>&1 | tail -2
+  export TRL112_PATH=/tmp/site112
+fi

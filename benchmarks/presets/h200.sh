@@ -14,10 +14,7 @@ set -u
 OUT=${1:?output folder}; shift
 PY=${PYTHON:-python3}  # reproduce_h200.sh's PYTHON (its tests record the commands instead of running them)
 if [ -d .whl ]; then  # the carried wheels (a machine without internet)
-  source benchmarks/common/gpu_env.sh
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site112 .whl-trl112/*.whl \
-    .whl/datasets* .whl/dill* .whl/multiprocess* 2>&1 | tail -2
-  export TRL112_PATH=/tmp/site112
+  source benchmarks/common/gpu_env.sh  # also installs .whl-trl112 (TRL112_PATH)
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 for part in "$@"; do
