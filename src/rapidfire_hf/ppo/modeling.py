@@ -260,10 +260,21 @@ def value_positions(
 
 @torch.no_grad()
 def reward_model_scores(
-    reward_model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int
+    reward_model: nn.Module,
+    query_responses: torch.Tensor,
+    pad_token_id: int,
+    context_length: int,
+    full_mask: bool = False,
+    pieces: list[int] | None = None,
 ) -> torch.Tensor:
-    """Score of each row at its last real token (the token before the first response pad). [B]"""
-    inputs = sequence_inputs(query_responses, pad_token_id)
+    """Score of each row at its last real token (the token before the first response pad). [B]
+
+    Args:
+        full_mask: give the backbone the 4-D mask (:func:`sequence_inputs`).
+        pieces: row counts of consecutive pieces whose one-output head runs apart (a sweep's trials: CPU
+            GEMMs over a few rows round differently inside a larger batch); None: all rows at once.
+    """
+    inputs = sequence_inputs(query_responses, pad_token_id, full_mask)
     backbone, score = classifier_parts(reward_model, "reward_model")
     hidden = backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
     responses = query_responses[:, context_length:]
@@ -271,7 +282,10 @@ def reward_model_scores(
 
     last = first_true_indices(responses == pad_token_id) - 1 + context_length
     rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return score(hidden[rows, last]).squeeze(-1).float()
+    final = hidden[rows, last]  # [B, H]
+    if pieces is None:
+        return score(final).squeeze(-1).float()
+    return torch.cat([score(x).squeeze(-1).float() for x in final.split(pieces)])
 
 
 @torch.no_grad()

@@ -63,7 +63,7 @@ from rapidfire_hf.ppo.setup import (
 from rapidfire_hf.ppo.speedups import check_liger_usable
 from rapidfire_hf.ppo.start_report import start_facts, start_lines
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
-from rapidfire_hf.ppo.types import Experience, PPOTrainerState, Rollout, _sync_time, _to_float
+from rapidfire_hf.ppo.types import Experience, PPOTrainerState, Rollout, _to_float, sync_time
 from rapidfire_hf.utils.logs import LogCadence, apply_logging_config
 from rapidfire_hf.utils.start_table import start_table
 
@@ -466,15 +466,15 @@ class PPOTrainer:
         if planned_now:  # memory.optimization as a target: micro-batches, chunks, checkpointing
             plan_run(self, batch["input_ids"])
         rollout = self.rollout(batch)
-        t1 = _sync_time(device)
+        t1 = sync_time(device)
         exp = self.score(rollout)
         if self.precision_plugin is not None and not self.precision_plugin.calibration_done:
             self._calibrate_precision(exp)
-        t2 = _sync_time(device)
+        t2 = sync_time(device)
         if self.memory_callback is not None:  # rollout -> training: release the generation/scoring blocks
             self.memory_callback.phase_boundary("rollout", "train", step=update)
         stats = self.optimize(exp)
-        t3 = _sync_time(device)
+        t3 = sync_time(device)
         self.state.episode += args.local_batch_size * self.accelerator.num_processes
         metrics = self._update_metrics(update, exp, stats, (t0, t1, t2, t3), planned_now)
         self._show_samples_if_due(update, exp)

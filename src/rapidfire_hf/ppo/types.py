@@ -48,7 +48,8 @@ def _to_float(v):
     return float(v) if isinstance(v, (int, float)) else v
 
 
-def _sync_time(device) -> float:
+def sync_time(device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done (a phase boundary of an update)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # once per phase, to attribute time to phases
     return time.perf_counter()

@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 
 from rapidfire_hf.memory.planner import MAX_TRAIN_TOKENS, UNPLANNED_SCORING_ROWS
-from rapidfire_hf.models.plumbing import causal_lm_parts, classifier_parts
-from rapidfire_hf.ppo.core import first_true_indices, truncate_after_stop
+from rapidfire_hf.models.plumbing import causal_lm_parts
+from rapidfire_hf.ppo.core import truncate_after_stop
 from rapidfire_hf.ppo.modeling import (
     block_values,
     policy_logprobs,
     policy_outputs,
     response_hidden,
+    reward_model_scores,
     sequence_inputs,
 )
 from rapidfire_hf.ppo.optimization import micro_batch_starts, mini_batches, new_stats, record_stats, rows_loss
@@ -166,7 +167,12 @@ class SweepPhases:
                     block_values([t.value_head for t, _, _ in pieces], [n for _, n in segs], hidden)
                 )
                 if self.reward_model is not None:
-                    scores.append(self._reward_model_scores(post_qr[lo:hi], segs, ctx))
+                    rows = [n for _, n in segs]  # the head per piece (see packs)
+                    scores.append(
+                        reward_model_scores(
+                            self.reward_model, post_qr[lo:hi], self.pad, ctx, self.reward_full_mask, rows
+                        )
+                    )
         ref_lp, values = torch.cat(ref_lp).float(), torch.cat(values).float()
         # the reward model's scores, or every reward function's once for all trials' rows (on the CPU)
         rm_scores = torch.cat(scores) if scores else None
@@ -183,16 +189,6 @@ class SweepPhases:
                 )
             )
         return out
-
-    def _reward_model_scores(self, post_qr: torch.Tensor, segs, ctx: int) -> torch.Tensor:
-        """The reward model's backbone once for the pack; its one-output head per piece (see :func:`packs`)."""
-        backbone, score = classifier_parts(self.reward_model, "reward_model")
-        hidden = backbone(
-            **sequence_inputs(post_qr, self.pad, self.reward_full_mask), use_cache=False
-        ).last_hidden_state
-        last = first_true_indices(post_qr[:, ctx:] == self.pad) - 1 + ctx
-        final = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [rows, H]
-        return torch.cat([score(x).squeeze(-1).float() for x in final.split([n for _, n in segs])])
 
     def _reward_columns(self, rollouts, posts) -> torch.Tensor:
         """Every reward function called once on all trials' completions: ``[rows, functions]`` on the CPU."""

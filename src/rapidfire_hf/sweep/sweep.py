@@ -14,6 +14,7 @@ from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
+from rapidfire_hf.ppo.types import sync_time
 from rapidfire_hf.sweep import checkpoint as ckpt
 from rapidfire_hf.sweep import outputs
 from rapidfire_hf.sweep.control import ControlFile
@@ -75,8 +76,10 @@ class PPOSweep:
     ``args.report_to`` may name ``"tensorboard"`` (one sub-folder per trial under ``output_dir/runs``) and
     ``"wandb"`` (one run per trial, grouped by the sweep's folder name).
 
-    Faults stay in their trial: a trial whose rewards, values, log-probs, losses or weights turn non-finite
-    is stopped with state ``diverged`` (the update and the check in its ``reason``, the log and
+    Faults stay in their trial. Each trial's optimizer step goes through PPOTrainer's finite-step guard: a
+    window whose loss or gradients are not finite is skipped (``rapidfire/skipped_steps``), and
+    ``max_consecutive_skips`` skipped windows in a row stop the trial as ``diverged``. A trial whose rewards,
+    values, log-probs, losses or weights turn non-finite is stopped with state ``diverged`` (the update and the check in its ``reason``, the log and
     ``summary.json``) and never saved; the others continue unchanged. A failure shared by every trial
     (the reward function raising) saves every trial's checkpoint, log history and the summary, then
     raises :class:`SweepError` naming the update.
@@ -435,7 +438,7 @@ class PPOSweep:
         self._phase = "the rollout"
         batches = [self._prompts(t) for t in active]
         rollouts = self.phases.rollout(active, batches)
-        t1 = _sync_time(self.device)
+        t1 = sync_time(self.device)
         self._phase = "scoring (reference log-probs, values, rewards)"
         exps = self.phases.score(active, rollouts)
         keep = self._keep_finite(active, [_experience_problem(e) for e in exps], "after scoring")
@@ -443,10 +446,10 @@ class PPOSweep:
         active = keep
         if not active:
             return
-        t2 = _sync_time(self.device)
+        t2 = sync_time(self.device)
         self._phase, self._clean = "the PPO epochs", False
         stats = self.phases.optimize(active, exps)
-        t3 = _sync_time(self.device)
+        t3 = sync_time(self.device)
         self._phase = "the update's metrics"
         skipped = {t.name: _skips(t) for t in active}  # the guards' flags, one host read per trial
         problems = [
@@ -623,9 +626,3 @@ def _full_mask(model) -> bool:
     switches to ``is_causal`` attention for a chunk without padding, so a trial's arithmetic would depend
     on its neighbours' rows; never on others (flash attention takes only the 2-D mask)."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
-
-
-def _sync_time(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
