@@ -8,6 +8,15 @@ consecutive rows goes through which adapter (``None`` = the base alone, the refe
 computes ``base(x) + B(A(x)) * scaling`` on its rows only (one pair of small matmuls per adapter, the
 frozen base matmul once for all rows), with the same operations, in the same order, as peft's LoRA
 ``Linear`` (so a one-trial sweep trains the numbers ``PPOTrainer(peft_config=...)`` trains).
+
+That block routing is a Python list, and ``torch.compile`` specialises on it: a compiled decode step is
+compiled again for every new route (each stop, clone or halving rung; checked with dynamo's counters) and
+falls back to eager after dynamo's recompile limit. :meth:`AdapterBank.route` with ``by_index=True``
+routes by tensors instead: every slot's ``A`` stacked into one ``[capacity * r, in]`` matrix per layer, a
+``[rows, capacity * r]`` 0/1 mask selecting each row's slot, and one ``B`` stack, so
+``delta = ((x @ A_all.T) * mask) @ B_all.T * scaling``: the same products with exact zeros for the other
+slots, in tensors whose addresses and shapes stay put while the route changes. It is for generation
+(no autograd through the stacks); training keeps the block path.
 """
 
 from __future__ import annotations
@@ -75,6 +84,27 @@ class MultiLoRALinear(nn.Module):
         self.lora_A = nn.ParameterDict()  # slot -> [r, in]
         self.lora_B = nn.ParameterDict()  # slot -> [out, r]
         object.__setattr__(self, "_bank", bank)  # not a submodule: the bank holds every layer
+        # index routing's stacks (plain attributes, not state): [capacity * r, in] and [out, capacity * r]
+        self._a_all: torch.Tensor | None = None
+        self._b_all: torch.Tensor | None = None
+
+    def stack(self, slots: list[str], capacity: int) -> bool:
+        """Copy the slots' current pairs into the index-routing stacks (slot ``i`` at rows ``i*r:(i+1)*r``),
+        in place when the capacity is unchanged, so a recorded decode graph keeps reading the same memory.
+        Returns True when the stacks were reallocated (a recorded graph reading the old ones is stale)."""
+        w = self.base_layer.weight
+        shape_a, shape_b = (capacity * self.r, w.shape[1]), (w.shape[0], capacity * self.r)
+        new = self._a_all is None or self._a_all.shape != shape_a or self._a_all.device != w.device
+        if new:
+            self._a_all = torch.zeros(shape_a, dtype=self.adapter_dtype(), device=w.device)
+            self._b_all = torch.zeros(shape_b, dtype=self.adapter_dtype(), device=w.device)
+        with torch.no_grad():
+            self._a_all.zero_()
+            self._b_all.zero_()
+            for i, slot in enumerate(slots):
+                self._a_all[i * self.r : (i + 1) * self.r].copy_(self.lora_A[slot])
+                self._b_all[:, i * self.r : (i + 1) * self.r].copy_(self.lora_B[slot])
+        return new
 
     def adapter_dtype(self) -> torch.dtype:
         """fp32 for a half-precision base (peft's ``autocast_adapter_dtype``), else the base's dtype."""
@@ -94,6 +124,10 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, ..., in]
         result = self.base_layer(x)
+        if self._bank.by_index:  # read nothing of the route but tensors (see the module docstring)
+            mask = self._bank.row_mask.view(x.shape[0], *([1] * (x.dim() - 2)), -1)
+            xa = F.linear(x.to(self._a_all.dtype), self._a_all) * mask
+            return (result + F.linear(xa, self._b_all) * self.scaling).to(result.dtype)
         segments = self._bank.segments
         if segments is None or all(slot is None for slot, _ in segments):
             return result
@@ -134,7 +168,14 @@ class AdapterBank:
             )
         settings = _lora_settings(peft_config)
         self.peft_config = peft_config
+        self.r = settings["r"]
         self.segments: list[tuple[str | None, int]] | None = None
+        # how PPOSweep's batched decode routes rows: "blocks" (the Python route, the default) or "index" (the
+        # stacks and row mask: one compiled decode step for every route; not yet measured on a GPU)
+        self.decode_routing = "blocks"
+        self.by_index = False  # route() with by_index=True: the layers read row_mask and their stacks
+        self.row_mask: torch.Tensor | None = None  # [rows, capacity * r], 0/1 in the adapters' dtype
+        self.index_version = 0  # counts reallocations of the stacks or the mask (a recorded graph is stale)
         model.requires_grad_(False)
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         targets = settings["targets"]
@@ -191,13 +232,46 @@ class AdapterBank:
         return [p for layer in self.layers.values() for p in (layer.lora_A[slot], layer.lora_B[slot])]
 
     @contextmanager
-    def route(self, segments: list[tuple[str | None, int]]):
-        """Within the block, rows go through adapters block by block: ``[(slot or None, rows), ...]``."""
-        previous, self.segments = self.segments, list(segments)
+    def route(self, segments: list[tuple[str | None, int]], by_index: bool = False):
+        """Within the block, rows go through adapters block by block: ``[(slot or None, rows), ...]``.
+
+        ``by_index=True`` (generation only, no gradient reaches the adapters): the same routing through the
+        stacks and the row mask (see the module docstring), refreshed from the adapters' current weights on
+        entry, in place while the number of slots fits the stacks' capacity (the next power of two) and
+        the number of rows is unchanged.
+        """
+        previous = self.segments, self.by_index
+        self.segments = list(segments)
+        if by_index:
+            self._index_route(self.segments)
+        self.by_index = by_index
         try:
             yield
         finally:
-            self.segments = previous
+            self.segments, self.by_index = previous
+
+    def _index_route(self, segments: list[tuple[str | None, int]]) -> None:
+        slots = self.slots
+        capacity = 1 << max(0, len(slots) - 1).bit_length()  # room to add slots without new shapes
+        for layer in self.layers.values():
+            self.index_version += layer.stack(slots, capacity)
+        first = next(iter(self.layers.values()))
+        rows, cols = sum(n for _, n in segments), capacity * self.r
+        if (
+            self.row_mask is None
+            or self.row_mask.shape != (rows, cols)
+            or self.row_mask.device != first._a_all.device
+        ):
+            self.row_mask = torch.zeros(rows, cols, dtype=first._a_all.dtype, device=first._a_all.device)
+            self.index_version += 1
+        mask = torch.zeros(rows, cols, dtype=self.row_mask.dtype)
+        start = 0
+        for slot, n in segments:
+            if slot is not None:
+                i = slots.index(slot)
+                mask[start : start + n, i * self.r : (i + 1) * self.r] = 1
+            start += n
+        self.row_mask.copy_(mask)
 
     def state_dict(self, slot: str) -> dict[str, torch.Tensor]:
         """Adapter ``slot`` under the keys peft saves (``base_model.model.<module>.lora_A.weight``)."""

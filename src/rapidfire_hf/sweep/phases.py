@@ -103,6 +103,8 @@ class SweepPhases:
         self.decoder, self.lm_head = causal_lm_parts(model)
         self.device = next(model.parameters()).device
         self._last_route = None
+        self._gen_rows = 0  # the most rows one batched decode has had (index routing pads up to it)
+        self._index_version = -1  # the bank's index_version the engine's recorded graphs read
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, trials, batches: list[dict]) -> list[Rollout]:
@@ -112,15 +114,28 @@ class SweepPhases:
         queries = [b["input_ids"].to(self.device) for b in batches]
         if self.engine.backend == "static":
             q = torch.cat(queries)
+            n = q.shape[0]
             gens = [(x.shape[0], t.update_generator()) for t, x in zip(trials, queries)]
             route = [(t.slot, x.shape[0]) for t, x in zip(trials, queries)]
-            if route != self._last_route:  # recorded decode graphs (GPU) bake the route in: record anew
+            by_index = self.bank.decode_routing == "index"
+            if by_index and self._gen_rows > n:
+                # keep the decode's batch shape when trials stop: rows of no trial (the base model, noise of
+                # their own) fill it, so the compiled step is reused (see sweep/lora.py)
+                pad = self._gen_rows - n
+                q = torch.cat([q, q[:1].expand(pad, -1)])
+                gens.append((pad, torch.Generator().manual_seed(0)))
+                route.append((None, pad))
+            self._gen_rows = max(self._gen_rows, q.shape[0])
+            if not by_index and route != self._last_route:  # recorded graphs bake the route in: record anew
                 self.engine.release()
                 self._last_route = route
-            with self.bank.route(route):
+            with self.bank.route(route, by_index=by_index):
+                if by_index and self.bank.index_version != self._index_version:  # stacks or mask reallocated
+                    self.engine.release()
+                    self._index_version = self.bank.index_version
                 out = self.engine.generate(q, q != self.pad, params, generator=gens)
-            responses = out.responses.split([x.shape[0] for x in queries])
-            logprobs = out.logprobs.split([x.shape[0] for x in queries])
+            responses = out.responses[:n].split([x.shape[0] for x in queries])
+            logprobs = out.logprobs[:n].split([x.shape[0] for x in queries])
         else:  # model.generate samples a whole batch from one stream: one call per trial keeps them apart
             responses, logprobs = [], []
             for t, x in zip(trials, queries):
