@@ -97,6 +97,13 @@ def rows_loss(args, adv, rows: torch.Tensor, logprobs: torch.Tensor, values: tor
     )
 
 
+def micro_batch_counts(adv, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``ppo_loss``'s ``counts`` of the whole micro-batch ``rows``: what each piece of it divides by after an
+    OOM split, so the pieces' losses and statistics add up to the whole's."""
+    pad, p1 = adv.padding_mask[rows], adv.padding_mask_p1[rows]
+    return (~pad).sum().clamp_min(1), (~p1).sum().clamp_min(1), pad.numel()
+
+
 def _add(a, b):
     return type(a)(**{f: getattr(a, f) + getattr(b, f) for f in vars(a)})
 
@@ -208,10 +215,8 @@ class PPOEpochs:
         out = None
         for lo, hi, g_lo, g_hi in parts:
             rows, group = idx[lo:hi], whole[g_lo:g_hi]
-            counts = None
-            if (hi - lo) != (g_hi - g_lo):  # a piece of this micro-batch: its whole counts
-                pad, p1 = adv.padding_mask[group], adv.padding_mask_p1[group]
-                counts = ((~pad).sum().clamp_min(1), (~p1).sum().clamp_min(1), pad.numel())
+            # a piece of this micro-batch: its whole counts
+            counts = micro_batch_counts(adv, group) if (hi - lo) != (g_hi - g_lo) else None
             part = rows_loss(args, adv, rows, lp[lo:hi], vpred[lo:hi], counts)
             out = part if out is None else _add(out, part)
         groups = -(-len(whole) // args.per_device_train_batch_size)

@@ -7,7 +7,8 @@ math is PPOTrainer's own, called on each trial's block with that trial's setting
 the fused values (``ppo/modeling.policy_outputs``, ``block_values``), reward weighting
 (``ppo/rewards.weighted_scores``), ``missing_eos_penalty`` and advantages (``ppo/scoring.scored_experience``),
 the window schedule, loss and statistics (``ppo/optimization.mini_batches``, ``rows_loss``,
-``record_stats``) and the step guard (``optim/step_health``).
+``record_stats``), the step guard (``optim/step_health``) and the split-and-retry of a training forward that
+runs out of memory (``ppo/recovery.pack_recovery``: PPOTrainer's policy, on a pack of trials' rows).
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from rapidfire_hf.ppo.modeling import (
     reward_model_scores,
     sequence_inputs,
 )
-from rapidfire_hf.ppo.optimization import micro_batch_starts, mini_batches, new_stats, record_stats, rows_loss
+from rapidfire_hf.ppo.optimization import (
+    micro_batch_counts,
+    micro_batch_starts,
+    mini_batches,
+    new_stats,
+    record_stats,
+    rows_loss,
+)
+from rapidfire_hf.ppo.recovery import PackRows, pack_recovery
 from rapidfire_hf.ppo.reporting import update_device_metrics, update_host_metrics
 from rapidfire_hf.ppo.rewards import reward_columns, weighted_scores
 from rapidfire_hf.ppo.rollout_phase import sampling_params
@@ -96,6 +105,7 @@ class SweepPhases:
     ):
         self.model, self.bank, self.shared, self.tok = model, bank, shared, tokenizer
         self.train_rows_per_forward = train_rows_per_forward
+        self.oom_splits = 0  # packed training forwards split after an OOM so far
         self.engine, self.reward_model, self.reward_funcs = engine, reward_model, reward_funcs
         self.full_mask, self.reward_full_mask = full_mask, reward_full_mask  # 4-D masks: see sweep._full_mask
         self.pad = tokenizer.pad_token_id
@@ -225,39 +235,61 @@ class SweepPhases:
         seq = exps[0].rollout.query_responses.shape[1]
         micro = max(t.args.per_device_train_batch_size for t in trials)
         cap = train_pack_rows(seq, micro, self.train_rows_per_forward)
-        while True:
-            batch = [(i, nxt) for i, it in enumerate(steps) if (nxt := next(it, None)) is not None]
-            if not batch:
-                break
-            # each trial's gradient comes from its own rows only (the base is frozen), so the trials of one
-            # micro-step may share a forward or not without changing the math; packing bounds the peak
-            for pack in pack_in_order(batch, lambda item: int(item[1][0].numel()), cap):
-                self._micro_step(trials, exps, stats, pack, ctx)
+        # PPOTrainer's OOM policy, new each update (memory may differ after a rollout): a pack that runs out
+        # of memory is split by rows and retried, later packs of the update split as often up front
+        recovery = pack_recovery(
+            self.shared.max_oom_splits, [p for t in trials for p in t.params], advice=PACK_ADVICE
+        )
+        try:
+            while True:
+                batch = [(i, nxt) for i, it in enumerate(steps) if (nxt := next(it, None)) is not None]
+                if not batch:
+                    break
+                # each trial's gradient comes from its own rows only (the base is frozen), so the trials of one
+                # micro-step may share a forward or not without changing the math; packing bounds the peak
+                for pack in pack_in_order(batch, lambda item: int(item[1][0].numel()), cap):
+                    self._micro_step(trials, exps, stats, pack, ctx, recovery)
+        finally:
+            self.oom_splits += len(recovery.events)
         return stats
 
-    def _micro_step(self, trials, exps, stats, batch, ctx) -> None:
-        rows = [exps[i].rollout.query_responses[step[0].to(self.device)] for i, step in batch]
-        segs = [(trials[i].slot, r.shape[0]) for (i, _), r in zip(batch, rows)]
+    def _micro_step(self, trials, exps, stats, batch, ctx, recovery) -> None:
+        """One forward and backward of the trials' micro-batches in ``batch`` (in pieces after an OOM), their
+        statistics and losses to each trial, then the step of each trial whose window it closes."""
+        pack = [PackRows(i, idx.to(self.device)) for i, (idx, _, _) in batch]
+        results = recovery(lambda rows, weight: self._forward_backward(trials, exps, rows, ctx), pack)
+        for i, (_, pos, _) in batch:
+            out, entropy = results[i]
+            trials[i].health.observe_loss(out.loss)  # the window's finite-step check, as PPOTrainer's
+            record_stats(stats[i], pos, out, entropy.mean())
+        for i, (_, _, closes) in batch:
+            if closes:
+                self._step(trials[i])
+
+    def _forward_backward(self, trials, exps, pack: list[PackRows], ctx) -> dict:
+        """Forward and backward of a pack's rows: ``{trial index: (LossOutput, entropy per row)}``, a piece of a
+        trial's micro-batch normalised by that micro-batch's whole counts (so the pieces add up to it)."""
+        rows = [exps[p.key].rollout.query_responses[p.rows] for p in pack]
+        segs = [(trials[p.key].slot, len(p)) for p in pack]
         qr = torch.cat(rows)
         with self._autocast(), self.bank.route(segs):
             _, resp_hidden, lp, ent = policy_outputs(
                 self.decoder, self.lm_head, qr, self.pad, ctx, self.shared.temperature, self.full_mask, True
             )
-            heads = [trials[i].value_head for i, _ in batch]
+            heads = [trials[p.key].value_head for p in pack]
             vpred = block_values(heads, [n for _, n in segs], resp_hidden).float()
-        total, start = 0.0, 0
-        for (i, (idx, pos, _)), (_, n) in zip(batch, segs):
-            t, sl = trials[i], slice(start, start + n)
-            out = rows_loss(t.args, exps[i].adv, idx.to(self.device), lp[sl], vpred[sl])
-            t.health.observe_loss(out.loss.detach())  # the window's finite-step check, as PPOTrainer's
+        total, start, results = 0.0, 0, {}
+        for p in pack:
+            t, adv, sl = trials[p.key], exps[p.key].adv, slice(start, start + len(p))
+            counts = None if p.whole else micro_batch_counts(adv, p.micro_batch)
+            out = rows_loss(t.args, adv, p.rows, lp[sl], vpred[sl], counts)
             window = t.args.micro_batches_per_step
             total = total + (out.loss / window if window > 1 else out.loss)  # as accelerate's backward
-            record_stats(stats[i], pos, out, ent[sl].mean())
-            start += n
+            out.loss = out.loss.detach()
+            results[p.key] = (out, ent[sl].detach())
+            start += len(p)
         total.backward()
-        for i, (_, _, closes) in batch:
-            if closes:
-                self._step(trials[i])
+        return results
 
     @staticmethod
     def _step(trial) -> None:
@@ -279,6 +311,12 @@ class SweepPhases:
         return torch.autocast(
             self.device.type, dtype=torch.bfloat16 if a.bf16 else torch.float16, enabled=enabled
         )
+
+
+PACK_ADVICE = (
+    "Lower train_rows_per_forward (rows of one training forward across trials), per_device_train_batch_size "
+    "(raise gradient_accumulation_steps to keep the batch), response_length, or raise max_oom_splits."
+)
 
 
 def train_pack_rows(seq_len: int, micro_rows: int, override: int | None = None) -> int:

@@ -464,6 +464,7 @@ class PPOSweep:
             trial.state.episode += trial.args.local_batch_size
             metrics = trial_metrics(trial, exp, st, (t0, t1, t2, t3), self.tok.eos_token_id, self._start)
             metrics["rapidfire/skipped_steps"] = skipped[trial.name]  # as PPOTrainer logs it
+            metrics["rapidfire/oom_splits"] = self.phases.oom_splits  # of the shared training forwards
             s = trial.state
             s.global_step += 1
             s.epoch = s.global_step / trial.prompt_order.batches_per_pass
