@@ -21,5 +21,10 @@ case "$PART" in
   7b) $PY benchmarks/sweep/run.py --out "$OUT" --shape llama-7b --kl 0.01,0.1 --lr 1e-4,1e-3 --updates 8 --rungs 2,4 \
         --all-updates 3 --trl-updates 2 --parts sweep_halving,trl,sequential_ours,sweep_all \
         --timeouts sweep_halving=200,trl=100,sequential_ours=240,sweep_all=120 --budget-s 450 ;;
-  *) echo "unknown part $PART (1b, 7b)"; exit 2 ;;
+  routing)  # the halving sweep with the block route and with the index route (sweep/lora.py), one call
+    for r in blocks index; do
+      $PY benchmarks/sweep/run.py --out "$OUT/$r" --updates 12 --rungs 4,8 --keep 0.5 --parts sweep_halving \
+        --decode-routing $r --timeouts sweep_halving=250 --budget-s 260
+    done ;;
+  *) echo "unknown part $PART (1b, 7b, routing)"; exit 2 ;;
 esac

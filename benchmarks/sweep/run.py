@@ -98,6 +98,7 @@ def base_config(args) -> dict:
         # model.generate on the CPU, where the smoke test compares each trial with its sweep twin
         "rollout_backend": "static",
         "decode_mode": args.decode_mode,
+        "decode_routing": args.decode_routing,
     }
 
 
@@ -382,6 +383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl-updates", type=int, default=3, help="trl: updates of the one stock trial measured")
     p.add_argument("--decode-mode", default="auto", choices=["auto", "compile", "cuda_graph", "eager"],
                    help="rollout_decode_mode of our parts (auto: PPOConfig's default)")  # fmt: skip
+    p.add_argument("--decode-routing", default="blocks", choices=["blocks", "index"],
+                   help="the sweeps' adapter routing in the batched decode (AdapterBank.decode_routing)")  # fmt: skip
     p.add_argument("--timeouts", type=lambda s: dict((k, float(v)) for k, v in (x.split("=") for x in s.split(",") if x)),
                    default={}, help="seconds per part, e.g. sweep_halving=170,trl=70 (default --timeout)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600, help="seconds of a part without its own --timeouts")
