@@ -35,6 +35,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,8 @@ def save_models(trainer, output_dir: str | os.PathLike) -> None:
 
 # ---------------------------------------------------------------------------------------------- saving
 def save(trainer) -> Path:
-    """Write a full checkpoint for the current ``global_step`` atomically; returns its directory.
+    """Write a full checkpoint for the current ``global_step`` atomically (:func:`write_checkpoint`); returns
+    its directory.
 
     Every rank writes its RNG state; the main process writes the rest, the marker and renames the folder.
     With ``save_total_limit`` set, older complete checkpoints beyond the limit are deleted afterwards.
@@ -95,42 +97,83 @@ def save(trainer) -> Path:
             only rotated out after the new one is complete and renamed).
     """
     acc, args = trainer.accelerator, trainer.args
-    root = Path(args.output_dir)
-    name = f"checkpoint-{trainer.state.global_step}"
+
+    def write(tmp: Path, writing) -> None:
+        with writing(tmp):  # save_pretrained: the file is found in the traceback
+            save_models(trainer, tmp)
+        if acc.is_main_process:
+            with writing(tmp / "optimizer.pt"):
+                torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+            with writing(tmp / "scheduler.pt"):
+                torch.save(trainer.lr_scheduler.state_dict(), tmp / "scheduler.pt")
+            with writing(tmp / "trainer_state.json"):
+                trainer.state.save_to_json(str(tmp / "trainer_state.json"))
+            with writing(tmp / RUN_SETTINGS):
+                (tmp / RUN_SETTINGS).write_text(json.dumps(run_settings(trainer), indent=2), encoding="utf-8")
+        rng_file = tmp / f"rng_state_{acc.process_index}.pt"
+        with writing(rng_file):
+            torch.save(_rng_state(trainer), rng_file)
+            _fsync(rng_file)
+
+    return write_checkpoint(
+        Path(args.output_dir),
+        trainer.state.global_step,
+        write,
+        save_total_limit=args.save_total_limit,
+        num_processes=acc.num_processes,
+        main=acc.is_main_process,
+        barrier=acc.wait_for_everyone,
+    )
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    write: Callable[[Path, Callable[[Path], contextlib.AbstractContextManager]], None],
+    *,
+    save_total_limit: int | None = None,
+    num_processes: int = 1,
+    main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> Path:
+    """The atomic checkpoint writer of PPOTrainer and of every PPOSweep trial: ``root/checkpoint-<step>``.
+
+    ``write(tmp, writing)`` writes the files into the temporary folder ``tmp``, each inside
+    ``with writing(path):`` so a failure names the file. Then every file and folder is fsynced, the
+    completeness marker (:data:`MARKER`: the size of every file) is written, the folder renamed to its final
+    name (replacing an earlier save of the same step) and, with ``save_total_limit``, the oldest complete
+    checkpoints beyond it deleted. A kill at any moment leaves the earlier checkpoints plus either a
+    ``tmp-`` folder (ignored on resume) or the new complete checkpoint.
+
+    Args:
+        main: whether this process prepares, seals and renames the folder (the main one); ``write`` runs on
+            every process, between ``barrier()`` calls.
+
+    Raises:
+        CheckpointSaveError: a write failed; the unfinished ``tmp-`` folder is removed, the earlier
+            checkpoints are untouched.
+    """
+    name = f"checkpoint-{step}"
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
-    if acc.is_main_process:
+    if main:
         with _writing(tmp, final, tmp):
             if tmp.exists():  # left by a save of this step that was killed
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    with _writing(tmp, final, tmp):  # save_pretrained: the file is found in the traceback
-        save_models(trainer, tmp)
-    if acc.is_main_process:
-        with _writing(tmp, final, tmp / "optimizer.pt"):
-            torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-        with _writing(tmp, final, tmp / "scheduler.pt"):
-            torch.save(trainer.lr_scheduler.state_dict(), tmp / "scheduler.pt")
-        with _writing(tmp, final, tmp / "trainer_state.json"):
-            trainer.state.save_to_json(str(tmp / "trainer_state.json"))
-        with _writing(tmp, final, tmp / RUN_SETTINGS):
-            (tmp / RUN_SETTINGS).write_text(json.dumps(run_settings(trainer), indent=2), encoding="utf-8")
-    rng_file = tmp / f"rng_state_{acc.process_index}.pt"
-    with _writing(tmp, final, rng_file):
-        torch.save(_rng_state(trainer), rng_file)
-        _fsync(rng_file)
-    acc.wait_for_everyone()
-    if acc.is_main_process:
+    barrier()
+    write(tmp, lambda target: _writing(tmp, final, target))
+    barrier()
+    if main:
         with _writing(tmp, final, tmp):
             _fsync_tree(tmp)
         with _writing(tmp, final, tmp / MARKER):
-            _write_marker(tmp, trainer.state.global_step, acc.num_processes)
+            _write_marker(tmp, step, num_processes)
         with _writing(tmp, final, final, f"renaming {tmp.name} to"):
             _publish(tmp, final)
-        if args.save_total_limit:
+        if save_total_limit:
             with _writing(tmp, final, root, "deleting checkpoints beyond save_total_limit"):
-                _rotate(root, args.save_total_limit, keep=final)
-    acc.wait_for_everyone()
+                _rotate(root, int(save_total_limit), keep=final)
+    barrier()
     return final
 
 

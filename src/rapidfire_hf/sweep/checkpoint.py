@@ -11,9 +11,10 @@ status and reason, and the sweep's id, so resuming rebuilds the same set.
 
 Safety:
 
-- A checkpoint is written into ``tmp-checkpoint-<update>/``, every file fsynced, the marker written,
-  then the folder renamed; the index is written to a temporary file and renamed. A kill at any moment
-  leaves every trial's earlier complete checkpoints and the earlier index.
+- A checkpoint is written by PPOTrainer's writer (:func:`rapidfire_hf.ppo.checkpoint.write_checkpoint`): into
+  ``tmp-checkpoint-<update>/``, every file fsynced, the marker written, then the folder renamed; the index
+  is written to a temporary file and renamed. A kill at any moment leaves every trial's earlier complete
+  checkpoints and the earlier index.
 - A clone is checkpointed the moment it is made, so a resume restores it from its own state, never from
   its seed; a clone whose checkpoint was written but not yet listed in the index (a kill in between) is
   found by its ``trial.json`` and resumed too.
@@ -29,19 +30,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rapidfire_hf.models.value_head import ValueHead
-from rapidfire_hf.ppo.checkpoint import MARKER, CheckpointError, CheckpointSaveError
+from rapidfire_hf.ppo.checkpoint import MARKER, CheckpointError, CheckpointSaveError, write_checkpoint
 from rapidfire_hf.ppo.types import PPOTrainerState
 from rapidfire_hf.sweep.fields import LENGTH_FIELDS, STATES, check_trial_name
-from rapidfire_hf.sweep.files import SweepFileError, fsync, read_json, write_json
+from rapidfire_hf.sweep.files import SweepFileError, read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -71,88 +70,52 @@ def run_settings(a, num_prompts: int) -> dict:
 
 
 def save_trial(sweep, trial) -> Path:
-    """Write a checkpoint of ``trial`` at its current update atomically; returns the folder.
+    """Write a checkpoint of ``trial`` at its current update with PPOTrainer's atomic writer
+    (:func:`rapidfire_hf.ppo.checkpoint.write_checkpoint`); returns the folder.
 
     Raises:
         CheckpointSaveError: a write failed (disk full, a name the file system refuses); the unfinished
             ``tmp-`` folder is removed and the trial's earlier checkpoints are untouched.
     """
-    root = Path(trial.args.output_dir)
     step = trial.state.global_step
-    final, tmp = root / f"checkpoint-{step}", root / f"tmp-checkpoint-{step}"
     try:
-        if tmp.exists():  # left by a save of this update that was killed
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        _write_files(sweep, trial, tmp)
-        for f in tmp.iterdir():
-            fsync(f)
-        _write_marker(tmp, step)
-        _publish(tmp, final)
-        if trial.args.save_total_limit:
-            _rotate(root, int(trial.args.save_total_limit), keep=final)
-    except Exception as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSaveError(
-            f"saving trial {trial.name!r} at update {step} to {final} failed ({type(err).__name__}: "
-            f"{str(err)[:300]}); its earlier checkpoints are untouched"
-        ) from err
+        final = write_checkpoint(
+            Path(trial.args.output_dir),
+            step,
+            lambda tmp, writing: _write_files(sweep, trial, tmp, writing),
+            save_total_limit=trial.args.save_total_limit,
+        )
+    except CheckpointSaveError as err:
+        error = CheckpointSaveError(f"saving trial {trial.name!r} at update {step}: {err}")
+        error.errno = err.errno
+        raise error from err
     trial.saved_step = step
     return final
 
 
-def _write_files(sweep, trial, folder: Path) -> None:
+def _write_files(sweep, trial, folder: Path, writing) -> None:
     from safetensors.torch import save_file
 
-    save_file(sweep.bank.state_dict(trial.slot), str(folder / "adapter_model.safetensors"))
-    sweep.bank.peft_config.save_pretrained(str(folder))
-    torch.save(trial.value_head.state_dict(), folder / "value_head.pt")
-    torch.save(trial.optimizer.state_dict(), folder / "optimizer.pt")
-    torch.save(trial.scheduler.state_dict(), folder / "scheduler.pt")
-    torch.save({"permutation": trial.perm_generator.get_state()}, folder / "rng_state.pt")
-    trial.state.save_to_json(str(folder / "trainer_state.json"))
+    with writing(folder / "adapter_model.safetensors"):
+        save_file(sweep.bank.state_dict(trial.slot), str(folder / "adapter_model.safetensors"))
+    with writing(folder / "adapter_config.json"):
+        sweep.bank.peft_config.save_pretrained(str(folder))
+    for name, state in (
+        ("value_head.pt", trial.value_head.state_dict()),
+        ("optimizer.pt", trial.optimizer.state_dict()),
+        ("scheduler.pt", trial.scheduler.state_dict()),
+        ("rng_state.pt", {"permutation": trial.perm_generator.get_state()}),
+    ):
+        with writing(folder / name):
+            torch.save(state, folder / name)
+    with writing(folder / "trainer_state.json"):
+        trial.state.save_to_json(str(folder / "trainer_state.json"))
     settings = run_settings(trial.args, len(sweep.train_dataset))
-    (folder / SETTINGS).write_text(json.dumps(settings, indent=1), encoding="utf-8")
     meta = {"sweep_id": sweep.sweep_id, "name": trial.name, "overrides": trial.overrides,
             "parent": trial.parent, "branch_step": trial.branch_step}  # fmt: skip
-    (folder / TRIAL_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-
-
-def _write_marker(folder: Path, step: int) -> None:
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    marker = folder / MARKER
-    with open(marker, "w", encoding="utf-8") as f:
-        json.dump({"format": 1, "global_step": step, "num_processes": 1, "files": files}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync(folder)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished ``tmp`` folder to ``final`` (an earlier save of the same update is replaced)."""
-    old = final.with_name("old-" + final.name)
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _rotate(root: Path, limit: int, keep: Path) -> None:
-    """Delete the oldest complete checkpoints so that ``limit`` remain (``keep``, just written, among them).
-    Each is renamed first, so a kill during the deletion never leaves half a checkpoint under its name."""
-    done = []
-    for path in root.glob("checkpoint-*"):
-        number = path.name.rpartition("-")[2]
-        if path != keep and number.isdigit() and (path / MARKER).is_file():
-            done.append((int(number), path))
-    for _, path in sorted(done, reverse=True)[max(limit - 1, 0) :]:
-        gone = path.with_name("old-" + path.name)
-        os.replace(path, gone)
-        shutil.rmtree(gone)
+    for name, data in ((SETTINGS, settings), (TRIAL_FILE, meta)):
+        with writing(folder / name):
+            (folder / name).write_text(json.dumps(data, indent=1), encoding="utf-8")
 
 
 def write_index(sweep) -> None:
