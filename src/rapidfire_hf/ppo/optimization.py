@@ -12,7 +12,7 @@ import torch
 
 from rapidfire_hf.ppo.core import ppo_loss
 from rapidfire_hf.ppo.stepper import Stepper
-from rapidfire_hf.ppo.types import STAT_KEYS, Experience
+from rapidfire_hf.ppo.types import Experience, PPOStats
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -55,27 +55,10 @@ def micro_batch_starts(args, rows_per_forward: int) -> range:
     return range(0, args.local_mini_batch_size, rows_per_forward)
 
 
-def new_stats(args, rows_per_forward: int, device) -> dict[str, torch.Tensor]:
-    """Zeroed statistics ``{key: [epochs, mini-batches, forwards per window]}`` of one update."""
+def new_stats(args, rows_per_forward: int, device) -> PPOStats:
+    """Zeroed statistics of one update: one value per training forward of ``rows_per_forward`` rows."""
     shape = (args.num_ppo_epochs, args.num_mini_batches, len(micro_batch_starts(args, rows_per_forward)))
-    return {k: torch.zeros(shape, device=device) for k in STAT_KEYS}
-
-
-def record_stats(
-    stats: dict[str, torch.Tensor], pos: tuple[int, int, int], out, entropy: torch.Tensor
-) -> None:
-    """Write one forward's loss statistics (a ``LossOutput``) and mean entropy at ``(epoch, mini, micro)``."""
-    values = (
-        out.approx_kl,
-        out.pg_clipfrac,
-        out.pg_loss,
-        out.vf_loss,
-        out.vf_clipfrac,
-        entropy,
-        out.ratio_mean,
-    )
-    for key, value in zip(STAT_KEYS, values):
-        stats[key][pos] = value.detach()
+    return PPOStats.zeros(shape, device)
 
 
 def rows_loss(args, adv, rows: torch.Tensor, logprobs: torch.Tensor, values: torch.Tensor, counts=None):
@@ -139,7 +122,7 @@ class PPOEpochs:
 
     def optimize(
         self, exp: Experience, train_rows: int, permutations: list[torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
+    ) -> PPOStats:
         """``num_ppo_epochs`` passes of mini-batch PPO over a scored rollout. Returns device-side statistics.
 
         Args:
@@ -169,7 +152,7 @@ class PPOEpochs:
             for u, start in enumerate(micro_batch_starts(self.args, micro)):
                 idx = mb_idx[start : start + micro].to(qr.device)
                 out, ent = self._micro_step(qr[idx], ctx, adv, idx)
-                record_stats(stats, (epoch, m, u), out, ent)
+                stats.record((epoch, m, u), out, ent)
             replays = self._replays(self.stepper.health.last_rollback())
             if replays and budget > 0:
                 budget -= len(replays)

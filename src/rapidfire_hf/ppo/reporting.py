@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from rapidfire_hf.optim.step_health import StepHealth
-    from rapidfire_hf.ppo.types import Experience
+    from rapidfire_hf.ppo.types import Experience, PPOStats
 
 
 class Reporter:
@@ -69,7 +69,7 @@ class Reporter:
                 writer.flush()
 
     def metrics(
-        self, exp: Experience, stats: dict, times, *, episode: int, train_start: float, scheduler,
+        self, exp: Experience, stats: PPOStats, times, *, episode: int, train_start: float, scheduler,
         health: StepHealth, oom_splits: int,
     ) -> dict:  # fmt: skip
         """The metrics of one update: device metrics read with one host sync, host metrics, the step
@@ -130,7 +130,7 @@ def update_host_metrics(
     }
 
 
-def update_device_metrics(exp: Experience, stats: dict, eos_id) -> dict:
+def update_device_metrics(exp: Experience, stats: PPOStats, eos_id) -> dict:
     """The per-update metrics of one scored rollout and its PPO statistics, as 0-d device tensors (read
     with one host sync by the caller). Shared by PPOTrainer and PPOSweep's trials."""
     adv = exp.adv
@@ -142,14 +142,14 @@ def update_device_metrics(exp: Experience, stats: dict, eos_id) -> dict:
         "objective/non_score_reward": non_score,
         "objective/rlhf_reward": non_score + adv.scores.mean(),
         "objective/scores": adv.scores.mean(),
-        "policy/approxkl_avg": stats["approx_kl"].mean(),
-        "policy/clipfrac_avg": stats["pg_clipfrac"].mean(),
-        "loss/policy_avg": stats["pg_loss"].mean(),
-        "loss/value_avg": stats["vf_loss"].mean(),
-        "val/clipfrac_avg": stats["vf_clipfrac"].mean(),
-        "policy/entropy_avg": stats["entropy"].mean(),
-        "val/ratio": stats["ratio"].mean(),
-        "val/ratio_var": stats["ratio"].var() if stats["ratio"].numel() > 1 else stats["ratio"].sum() * 0,
+        "policy/approxkl_avg": stats.approx_kl.mean(),
+        "policy/clipfrac_avg": stats.pg_clipfrac.mean(),
+        "loss/policy_avg": stats.pg_loss.mean(),
+        "loss/value_avg": stats.vf_loss.mean(),
+        "val/clipfrac_avg": stats.vf_clipfrac.mean(),
+        "policy/entropy_avg": stats.entropy.mean(),
+        "val/ratio": stats.ratio.mean(),
+        "val/ratio_var": stats.ratio.var() if stats.ratio.numel() > 1 else stats.ratio.sum() * 0,
         "val/num_eos_tokens": (exp.rollout.responses == eos_id).sum().float(),
         "response_length": real.sum(1).mean(),
     }

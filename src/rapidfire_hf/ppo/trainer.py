@@ -63,7 +63,7 @@ from rapidfire_hf.ppo.setup import (
 from rapidfire_hf.ppo.speedups import check_liger_usable
 from rapidfire_hf.ppo.start_report import start_facts, start_lines
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
-from rapidfire_hf.ppo.types import Experience, PPOTrainerState, Rollout, _to_float, sync_time
+from rapidfire_hf.ppo.types import Experience, PPOStats, PPOTrainerState, Rollout, _to_float, sync_time
 from rapidfire_hf.utils.logs import LogCadence, apply_logging_config
 from rapidfire_hf.utils.start_table import start_table
 
@@ -366,10 +366,9 @@ class PPOTrainer:
         plan = self.plan or unplanned_run(self, rollout.queries.shape[1])
         return self.scorer.score(rollout, plan.scoring_rows)
 
-    def optimize(
-        self, exp: Experience, permutations: list[torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """``num_ppo_epochs`` passes of mini-batch PPO over a scored rollout. Returns device-side statistics.
+    def optimize(self, exp: Experience, permutations: list[torch.Tensor] | None = None) -> PPOStats:
+        """``num_ppo_epochs`` passes of mini-batch PPO over a scored rollout. Returns device-side statistics
+        (:class:`~rapidfire_hf.ppo.types.PPOStats`).
 
         Args:
             exp: the scored rollout.
@@ -480,7 +479,9 @@ class PPOTrainer:
         self._show_samples_if_due(update, exp)
         return metrics
 
-    def _update_metrics(self, update: int, exp: Experience, stats: dict, times, planned_now: bool) -> dict:
+    def _update_metrics(
+        self, update: int, exp: Experience, stats: PPOStats, times, planned_now: bool
+    ) -> dict:
         health = self.stepper.health
         metrics = self.reporter.metrics(
             exp, stats, times, episode=self.state.episode, train_start=self._train_start,

@@ -1,14 +1,15 @@
-"""PPOTrainer's data types (a rollout, a scored experience, the trainer state) and small stat helpers."""
+"""PPO's data types, shared by PPOTrainer and PPOSweep: a rollout, a scored experience, the statistics of the
+PPO epochs, the trainer state."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from transformers import TrainerState
 
-from rapidfire_hf.ppo.core import AdvantageOutput
+from rapidfire_hf.ppo.core import AdvantageOutput, LossOutput
 
 
 @dataclass
@@ -41,7 +42,42 @@ class Experience:
     postprocessed_responses: torch.Tensor  # [B, R] truncated after the stop token
 
 
-STAT_KEYS = ("approx_kl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
+@dataclass
+class PPOStats:
+    """The statistics of one update's PPO epochs: a value per training forward, each field a device tensor
+    ``[num_ppo_epochs, num_mini_batches, forwards per window]`` (TRL 1.12's ``*_stats`` arrays).
+
+    Written by :meth:`record` after every training forward (PPOTrainer's and each sweep trial's); the
+    reporter logs their means (``ppo/reporting.update_device_metrics``). ``stats["pg_loss"]`` reads a field
+    by name, as the dict ``PPOTrainer.optimize`` returned before.
+    """
+
+    approx_kl: torch.Tensor
+    pg_clipfrac: torch.Tensor
+    pg_loss: torch.Tensor
+    vf_loss: torch.Tensor
+    vf_clipfrac: torch.Tensor
+    entropy: torch.Tensor
+    ratio: torch.Tensor
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, int, int], device) -> PPOStats:
+        return cls(**{f.name: torch.zeros(shape, device=device) for f in fields(cls)})
+
+    def record(self, pos: tuple[int, int, int], out: LossOutput, entropy: torch.Tensor) -> None:
+        """One forward's loss statistics and mean entropy at ``(epoch, mini-batch, forward)``."""
+        self.approx_kl[pos] = out.approx_kl.detach()
+        self.pg_clipfrac[pos] = out.pg_clipfrac.detach()
+        self.pg_loss[pos] = out.pg_loss.detach()
+        self.vf_loss[pos] = out.vf_loss.detach()
+        self.vf_clipfrac[pos] = out.vf_clipfrac.detach()
+        self.entropy[pos] = entropy.detach()
+        self.ratio[pos] = out.ratio_mean.detach()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in {f.name for f in fields(self)}:
+            raise KeyError(f"{name!r}: PPOStats has {', '.join(f.name for f in fields(self))}")
+        return getattr(self, name)
 
 
 def _to_float(v):

@@ -7,7 +7,7 @@ math is PPOTrainer's own, called on each trial's block with that trial's setting
 the fused values (``ppo/modeling.policy_outputs``, ``block_values``), reward weighting
 (``ppo/rewards.weighted_scores``), ``missing_eos_penalty`` and advantages (``ppo/scoring.scored_experience``),
 the window schedule, loss and statistics (``ppo/optimization.mini_batches``, ``rows_loss``,
-``record_stats``), the step guard (``optim/step_health``) and the split-and-retry of a training forward that
+``ppo/types.PPOStats``), the step guard (``optim/step_health``) and the split-and-retry of a training forward that
 runs out of memory (``ppo/recovery.pack_recovery``: PPOTrainer's policy, on a pack of trials' rows).
 """
 
@@ -31,7 +31,6 @@ from rapidfire_hf.ppo.optimization import (
     micro_batch_starts,
     mini_batches,
     new_stats,
-    record_stats,
     rows_loss,
 )
 from rapidfire_hf.ppo.recovery import PackRows, pack_recovery
@@ -39,7 +38,7 @@ from rapidfire_hf.ppo.reporting import update_device_metrics, update_host_metric
 from rapidfire_hf.ppo.rewards import reward_columns, weighted_scores
 from rapidfire_hf.ppo.rollout_phase import sampling_params
 from rapidfire_hf.ppo.scoring import reward_texts, scored_experience
-from rapidfire_hf.ppo.types import Experience, Rollout
+from rapidfire_hf.ppo.types import Experience, PPOStats, Rollout
 
 
 def blocks(trials, rows_of) -> list[tuple[object, int, int]]:
@@ -222,7 +221,7 @@ class SweepPhases:
         return reward_columns(self.reward_funcs, *texts, columns)
 
     # ------------------------------------------------------------------ PPO epochs
-    def optimize(self, trials, exps: list[Experience]) -> list[dict[str, torch.Tensor]]:
+    def optimize(self, trials, exps: list[Experience]) -> list[PPOStats]:
         """Every trial's PPO epochs, micro-step by micro-step together: the k-th micro-batch of each trial
         shares one forward and one backward; each trial's optimizer steps when its own window closes."""
         schedules = [_schedule(t) for t in trials]
@@ -261,7 +260,7 @@ class SweepPhases:
         for i, (_, pos, _) in batch:
             out, entropy = results[i]
             trials[i].health.observe_loss(out.loss)  # the window's finite-step check, as PPOTrainer's
-            record_stats(stats[i], pos, out, entropy.mean())
+            stats[i].record(pos, out, entropy.mean())
         for i, (_, _, closes) in batch:
             if closes:
                 self._step(trials[i])
@@ -359,7 +358,7 @@ def _schedule(trial):
             yield mb_idx[start : start + micro], (epoch, m, u), u == len(starts) - 1
 
 
-def trial_metrics(trial, exp: Experience, stats: dict, times, eos_id, train_start: float) -> dict:
+def trial_metrics(trial, exp: Experience, stats: PPOStats, times, eos_id, train_start: float) -> dict:
     """The metrics ``PPOTrainer`` logs for one update, for one trial (times are the shared phases')."""
     device_metrics = update_device_metrics(exp, stats, eos_id)
     metrics = dict(zip(device_metrics, torch.stack(list(device_metrics.values())).tolist()))  # one host sync

@@ -14,7 +14,7 @@ from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
-from rapidfire_hf.ppo.types import sync_time
+from rapidfire_hf.ppo.types import PPOStats, sync_time
 from rapidfire_hf.sweep import checkpoint as ckpt
 from rapidfire_hf.sweep import outputs
 from rapidfire_hf.sweep.control import ControlFile
@@ -568,8 +568,8 @@ def _experience_problem(exp) -> str | None:
     return _first_bad([getattr(adv, k) for k, _ in _EXPERIENCE_CHECKS], [m for _, m in _EXPERIENCE_CHECKS])
 
 
-def _stats_problem(stats: dict) -> str | None:
-    bad = _first_bad([stats[k] for k in _LOSS_STATS], list(_LOSS_STATS))
+def _stats_problem(stats: PPOStats) -> str | None:
+    bad = _first_bad([getattr(stats, k) for k in _LOSS_STATS], list(_LOSS_STATS))
     return None if bad is None else f"non-finite {bad}"
 
 
