@@ -45,11 +45,14 @@ run logprobs 70 bash -o pipefail -c "python3 benchmarks/kernels/logprobs.py --ou
   2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"
 run rollout 170 bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \
   --budget-s ${ROLLOUT_BUDGET_S:-140} --no-correctness \
-  --systems ${ROLLOUT_SYSTEMS:-ours_compile,ours_compile+triton,ours_compile+tattn,ours_cuda_graph,ours_cuda_graph+triton} \
+  --systems ${ROLLOUT_SYSTEMS:-ours_compile,ours_compile+fuse,ours_compile+triton,ours_compile+tattn,ours_cuda_graph} \
   2>&1 | tail -14"
 # the profile's own budget leaves ~40 s for the cell started last (a compiled 7B cell)
 left=$((TOTAL_S - SECONDS))
 run profile $left bash -o pipefail -c "python3 benchmarks/kernels/profile_decode.py --out '$OUT/profile' \
-  --batches ${PROFILE_BATCHES:-8,64,256} --mode ${PROFILE_MODE:-compile} --budget-s ${PROFILE_BUDGET_S:-$((left - 40))} \
+  --batches ${PROFILE_BATCHES:-8,64,256} --variants ${PROFILE_VARIANTS:-default,fuse,triton} --mode ${PROFILE_MODE:-compile} --budget-s ${PROFILE_BUDGET_S:-$((left - 40))} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-260 | tail -14"
 echo "== done in ${SECONDS}s"
+# the device tool returns at most 8 files from OUT: one archive of every part's files, parts.log beside it
+tar -cf "$OUT/results.tar" -C "$OUT" --exclude results.tar --exclude parts.log . &&
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name results.tar ! -name parts.log -exec rm -rf {} +

@@ -53,7 +53,9 @@ VARIANTS = {
     "default": ("sdpa", "torch"),
     "triton": ("triton", "triton"),
     "triton-philox": ("triton", "triton-philox"),
+    "fuse": ("sdpa", "torch"),  # + decode_fuse_projections (FUSED below)
 }
+FUSED = ("fuse",)
 SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "llama-7b": LLAMA_SHAPES["llama-7b"]}
 SMOKE_SHAPES = {"smoke": llama_shape("smoke", vocab_size=128)}
 PEAK_TB_S = {"H200": 4.8, "H100": 3.35}  # HBM peak (vendor figures), as benchmarks/kernels/run.py
@@ -378,6 +380,7 @@ def profile_cell(model, shape: dict, variant: str, batch: int, args, cuda: bool)
         decode_mode=args.mode,
         decode_attention=attention,
         decode_sampler=sampler,
+        decode_fuse_projections=variant in FUSED,
     )
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(3, shape["vocab_size"], (batch, args.prompt_len), generator=g).to(model.device)

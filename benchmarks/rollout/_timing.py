@@ -78,12 +78,13 @@ class _StepHook(LogitsProcessor):
         return scores
 
 
-# "ours_<mode>+<variant>": (decode_attention, decode_sampler); no variant = the defaults
+# "ours_<mode>+<variant>": (decode_attention, decode_sampler, decode_fuse_projections); no variant = the defaults
 VARIANTS = {
-    "": ("sdpa", "torch"),
-    "matmul": ("matmul", "torch"),
-    "triton": ("triton", "triton-philox"),  # every Triton kernel of kernels/
-    "tattn": ("triton", "torch"),  # the flash-decoding kernel alone
+    "": ("sdpa", "torch", False),
+    "matmul": ("matmul", "torch", False),
+    "triton": ("triton", "triton-philox", False),  # every Triton kernel of kernels/
+    "tattn": ("triton", "torch", False),  # the flash-decoding kernel alone
+    "fuse": ("sdpa", "torch", True),  # one matmul for q/k/v and one for gate/up per layer
 }
 
 
@@ -99,6 +100,7 @@ def _runner(model, system: str, ids, mask):
             decode_mode=mode,
             decode_attention=VARIANTS[variant][0],
             decode_sampler=VARIANTS[variant][1],
+            decode_fuse_projections=VARIANTS[variant][2],
         )
 
         def run(n, hook):

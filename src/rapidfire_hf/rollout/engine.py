@@ -57,6 +57,10 @@ class RolloutEngine:
         prefill_chunk_rows: static engine only: run the prompt prefill that many prompts at a time, which
             divides the rollout's largest transient (one layer's MLP over every prompt token) by
             ``batch / prefill_chunk_rows`` (``None``: all prompts at once; the hf backend ignores it).
+        decode_fuse_projections: static engine only: one matmul for each layer's q/k/v projections and one
+            for gate/up in the decode step, from concatenated copies of their weights (refreshed before each
+            generation; layers with PEFT, quantized or biased projections keep their modules). Opt-in until
+            measured on a GPU (``benchmarks/rollout``: the ``+fuse`` systems).
 
     Example:
         >>> engine = RolloutEngine(policy, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
@@ -84,6 +88,7 @@ class RolloutEngine:
         decode_attention: str = "sdpa",
         prefill_chunk_rows: int | None = None,
         decode_sampler: str = "torch",
+        decode_fuse_projections: bool = False,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -107,6 +112,7 @@ class RolloutEngine:
         static_only = {
             "decode_attention": (decode_attention, "sdpa"),
             "decode_sampler": (decode_sampler, "torch"),
+            "decode_fuse_projections": (decode_fuse_projections, False),
         }
         ignored = [f"{k}={v!r}" for k, (v, default) in static_only.items() if v != default]
         if backend == "hf" and ignored:
@@ -128,6 +134,7 @@ class RolloutEngine:
                 attention=decode_attention,
                 prefill_rows=prefill_chunk_rows,
                 sampler=decode_sampler,
+                fuse_projections=decode_fuse_projections,
             )
 
     @property

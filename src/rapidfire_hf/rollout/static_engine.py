@@ -95,6 +95,8 @@ class StaticEngine:
         attention: decode attention, "sdpa" (fused on CUDA) or "matmul" (see ``gqa_decode_attention``).
         prefill_rows: run the prompt prefill that many prompts at a time (``rollout.prefill.chunk_prefill``;
             ``None``: all at once).
+        fuse_projections: one matmul for q/k/v and one for gate/up per layer in the decode step
+            (``StaticLlama``; opt-in, not yet measured on a GPU).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class StaticEngine:
         attention: str = "sdpa",
         prefill_rows: int | None = None,
         sampler: str = "torch",
+        fuse_projections: bool = False,
     ):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
@@ -115,7 +118,7 @@ class StaticEngine:
             reason = triton_unavailable_reason(next(model.parameters()).device)
             if reason is not None:
                 raise ValueError(f"attention={attention!r} / sampler={sampler!r} cannot run here: {reason}")
-        self.net = StaticLlama(model, attention)
+        self.net = StaticLlama(model, attention, fuse_projections=fuse_projections)
         if prefill_rows is not None:
             chunk_prefill(self.net, prefill_rows)
         self.model = model
@@ -301,6 +304,7 @@ class StaticEngine:
                 f"top_p={params.top_p} need sampler='torch'"
             )
         buf = self._prepare(input_ids, attention_mask, r)
+        self.net.refresh_fused()  # the weights of the last update into the fused projections (in place)
         generator = _row_generators(generator, b, device)
         # per-step host noise, except when the kernel draws its own (seeded once per call)
         host_noise = params.do_sample and self.sampler != "triton-philox"
@@ -344,7 +348,8 @@ class StaticEngine:
             (bool(m.disable_adapters), bool(getattr(m, "merged", False)), tuple(m.active_adapters))
             for m in self._adapter_layers
         )
-        return tuple(q.data_ptr() for q in self.model.parameters()), adapters
+        weights = tuple(q.data_ptr() for q in (*self.model.parameters(), *self.net.fused_weights()))
+        return weights, adapters
 
     def _all_stopped(self, buf: _Buffers, t: int) -> bool:
         return bool((buf.tokens[:, :t, None] == buf.stops).any(-1).any(-1).all())

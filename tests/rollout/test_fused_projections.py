@@ -1,0 +1,95 @@
+"""``decode_fuse_projections``: one matmul for q/k/v and one for gate/up in the decode step (CPU, fp32).
+
+Against the module path of the same engine and against ``model.generate``: greedy tokens equal, sampled
+log-probs within 1e-5 (a concatenated weight changes only how the GEMM blocks its output columns).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _rollout_helpers import hf_greedy
+from peft import LoraConfig, get_peft_model
+
+from rapidfire_hf.demo import build_tiny_llama
+from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+
+R = 40
+
+
+def _engine(model, fuse: bool):
+    return RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static", decode_fuse_projections=fuse
+    )
+
+
+def _sampled(engine, ids, mask):
+    params = SamplingParams(max_new_tokens=R, temperature=0.8)
+    return engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(3))
+
+
+def test_fused_decode_equals_module_decode(tokenizer, prompts):
+    model = build_tiny_llama(tokenizer, heads=4, kv_heads=2)
+    ids, mask = prompts
+    fused = _engine(model, True)
+    assert all(fused._static.net.fused)  # plain Llama linears: every layer fused
+    greedy = fused.generate(ids, mask, SamplingParams(max_new_tokens=R, do_sample=False))
+    assert torch.equal(greedy.responses, hf_greedy(model, ids, mask, R, stop=None))
+    a, b = _sampled(fused, ids, mask), _sampled(_engine(model, False), ids, mask)
+    assert torch.equal(a.responses, b.responses)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_fused_weights_follow_training_updates(tokenizer, prompts):
+    """The concatenated weights are refreshed in place before each generation."""
+    model = build_tiny_llama(tokenizer, heads=4, kv_heads=2)
+    ids, mask = prompts
+    fused, plain = _engine(model, True), _engine(model, False)
+    before = _sampled(fused, ids, mask)
+    address = fused._static.net.fused_weights()[0].data_ptr()
+    with torch.no_grad():  # an optimizer step in place, as training does between rollouts
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.k_proj, layer.mlp.up_proj):
+                lin.weight.add_(torch.randn(lin.weight.shape, generator=torch.Generator().manual_seed(1)))
+    after, reference = _sampled(fused, ids, mask), _sampled(plain, ids, mask)
+    assert not torch.equal(before.logprobs, after.logprobs)
+    assert torch.equal(after.responses, reference.responses)
+    torch.testing.assert_close(after.logprobs, reference.logprobs, atol=1e-5, rtol=0)
+    assert fused._static.net.fused_weights()[0].data_ptr() == address  # refreshed in place
+
+
+def test_peft_layers_keep_their_modules(tokenizer, prompts):
+    """LoRA on q/v: those layers are not fused (the adapter would be bypassed); the output is the module's."""
+    base = build_tiny_llama(tokenizer, heads=4, kv_heads=2)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    ids, mask = prompts
+    fused = _engine(model, True)
+    assert not any(fused._static.net.fused)
+    a, b = _sampled(fused, ids, mask), _sampled(_engine(model, False), ids, mask)
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["cuda_graph", "compile"])
+def test_fused_decode_on_gpu_matches_module_decode(tokenizer, prompts, mode):
+    """Recorded / compiled steps read the concatenated weights in place (fp32: greedy tokens equal)."""
+    model = build_tiny_llama(tokenizer, heads=4, kv_heads=2).cuda()
+    ids, mask = (x.cuda() for x in prompts)
+    params = SamplingParams(max_new_tokens=R, do_sample=False)
+    out = {}
+    for fuse in (True, False):
+        engine = RolloutEngine(
+            model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode=mode,
+            decode_fuse_projections=fuse,
+        )  # fmt: skip
+        first = engine.generate(ids, mask, params)
+        with torch.no_grad():  # a training step between two rollouts: the replayed graph must see it
+            model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+        out[fuse] = (first.responses, engine.generate(ids, mask, params).responses)
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.div_(1.5)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
