@@ -416,7 +416,8 @@ def make_optimizer(args, rf_config, accelerator, module, optimizer, optimizers, 
         decision = plan_optimizer_state(rf_config, accelerator, params, [module, *frozen])
         optimizer = optimizer_from_config(args, rf_config, params, decision)
     if optimizer is None:
-        optimizer = default_adamw(args, params, **default_adamw_kernel(accelerator))
+        kernel = default_adamw_kernel(accelerator.device, accelerator.distributed_type)
+        optimizer = default_adamw(args, params, **kernel)
     elif getattr(optimizer, "is_bound", True) is False:
         # what the optimizer was built without comes from PPOConfig, as for the default AdamW
         optimizer.bind(
@@ -464,25 +465,32 @@ def make_optimizer(args, rf_config, accelerator, module, optimizer, optimizers, 
         limit = args.approx_kl_limit
         rapidfire.add_rule("approx_kl", lambda m: m["approx_kl"] < limit)
     if scheduler is None:
-        scheduler = get_scheduler(
-            args.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=args.get_warmup_steps(num_updates),
-            num_training_steps=num_updates,
-        )
+        scheduler = default_scheduler(args, optimizer, num_updates)
     return optimizer, scheduler, is_default, decision
 
 
-def default_adamw_kernel(accelerator) -> dict:
+def default_scheduler(args, optimizer, num_updates: int):
+    """PPOConfig's LR schedule (``lr_scheduler_type``, warm-up, ``lr_scheduler_kwargs``) over ``num_updates``
+    optimizer-update steps, as transformers' Trainer builds it; PPOTrainer's and every sweep trial's."""
+    return get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=args.get_warmup_steps(num_updates),
+        num_training_steps=num_updates,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
+    )
+
+
+def default_adamw_kernel(device: torch.device, distributed_type=DistributedType.NO) -> dict:
     """``fused=True`` for the default AdamW on one GPU or under DDP, as transformers' Trainer defaults
     to (``adamw_torch_fused``). torch's default there is the foreach kernel, whose temporaries (e.g.
     ``_foreach_sqrt`` of every second moment) hold a copy of the optimizer state during step(): on
     the 7B shape with a separate value model (13.3B trainable parameters, bf16) that was the
     difference between an OOM at 136.6 GiB and training (benchmarks/ppo_vs_trl, size7b). Sharded
-    engines (DeepSpeed, FSDP) keep torch's default."""
-    acc = accelerator
-    plain = acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-    return {"fused": True} if plain and acc.device.type == "cuda" else {}
+    engines (DeepSpeed, FSDP) keep torch's default. PPOTrainer's (its accelerator's device and
+    distributed type) and every sweep trial's (its parameters' device)."""
+    plain = distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+    return {"fused": True} if plain and torch.device(device).type == "cuda" else {}
 
 
 def plan_optimizer_state(rf_config, accelerator, params, models) -> tuple[bool, str]:

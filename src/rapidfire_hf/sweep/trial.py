@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerControl
-from transformers.optimization import get_scheduler
 
 from rapidfire_hf.models.value_head import ValueHead
 from rapidfire_hf.optim.step_health import StepHealth, step_health
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import PromptOrder
 from rapidfire_hf.ppo.seeds import new_value_head, permutation_generator, prompt_order, sampling_generator
-from rapidfire_hf.ppo.setup import default_adamw
+from rapidfire_hf.ppo.setup import default_adamw, default_adamw_kernel, default_scheduler
 from rapidfire_hf.ppo.types import PPOTrainerState
 from rapidfire_hf.sweep.fields import PER_TRIAL_FIELDS, value_problem
 
@@ -112,16 +111,10 @@ def num_updates(args: PPOConfig, num_prompts: int) -> int:
 
 
 def make_optimizer(args: PPOConfig, params, updates: int):
-    """AdamW and the LR schedule ``PPOTrainer`` builds by default (torch's default kernel on CPU)."""
-    opt = default_adamw(args, params, **({"fused": True} if params[0].device.type == "cuda" else {}))
-    sched = get_scheduler(
-        args.lr_scheduler_type,
-        opt,
-        num_warmup_steps=args.get_warmup_steps(updates),
-        num_training_steps=updates,
-        scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
-    )
-    return opt, sched
+    """AdamW and the LR schedule ``PPOTrainer`` builds by default (``ppo/setup``: the same kernel choice,
+    torch's default on CPU and fused on one GPU, and the same schedule)."""
+    opt = default_adamw(args, params, **default_adamw_kernel(params[0].device))
+    return opt, default_scheduler(args, opt, updates)
 
 
 def build_trial(name, args, overrides, bank, slot, hidden_size, device, num_prompts, source=None) -> Trial:
