@@ -93,3 +93,23 @@ def test_fused_decode_on_gpu_matches_module_decode(tokenizer, prompts, mode):
         with torch.no_grad():
             model.model.layers[0].mlp.up_proj.weight.div_(1.5)
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+
+
+def test_ppo_config_switch_reaches_the_engine(tokenizer, tmp_path):
+    """PPOConfig(rollout_decode_fuse_projections=True) builds PPOTrainer's engine with fused layers; the
+    rollout is the unfused one's (same seed rule)."""
+    from rapidfire_hf.config import ConfigError
+    from tests.ppo.helpers import tiny_trainer
+
+    def rollout_of(**kw):
+        trainer = tiny_trainer(tmp_path / str(len(kw)), tokenizer, rollout_backend="static", **kw)
+        return trainer, trainer.rollout(trainer.next_prompts(0))
+
+    plain_trainer, plain = rollout_of()
+    trainer, fused = rollout_of(rollout_decode_fuse_projections=True)
+    assert all(trainer.roller.engine._static.net.fused)
+    assert not any(plain_trainer.roller.engine._static.net.fused)
+    assert torch.equal(fused.responses, plain.responses)
+    torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="rollout_decode_fuse_projections"):
+        tiny_trainer(tmp_path / "bad", tokenizer, rollout_decode_fuse_projections="yes please")

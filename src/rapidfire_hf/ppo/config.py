@@ -86,6 +86,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "rollout_decode_mode": Among(("auto", "compile", "cuda_graph", "eager")),
     "rollout_decode_attention": Among(("sdpa", "matmul", "triton")),
     "rollout_decode_sampler": Among(("torch", "triton", "triton-philox")),
+    "rollout_decode_fuse_projections": Bool(),
     "rollout_generation_batch_size": AutoOr(Optional(Int(min=1), "the whole rollout batch at once")),
 }
 
@@ -342,6 +343,15 @@ class PPOConfig(TrainingArguments):
             "help": "Sampling of the fast engine: 'torch', 'triton' (one fused kernel on the same noise: the "
             "same tokens; 3x faster at batch 256, 0.8x at 8) or 'triton-philox' (draws its own noise). The "
             "Triton samplers take temperature only (no top_k / top_p). Opt-in."
+        },
+    )
+    rollout_decode_fuse_projections: bool = field(
+        default=False,
+        metadata={
+            "help": "Decode step of the fast engine: one matmul for each layer's q/k/v projections and one for "
+            "gate/up, from concatenated copies of their weights (refreshed before each rollout; PEFT, "
+            "quantized or biased layers keep their modules). Costs a copy of those weights (1.2 GB at 1.1B). "
+            "Opt-in until measured on a GPU (benchmarks/rollout: the +fuse systems)."
         },
     )
     rollout_generation_batch_size: str | None = field(  # "auto", an int (digits: below) or None

@@ -40,6 +40,7 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
             for name, value, default in (
                 ("attention", args.rollout_decode_attention, "sdpa"),
                 ("sampler", args.rollout_decode_sampler, "torch"),
+                ("fuse_projections", args.rollout_decode_fuse_projections, False),
             )
             if value != default
         ]
