@@ -135,6 +135,9 @@ def with_variant(row: dict, knobs: dict, args) -> dict:
     if getattr(args, "ours_score_chunk", None):  # local_rollout_forward_batch_size of ours (default: batch)
         out["score_chunk"] = args.ours_score_chunk
         out["name"] += f"_s{args.ours_score_chunk}"
+    if getattr(args, "ours_decode_kernels", None):  # "fuse", "triton" or "fuse+triton" (worker.DECODE_KERNELS)
+        out["decode_kernels"] = args.ours_decode_kernels
+        out["name"] += "_" + args.ours_decode_kernels.replace("+", "_")
     return out
 
 
@@ -612,6 +615,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "compile", "cuda_graph", "eager"],
         help="rollout_decode_mode of ours (auto: the compiled decode step, ~25 s of compilation per "
         "configuration; cuda_graph: recorded uncompiled, no compilation, slower decode)",
+    )
+    ours.add_argument(
+        "--ours-decode-kernels",
+        default=None,
+        choices=["fuse", "triton", "fuse+triton"],
+        help="decode-step options of ours: fuse = rollout_decode_fuse_projections, triton = the Triton "
+        "attention and sampler (rollout_decode_attention / rollout_decode_sampler 'triton'); default neither",
     )
     ours.add_argument(
         "--ours-gen-chunk",

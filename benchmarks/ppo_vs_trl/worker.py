@@ -318,6 +318,13 @@ def run_trl(cfg: dict, device: str) -> dict:
     }
 
 
+# run.py --ours-decode-kernels: the PPOConfig fields of each decode-step option
+DECODE_KERNELS = {
+    "fuse": {"rollout_decode_fuse_projections": True},
+    "triton": {"rollout_decode_attention": "triton", "rollout_decode_sampler": "triton"},
+}
+
+
 def speedup_args(cfg: dict) -> dict:
     """PPOConfig switches of a speed-up variant (run.py --ours-*); none for a row without them, so the
     baseline runs exactly as before."""
@@ -326,6 +333,8 @@ def speedup_args(cfg: dict) -> dict:
         out["rollout_decode_mode"] = cfg["rollout_decode_mode"]
     if cfg.get("rollout_generation_batch_size"):
         out["rollout_generation_batch_size"] = cfg["rollout_generation_batch_size"]
+    for kernel in filter(None, (cfg.get("decode_kernels") or "").split("+")):
+        out.update(DECODE_KERNELS[kernel])
     if cfg.get("liger"):
         out["use_liger_kernel"] = True
     if cfg.get("compile"):

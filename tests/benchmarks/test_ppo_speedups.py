@@ -143,3 +143,27 @@ def test_merge_and_summary_keep_variants_apart(tmp_path):
     summary = (out / "summary.csv").read_text().splitlines()
     assert summary[0].split(",")[:3] == ["system", "value_mode", "variant"]
     assert [line.split(",")[2] for line in summary[1:]] == ["base", "liger+compile"]
+
+
+def test_decode_kernels_reach_ppo_config():
+    """--ours-decode-kernels names our rows and becomes PPOConfig's decode fields; TRL rows stay stock."""
+    rows = _rows(
+        "--trl-batches",
+        "8",
+        "--our-batches",
+        "8",
+        "--fused-batches",
+        "",
+        "--ours-decode-kernels",
+        "fuse+triton",
+    )
+    by_name = {r["name"]: r for r in rows}
+    assert list(by_name) == ["tp_trl_b8", "tp_rapidfire_b8_fuse_triton"]
+    assert worker.speedup_args(by_name["tp_rapidfire_b8_fuse_triton"]) == {
+        "rollout_decode_fuse_projections": True,
+        "rollout_decode_attention": "triton",
+        "rollout_decode_sampler": "triton",
+    }
+    assert worker.speedup_args(by_name["tp_trl_b8"]) == {}
+    fuse_only = {r["name"]: r for r in _rows("--our-batches", "8", "--ours-decode-kernels", "fuse")}
+    assert worker.speedup_args(fuse_only["tp_rapidfire_b8_fuse"]) == {"rollout_decode_fuse_projections": True}
