@@ -10,6 +10,7 @@ the other slots: only the GEMM's summation order differs).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -72,6 +73,13 @@ def test_index_route_compiles_once_for_every_route(tokenizer):
     torch._dynamo.reset()
 
 
+def test_decode_routing_refuses_unknown_values(tokenizer):
+    _, bank = _bank_model(tokenizer)
+    with pytest.raises(ValueError, match="decode_routing must be 'blocks' or 'index', got 'idx'"):
+        bank.decode_routing = "idx"
+    assert bank.decode_routing == "blocks"
+
+
 def test_index_route_refreshes_trained_weights(tokenizer):
     """The stacks are copied from the adapters on every route: a decode sees the weights of the last update."""
     model, bank = _bank_model(tokenizer)
@@ -92,12 +100,14 @@ def test_index_route_refreshes_trained_weights(tokenizer):
 def test_sweep_with_index_routing_equals_block_routing(tokenizer, tmp_path):
     """A halving sweep decoded through the index route: the same curves as the block route, and the
     decode keeps its batch rows after the rung (the stopped trial's rows are filled, not dropped)."""
-    trials = {"kl0.01": {"kl_coef": 0.01}, "kl0.2": {"kl_coef": 0.2, "seed": 3}, "lr3": {"learning_rate": 3e-3}}
+    trials = {
+        "kl0.01": {"kl_coef": 0.01},
+        "kl0.2": {"kl_coef": 0.2, "seed": 3},
+        "lr3": {"learning_rate": 3e-3},
+    }
     results, rows = {}, {}
     for routing in ("blocks", "index"):
-        sweep = make_sweep(
-            tokenizer, tmp_path / routing, trials, rollout_backend="static", max_steps=3
-        )
+        sweep = make_sweep(tokenizer, tmp_path / routing, trials, rollout_backend="static", max_steps=3)
         sweep.early_stopping = SuccessiveHalving(rungs=(1,), keep=0.5)
         sweep.bank.decode_routing = routing
         seen = []

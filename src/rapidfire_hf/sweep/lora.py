@@ -170,9 +170,7 @@ class AdapterBank:
         self.peft_config = peft_config
         self.r = settings["r"]
         self.segments: list[tuple[str | None, int]] | None = None
-        # how PPOSweep's batched decode routes rows: "blocks" (the Python route, the default) or "index" (the
-        # stacks and row mask: one compiled decode step for every route; not yet measured on a GPU)
-        self.decode_routing = "blocks"
+        self._decode_routing = "blocks"
         self.by_index = False  # route() with by_index=True: the layers read row_mask and their stacks
         self.row_mask: torch.Tensor | None = None  # [rows, capacity * r], 0/1 in the adapters' dtype
         self.index_version = 0  # counts reallocations of the stacks or the mask (a recorded graph is stale)
@@ -198,6 +196,19 @@ class AdapterBank:
             layer = MultiLoRALinear(getattr(parent, child), self, settings["r"], settings["scaling"])
             setattr(parent, child, layer)
             self.layers[name] = layer
+
+    @property
+    def decode_routing(self) -> str:
+        """How PPOSweep's batched decode routes rows: ``"blocks"`` (the Python route, the default) or
+        ``"index"`` (the stacks and row mask: one compiled decode step for every route; not yet measured
+        on a GPU, see the module docstring)."""
+        return self._decode_routing
+
+    @decode_routing.setter
+    def decode_routing(self, value: str) -> None:
+        if value not in ("blocks", "index"):
+            raise ValueError(f"decode_routing must be 'blocks' or 'index', got {value!r}")
+        self._decode_routing = value
 
     @property
     def slots(self) -> list[str]:
