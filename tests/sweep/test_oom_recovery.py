@@ -1,5 +1,7 @@
 """A CUDA out-of-memory error in a sweep's packed training forward: PPOTrainer's split-and-retry policy
-(``ppo/recovery.py``, issue 28 item 4), with the update a run without the OOM makes.
+(``ppo/recovery.py``, issue 28 item 4), with the update a run without the OOM makes; in a scoring forward:
+PPOTrainer's no-grad policy (half the rows per forward from there on), with the run that scores that many
+rows at a time.
 
 The OOM is injected as in ``tests/ppo/test_oom_recovery.py``: a forward pre-hook on the shared decoder
 raises a real ``torch.OutOfMemoryError`` on gradient-tracking forwards (training only: the rollout and
@@ -18,9 +20,9 @@ from rapidfire_hf.memory.oom import OOMRecoveryError
 from rapidfire_hf.models.plumbing import causal_lm_parts
 from rapidfire_hf.optim.step_health import step_health
 from rapidfire_hf.sweep import SweepError
-from tests.helpers.faults_train import oom_above_rows
+from tests.helpers.faults_train import only_during, oom_above_rows
 
-from .helpers import TRIALS, make_sweep
+from .helpers import TRIALS, curves, make_sweep, max_abs_diff
 
 A, C = "kl0.01", "clip0.1"
 
@@ -97,3 +99,24 @@ def test_gives_up_after_max_oom_splits_naming_the_settings_that_act(tokenizer, t
     assert "splitting the micro-batch 1 time" in message
     for setting in ("train_rows_per_forward", "per_device_train_batch_size", "max_oom_splits"):
         assert setting in message
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_scoring_oom_scores_with_half_the_rows_per_forward(tokenizer, tmp_path):
+    """Two trials of 8 rows, scored 8 rows per forward: the first forward of each update (no-grad, more than
+    4 rows) runs out of memory, so that update's scoring runs 4 rows at a time: bit for bit the sweep that
+    scores 4 rows at a time from the start (CPU fp32)."""
+    two = {A: TRIALS[A], "B": TRIALS["kl0.2-lr3"]}
+    reference = make_sweep(tokenizer, tmp_path / "ref", two, max_steps=2, local_rollout_forward_batch_size=4)
+    reference.train()
+    sweep = make_sweep(tokenizer, tmp_path / "oom", two, max_steps=2, local_rollout_forward_batch_size=8)
+    decoder = causal_lm_parts(sweep.model)[0]
+    oom = only_during(oom_above_rows(decoder, 4, grad=False), sweep.phases, "score")
+    sweep.train()
+    assert oom.raised == 2 and sweep.phases.scoring_chunks.oom_retries == 2  # once per update
+    assert max(oom.rows) == 8 and oom.rows.count(8) == 2
+    for name in two:
+        assert curves(sweep.trials[name].state.log_history) == curves(
+            reference.trials[name].state.log_history
+        )
+        assert max_abs_diff(sweep.adapter_state_dict(name), reference.adapter_state_dict(name)) == 0.0

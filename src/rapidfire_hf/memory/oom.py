@@ -294,8 +294,13 @@ def run_in_chunks(
     on_oom: Callable[[], None] | None = None,
     device: torch.device | None = None,
     advice: str = "Lower the sequence length.",
+    next_stop: Callable[[int, int], int] | None = None,
 ) -> list:
     """``[run(start, stop) for consecutive chunks of n rows]`` of a no-grad phase, halving the chunk on OOM.
+
+    ``next_stop(start, chunk)`` gives where the chunk that begins at ``start`` ends when chunks are not
+    all ``chunk`` rows (at most ``chunk``, e.g. a sweep's scoring packs, cut so that no piece straddles two
+    trials); default ``min(n, start + chunk)``.
 
     After an OOM the chunk is halved, ``on_oom`` runs (e.g. drop a KV cache built for the failed shape),
     cached memory is released, the global RNG (CPU, and ``device`` when it is a CUDA device) is put back
@@ -309,7 +314,7 @@ def run_in_chunks(
     """
     out, start = [], 0
     while start < n:
-        stop = min(n, start + chunk)
+        stop = next_stop(start, chunk) if next_stop is not None else min(n, start + chunk)
         cpu_rng = torch.random.get_rng_state()
         on_cuda = device is not None and torch.device(device).type == "cuda"
         cuda_rng = torch.cuda.get_rng_state(device) if on_cuda else None

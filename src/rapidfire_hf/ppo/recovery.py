@@ -167,9 +167,10 @@ class NoGradChunks:
         what: str,
         setting: str,
         on_oom: Callable[[], None] | None = None,
+        next_stop: Callable[[int, int], int] | None = None,
     ) -> list:
         """``[run(start, stop) for consecutive chunks of n rows]``; ``setting`` names the option that sets
-        ``chunk``, for the message."""
+        ``chunk``, for the message; ``next_stop`` as in :func:`~rapidfire_hf.memory.oom.run_in_chunks`."""
 
         def count_and_release():
             self.oom_retries += 1
@@ -184,4 +185,5 @@ class NoGradChunks:
             on_oom=count_and_release,
             device=self.device,
             advice="Lower response_length or max_prompt_length.",
+            next_stop=next_stop,
         )

@@ -7,8 +7,9 @@ math is PPOTrainer's own, called on each trial's block with that trial's setting
 the fused values (``ppo/modeling.policy_outputs``, ``block_values``), reward weighting
 (``ppo/rewards.weighted_scores``), ``missing_eos_penalty`` and advantages (``ppo/scoring.scored_experience``),
 the window schedule, loss and statistics (``ppo/optimization.mini_batches``, ``rows_loss``,
-``ppo/types.PPOStats``), the step guard (``optim/step_health``) and the split-and-retry of a training forward that
-runs out of memory (``ppo/recovery.pack_recovery``: PPOTrainer's policy, on a pack of trials' rows).
+``ppo/types.PPOStats``), the step guard (``optim/step_health``) and PPOTrainer's out-of-memory policies: a
+training forward that runs out of memory is split and retried (``ppo/recovery.pack_recovery``), a scoring
+forward is retried with half the rows per forward (``ppo/recovery.NoGradChunks``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from rapidfire_hf.ppo.optimization import (
     new_stats,
     rows_loss,
 )
-from rapidfire_hf.ppo.recovery import PackRows, pack_recovery
+from rapidfire_hf.ppo.recovery import NoGradChunks, PackRows, pack_recovery
 from rapidfire_hf.ppo.reporting import update_device_metrics, update_host_metrics
 from rapidfire_hf.ppo.rewards import reward_columns, weighted_scores
 from rapidfire_hf.ppo.rollout_phase import sampling_params
@@ -105,6 +106,7 @@ class SweepPhases:
         self.model, self.bank, self.shared, self.tok = model, bank, shared, tokenizer
         self.train_rows_per_forward = train_rows_per_forward
         self.oom_splits = 0  # packed training forwards split after an OOM so far
+        self.scoring_chunks = NoGradChunks(next(model.parameters()).device)  # oom_retries: scoring retries
         self.engine, self.reward_model, self.reward_funcs = engine, reward_model, reward_funcs
         self.full_mask, self.reward_full_mask = full_mask, reward_full_mask  # 4-D masks: see sweep._full_mask
         self.pad = tokenizer.pad_token_id
@@ -174,32 +176,22 @@ class SweepPhases:
         step = self.shared.local_rollout_forward_batch_size
         if step == "auto":  # the sweep has no throughput planner yet: TRL's default chunk
             step = UNPLANNED_SCORING_ROWS
-        ref_lp, values, scores = [], [], []
-        with self._autocast():
-            for pieces in packs(layout, step):
-                lo, hi = pieces[0][1], pieces[-1][2]
-                chunk = qr[lo:hi]
-                ref_lp.append(
-                    policy_logprobs(self.model, chunk, self.pad, ctx, self.shared.temperature, self.full_mask)
-                )
-                segs = [(t.slot, e - s) for t, s, e in pieces]
-                with self.bank.route(segs):
-                    hidden = response_hidden(
-                        self.decoder, sequence_inputs(chunk, self.pad, self.full_mask), ctx
-                    )
-                values.append(
-                    block_values([t.value_head for t, _, _ in pieces], [n for _, n in segs], hidden)
-                )
-                if self.reward_model is not None:
-                    rows = [n for _, n in segs]  # the head per piece (see packs)
-                    scores.append(
-                        reward_model_scores(
-                            self.reward_model, post_qr[lo:hi], self.pad, ctx, self.reward_full_mask, rows
-                        )
-                    )
-        ref_lp, values = torch.cat(ref_lp).float(), torch.cat(values).float()
+        pending = {}  # the pieces of the pack that starts at a row
+
+        def next_stop(start: int, rows: int) -> int:  # packs of `rows` from `start` (smaller after an OOM)
+            pending[start] = packs([(t, max(s, start), e) for t, s, e in layout if e > start], rows)[0]
+            return pending[start][-1][2]
+
+        def score_pack(lo: int, hi: int):
+            return self._score_pack(pending.pop(lo), qr[lo:hi], post_qr[lo:hi], ctx)
+
+        # PPOTrainer's scoring policy: a pack that runs out of memory is scored again, packs of half as
+        # many rows from there on (each trial's rows then cut as that trial alone cuts them after the OOM)
+        setting = "local_rollout_forward_batch_size"
+        done = self.scoring_chunks.run(score_pack, qr.shape[0], step, "scoring", setting, next_stop=next_stop)
+        ref_lp, values = (torch.cat([d[i] for d in done]).float() for i in (0, 1))
         # the reward model's scores, or every reward function's once for all trials' rows (on the CPU)
-        rm_scores = torch.cat(scores) if scores else None
+        rm_scores = torch.cat([d[2] for d in done]) if self.reward_model is not None else None
         columns = self._reward_columns(rollouts, posts) if rm_scores is None else None
         out = []
         for (t, s, e), r, post in zip(layout, rollouts, posts):
@@ -213,6 +205,22 @@ class SweepPhases:
                 )
             )
         return out
+
+    def _score_pack(self, pieces, chunk, post_chunk, ctx: int):
+        """Reference log-probs, values and reward-model scores (or None) of one scoring pack."""
+        with self._autocast():
+            ref = policy_logprobs(self.model, chunk, self.pad, ctx, self.shared.temperature, self.full_mask)
+            segs = [(t.slot, e - s) for t, s, e in pieces]
+            with self.bank.route(segs):
+                hidden = response_hidden(self.decoder, sequence_inputs(chunk, self.pad, self.full_mask), ctx)
+            rows = [n for _, n in segs]  # a head per piece (see packs)
+            values = block_values([t.value_head for t, _, _ in pieces], rows, hidden)
+            scores = None
+            if self.reward_model is not None:
+                scores = reward_model_scores(
+                    self.reward_model, post_chunk, self.pad, ctx, self.reward_full_mask, rows
+                )
+        return ref, values, scores
 
     def _reward_columns(self, rollouts, posts) -> torch.Tensor:
         """Every reward function called once on all trials' completions: ``[rows, functions]`` on the CPU."""
