@@ -129,3 +129,38 @@ def test_sweep_with_index_routing_equals_block_routing(tokenizer, tmp_path):
             for key in ("objective/scores", "objective/kl", "loss/value_avg"):
                 if key in ha:
                     assert abs(ha[key] - hb[key]) <= 1e-5, (name, key, ha[key], hb[key])
+
+
+class _CloneAt:
+    """Clones trial ``src`` twice after its update ``step`` (3 trials -> 5 slots: the stacks outgrow 4)."""
+
+    def __init__(self, src, step):
+        self.src, self.step = src, step
+
+    def on_step_end(self, args, state, control, sweep=None, trial=None, **kwargs):
+        if trial == self.src and state.global_step == self.step:
+            sweep.clone(self.src, "copy1")
+            sweep.clone(self.src, "copy2", learning_rate=3e-3)
+
+
+def test_clones_past_the_stacks_capacity(tokenizer, tmp_path):
+    trials = {
+        "kl0.01": {"kl_coef": 0.01},
+        "kl0.2": {"kl_coef": 0.2, "seed": 3},
+        "lr3": {"learning_rate": 3e-3},
+    }
+    results, versions = {}, {}
+    for routing in ("blocks", "index"):
+        sweep = make_sweep(tokenizer, tmp_path / routing, trials, rollout_backend="static", max_steps=3)
+        sweep.bank.decode_routing = routing
+        sweep.callbacks.append(_CloneAt("kl0.01", 1))
+        results[routing] = {name: r.log_history for name, r in sweep.train().items()}
+        layer = next(iter(sweep.bank.layers.values()))
+        versions[routing] = None if layer._a_all is None else layer._a_all.shape[0] // layer.r
+    assert set(results["index"]) == {*trials, "copy1", "copy2"}
+    assert versions == {"blocks": None, "index": 8}  # 5 slots: the stacks grew from capacity 4 to 8
+    for name, history in results["blocks"].items():
+        for ha, hb in zip(history, results["index"][name]):
+            for key in ("objective/scores", "objective/kl", "loss/value_avg"):
+                if key in ha:
+                    assert abs(ha[key] - hb[key]) <= 1e-5, (name, key, ha[key], hb[key])
