@@ -4,6 +4,7 @@
 #   bash benchmarks/presets/h200.sh OUT b64     # 1.1B, batch 64, separate value: stock, none, every config
 #   bash benchmarks/presets/h200.sh OUT b256    # 1.1B, batch 256, fused value + Liger + compile
 #   bash benchmarks/presets/h200.sh OUT b8      # 1.1B, batch 8, separate value
+#   bash benchmarks/presets/h200.sh OUT b8prof  # batch 8: none and three presets, one update each profiled
 #   bash benchmarks/presets/h200.sh OUT clip64  # 1.1B, batch 64: balanced with the clip_prediction default
 #                                               # (exact) against the previous one (scale), no config, stock
 #   bash benchmarks/presets/h200.sh OUT full7b  # 7B full fine-tuning, 7B reward model: stock b4, ours b160
@@ -34,6 +35,8 @@ for part in "$@"; do
            --rows pipeline-a1,nopipeline-a1,pipeline-a4,nopipeline-a4,pipeline-a8,nopipeline-a8,trl ;;
     b8) $PY benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout 120 \
            --rows none,balanced,aggressive,conservative,advanced,snippet,trl ;;
-    *) echo "unknown part $part (b64, b256, b8, clip64, full7b, lora7b, pipe64)"; exit 2 ;;
+    b8prof) $PY benchmarks/presets/run.py --out "$OUT/b8prof" --batch 8 --timeout 120 --updates 5 \
+           --profile-update 4 --rows none,conservative,balanced,aggressive ;;  # where the presets' cost goes
+    *) echo "unknown part $part (b64, b256, b8, b8prof, clip64, full7b, lora7b, pipe64)"; exit 2 ;;
   esac
 done

@@ -135,6 +135,8 @@ def row_config(name: str, args) -> dict:
         cfg["rapidfire_config"] = rapidfire_config(name)
         cfg["score_chunk"] = "auto"  # the chunks are left to the trainer (the planner, or TRL's default)
         cfg["rollout_generation_batch_size"] = "auto"
+    if args.profile_update is not None and name != "trl":
+        cfg["profile_update"] = args.profile_update  # that update under torch.profiler (worker.ProfileUpdate)
     return cfg
 
 
@@ -182,6 +184,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--liger", action="store_true", help="ours with use_liger_kernel=True")
     p.add_argument("--compile", action="store_true", help="ours with torch_compile=True")
     p.add_argument("--timeout", type=int, default=600, help="seconds per row")
+    p.add_argument(
+        "--profile-update", type=int, default=None,
+        help="run this update (0-based; not the first, which compiles) of our rows under torch.profiler and "
+        "store its top operators by device time in results.json (the row's 'profile'); that update is kept "
+        "out of the medians, so add one to --updates (e.g. --updates 5 --profile-update 4)",
+    )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny smoke shape, 8 + 8 tokens, batch 8")
     args = p.parse_args(argv)
     args.rows = [r for r in args.rows.split(",") if r]

@@ -27,3 +27,15 @@ def test_smoke_pipeline_rows_run_the_split_and_the_pipeline_they_name(tmp_path):
     # the planner is off in these rows: the forward takes the user's micro-batch
     assert rows["pipeline-a4"]["plan_train_rows"] == 2
     assert (tmp_path / "presets.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # one tiny PPO run in a worker process (~15 s)
+def test_profiled_update_is_summarised_and_kept_out_of_the_medians(tmp_path):
+    main(["--out", str(tmp_path), "--smoke", "--rows", "conservative", "--profile-update", "2"])
+    row = json.loads((tmp_path / "results.json").read_text())["rows"][0]
+    assert row["status"] == "ok"
+    profile, profiled = row["profile"], row["profiled_update"]
+    assert profile["top"] and all(op["self_ms"] >= 0 and op["count"] >= 1 for op in profile["top"])
+    assert any(op["name"] == "aten::mm" for op in profile["top"])  # the matmuls of a PPO update
+    # the profiled update (0-based index 2 of 3) is out of the timed lists: 2 remain, its time apart
+    assert len(row["update_times"]) == 2 and profiled["update_times"] * 1e3 >= 0.9 * profile["wall_ms"]
