@@ -122,13 +122,7 @@ def test_sweep_with_index_routing_equals_block_routing(tokenizer, tmp_path):
         rows[routing] = seen
     assert rows["blocks"][0] > rows["blocks"][-1]  # the rung stopped trials: fewer rows to decode
     assert rows["index"] == [rows["index"][0]] * len(rows["index"])  # ... padded back to the first count
-    for name in trials:
-        a, b = results["blocks"][name], results["index"][name]
-        assert len(a) == len(b)
-        for ha, hb in zip(a, b):
-            for key in ("objective/scores", "objective/kl", "loss/value_avg"):
-                if key in ha:
-                    assert abs(ha[key] - hb[key]) <= 1e-5, (name, key, ha[key], hb[key])
+    _assert_same_curves(results["blocks"], results["index"])
 
 
 class _CloneAt:
@@ -159,8 +153,15 @@ def test_clones_past_the_stacks_capacity(tokenizer, tmp_path):
         versions[routing] = None if layer._a_all is None else layer._a_all.shape[0] // layer.r
     assert set(results["index"]) == {*trials, "copy1", "copy2"}
     assert versions == {"blocks": None, "index": 8}  # 5 slots: the stacks grew from capacity 4 to 8
-    for name, history in results["blocks"].items():
-        for ha, hb in zip(history, results["index"][name]):
+    _assert_same_curves(results["blocks"], results["index"])
+
+
+def _assert_same_curves(blocks: dict, index: dict) -> None:
+    """Every trial's logged scores, KL and value loss within 1e-5 under both routes (same updates)."""
+    assert blocks.keys() == index.keys()
+    for name, history in blocks.items():
+        assert len(history) == len(index[name])
+        for ha, hb in zip(history, index[name]):
             for key in ("objective/scores", "objective/kl", "loss/value_avg"):
                 if key in ha:
                     assert abs(ha[key] - hb[key]) <= 1e-5, (name, key, ha[key], hb[key])
