@@ -199,6 +199,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.smoke:
         args.shape, args.prompt_len, args.response_len, args.batch, args.micro = "smoke", 8, 8, 8, 2
         args.updates = min(args.updates, 3)
+    if args.profile_update is not None and not 1 <= args.profile_update < args.updates:
+        p.error(
+            f"--profile-update {args.profile_update}: give an update after the first and before --updates "
+            f"({args.updates}{', the smoke maximum' if args.smoke else ''}), e.g. --updates 5 --profile-update 4"
+        )
     return args
 
 

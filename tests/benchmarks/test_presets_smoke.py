@@ -15,6 +15,10 @@ def test_pipeline_rows_parse_and_unknown_rows_are_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--out", "x", "--rows", "pipeline-a0"])
     assert "unknown row(s) pipeline-a0" in capsys.readouterr().err
+    for bad in ("0", "4"):  # the warm-up update, and one past the 4 updates: refused, not silently unprofiled
+        with pytest.raises(SystemExit):
+            parse_args(["--out", "x", "--rows", "none", "--profile-update", bad])
+        assert "--profile-update" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # three tiny PPO runs in worker processes (~30 s)
