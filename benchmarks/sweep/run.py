@@ -99,6 +99,7 @@ def base_config(args) -> dict:
         "rollout_backend": "static",
         "decode_mode": args.decode_mode,
         "decode_routing": args.decode_routing,
+        "train_rows_per_forward": args.train_rows,
     }
 
 
@@ -383,6 +384,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl-updates", type=int, default=3, help="trl: updates of the one stock trial measured")
     p.add_argument("--decode-mode", default="auto", choices=["auto", "compile", "cuda_graph", "eager"],
                    help="rollout_decode_mode of our parts (auto: PPOConfig's default)")  # fmt: skip
+    p.add_argument("--train-rows", type=int, default=None,
+                   help="PPOSweep(train_rows_per_forward=N): the most rows one training forward packs across "
+                        "trials (default: the throughput planner's merge limit; the micro-batch bounds memory)")  # fmt: skip
     p.add_argument("--decode-routing", default="blocks", choices=["blocks", "index"],
                    help="the sweeps' adapter routing in the batched decode (AdapterBank.decode_routing)")  # fmt: skip
     p.add_argument("--timeouts", type=lambda s: dict((k, float(v)) for k, v in (x.split("=") for x in s.split(",") if x)),

@@ -96,7 +96,7 @@ def run_sweep(cfg: dict, rec: Recorder, device: str) -> None:
     sweep = PPOSweep(
         args=ppo_args(cfg, device, out_dir), trials=trials, model=policy, processing_class=tok,
         train_dataset=ds, peft_config=peft_config(cfg), reward_model=reward, callbacks=[Clock()],
-        early_stopping=rule, progress=False,
+        early_stopping=rule, progress=False, train_rows_per_forward=cfg.get("train_rows_per_forward"),
     )  # fmt: skip
     sweep.bank.decode_routing = cfg.get("decode_routing", "blocks")
     del policy, reward
