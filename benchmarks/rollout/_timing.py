@@ -78,13 +78,16 @@ class _StepHook(LogitsProcessor):
         return scores
 
 
-# "ours_<mode>+<variant>": (decode_attention, decode_sampler, decode_fuse_projections); no variant = the defaults
+# "ours_<mode>+<variant>": (decode_attention, decode_sampler, decode_fuse_projections, decode_compile_mode);
+# no variant = the defaults
 VARIANTS = {
-    "": ("sdpa", "torch", False),
-    "matmul": ("matmul", "torch", False),
-    "triton": ("triton", "triton-philox", False),  # every Triton kernel of kernels/
-    "tattn": ("triton", "torch", False),  # the flash-decoding kernel alone
-    "fuse": ("sdpa", "torch", True),  # one matmul for q/k/v and one for gate/up per layer
+    "": ("sdpa", "torch", False, None),
+    "matmul": ("matmul", "torch", False, None),
+    "triton": ("triton", "triton-philox", False, None),  # every Triton kernel of kernels/
+    "tattn": ("triton", "torch", False, None),  # the flash-decoding kernel alone
+    "fuse": ("sdpa", "torch", True, None),  # one matmul for q/k/v and one for gate/up per layer
+    "autotune": ("sdpa", "torch", False, "max-autotune-no-cudagraphs"),  # inductor times GEMM templates
+    "fuse_autotune": ("sdpa", "torch", True, "max-autotune-no-cudagraphs"),
 }
 
 
@@ -101,6 +104,7 @@ def _runner(model, system: str, ids, mask):
             decode_attention=VARIANTS[variant][0],
             decode_sampler=VARIANTS[variant][1],
             decode_fuse_projections=VARIANTS[variant][2],
+            decode_compile_mode=VARIANTS[variant][3],
         )
 
         def run(n, hook):

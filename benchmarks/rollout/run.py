@@ -32,10 +32,11 @@ from benchmarks.common import write_json  # noqa: E402
 SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke", vocab_size=128)}
 # in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode
 # attention, "+triton" = the Triton flash-decoding and fused-sampling kernels, "+tattn" = the attention
-# kernel alone, "+fuse" = fused q/k/v and gate/up projections (_timing.VARIANTS); the "+triton", "+tattn"
-# and "+fuse" systems are opt-in (--systems)
+# kernel alone, "+fuse" = fused q/k/v and gate/up projections, "+autotune" = torch.compile's
+# max-autotune-no-cudagraphs (_timing.VARIANTS); those systems are opt-in (--systems)
 OPT_IN = ("ours_compile+triton", "ours_cuda_graph+triton", "ours_compile+tattn", "ours_cuda_graph+tattn",
-          "ours_compile+fuse", "ours_cuda_graph+fuse", "ours_eager+fuse")  # fmt: skip
+          "ours_compile+fuse", "ours_cuda_graph+fuse", "ours_eager+fuse", "ours_compile+autotune",
+          "ours_compile+fuse_autotune")  # fmt: skip
 SYSTEMS = (
     "ours_cuda_graph",
     "hf_dynamic",

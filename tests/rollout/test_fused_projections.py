@@ -113,3 +113,15 @@ def test_ppo_config_switch_reaches_the_engine(tokenizer, tmp_path):
     torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
     with pytest.raises(ConfigError, match="rollout_decode_fuse_projections"):
         tiny_trainer(tmp_path / "bad", tokenizer, rollout_decode_fuse_projections="yes please")
+
+
+def test_decode_compile_mode_is_checked_and_kept(tokenizer):
+    """``decode_compile_mode`` reaches the compiled step's ``torch.compile``; an unknown mode is refused."""
+    model = build_tiny_llama(tokenizer)
+    engine = RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static",
+        decode_compile_mode="max-autotune-no-cudagraphs",
+    )  # fmt: skip
+    assert engine._static.compile_mode == "max-autotune-no-cudagraphs"
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_compile_mode="fast")

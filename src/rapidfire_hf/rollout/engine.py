@@ -61,6 +61,9 @@ class RolloutEngine:
             for gate/up in the decode step, from concatenated copies of their weights (refreshed before each
             generation; layers with PEFT, quantized or biased projections keep their modules). Opt-in until
             measured on a GPU (``benchmarks/rollout``: the ``+fuse`` systems).
+        decode_compile_mode: static engine only: ``torch.compile`` mode of the compiled decode step (None:
+            torch's default; ``"max-autotune-no-cudagraphs"``: inductor autotunes the few-row matmuls).
+            Opt-in until measured (the ``+autotune`` systems).
 
     Example:
         >>> engine = RolloutEngine(policy, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
@@ -89,6 +92,7 @@ class RolloutEngine:
         prefill_chunk_rows: int | None = None,
         decode_sampler: str = "torch",
         decode_fuse_projections: bool = False,
+        decode_compile_mode: str | None = None,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -113,6 +117,7 @@ class RolloutEngine:
             "decode_attention": (decode_attention, "sdpa"),
             "decode_sampler": (decode_sampler, "torch"),
             "decode_fuse_projections": (decode_fuse_projections, False),
+            "decode_compile_mode": (decode_compile_mode, None),
         }
         ignored = [f"{k}={v!r}" for k, (v, default) in static_only.items() if v != default]
         if backend == "hf" and ignored:
@@ -135,6 +140,7 @@ class RolloutEngine:
                 prefill_rows=prefill_chunk_rows,
                 sampler=decode_sampler,
                 fuse_projections=decode_fuse_projections,
+                compile_mode=decode_compile_mode,
             )
 
     @property

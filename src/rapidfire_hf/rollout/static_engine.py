@@ -23,6 +23,9 @@ DECODE_MODES = ("eager", "cuda_graph", "compile")
 # "torch": sample_tokens (rollout/sampling.py); "triton": the fused kernel on the same noise (same tokens);
 # "triton-philox": the fused kernel drawing its own noise (no [B, V] noise written by the host per step)
 SAMPLERS = ("torch", "triton", "triton-philox")
+# torch.compile modes for the decode step: None (torch's default) or inductor's autotuning without its own
+# CUDA graphs (this engine records the step itself)
+COMPILE_MODES = (None, "max-autotune-no-cudagraphs")
 # host reads "are all rows finished?" only this often: each read is a device sync
 _STOP_CHECK_EVERY = 16
 # attention reads the cache up to the next multiple of this many slots, not all of it: at 128 + 384
@@ -97,6 +100,10 @@ class StaticEngine:
             ``None``: all at once).
         fuse_projections: one matmul for q/k/v and one for gate/up per layer in the decode step
             (``StaticLlama``; opt-in, not yet measured on a GPU).
+        compile_mode: ``torch.compile``'s ``mode`` for the compiled step (None: its default); e.g.
+            ``"max-autotune-no-cudagraphs"`` lets inductor time Triton GEMM templates against cuBLAS for the
+            decode's few-row matmuls (the step is recorded as a CUDA graph here either way). Opt-in: longer
+            compilation, not yet measured.
     """
 
     def __init__(
@@ -110,10 +117,14 @@ class StaticEngine:
         prefill_rows: int | None = None,
         sampler: str = "torch",
         fuse_projections: bool = False,
+        compile_mode: str | None = None,
     ):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
+        self.compile_mode = compile_mode
         if attention == "triton" or sampler != "torch":
             reason = triton_unavailable_reason(next(model.parameters()).device)
             if reason is not None:
@@ -222,7 +233,7 @@ class StaticEngine:
         if mode != "compile":
             return self._step
         if self._compiled is None:
-            self._compiled = torch.compile(self._step, dynamic=False)
+            self._compiled = torch.compile(self._step, dynamic=False, mode=self.compile_mode)
         return self._compiled
 
     def _reset_graphs(self) -> None:
