@@ -125,3 +125,25 @@ def test_decode_compile_mode_is_checked_and_kept(tokenizer):
     assert engine._static.compile_mode == "max-autotune-no-cudagraphs"
     with pytest.raises(ValueError, match="compile_mode must be one of"):
         RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_compile_mode="fast")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_other_families_fuse_only_where_the_projections_allow(family):
+    """Qwen3 (q/k norms after the projections) fuses and decodes the module path's tokens; Qwen2's biased
+    q/k/v projections keep their modules."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cls, config = {"qwen3": (Qwen3ForCausalLM, Qwen3Config), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[family]
+    torch.manual_seed(0)
+    model = cls(
+        config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        )
+    ).eval()  # fmt: skip
+    ids = torch.randint(3, 60, (3, 6), generator=torch.Generator().manual_seed(1))
+    fused, plain = _engine(model, True), _engine(model, False)
+    assert all(fused._static.net.fused) == (family == "qwen3") and not any(plain._static.net.fused)
+    a, b = _sampled(fused, ids, torch.ones_like(ids)), _sampled(plain, ids, torch.ones_like(ids))
+    assert torch.equal(a.responses, b.responses)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
