@@ -7,7 +7,7 @@ A script under ``benchmarks/<suite>/`` reaches them with::
 """
 
 from benchmarks.common.charts import bar_chart, save_figure
-from benchmarks.common.env import environment
+from benchmarks.common.env import cuda_or_smoke, environment
 from benchmarks.common.results import write_csv, write_json
 from benchmarks.common.shapes import LLAMA_SHAPES, llama_shape, tokens_per_update
 from benchmarks.common.timing import Timer, summarize, timed
@@ -16,6 +16,7 @@ __all__ = [
     "LLAMA_SHAPES",
     "Timer",
     "bar_chart",
+    "cuda_or_smoke",
     "environment",
     "llama_shape",
     "save_figure",

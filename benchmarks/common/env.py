@@ -80,3 +80,16 @@ def environment(device=None, packages=PACKAGES, **extra) -> dict:
     env.update({k.lower(): os.environ[k] for k in VARIABLES if k in os.environ})
     env.update(extra)
     return env
+
+
+def cuda_or_smoke(smoke: bool, hint: str = "") -> bool | None:
+    """Whether a benchmark runs on CUDA (False for ``--smoke``); None, after saying so on stderr, when there
+    is no CUDA device and no ``--smoke`` (the caller exits with status 2)."""
+    import torch
+
+    if smoke:
+        return False
+    if torch.cuda.is_available():
+        return True
+    print(f"no CUDA device: run with --smoke{hint}", file=sys.stderr)
+    return None

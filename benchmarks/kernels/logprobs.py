@@ -38,7 +38,15 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import LLAMA_SHAPES, environment, save_figure, timed, write_csv, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    LLAMA_SHAPES,
+    cuda_or_smoke,
+    environment,
+    save_figure,
+    timed,
+    write_csv,
+    write_json,
+)
 from benchmarks.common.charts import pyplot  # noqa: E402
 
 SHAPES = {
@@ -255,9 +263,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: run with --smoke", file=sys.stderr)
+    cuda = cuda_or_smoke(args.smoke)
+    if cuda is None:
         return 2
     if args.smoke:
         args.shapes, args.batches, args.response_len = "smoke", "2,3", 8

@@ -27,6 +27,8 @@ backward alike (backward does not inherit autocast by itself), so both see the s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 LOGPROB_BACKENDS = ("auto", "rapidfire", "trl")
@@ -36,6 +38,7 @@ LOGPROB_BACKENDS = ("auto", "rapidfire", "trl")
 TRL_VOCAB_TILE = 32768
 
 
+@functools.cache  # asked on every log-prob call: import (or fail to import) once per process
 def _trl_function():
     """``trl.kernels.ChunkedLogProbFunction`` (TRL >= 1.16), or None where TRL lacks it."""
     try:

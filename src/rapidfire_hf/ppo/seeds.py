@@ -70,6 +70,6 @@ def init_lora(pairs: list[tuple[torch.Tensor, torch.Tensor]], seed: int) -> None
 
 def new_value_head(hidden_size: int, seed: int) -> ValueHead:
     """A fused value head drawn from ``seed + 1`` (on the CPU, in fp32; the caller places it)."""
-    with torch.random.fork_rng(devices=[]):
+    with _forked(torch.device("cpu")):
         torch.manual_seed(seed + 1)
         return ValueHead(hidden_size)
