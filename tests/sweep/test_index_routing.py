@@ -80,6 +80,22 @@ def test_decode_routing_refuses_unknown_values(tokenizer):
     assert bank.decode_routing == "blocks"
 
 
+def test_a_non_finite_adapter_off_the_route_stays_out(tokenizer):
+    """A stopped trial's diverged (NaN) adapter must not reach the routed rows through the mask's zeros."""
+    model, bank = _bank_model(tokenizer)
+    with torch.no_grad():
+        for p in bank.parameters("b"):
+            p.fill_(float("nan"))
+    ids = torch.randint(3, 40, (8, 5), generator=torch.Generator().manual_seed(3))
+    route = [("a", 4), ("c", 2), (None, 2)]
+    with torch.no_grad(), bank.route(route):
+        blocks = model(input_ids=ids).logits
+    with torch.no_grad(), bank.route(route, by_index=True):
+        index = model(input_ids=ids).logits
+    assert torch.isfinite(index).all()
+    torch.testing.assert_close(index, blocks, atol=1e-5, rtol=1e-5)
+
+
 def test_index_route_refreshes_trained_weights(tokenizer):
     """The stacks are copied from the adapters on every route: a decode sees the weights of the last update."""
     model, bank = _bank_model(tokenizer)

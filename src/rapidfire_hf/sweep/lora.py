@@ -88,10 +88,11 @@ class MultiLoRALinear(nn.Module):
         self._a_all: torch.Tensor | None = None
         self._b_all: torch.Tensor | None = None
 
-    def stack(self, slots: list[str], capacity: int) -> bool:
-        """Copy the slots' current pairs into the index-routing stacks (slot ``i`` at rows ``i*r:(i+1)*r``),
-        in place when the capacity is unchanged, so a recorded decode graph keeps reading the same memory.
-        Returns True when the stacks were reallocated (a recorded graph reading the old ones is stale)."""
+    def stack(self, slots: list[str | None], capacity: int) -> bool:
+        """Copy the slots' current pairs into the index-routing stacks (``slots[i]`` at rows ``i*r:(i+1)*r``;
+        None leaves position ``i`` zero), in place when the capacity is unchanged, so a recorded decode graph
+        keeps reading the same memory. Returns True when the stacks were reallocated (a recorded graph
+        reading the old ones is stale)."""
         w = self.base_layer.weight
         shape_a, shape_b = (capacity * self.r, w.shape[1]), (w.shape[0], capacity * self.r)
         new = self._a_all is None or self._a_all.shape != shape_a or self._a_all.device != w.device
@@ -102,6 +103,8 @@ class MultiLoRALinear(nn.Module):
             self._a_all.zero_()
             self._b_all.zero_()
             for i, slot in enumerate(slots):
+                if slot is None:
+                    continue
                 self._a_all[i * self.r : (i + 1) * self.r].copy_(self.lora_A[slot])
                 self._b_all[:, i * self.r : (i + 1) * self.r].copy_(self.lora_B[slot])
         return new
@@ -264,8 +267,11 @@ class AdapterBank:
     def _index_route(self, segments: list[tuple[str | None, int]]) -> None:
         slots = self.slots
         capacity = 1 << max(0, len(slots) - 1).bit_length()  # room to add slots without new shapes
+        # only the routed slots enter the stacks: a stopped trial's adapter (non-finite when it diverged)
+        # would reach every row through the zeros of the mask (0 x NaN is NaN)
+        routed = {slot for slot, _ in segments}
         for layer in self.layers.values():
-            self.index_version += layer.stack(slots, capacity)
+            self.index_version += layer.stack([s if s in routed else None for s in slots], capacity)
         first = next(iter(self.layers.values()))
         rows, cols = sum(n for _, n in segments), capacity * self.r
         if (
