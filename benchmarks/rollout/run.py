@@ -162,11 +162,13 @@ def main(argv=None) -> int:
                 row.update(time_config(model, system, batch, prompt_len, new_tokens, device))
             rows.append(row)
             print(json.dumps(row), flush=True)
+            # rewritten after every row: a call's time limit that cuts this script keeps what it measured
+            write_results(out, {**meta, "wall_s": round(time.perf_counter() - start, 1), "complete": False}, rows)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
     meta["wall_s"] = round(time.perf_counter() - start, 1)
-    write_results(out, meta, rows)
+    write_results(out, {**meta, "complete": True}, rows)
     print(f"wrote {out}/results.json, results.csv, results.png in {meta['wall_s']} s")
     return 0
 

@@ -387,7 +387,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-rows", type=int, default=None,
                    help="PPOSweep(train_rows_per_forward=N): the most rows one training forward packs across "
                         "trials (default: the throughput planner's merge limit; the micro-batch bounds memory)")  # fmt: skip
-    p.add_argument("--decode-routing", default="blocks", choices=["blocks", "index"],
+    p.add_argument("--decode-routing", default="auto", choices=["auto", "blocks", "index"],
                    help="the sweeps' adapter routing in the batched decode (AdapterBank.decode_routing)")  # fmt: skip
     p.add_argument("--timeouts", type=lambda s: dict((k, float(v)) for k, v in (x.split("=") for x in s.split(",") if x)),
                    default={}, help="seconds per part, e.g. sweep_halving=170,trl=70 (default --timeout)")  # fmt: skip

@@ -98,7 +98,7 @@ def run_sweep(cfg: dict, rec: Recorder, device: str) -> None:
         train_dataset=ds, peft_config=peft_config(cfg), reward_model=reward, callbacks=[Clock()],
         early_stopping=rule, progress=False, train_rows_per_forward=cfg.get("train_rows_per_forward"),
     )  # fmt: skip
-    sweep.bank.decode_routing = cfg.get("decode_routing", "blocks")
+    sweep.bank.decode_routing = cfg.get("decode_routing", "auto")
     del policy, reward
     rec.data.update(build_s=build_s, init_s=_now(device) - t0 - build_s, trials=per_trial, output_dir=out_dir)
     start["t"] = _now(device)

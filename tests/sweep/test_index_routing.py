@@ -75,9 +75,30 @@ def test_index_route_compiles_once_for_every_route(tokenizer):
 
 def test_decode_routing_refuses_unknown_values(tokenizer):
     _, bank = _bank_model(tokenizer)
-    with pytest.raises(ValueError, match="decode_routing must be 'blocks' or 'index', got 'idx'"):
+    with pytest.raises(ValueError, match=r"decode_routing must be one of \('auto', 'blocks', 'index'\), got 'idx'"):
         bank.decode_routing = "idx"
-    assert bank.decode_routing == "blocks"
+    assert bank.decode_routing == "auto"
+
+
+def test_auto_routing_routes_by_index_only_where_the_decode_is_compiled(tokenizer):
+    """"auto" (the default) takes the index route where a compiled step would re-trace each new route,
+    and the block route (peft's arithmetic) where nothing is compiled; an explicit choice is kept."""
+    model, bank = _bank_model(tokenizer)
+    assert bank.decode_routing == "auto"
+    assert bank.routes_by_index(compiled=True) and not bank.routes_by_index(compiled=False)
+    bank.decode_routing = "blocks"
+    assert not bank.routes_by_index(compiled=True)
+    bank.decode_routing = "index"
+    assert bank.routes_by_index(compiled=False)
+
+    from rapidfire_hf.rollout.engine import RolloutEngine
+
+    for mode, cuda in (("auto", True), ("compile", True), ("cuda_graph", False), ("eager", False)):
+        engine = RolloutEngine(model, pad_token_id=0, backend="static", decode_mode=mode)
+        assert engine.compiles_decode(torch.device("cuda")) is cuda, mode
+        assert engine.compiles_decode(torch.device("cpu")) is False, mode
+    hf = RolloutEngine(model, pad_token_id=0, backend="hf")
+    assert hf.compiles_decode(torch.device("cuda")) is False
 
 
 def test_a_non_finite_adapter_off_the_route_stays_out(tokenizer):

@@ -351,7 +351,8 @@ class PPOConfig(TrainingArguments):
             "help": "Decode step of the fast engine: one matmul for each layer's q/k/v projections and one for "
             "gate/up, from concatenated copies of their weights (refreshed before each rollout; PEFT, "
             "quantized or biased layers keep their modules). Costs a copy of those weights (1.2 GB at 1.1B). "
-            "Opt-in until measured on a GPU (benchmarks/rollout: the +fuse systems)."
+            "Opt-in: on one H200 (benchmarks/kernels) the 1.1B decode step is 1.2x faster and a PPO update "
+            "1.15x faster at batch 8, but 0.97x at batch 32."
         },
     )
     rollout_generation_batch_size: str | None = field(  # "auto", an int (digits: below) or None

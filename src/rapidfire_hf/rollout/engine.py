@@ -143,6 +143,16 @@ class RolloutEngine:
                 compile_mode=decode_compile_mode,
             )
 
+    def compiles_decode(self, device: torch.device) -> bool:
+        """Whether the decode step may run under ``torch.compile`` on ``device`` (static backend on CUDA,
+        decode_mode "compile" or "auto"); callers that change what the step reads between calls (the
+        sweep's adapter route) keep it in tensors then, so the compiled step is reused."""
+        return (
+            self._static is not None
+            and torch.device(device).type == "cuda"
+            and self._static.decode_mode in ("auto", "compile")
+        )
+
     @property
     def prefill_chunk_rows(self) -> int | None:
         """Prompts per prefill chunk (``None``: not chunked, or the hf backend)."""

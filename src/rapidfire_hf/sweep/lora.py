@@ -31,6 +31,8 @@ from torch import nn
 
 from rapidfire_hf.ppo.seeds import init_lora
 
+DECODE_ROUTINGS = ("auto", "blocks", "index")
+
 
 def _lora_settings(peft_config) -> dict:
     """``r``, ``scaling`` and ``targets`` of a peft ``LoraConfig``; anything a sweep cannot share raises."""
@@ -173,7 +175,7 @@ class AdapterBank:
         self.peft_config = peft_config
         self.r = settings["r"]
         self.segments: list[tuple[str | None, int]] | None = None
-        self._decode_routing = "blocks"
+        self._decode_routing = "auto"
         self.by_index = False  # route() with by_index=True: the layers read row_mask and their stacks
         self.row_mask: torch.Tensor | None = None  # [rows, capacity * r], 0/1 in the adapters' dtype
         self.index_version = 0  # counts reallocations of the stacks or the mask (a recorded graph is stale)
@@ -202,16 +204,27 @@ class AdapterBank:
 
     @property
     def decode_routing(self) -> str:
-        """How PPOSweep's batched decode routes rows: ``"blocks"`` (the Python route, the default) or
-        ``"index"`` (the stacks and row mask: one compiled decode step for every route; not yet measured
-        on a GPU, see the module docstring)."""
+        """How PPOSweep's batched decode routes rows: ``"auto"`` (the default: ``"index"`` where the decode
+        step is compiled, ``"blocks"`` elsewhere), ``"blocks"`` (the Python route) or ``"index"`` (the
+        stacks and row mask: one compiled decode step for every route).
+
+        Measured on one H200 in one call (benchmarks/sweep/results/h200/routing: 1.1B, 8 LoRA trials,
+        halving at updates 4 and 8 of 12): the block route recompiled at every rung and did not finish in
+        250 s (8 updates; first update 105 s, 4.82 s per update of 8 trials); the index route finished, the
+        best trial known after 68 s (first update 40 s, 3.67 s per update), same peak (33.1 GiB). Without
+        compilation nothing is re-traced, and the block route's arithmetic is peft's (a one-trial sweep
+        equals ``PPOTrainer`` bit for bit), so "auto" keeps it there."""
         return self._decode_routing
 
     @decode_routing.setter
     def decode_routing(self, value: str) -> None:
-        if value not in ("blocks", "index"):
-            raise ValueError(f"decode_routing must be 'blocks' or 'index', got {value!r}")
+        if value not in DECODE_ROUTINGS:
+            raise ValueError(f"decode_routing must be one of {DECODE_ROUTINGS}, got {value!r}")
         self._decode_routing = value
+
+    def routes_by_index(self, compiled: bool) -> bool:
+        """Whether a batched decode routes by the stacks and mask, given whether its step is compiled."""
+        return self._decode_routing == "index" or (self._decode_routing == "auto" and compiled)
 
     @property
     def slots(self) -> list[str]:

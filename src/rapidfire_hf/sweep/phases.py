@@ -128,7 +128,7 @@ class SweepPhases:
             n = q.shape[0]
             gens = [(x.shape[0], t.update_generator()) for t, x in zip(trials, queries)]
             route = [(t.slot, x.shape[0]) for t, x in zip(trials, queries)]
-            by_index = self.bank.decode_routing == "index"
+            by_index = self.bank.routes_by_index(self.engine.compiles_decode(self.device))
             if by_index and self._gen_rows > n:
                 # keep the decode's batch shape when trials stop: rows of no trial (the base model, noise of
                 # their own) fill it, so the compiled step is reused (see sweep/lora.py)
