@@ -1,6 +1,6 @@
 """benchmarks/kernels: the project's Triton decode kernels against their PyTorch paths and the bandwidth floor.
 
-Two kernels, each at the decode shapes of the 1.1B and 7B Llama (batch 8, 64, 256; cache 512 slots):
+Three kernels, each at the decode shapes of the 1.1B and 7B Llama (batch 8, 64, 256; cache 512 slots):
 
 - ``attention``: one decode token's GQA attention over a bf16 static cache, ``gqa_decode_attention`` with
   ``impl="sdpa"`` (the default), ``"matmul"`` and ``"triton"`` (``kernels/triton_flash_decode.py``);
@@ -9,6 +9,10 @@ Two kernels, each at the decode shapes of the 1.1B and 7B Llama (batch 8, 64, 25
   ``sample_tokens`` on the fp32 logits as the engine runs it (with its ``.float()`` of the bf16 logits)
   against ``fused_sample`` on the same noise and with its own Philox noise; the floor is the bytes of the
   bf16 logits (+ the fp32 noise for the rows that read it) / peak bandwidth.
+- ``matmul``: the decode projections ``x [M, K] @ W.T`` (``W`` ``[N, K]``, bf16) at M = 8 and 64 rows
+  (``--matmul-rows``), ``F.linear`` (cuBLAS) against ``skinny_matmul`` (``kernels/triton_skinny_matmul.py``,
+  opt-in, used by nothing yet); the error is against the fp32 product of the same bf16 inputs; the floor
+  is the weight's bytes / peak bandwidth (``x`` and ``y`` are a few KiB).
 
 Each row: correctness against the reference first (max abs difference, equal tokens), then the median of
 ``--repeats`` replays of a CUDA graph of 20 calls (CUDA events), after ``--warmup`` calls: GPU time per
@@ -38,6 +42,14 @@ from benchmarks.common import bar_chart, environment, write_csv, write_json  # n
 # (name, kv heads, query heads per kv head, head dim)
 ATTENTION_SHAPES = {"llama-1.1b": (4, 8, 64), "llama-7b": (32, 1, 128)}
 VOCAB = 32000
+# decode projections [N, K] (nn.Linear weights); q and o share a shape, as do k and v, gate and up
+MATMUL_SHAPES = {
+    "llama-1.1b": {"q,o": (2048, 2048), "k,v": (256, 2048), "gate,up": (5632, 2048), "down": (2048, 5632),
+                   "lm_head": (32000, 2048)},
+    "llama-7b": {"q,k,v,o": (4096, 4096), "gate,up": (11008, 4096), "down": (4096, 11008),
+                 "lm_head": (32000, 4096)},
+}  # fmt: skip
+SMOKE_MATMUL_SHAPES = {"smoke": {"q,o": (96, 64), "down": (64, 160), "lm_head": (200, 64)}}
 PEAK_TB_S = {"H200": 4.8, "H100": 3.35}  # HBM peak of the GPUs this suite ran on (vendor figures)
 
 
@@ -174,10 +186,47 @@ def sampling_rows(args, device: str, dtype) -> list[dict]:
     return rows
 
 
+def matmul_rows(args, device: str, dtype) -> list[dict]:
+    import torch.nn.functional as F
+
+    from rapidfire_hf.kernels.triton_skinny_matmul import skinny_matmul
+
+    rows, per_ms = [], _peak_bytes_per_ms(device)
+    shapes = SMOKE_MATMUL_SHAPES if args.smoke else MATMUL_SHAPES
+    for model, projections in shapes.items():
+        for proj, (n, k) in projections.items():
+            for m in args.matmul_rows:
+                g = torch.Generator(device).manual_seed(0)
+                x = torch.randn(m, k, device=device, generator=g).to(dtype)
+                w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(dtype)  # outputs ~N(0, 1)
+                ref = x.float() @ w.float().T  # fp32 product of the same rounded inputs (TF32 is off)
+                floor = w.numel() * w.element_size() / per_ms if per_ms else None
+                calls = {"torch": partial(F.linear, x, w), "triton": partial(skinny_matmul, x, w)}
+                for impl, call in calls.items():
+                    out = call()
+                    ms = _time(call, device, args.warmup, args.repeats)
+                    rows.append(
+                        {
+                            "kernel": "matmul",
+                            "shape": f"{model} {proj} {n}x{k}",
+                            "batch": m,
+                            "impl": impl,
+                            "ms": ms,
+                            "floor_ms": floor,
+                            "x_floor": ms / floor if floor else None,
+                            "max_abs_diff": (out.float() - ref).abs().max().item(),
+                        }
+                    )
+                    print(rows[-1], flush=True)
+                del x, w, ref
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="8,64,256")
+    p.add_argument("--matmul-rows", default="8,64", help="rows M of the matmul section")
     p.add_argument("--cache", type=int, default=512, help="cache slots attended (prompt + response)")
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--warmup", type=int, default=10)
@@ -185,6 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.matmul_rows = [int(m) for m in args.matmul_rows.split(",") if m]
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu":
         if not args.smoke:
@@ -192,12 +242,14 @@ def main(argv=None) -> int:
             return 2
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
         args.batches, args.cache, args.vocab, args.warmup, args.repeats = [2], 64, 256, 1, 2
+        args.matmul_rows = [3]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     env["command"] = " ".join(["python", "benchmarks/kernels/run.py", *(argv or sys.argv[1:])])
     rows = attention_rows(args, device, dtype) + sampling_rows(args, device, dtype)
+    rows += matmul_rows(args, device, dtype)
     write_json(out / "results.json", {"environment": env, "rows": rows})
     write_csv(out / "results.csv", rows)
     bar_chart(

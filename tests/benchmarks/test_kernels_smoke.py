@@ -1,5 +1,6 @@
-"""The kernels benchmarks in their CPU smoke modes: run.py (Triton's interpreter) writes correct rows;
-profile_decode.py splits the step into categories, gaps and a floor; logprobs.py matches the fp32 reference."""
+"""The kernels benchmarks in their CPU smoke modes: run.py (Triton's interpreter) writes correct attention,
+sampling and skinny-matmul rows; profile_decode.py splits the step into categories, gaps and a floor;
+logprobs.py matches the fp32 reference."""
 
 from __future__ import annotations
 
@@ -31,7 +32,13 @@ def test_smoke_run_writes_results_and_every_kernel_matches_its_reference(tmp_pat
         ("sampling", "torch"),
         ("sampling", "triton"),
         ("sampling", "triton-philox"),
+        ("matmul", "torch"),
+        ("matmul", "triton"),
     }
+    # every smoke projection shape has both implementations (one of them splits K: 160 = 3 fp32 blocks)
+    matmul = [r for r in rows if r["kernel"] == "matmul"]
+    assert len(matmul) == 2 * 3 and all(r["batch"] == 3 for r in matmul)
+    assert any(r["shape"].endswith("64x160") for r in matmul)
     for row in rows:
         assert row["ms"] > 0
         if row["max_abs_diff"] is not None:
