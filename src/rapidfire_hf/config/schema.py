@@ -219,7 +219,9 @@ class GradientConfig(_Section):
         "at once with its health flags kept on the device; every this many steps they are read (on CUDA "
         "without waiting: consumed at the next step) and a failure undoes the span from a snapshot taken at "
         "its start, PPOTrainer replaying its healthy mini-batches (RapidFireOptimizer's sync_interval; the "
-        "trainers of enable_rapidfire, which cannot replay, verify every step).",
+        "trainers of enable_rapidfire, which cannot replay, verify every step). PPOTrainer verifies at the end "
+        "of each update anyway, so it caps the span at one update's optimizer steps (num_ppo_epochs x "
+        "num_mini_batches): with one step per update, that step is verified before it applies, without a snapshot.",
         Int(min=1, max=MAX_STEP_INTERVAL),
     )
     bucket_mb: float = _field(

@@ -519,6 +519,20 @@ def plan_optimizer_state(rf_config, accelerator, params, models) -> tuple[bool, 
                                   target, available)  # fmt: skip
 
 
+def span_steps(args, sync_interval: int) -> int:
+    """``gradient.sync_interval`` for one PPO update: at most the update's optimizer steps.
+
+    The trainer verifies every step of an update before the next rollout (``verify_now``), so a span never
+    holds more steps than an update takes. A span applies its steps first and keeps a snapshot of every
+    parameter and its AdamW state to undo them; with one step per update that snapshot buys nothing over
+    verifying the step before it applies (one host read). At 1.1B batch 8 (one step per update)
+    ``aggressive``'s span of 4 held a 12 GiB snapshot (peak 41.4 GiB against 29.4 for ``balanced``,
+    benchmarks/presets/results/h200/b8) and copied it every update.
+    """
+    steps = max(1, int(args.num_ppo_epochs) * int(args.num_mini_batches))
+    return max(1, min(int(sync_interval), steps))
+
+
 def optimizer_from_config(args, rf_config, params, decision: tuple[bool, str]):
     """A RapidFireOptimizer with the trainer's hyper-parameters and the rapidfire config's pipeline."""
     from rapidfire_hf.optim import RapidFireOptimizer
@@ -538,7 +552,7 @@ def optimizer_from_config(args, rf_config, params, decision: tuple[bool, str]):
         pipeline_depth=grad_cfg.pipeline_depth,
         max_grad_norm=clip,
         rollback="auto",
-        sync_interval=grad_cfg.sync_interval,
+        sync_interval=span_steps(args, grad_cfg.sync_interval),
         max_consecutive_skips=args.max_consecutive_skips,
         # predicting needs a clip to predict; without max_grad_norm the exact mode is the same
         clip_prediction=grad_cfg.clip_prediction.value if clip is not None else "exact",
