@@ -8,6 +8,15 @@ once, when the trainer's random draws moved to the seed rule of ``ppo/seeds.py``
 update, the fused value head and the LoRA init from ``args.seed`` instead of the global RNG); with those
 three draws patched back to the global RNG the earlier recording still passed bit for bit. Re-record only for
 an intended change of the numbers: ``PYTHONPATH=src python -m tests.ppo.test_update_parity``.
+
+Bit for bit holds only on a machine whose CPU kernels round as the recording machine's did: the same code
+on an AVX-512 AMD EPYC and on the machine of the first recordings differed by up to 8e-5 relative in the
+metrics (6e-8 absolute on a KL of ~1e-7) and in most weights' last bits. The reference therefore keeps an
+arithmetic fingerprint of the recording machine (one forward and backward of the tiny Llama, hashed): where
+this machine's fingerprint matches, metrics and weight digests must be equal; elsewhere metrics and each
+weight's sum and norm must agree within ``RTOL`` / ``ATOL``, and the test says which comparison it made. It
+was re-recorded for that on the EPYC machine, after checking its numbers against the earlier recording within
+those tolerances (same code, commit e42166f).
 """
 
 from __future__ import annotations
@@ -79,10 +88,37 @@ CASES = {
 }
 
 
+# where the machine's arithmetic differs from the recording machine's (see the module docstring)
+RTOL, ATOL = 1e-4, 1e-6
+
+
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(
         t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     ).hexdigest()
+
+
+def _summary(t: torch.Tensor) -> list[float]:
+    """A weight's sum and L2 norm in float64, compared within tolerances where digests cannot be."""
+    x = t.detach().cpu().double()
+    return [x.sum().item(), x.norm().item()]
+
+
+def arithmetic_fingerprint() -> str:
+    """A hash of one forward and backward of the tiny Llama on fixed tokens, single-threaded: equal on two
+    machines only where their CPU kernels (GEMMs, reductions, softmax) round the same way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = build_tiny_llama(build_char_tokenizer())
+        ids = torch.randint(3, 30, (4, 11), generator=torch.Generator().manual_seed(1))
+        logits = model(input_ids=ids).logits
+        logits.float().log_softmax(-1).mean().backward()
+        parts = [_digest(logits)] + [_digest(p.grad) for p in model.parameters() if p.grad is not None]
+        return hashlib.sha256("".join(parts).encode()).hexdigest()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_case(name: str, tmp_path) -> dict:
@@ -118,8 +154,10 @@ def run_case(name: str, tmp_path) -> dict:
         for entry in trainer.state.log_history
     ]
     module = trainer.accelerator.unwrap_model(trainer.model)
-    weights = {k: _digest(v) for k, v in module.state_dict().items()}
-    return {"metrics": metrics, "weights": weights}
+    state = module.state_dict()
+    weights = {k: _digest(v) for k, v in state.items()}
+    summaries = {k: _summary(v) for k, v in state.items() if v.is_floating_point()}
+    return {"metrics": metrics, "weights": weights, "weight_summaries": summaries}
 
 
 def _with_reward_model(tmp_path, tok, overrides, extra):
@@ -144,16 +182,53 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _close(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL) or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def same_arithmetic() -> bool:
+    """Whether this machine rounds as the recording machine did (then bit for bit is required)."""
+    return arithmetic_fingerprint() == json.loads(REFERENCE.read_text())["_machine"]["fingerprint"]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_update_is_bit_exact_against_the_recorded_run(name, tmp_path, single_thread):
+def test_update_is_bit_exact_against_the_recorded_run(name, tmp_path, single_thread, same_arithmetic):
     reference = json.loads(REFERENCE.read_text())[name]
     got = run_case(name, tmp_path)
+    equal = _same if same_arithmetic else _close
+    how = "bit for bit" if same_arithmetic else f"within rtol {RTOL} / atol {ATOL} (another machine's arithmetic)"
     assert len(got["metrics"]) == len(reference["metrics"])
     for step, (want, have) in enumerate(zip(reference["metrics"], got["metrics"])):
         assert set(have) == set(want), f"update {step + 1}: metric names differ"
-        differ = {k: (want[k], have[k]) for k in want if not _same(want[k], have[k])}
-        assert not differ, f"update {step + 1}: {differ}"
-    assert got["weights"] == reference["weights"]
+        differ = {k: (want[k], have[k]) for k in want if not equal(want[k], have[k])}
+        assert not differ, f"update {step + 1}, compared {how}: {differ}"
+    if same_arithmetic:
+        assert got["weights"] == reference["weights"]
+    else:
+        want, have = reference["weight_summaries"], got["weight_summaries"]
+        assert set(have) == set(want)
+        differ = {k: (want[k], have[k]) for k in want if not all(map(_close, want[k], have[k]))}
+        assert not differ, f"weights, compared {how}: {differ}"
+
+
+def test_fingerprint_tells_a_changed_rounding_apart():
+    """The fingerprint is stable on one machine and changes with the arithmetic (here: one ulp of one
+    weight), so a machine whose kernels round otherwise is never held to bit-exactness by mistake."""
+    first = arithmetic_fingerprint()
+    assert arithmetic_fingerprint() == first
+    original = torch.nn.Linear.forward
+
+    def nudged(self, x):
+        return original(self, x) * (1 + 2**-23)
+
+    torch.nn.Linear.forward = nudged
+    try:
+        assert arithmetic_fingerprint() != first
+    finally:
+        torch.nn.Linear.forward = original
 
 
 def record() -> None:
@@ -165,6 +240,11 @@ def record() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out[name] = run_case(name, Path(tmp))
             print(name, out[name]["metrics"][-1].get("objective/scores"))
+    out["_machine"] = {
+        "fingerprint": arithmetic_fingerprint(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+    }
     REFERENCE.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
 
 
