@@ -4,7 +4,7 @@
 # in this order, each part under its own time limit (seconds, capped by what is left of TOTAL_S for the call),
 # each writing its rows as they finish, so a part that runs out of time keeps what it measured:
 #   tests     the GPU tests of the Triton kernels (tests/kernels -m gpu)                      ~40 s, cap 60
-#   kernels   benchmarks/kernels/run.py: each kernel against its PyTorch path and the floor   ~60 s, cap 80
+#   kernels   benchmarks/kernels/run.py: each kernel against its PyTorch path and the floor   ~90 s, cap 120
 #   logprobs  benchmarks/kernels/logprobs.py: chunked log-probs, ours / TRL 1.16 / Liger      ~45 s, cap 70
 #   rollout   benchmarks/rollout/run.py: the decode step end to end, with and without Triton  ~150 s, cap 170
 #   ppo       (only when named in PARTS) PPO batch 8 / 32: stock TRL 1.12 and ours, ours +fuse, ours +triton
@@ -41,7 +41,7 @@ run() {
 }
 
 run tests 60 bash -o pipefail -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4'
-run kernels 80 bash -o pipefail -c "python3 benchmarks/kernels/run.py --out '$OUT/kernels' 2>&1 | grep -v '^{' | tail -3"
+run kernels 120 bash -o pipefail -c "python3 benchmarks/kernels/run.py --out '$OUT/kernels' 2>&1 | grep -v '^{' | tail -3"
 run logprobs 70 bash -o pipefail -c "python3 benchmarks/kernels/logprobs.py --out '$OUT/logprobs' --budget-s ${LOGPROBS_BUDGET_S:-45} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"
 run rollout 170 bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \

@@ -146,7 +146,7 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """SMs of ``device`` (asked once per device: this runs for every layer of an eager decode step)."""
     if device.type == "cuda":
         return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -155,7 +155,7 @@ def _sm_count(device: torch.device) -> int:
 
 def num_splits(batch: int, n_kv: int, kv_len: int, device: torch.device) -> int:
     """Splits of the cache length: about ``PROGRAMS_PER_SM`` programs per SM, at most one per ``BLOCK_N`` slots."""
-    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), batch * n_kv)
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), batch * n_kv)
     return max(1, min(want, triton.cdiv(kv_len, BLOCK_N)))
 
 

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rapidfire_hf.kernels.triton_flash_decode import _sm_count
+from rapidfire_hf.kernels.triton_flash_decode import sm_count
 
 PROGRAMS_PER_SM = 2
 MAX_BLOCK_M = 64
@@ -210,7 +210,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, splits: int | None =
         return out.zero_()
     cfg = launch_config(m, x.element_size())
     if splits is None:
-        splits = num_splits(m, n, k, x.element_size(), _sm_count(x.device))
+        splits = num_splits(m, n, k, x.element_size(), sm_count(x.device))
     split_len, splits = _split_len(k, splits, cfg.block_k)
     single = splits == 1
     work = out if single else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
