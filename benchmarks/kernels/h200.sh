@@ -46,7 +46,7 @@ run logprobs 70 bash -o pipefail -c "python3 benchmarks/kernels/logprobs.py --ou
   2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"
 run rollout 170 bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \
   --budget-s ${ROLLOUT_BUDGET_S:-140} --no-correctness \
-  --systems ${ROLLOUT_SYSTEMS:-ours_compile,ours_compile+fuse,ours_compile+triton,ours_compile+tattn,ours_compile+autotune} \
+  --systems ${ROLLOUT_SYSTEMS:-ours_compile,ours_compile+fuse,ours_compile+fuse_skinny,ours_compile+autotune,ours_compile+triton} \
   2>&1 | tail -14"
 # PPO at batch 8 and 32 (issue 31's end-to-end target): stock TRL 1.12, ours, ours with each decode option;
 # not in the default PARTS (a call of its own: ~450 s; needs .whl-trl112 carried)

@@ -80,14 +80,15 @@ class _StepHook(LogitsProcessor):
 
 # "ours_<mode>+<variant>": (decode_attention, decode_sampler, decode_fuse_projections, decode_compile_mode);
 # no variant = the defaults
-VARIANTS = {
-    "": ("sdpa", "torch", False, None),
-    "matmul": ("matmul", "torch", False, None),
-    "triton": ("triton", "triton-philox", False, None),  # every Triton kernel of kernels/
-    "tattn": ("triton", "torch", False, None),  # the flash-decoding kernel alone
-    "fuse": ("sdpa", "torch", True, None),  # one matmul for q/k/v and one for gate/up per layer
-    "autotune": ("sdpa", "torch", False, "max-autotune-no-cudagraphs"),  # inductor times GEMM templates
-    "fuse_autotune": ("sdpa", "torch", True, "max-autotune-no-cudagraphs"),
+VARIANTS = {  # attention, sampler, fused projections, compile mode, projections' matmul
+    "": ("sdpa", "torch", False, None, "torch"),
+    "matmul": ("matmul", "torch", False, None, "torch"),
+    "triton": ("triton", "triton-philox", False, None, "torch"),  # the attention and sampling kernels
+    "tattn": ("triton", "torch", False, None, "torch"),  # the flash-decoding kernel alone
+    "fuse": ("sdpa", "torch", True, None, "torch"),  # one matmul for q/k/v and one for gate/up per layer
+    "autotune": ("sdpa", "torch", False, "max-autotune-no-cudagraphs", "torch"),  # inductor's GEMM templates
+    "fuse_autotune": ("sdpa", "torch", True, "max-autotune-no-cudagraphs", "torch"),
+    "fuse_skinny": ("sdpa", "torch", True, None, "triton"),  # + the Triton skinny matmul for every projection
 }
 
 
@@ -105,6 +106,7 @@ def _runner(model, system: str, ids, mask):
             decode_sampler=VARIANTS[variant][1],
             decode_fuse_projections=VARIANTS[variant][2],
             decode_compile_mode=VARIANTS[variant][3],
+            decode_linear=VARIANTS[variant][4],
         )
 
         def run(n, hook):

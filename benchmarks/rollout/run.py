@@ -33,10 +33,11 @@ SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke"
 # in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode
 # attention, "+triton" = the Triton flash-decoding and fused-sampling kernels, "+tattn" = the attention
 # kernel alone, "+fuse" = fused q/k/v and gate/up projections, "+autotune" = torch.compile's
-# max-autotune-no-cudagraphs (_timing.VARIANTS); those systems are opt-in (--systems)
+# max-autotune-no-cudagraphs, "+fuse_skinny" = fused projections through the Triton skinny matmul
+# (_timing.VARIANTS); those systems are opt-in (--systems)
 OPT_IN = ("ours_compile+triton", "ours_cuda_graph+triton", "ours_compile+tattn", "ours_cuda_graph+tattn",
           "ours_compile+fuse", "ours_cuda_graph+fuse", "ours_eager+fuse", "ours_compile+autotune",
-          "ours_compile+fuse_autotune")  # fmt: skip
+          "ours_compile+fuse_autotune", "ours_compile+fuse_skinny", "ours_eager+fuse_skinny")  # fmt: skip
 SYSTEMS = (
     "ours_cuda_graph",
     "hf_dynamic",
@@ -163,7 +164,9 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             # rewritten after every row: a call's time limit that cuts this script keeps what it measured
-            write_results(out, {**meta, "wall_s": round(time.perf_counter() - start, 1), "complete": False}, rows)
+            write_results(
+                out, {**meta, "wall_s": round(time.perf_counter() - start, 1), "complete": False}, rows
+            )
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()

@@ -30,7 +30,9 @@ def test_smoke_run_writes_results(tmp_path, monkeypatch):
         runpy.run_path(str(SCRIPT), run_name="__main__")
     assert exit_info.value.code == 0
     result = json.loads((tmp_path / "results.json").read_text())
-    assert result["complete"] is True  # rewritten after each row with complete=False, and once more at the end
+    assert (
+        result["complete"] is True
+    )  # rewritten after each row with complete=False, and once more at the end
     assert result["correctness_fp32"]["greedy_token_match_rate"] == 1.0
     assert result["correctness_fp32"]["logprob_vs_fresh_forward_max_abs"] < 1e-5
     by_system = {r["system"]: r for r in result["results"]}

@@ -199,7 +199,11 @@ def test_update_is_bit_exact_against_the_recorded_run(name, tmp_path, single_thr
     reference = json.loads(REFERENCE.read_text())[name]
     got = run_case(name, tmp_path)
     equal = _same if same_arithmetic else _close
-    how = "bit for bit" if same_arithmetic else f"within rtol {RTOL} / atol {ATOL} (another machine's arithmetic)"
+    how = (
+        "bit for bit"
+        if same_arithmetic
+        else f"within rtol {RTOL} / atol {ATOL} (another machine's arithmetic)"
+    )
     assert len(got["metrics"]) == len(reference["metrics"])
     for step, (want, have) in enumerate(zip(reference["metrics"], got["metrics"])):
         assert set(have) == set(want), f"update {step + 1}: metric names differ"

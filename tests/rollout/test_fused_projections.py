@@ -74,9 +74,11 @@ def test_peft_layers_keep_their_modules(tokenizer, prompts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("linear", ["torch", "triton"])
 @pytest.mark.parametrize("mode", ["cuda_graph", "compile"])
-def test_fused_decode_on_gpu_matches_module_decode(tokenizer, prompts, mode):
-    """Recorded / compiled steps read the concatenated weights in place (fp32: greedy tokens equal)."""
+def test_fused_decode_on_gpu_matches_module_decode(tokenizer, prompts, mode, linear):
+    """Recorded / compiled steps read the concatenated weights in place (fp32: greedy tokens equal), with
+    the projections through F.linear or the Triton skinny matmul."""
     model = build_tiny_llama(tokenizer, heads=4, kv_heads=2).cuda()
     ids, mask = (x.cuda() for x in prompts)
     params = SamplingParams(max_new_tokens=R, do_sample=False)
@@ -84,7 +86,7 @@ def test_fused_decode_on_gpu_matches_module_decode(tokenizer, prompts, mode):
     for fuse in (True, False):
         engine = RolloutEngine(
             model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode=mode,
-            decode_fuse_projections=fuse,
+            decode_fuse_projections=fuse, decode_linear=linear if fuse else "torch",
         )  # fmt: skip
         first = engine.generate(ids, mask, params)
         with torch.no_grad():  # a training step between two rollouts: the replayed graph must see it
@@ -147,3 +149,51 @@ def test_other_families_fuse_only_where_the_projections_allow(family):
     a, b = _sampled(fused, ids, torch.ones_like(ids)), _sampled(plain, ids, torch.ones_like(ids))
     assert torch.equal(a.responses, b.responses)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def _skinny_engine(model):
+    return RolloutEngine(
+        model,
+        pad_token_id=0,
+        stop_token_ids=[],
+        backend="static",
+        decode_fuse_projections=True,
+        decode_linear="triton",
+    )
+
+
+def test_triton_linear_decode_equals_the_torch_decode(tokenizer, prompts):
+    """``decode_linear="triton"`` (Triton's interpreter on the CPU, fp32): every fused layer's projections,
+    o and down included, go through the skinny matmul; greedy tokens equal ``model.generate``'s, sampled
+    tokens equal the F.linear path's and log-probs within 1e-5."""
+    model = build_tiny_llama(tokenizer, heads=4, kv_heads=2)
+    ids, mask = prompts
+    engine = _skinny_engine(model)
+    net = engine._static.net
+    assert all(net.fused) and all(out is not None for out in net._out_linear)
+    calls = []
+    original = net._linear
+    assert original.__module__ == "rapidfire_hf.kernels.triton_skinny_matmul"
+    net._linear = lambda x, w: calls.append(tuple(w.shape)) or original(x, w)
+    net._out_linear = [net._linear] * len(net._out_linear)
+    greedy = engine.generate(ids, mask, SamplingParams(max_new_tokens=R, do_sample=False))
+    assert torch.equal(greedy.responses, hf_greedy(model, ids, mask, R, stop=None))
+    layers = len(net.layers)
+    assert len(calls) == 4 * layers * (R - 1)  # q/k/v, o, gate/up, down per layer per decode step
+    a, b = _sampled(engine, ids, mask), _sampled(_engine(model, True), ids, mask)
+    assert torch.equal(a.responses, b.responses)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_triton_linear_needs_fused_projections_and_keeps_lora_outputs(tokenizer):
+    model = build_tiny_llama(tokenizer, heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match="fused decode projections only: set fuse_projections=True"):
+        RolloutEngine(model, pad_token_id=0, backend="static", decode_linear="triton")
+    with pytest.raises(ValueError, match=r"linear must be one of \('torch', 'triton'\), got 'cuda'"):
+        RolloutEngine(
+            model, pad_token_id=0, backend="static", decode_fuse_projections=True, decode_linear="cuda"
+        )
+    # LoRA on o_proj only: q/k/v and gate/up still fuse, but o and down keep their module calls
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"]))
+    net = _skinny_engine(peft_model)._static.net
+    assert all(net.fused) and not any(net._out_linear)

@@ -75,13 +75,15 @@ def test_index_route_compiles_once_for_every_route(tokenizer):
 
 def test_decode_routing_refuses_unknown_values(tokenizer):
     _, bank = _bank_model(tokenizer)
-    with pytest.raises(ValueError, match=r"decode_routing must be one of \('auto', 'blocks', 'index'\), got 'idx'"):
+    with pytest.raises(
+        ValueError, match=r"decode_routing must be one of \('auto', 'blocks', 'index'\), got 'idx'"
+    ):
         bank.decode_routing = "idx"
     assert bank.decode_routing == "auto"
 
 
 def test_auto_routing_routes_by_index_only_where_the_decode_is_compiled(tokenizer):
-    """"auto" (the default) takes the index route where a compiled step would re-trace each new route,
+    """The default, "auto", takes the index route where a compiled step would re-trace each new route,
     and the block route (peft's arithmetic) where nothing is compiled; an explicit choice is kept."""
     model, bank = _bank_model(tokenizer)
     assert bank.decode_routing == "auto"

@@ -59,11 +59,14 @@ class RolloutEngine:
             ``batch / prefill_chunk_rows`` (``None``: all prompts at once; the hf backend ignores it).
         decode_fuse_projections: static engine only: one matmul for each layer's q/k/v projections and one
             for gate/up in the decode step, from concatenated copies of their weights (refreshed before each
-            generation; layers with PEFT, quantized or biased projections keep their modules). Opt-in until
-            measured on a GPU (``benchmarks/rollout``: the ``+fuse`` systems).
+            generation; layers with PEFT, quantized or biased projections keep their modules). Opt-in: 1.1-1.2x
+            on the step on one H200, a PPO update 1.15x at batch 8 but 0.97x at 32 (``benchmarks/kernels``).
         decode_compile_mode: static engine only: ``torch.compile`` mode of the compiled decode step (None:
             torch's default; ``"max-autotune-no-cudagraphs"``: inductor autotunes the few-row matmuls).
             Opt-in until measured (the ``+autotune`` systems).
+        decode_linear: static engine only: the fused projections' matmul in the decode step, ``"torch"`` or
+            ``"triton"`` (``kernels/triton_skinny_matmul.py``; needs ``decode_fuse_projections``). Opt-in until
+            measured (the ``+fuse_skinny`` system).
 
     Example:
         >>> engine = RolloutEngine(policy, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
@@ -93,6 +96,7 @@ class RolloutEngine:
         decode_sampler: str = "torch",
         decode_fuse_projections: bool = False,
         decode_compile_mode: str | None = None,
+        decode_linear: str = "torch",
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -118,6 +122,7 @@ class RolloutEngine:
             "decode_sampler": (decode_sampler, "torch"),
             "decode_fuse_projections": (decode_fuse_projections, False),
             "decode_compile_mode": (decode_compile_mode, None),
+            "decode_linear": (decode_linear, "torch"),
         }
         ignored = [f"{k}={v!r}" for k, (v, default) in static_only.items() if v != default]
         if backend == "hf" and ignored:
@@ -141,6 +146,7 @@ class RolloutEngine:
                 sampler=decode_sampler,
                 fuse_projections=decode_fuse_projections,
                 compile_mode=decode_compile_mode,
+                linear=decode_linear,
             )
 
     def compiles_decode(self, device: torch.device) -> bool:

@@ -15,6 +15,8 @@ from rapidfire_hf.kernels import gqa_decode_attention
 from rapidfire_hf.kernels.decode_attention import IMPLS
 from rapidfire_hf.models import unwrap_peft
 
+DECODE_LINEARS = ("torch", "triton")
+
 # model_type -> per-architecture switches; everything else about these models is shared
 SUPPORTED = {
     "llama": {"qk_norm": False},
@@ -51,11 +53,15 @@ def _fusable(layer) -> bool:
     projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     projs += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
     return (
-        all(type(m) is nn.Linear and m.bias is None for m in projs)
+        all(_plain(m) for m in projs)
         and len({m.weight.dtype for m in projs}) == 1
         and callable(getattr(mlp, "act_fn", None))
         and isinstance(getattr(mlp, "down_proj", None), nn.Module)
     )
+
+
+def _plain(module) -> bool:
+    return type(module) is nn.Linear and module.bias is None
 
 
 def _concat_into(out: torch.Tensor | None, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -101,9 +107,26 @@ class StaticLlama:
             biased) keep the module calls. Off by default: on one H200 (benchmarks/kernels, third call) the step
             is 1.21x faster at 1.1B batch 8, 1.18x at batch 64, 1.10x at 7B batch 8, and a PPO update 1.15x faster
             at batch 8, but 0.97x at batch 32 (training slower in that run, cause not found).
+        linear: the matmul of the fused layers' decode projections (q/k/v, o, gate/up, down): ``"torch"``
+            (``F.linear``) or ``"triton"`` (:func:`rapidfire_hf.kernels.triton_skinny_matmul.skinny_linear`,
+            built to read each weight once at close to the memory bandwidth for a few rows). Needs
+            ``fuse_projections``. Opt-in: not yet measured on a GPU (``benchmarks/kernels`` matmul rows,
+            ``benchmarks/rollout`` system ``ours_compile+fuse_skinny``).
     """
 
-    def __init__(self, model, attention: str = "sdpa", fuse_projections: bool = False):
+    def __init__(self, model, attention: str = "sdpa", fuse_projections: bool = False, linear: str = "torch"):
+        if linear not in DECODE_LINEARS:
+            raise ValueError(f"linear must be one of {DECODE_LINEARS}, got {linear!r}")
+        if linear != "torch" and not fuse_projections:
+            raise ValueError(
+                f"linear={linear!r} runs the fused decode projections only: set fuse_projections=True "
+                "(decode_fuse_projections=True on the rollout engine)"
+            )
+        self._linear = F.linear
+        if linear == "triton":
+            from rapidfire_hf.kernels.triton_skinny_matmul import skinny_linear
+
+            self._linear = skinny_linear
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static rollout engine cannot run this model: {reason}")
@@ -126,6 +149,13 @@ class StaticLlama:
             getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         )
         self.fused = [fuse_projections and _fusable(layer) for layer in self.layers]
+        # o / down projections through self._linear too where it is not F.linear and they are plain linears
+        # (else their module calls, as with linear="torch": a LoRA o_proj keeps its adapter)
+        self._out_linear = [
+            self._linear if linear != "torch" and fused and _plain(layer.self_attn.o_proj) and _plain(layer.mlp.down_proj)
+            else None
+            for layer, fused in zip(self.layers, self.fused)
+        ]  # fmt: skip
         self._qkv_w: list[torch.Tensor | None] = [None] * len(self.layers)  # [(Hq + 2 KV) D, H]
         self._gu_w: list[torch.Tensor | None] = [None] * len(self.layers)  # [2 I, H]
 
@@ -239,7 +269,7 @@ class StaticLlama:
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             if self.fused[i]:
-                qkv = F.linear(h, self._qkv_w[i])
+                qkv = self._linear(h, self._qkv_w[i])
                 sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
                 q, k, v = (z.view(b, -1, self.head_dim) for z in qkv.split(sizes, dim=-1))
                 if self.qk_norm:
@@ -253,11 +283,13 @@ class StaticLlama:
             o = gqa_decode_attention(
                 q, k_cache[i][:, :, :n], v_cache[i][:, :, :n], valid, self.scale, self.attention
             )
-            x = x + attn.o_proj(o.reshape(b, -1))
+            out = self._out_linear[i]
+            x = x + (out(o.reshape(b, -1), attn.o_proj.weight) if out else attn.o_proj(o.reshape(b, -1)))
             if self.fused[i]:
                 mlp = layer.mlp
-                gate, up = F.linear(layer.post_attention_layernorm(x), self._gu_w[i]).chunk(2, dim=-1)
-                x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+                gate, up = self._linear(layer.post_attention_layernorm(x), self._gu_w[i]).chunk(2, dim=-1)
+                act = mlp.act_fn(gate) * up
+                x = x + (out(act, mlp.down_proj.weight) if out else mlp.down_proj(act))
             else:
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.body.norm(x)

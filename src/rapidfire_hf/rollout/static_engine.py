@@ -104,6 +104,8 @@ class StaticEngine:
             ``"max-autotune-no-cudagraphs"`` lets inductor time Triton GEMM templates against cuBLAS for the
             decode's few-row matmuls (the step is recorded as a CUDA graph here either way). Opt-in: longer
             compilation, not yet measured.
+        linear: the fused decode projections' matmul, ``"torch"`` or ``"triton"`` (the skinny matmul;
+            ``StaticLlama``; needs ``fuse_projections``; opt-in, not yet measured on a GPU).
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class StaticEngine:
         sampler: str = "torch",
         fuse_projections: bool = False,
         compile_mode: str | None = None,
+        linear: str = "torch",
     ):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
@@ -125,11 +128,13 @@ class StaticEngine:
         if compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         self.compile_mode = compile_mode
-        if attention == "triton" or sampler != "torch":
+        if attention == "triton" or sampler != "torch" or linear != "torch":
             reason = triton_unavailable_reason(next(model.parameters()).device)
             if reason is not None:
-                raise ValueError(f"attention={attention!r} / sampler={sampler!r} cannot run here: {reason}")
-        self.net = StaticLlama(model, attention, fuse_projections=fuse_projections)
+                raise ValueError(
+                    f"attention={attention!r} / sampler={sampler!r} / linear={linear!r} cannot run here: {reason}"
+                )
+        self.net = StaticLlama(model, attention, fuse_projections=fuse_projections, linear=linear)
         if prefill_rows is not None:
             chunk_prefill(self.net, prefill_rows)
         self.model = model
