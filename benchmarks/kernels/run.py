@@ -120,20 +120,24 @@ def attention_rows(args, device: str, dtype) -> list[dict]:
                 out = gqa_decode_attention(q, k, v, valid, d**-0.5, impl)
                 call = partial(gqa_decode_attention, q, k, v, valid, d**-0.5, impl)
                 ms = _time(call, device, args.warmup, args.repeats)
-                rows.append(
-                    {
-                        "kernel": "attention",
-                        "shape": shape,
-                        "batch": batch,
-                        "impl": impl,
-                        "ms": ms,
-                        "floor_ms": floor,
-                        "x_floor": ms / floor if floor else None,
-                        "max_abs_diff": (out.float() - ref).abs().max().item(),
-                    }
-                )
-                print(rows[-1], flush=True)
+                rows.append(_timed_row("attention", shape, batch, impl, ms, floor, out, ref))
     return rows
+
+
+def _timed_row(kernel: str, shape: str, batch: int, impl: str, ms: float, floor, out, ref) -> dict:
+    """One table row: time, floor and the largest difference from the fp32 reference (printed as it lands)."""
+    row = {
+        "kernel": kernel,
+        "shape": shape,
+        "batch": batch,
+        "impl": impl,
+        "ms": ms,
+        "floor_ms": floor,
+        "x_floor": ms / floor if floor else None,
+        "max_abs_diff": (out.float() - ref).abs().max().item(),
+    }
+    print(row, flush=True)
+    return row
 
 
 def _torch_sample(logits, params, noise):
@@ -205,19 +209,7 @@ def matmul_rows(args, device: str, dtype) -> list[dict]:
                 for impl, call in calls.items():
                     out = call()
                     ms = _time(call, device, args.warmup, args.repeats)
-                    rows.append(
-                        {
-                            "kernel": "matmul",
-                            "shape": f"{model} {proj} {n}x{k}",
-                            "batch": m,
-                            "impl": impl,
-                            "ms": ms,
-                            "floor_ms": floor,
-                            "x_floor": ms / floor if floor else None,
-                            "max_abs_diff": (out.float() - ref).abs().max().item(),
-                        }
-                    )
-                    print(rows[-1], flush=True)
+                    rows.append(_timed_row("matmul", f"{model} {proj} {n}x{k}", m, impl, ms, floor, out, ref))
                 del x, w, ref
     return rows
 
