@@ -7,7 +7,7 @@
 #   kernels   benchmarks/kernels/run.py: each kernel against its PyTorch path and the floor   ~90 s, cap 120
 #   logprobs  benchmarks/kernels/logprobs.py: chunked log-probs, ours / TRL 1.16 / Liger      ~45 s, cap 70
 #   rollout   benchmarks/rollout/run.py: the decode step end to end, with and without Triton  ~150 s, cap 170
-#   ppo       (only when named in PARTS) PPO batch 8 / 32: stock TRL 1.12 and ours, ours +fuse, ours +triton
+#   ppo       (only when named in PARTS) PPO batch 8 / 32: stock TRL 1.12 and ours, ours +fuse, ours +skinny (fused projections through the Triton skinny matmul)
 #   profile   benchmarks/kernels/profile_decode.py: the compiled decode step by kernel category,
 #             1.1B / 7B, batch 8 / 64 / 256, default and Triton; ~25-40 s a cell, so the cells left when
 #             its budget ends are recorded as skipped (run them with PARTS=profile PROFILE_BATCHES=...)
@@ -50,7 +50,7 @@ run rollout 170 bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$O
   2>&1 | tail -14"
 # PPO at batch 8 and 32 (issue 31's end-to-end target): stock TRL 1.12, ours, ours with each decode option;
 # not in the default PARTS (a call of its own: ~450 s; needs .whl-trl112 carried)
-for k in base fuse triton; do
+for k in base fuse skinny; do
   flag=$([ $k = base ] || echo "--ours-decode-kernels $k")
   trl=$([ $k = base ] && echo 8,32 || echo "")
   run ppo 200 bash -o pipefail -c "python3 benchmarks/ppo_vs_trl/run.py --out '$OUT/ppo_$k' --part throughput \

@@ -619,9 +619,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ours.add_argument(
         "--ours-decode-kernels",
         default=None,
-        choices=["fuse", "triton", "fuse+triton"],
+        choices=["fuse", "triton", "fuse+triton", "skinny"],
         help="decode-step options of ours: fuse = rollout_decode_fuse_projections, triton = the Triton "
-        "attention and sampler (rollout_decode_attention / rollout_decode_sampler 'triton'); default neither",
+        "attention and sampler (rollout_decode_attention / rollout_decode_sampler 'triton'), skinny = fused "
+        "projections through the Triton skinny matmul (rollout_decode_linear 'triton'); default none",
     )
     ours.add_argument(
         "--ours-gen-chunk",

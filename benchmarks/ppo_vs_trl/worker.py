@@ -323,6 +323,7 @@ def run_trl(cfg: dict, device: str) -> dict:
 DECODE_KERNELS = {
     "fuse": {"rollout_decode_fuse_projections": True},
     "triton": {"rollout_decode_attention": "triton", "rollout_decode_sampler": "triton"},
+    "skinny": {"rollout_decode_fuse_projections": True, "rollout_decode_linear": "triton"},
 }
 
 
@@ -475,7 +476,12 @@ def profile_summary(events, wall_s: float, top: int) -> dict:
         "wall_ms": wall_s * 1e3,
         "device_self_ms" if cuda else "cpu_self_ms": sum(self_us(e) for e in events) / 1e3,
         "top": [
-            {"name": e.key, "count": e.count, "self_ms": self_us(e) / 1e3, "cpu_self_ms": e.self_cpu_time_total / 1e3}
+            {
+                "name": e.key,
+                "count": e.count,
+                "self_ms": self_us(e) / 1e3,
+                "cpu_self_ms": e.self_cpu_time_total / 1e3,
+            }
             for e in rows[:top]
         ],
     }

@@ -197,3 +197,30 @@ def test_triton_linear_needs_fused_projections_and_keeps_lora_outputs(tokenizer)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"]))
     net = _skinny_engine(peft_model)._static.net
     assert all(net.fused) and not any(net._out_linear)
+
+
+def test_ppo_config_linear_switch_reaches_the_engine(tokenizer, tmp_path):
+    """PPOConfig(rollout_decode_linear="triton") builds PPOTrainer's engine on the skinny matmul (the
+    interpreter here); the rollout is the F.linear one's. Without fused projections it is refused by the
+    config, naming the switch."""
+    from rapidfire_hf.config import ConfigError
+    from tests.ppo.helpers import tiny_trainer
+
+    def rollout_of(name, **kw):
+        trainer = tiny_trainer(tmp_path / name, tokenizer, rollout_backend="static", **kw)
+        return trainer, trainer.rollout(trainer.next_prompts(0))
+
+    _, plain = rollout_of("plain", rollout_decode_fuse_projections=True)
+    trainer, skinny = rollout_of(
+        "skinny", rollout_decode_fuse_projections=True, rollout_decode_linear="triton"
+    )
+    net = trainer.roller.engine._static.net
+    assert net._linear.__module__ == "rapidfire_hf.kernels.triton_skinny_matmul" and all(net._out_linear)
+    assert torch.equal(skinny.responses, plain.responses)
+    torch.testing.assert_close(skinny.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="also set rollout_decode_fuse_projections=True"):
+        tiny_trainer(tmp_path / "alone", tokenizer, rollout_decode_linear="triton")
+    with pytest.raises(ConfigError, match="rollout_decode_linear"):
+        tiny_trainer(
+            tmp_path / "bad", tokenizer, rollout_decode_fuse_projections=True, rollout_decode_linear="cuda"
+        )

@@ -87,6 +87,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "rollout_decode_attention": Among(("sdpa", "matmul", "triton")),
     "rollout_decode_sampler": Among(("torch", "triton", "triton-philox")),
     "rollout_decode_fuse_projections": Bool(),
+    "rollout_decode_linear": Among(("torch", "triton")),
     "rollout_generation_batch_size": AutoOr(Optional(Int(min=1), "the whole rollout batch at once")),
 }
 
@@ -355,6 +356,14 @@ class PPOConfig(TrainingArguments):
             "1.15x faster at batch 8, but 0.97x at batch 32."
         },
     )
+    rollout_decode_linear: str = field(
+        default="torch",
+        metadata={
+            "help": "Decode step of the fast engine: the fused projections' matmul, 'torch' (F.linear) or "
+            "'triton' (the project's skinny matmul for few rows; needs rollout_decode_fuse_projections=True). "
+            "Opt-in: not yet measured on a GPU (benchmarks/kernels, matmul rows)."
+        },
+    )
     rollout_generation_batch_size: str | None = field(  # "auto", an int (digits: below) or None
         default="auto",
         metadata={
@@ -399,6 +408,13 @@ class PPOConfig(TrainingArguments):
                 ConfigError(
                     "per_device_train_batch_size * gradient_accumulation_steps = "
                     f"{self.local_batch_size} is not divisible by num_mini_batches={self.num_mini_batches}"
+                )
+            )
+        if self.rollout_decode_linear != "torch" and not self.rollout_decode_fuse_projections:
+            errors.append(
+                ConfigError(
+                    f"rollout_decode_linear={self.rollout_decode_linear!r} runs the fused decode projections "
+                    "only: also set rollout_decode_fuse_projections=True"
                 )
             )
         return errors

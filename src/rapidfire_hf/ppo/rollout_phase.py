@@ -96,6 +96,7 @@ class Roller:
                 decode_attention=args.rollout_decode_attention,
                 decode_sampler=args.rollout_decode_sampler,
                 decode_fuse_projections=args.rollout_decode_fuse_projections,
+                decode_linear=args.rollout_decode_linear,
             )
         params = sampling_params(args, sampling)
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)

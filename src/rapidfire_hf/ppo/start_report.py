@@ -41,6 +41,7 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
                 ("attention", args.rollout_decode_attention, "sdpa"),
                 ("sampler", args.rollout_decode_sampler, "torch"),
                 ("fuse_projections", args.rollout_decode_fuse_projections, False),
+                ("linear", args.rollout_decode_linear, "torch"),
             )
             if value != default
         ]

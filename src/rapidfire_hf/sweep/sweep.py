@@ -229,6 +229,7 @@ class PPOSweep:
             decode_attention=self.args.rollout_decode_attention,
             decode_sampler=self.args.rollout_decode_sampler,
             decode_fuse_projections=self.args.rollout_decode_fuse_projections,
+            decode_linear=self.args.rollout_decode_linear,
         )
 
     def _add(self, name: str, overrides: dict, source: Trial | None = None, parent_overrides=None) -> Trial:
