@@ -529,8 +529,7 @@ def span_steps(args, sync_interval: int) -> int:
     ``aggressive``'s span of 4 held a 12 GiB snapshot (peak 41.4 GiB against 29.4 for ``balanced``,
     benchmarks/presets/results/h200/b8) and copied it every update.
     """
-    steps = max(1, int(args.num_ppo_epochs) * int(args.num_mini_batches))
-    return max(1, min(int(sync_interval), steps))
+    return max(1, min(sync_interval, args.num_ppo_epochs * args.num_mini_batches))
 
 
 def optimizer_from_config(args, rf_config, params, decision: tuple[bool, str]):

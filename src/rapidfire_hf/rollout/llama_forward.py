@@ -64,6 +64,11 @@ def _plain(module) -> bool:
     return type(module) is nn.Linear and module.bias is None
 
 
+def _plain_outputs(layer) -> bool:
+    """Whether a decoder layer's o and down projections are plain bias-free ``nn.Linear``."""
+    return _plain(getattr(layer.self_attn, "o_proj", None)) and _plain(getattr(layer.mlp, "down_proj", None))
+
+
 def _concat_into(out: torch.Tensor | None, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``weights`` stacked along dim 0 into ``out`` (reallocated when it no longer fits)."""
     rows = sum(w.shape[0] for w in weights)
@@ -149,13 +154,12 @@ class StaticLlama:
             getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         )
         self.fused = [fuse_projections and _fusable(layer) for layer in self.layers]
-        # o / down projections through self._linear too where it is not F.linear and they are plain linears
-        # (else their module calls, as with linear="torch": a LoRA o_proj keeps its adapter)
+        # with linear="triton", a fused layer's o / down projections go through it too where they are plain
+        # linears; else (and with linear="torch") their module calls: a LoRA o_proj keeps its adapter
         self._out_linear = [
-            self._linear if linear != "torch" and fused and _plain(layer.self_attn.o_proj) and _plain(layer.mlp.down_proj)
-            else None
+            self._linear if linear != "torch" and fused and _plain_outputs(layer) else None
             for layer, fused in zip(self.layers, self.fused)
-        ]  # fmt: skip
+        ]
         self._qkv_w: list[torch.Tensor | None] = [None] * len(self.layers)  # [(Hq + 2 KV) D, H]
         self._gu_w: list[torch.Tensor | None] = [None] * len(self.layers)  # [2 I, H]
 
