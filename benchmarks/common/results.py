@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 
@@ -29,7 +30,11 @@ def write_json(path, data) -> Path:
         text = "[\n " + ",\n ".join(_dumps(v) for v in data) + "\n]\n" if data else "[]\n"
     else:
         text = _dumps(data) + "\n"
-    path.write_text(text)
+    # through a temporary file and a rename: scripts rewrite their results after every row, and a call's
+    # time limit that kills one mid-write must leave the previous version whole
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
     return path
 
 

@@ -80,6 +80,24 @@ def test_write_json_reads_back_unchanged_one_record_per_line(tmp_path):
     assert json.loads(write_json(tmp_path / "l.json", [1, {"a": 2}]).read_text()) == [1, {"a": 2}]
 
 
+def test_write_json_replaces_the_file_whole(tmp_path, monkeypatch):
+    """A write cut short (here: the rename never happens) leaves the previous results intact."""
+    path = write_json(tmp_path / "results.json", {"rows": [1, 2]})
+    import benchmarks.common.results as results
+
+    def killed(src, dst):
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(results.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_json(path, {"rows": [1, 2, 3]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]}
+    monkeypatch.undo()
+    write_json(path, {"rows": [1, 2, 3]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2, 3]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # the next write took the leftover
+
+
 def test_write_csv_and_bar_chart(tmp_path):
     rows = [{"system": "stock", "tokens_per_s": 1.0}, {"system": "ours", "tokens_per_s": 3.0, "extra": 1}]
     with write_csv(tmp_path / "r.csv", rows).open() as f:
