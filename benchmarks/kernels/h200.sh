@@ -7,6 +7,7 @@
 #   kernels   benchmarks/kernels/run.py: each kernel against its PyTorch path and the floor   ~90 s, cap 120
 #   logprobs  benchmarks/kernels/logprobs.py: chunked log-probs, ours / TRL 1.16 / Liger      ~45 s, cap 70
 #   rollout   benchmarks/rollout/run.py: the decode step end to end, with and without Triton  ~150 s, cap 170
+#             (ROLLOUT_CAP_S; ROLLOUT_SYSTEMS, ROLLOUT_BATCHES and ROLLOUT_BUDGET_S pick what it runs)
 #   ppo       (only when named in PARTS) PPO batch 8 / 32: stock TRL 1.12 and ours, ours +fuse, ours +skinny (fused projections through the Triton skinny matmul)
 #   profile   benchmarks/kernels/profile_decode.py: the compiled decode step by kernel category,
 #             1.1B / 7B, batch 8 / 64 / 256, default and Triton; ~25-40 s a cell, so the cells left when
@@ -44,7 +45,7 @@ run tests 60 bash -o pipefail -c 'python3 -m pytest -q -p no:cacheprovider tests
 run kernels 120 bash -o pipefail -c "python3 benchmarks/kernels/run.py --out '$OUT/kernels' 2>&1 | grep -v '^{' | tail -3"
 run logprobs 70 bash -o pipefail -c "python3 benchmarks/kernels/logprobs.py --out '$OUT/logprobs' --budget-s ${LOGPROBS_BUDGET_S:-45} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"
-run rollout 170 bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \
+run rollout ${ROLLOUT_CAP_S:-170} bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \
   --budget-s ${ROLLOUT_BUDGET_S:-140} --no-correctness \
   --systems ${ROLLOUT_SYSTEMS:-ours_compile,ours_compile+fuse,ours_compile+fuse_skinny,ours_compile+autotune,ours_compile+triton} \
   2>&1 | tail -14"
