@@ -3,7 +3,7 @@
 # .whl-trl112/ carried; ../shared/gpu/wheels.sh trl112 fetches them):
 #   bash benchmarks/presets/h200.sh OUT b64     # 1.1B, batch 64, separate value: stock, none, every config
 #   bash benchmarks/presets/h200.sh OUT b256    # 1.1B, batch 256, fused value + Liger + compile
-#   bash benchmarks/presets/h200.sh OUT b8      # 1.1B, batch 8, separate value
+#   bash benchmarks/presets/h200.sh OUT b8      # 1.1B, batch 8, separate value (B8_ROWS, B8_UPDATES, B8_TIMEOUT)
 #   bash benchmarks/presets/h200.sh OUT b8prof  # batch 8: none and three presets, one update each profiled
 #   bash benchmarks/presets/h200.sh OUT clip64  # 1.1B, batch 64: balanced with the clip_prediction default
 #                                               # (exact) against the previous one (scale), no config, stock
@@ -33,8 +33,8 @@ for part in "$@"; do
            --peft --value-mode fused --trl-batch 64 --timeout 240 --rows aggressive,handtuned,trl ;;
     pipe64) $PY benchmarks/presets/run.py --out "$OUT/pipe64" --batch 64 --timeout 100 \
            --rows pipeline-a1,nopipeline-a1,pipeline-a4,nopipeline-a4,pipeline-a8,nopipeline-a8,trl ;;
-    b8) $PY benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout 120 \
-           --rows none,balanced,aggressive,conservative,advanced,snippet,trl ;;
+    b8) $PY benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout ${B8_TIMEOUT:-120} --updates ${B8_UPDATES:-4} \
+           --rows ${B8_ROWS:-none,balanced,aggressive,conservative,advanced,snippet,trl} ;;
     b8prof) $PY benchmarks/presets/run.py --out "$OUT/b8prof" --batch 8 --timeout 120 --updates 5 \
            --profile-update 4 --rows none,conservative,balanced,aggressive ;;  # where the presets' cost goes
     *) echo "unknown part $part (b64, b256, b8, b8prof, clip64, full7b, lora7b, pipe64)"; exit 2 ;;
