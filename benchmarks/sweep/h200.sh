@@ -27,7 +27,7 @@ case "$PART" in
         --decode-routing $r --timeouts sweep_halving=250 --budget-s 260
     done ;;
   bounded)  # memory: training forwards bounded to one micro-batch of rows, against one trial's peak
-    $PY benchmarks/sweep/run.py --out "$OUT" --updates 6 --all-updates 4 --seq-updates 3 --train-rows 8 \
+    $PY benchmarks/sweep/run.py --out "$OUT" --updates 6 --rungs 2,4 --all-updates 4 --seq-updates 3 --train-rows 8 \
       --decode-routing index --parts sweep_all,sequential_ours --timeouts sweep_all=200,sequential_ours=220 \
       --budget-s 440 ;;
   *) echo "unknown part $PART (1b, 7b, routing, bounded)"; exit 2 ;;
