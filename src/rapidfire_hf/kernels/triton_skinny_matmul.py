@@ -36,9 +36,13 @@ supported there), so interpreted bf16 tiles are cast to fp32 first: the same exa
 sums as the GPU's bf16 MMA, so the CPU tests check the bf16 loads, masks, splits and the final cast,
 and the GPU tests the bf16 MMA itself.
 
-Opt-in and not yet measured on a GPU: nothing in the rollout engine calls it; ``benchmarks/kernels/run.py``
-(the ``matmul`` rows) compares it with ``F.linear`` and the bandwidth floor, and a GPU measurement decides
-whether the engine uses it. Imported lazily by callers: Triton decides at import whether kernels are
+Opt-in, and it lost on the GPU (one H200, one call, ``benchmarks/kernels/results/h200/call4/``): against
+``F.linear`` it is slower in 15 of the 18 projection cells (1.15-1.53x the time at the 1.1B shapes,
+up to 1.93x at 7B q/k/v/o with 64 rows) and ahead by 1-4% only on the two lm_heads and the 7B down
+projection at 8 rows; in the compiled decode step (fused projections) it took 1.646 ms against 1.492 ms
+at batch 8 and 2.139 against 1.819 at batch 64. The engine therefore keeps cuBLAS by default
+(``decode_linear="torch"``); ``"triton"`` stays for further work on the launch parameters.
+Imported lazily by callers: Triton decides at import whether kernels are
 compiled for the GPU or run by its interpreter (``TRITON_INTERPRET=1``, how the CPU tests run them).
 """
 
