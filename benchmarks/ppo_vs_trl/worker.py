@@ -487,10 +487,37 @@ def profile_summary(events, wall_s: float, top: int) -> dict:
     }
 
 
+class PhasePeaks:
+    """Instrumentation only: each update's allocator peak per phase (rollout, scoring, training), by
+    resetting the peak before each phase of ``trainer`` and reading it after; ``overall`` keeps the run's
+    peak across the resets (what ``peak_gib`` reports). The phases' calls and results are unchanged."""
+
+    PHASES = (("rollout", "rollout"), ("score", "scoring"), ("optimize", "training"))
+
+    def __init__(self, trainer):
+        self.gib = {name: [] for _, name in self.PHASES}
+        self.overall = 0
+        for method, name in self.PHASES:
+            setattr(trainer, method, self._wrap(getattr(trainer, method), name))
+
+    def _wrap(self, fn, name):
+        def phase(*a, **k):
+            self.overall = max(self.overall, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            out = fn(*a, **k)
+            peak = torch.cuda.max_memory_allocated()
+            self.overall = max(self.overall, peak)
+            self.gib[name].append(peak / 2**30)
+            return out
+
+        return phase
+
+
 def run_ours(cfg: dict, device: str) -> dict:
     import rapidfire_hf
 
     trainer = build_ours(cfg, device)
+    peaks = PhasePeaks(trainer) if device == "cuda" else None
     trainable = sum(p.numel() for p in trainer._trainable)
     profiler = ProfileUpdate(cfg["profile_update"]) if cfg.get("profile_update") is not None else None
     if profiler is not None:
@@ -520,6 +547,8 @@ def run_ours(cfg: dict, device: str) -> dict:
         "reward_class": type(trainer.reward_model).__name__,
         "speedups": trainer.kernel_patches.summary(),
         "plan": trainer.plan.to_dict() if trainer.plan is not None else None,
+        "phase_peak_gib": peaks.gib if peaks is not None else None,
+        "run_peak_bytes": peaks.overall if peaks is not None else None,
         "profile": profiler.summary if profiler is not None else None,
         # None: not a RapidFireOptimizer; else whether its gradient pipeline ran
         "pipeline": (
@@ -580,7 +609,12 @@ def main() -> None:
         **phases,
         # a PPOSweep round updates every trial: its rows are trials x batch
         "tokens_per_s": cfg["batch"] * cfg.get("trials", 1) * (cfg["prompt_len"] + cfg["response_len"]) / s,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        # the phase instrumentation resets the allocator's peak: its running maximum is the run's
+        "peak_gib": (
+            max(torch.cuda.max_memory_allocated(), out.get("run_peak_bytes") or 0) / 2**30
+            if device == "cuda"
+            else None
+        ),
         **({"gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30} if device == "cuda" else {}),
         "reward_first": out["rewards"][0] if out["rewards"] else None,
         "reward_last": out["rewards"][-1] if out["rewards"] else None,

@@ -120,3 +120,14 @@ def test_optimizer_state_goes_8_bit_only_under_aggressive_and_only_when_needed()
     assert not eight and "bitsandbytes" in why
     # 1.1B: everything fits, so the arithmetic is never changed
     assert choose_optimizer_state("aggressive", 9 * GIB, 4 * GIB, 8 * GIB, 2 * GIB, target) == (False, "fits")
+
+
+def test_the_plan_states_each_phase_peak_and_the_planned_peak_is_the_largest():
+    p = make_plan(
+        WORK, Asked(), PROBE, Budget(target_bytes=100 * GIB, held_bytes=5 * GIB, reserve_bytes=GIB), "balanced"
+    )
+    assert set(p.phase_peak_bytes) == {"training", "scoring", "generation"}
+    assert max(p.phase_peak_bytes.values()) == p.planned_peak_bytes
+    # generation holds the whole batch's KV cache (plus held and reserve), as the Workload counts it
+    assert p.phase_peak_bytes["generation"] == 6 * GIB + p.generation_rows * WORK.generation_row_bytes()
+    assert min(p.phase_peak_bytes.values()) > 6 * GIB

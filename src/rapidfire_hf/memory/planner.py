@@ -207,6 +207,8 @@ class Plan:
     asked: dict = field(default_factory=dict)  # setting -> what the user asked ("auto" when left open)
     reasons: dict = field(default_factory=dict)  # setting -> why this value
     planned: bool = True  # False: memory.planner off (the user's split kept)
+    # phase -> its planned peak (held + the phase's own bytes): training, scoring, generation
+    phase_peak_bytes: dict = field(default_factory=dict)
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """``(setting, asked, chosen, why)`` for the table."""
@@ -438,6 +440,9 @@ def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level=
         scoring_rows=scoring_rows,
         generation_rows=generation_rows,
         planned_peak_bytes=budget.held_bytes + max(peaks),
+        phase_peak_bytes={
+            phase: budget.held_bytes + peak for phase, peak in zip(("training", "scoring", "generation"), peaks)
+        },
         target_bytes=budget.target_bytes,
         fits=fits and budget.held_bytes + max(peaks) <= budget.target_bytes,
         asked=asked_view,
