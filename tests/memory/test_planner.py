@@ -124,10 +124,80 @@ def test_optimizer_state_goes_8_bit_only_under_aggressive_and_only_when_needed()
 
 def test_the_plan_states_each_phase_peak_and_the_planned_peak_is_the_largest():
     p = make_plan(
-        WORK, Asked(), PROBE, Budget(target_bytes=100 * GIB, held_bytes=5 * GIB, reserve_bytes=GIB), "balanced"
+        WORK,
+        Asked(),
+        PROBE,
+        Budget(target_bytes=100 * GIB, held_bytes=5 * GIB, reserve_bytes=GIB),
+        "balanced",
     )
     assert set(p.phase_peak_bytes) == {"training", "scoring", "generation"}
     assert max(p.phase_peak_bytes.values()) == p.planned_peak_bytes
     # generation holds the whole batch's KV cache (plus held and reserve), as the Workload counts it
     assert p.phase_peak_bytes["generation"] == 6 * GIB + p.generation_rows * WORK.generation_row_bytes()
     assert min(p.phase_peak_bytes.values()) > 6 * GIB
+
+
+# The 7B LoRA shape of benchmarks/presets/results/h200/lora7b_phases: rollout batch 256, 128 + 384 tokens,
+# micro-batch 8, the static engine's KV cache (0.5 MiB per token and row) kept between updates. There the
+# plan that ignored the kept cache said 93 GiB and the run peaked at 132 GiB in training.
+WORK_7B = Workload(
+    rollout_rows=256,
+    mini_rows=64,
+    micro_rows=8,
+    prompt_tokens=128,
+    response_tokens=384,
+    hidden=4096,
+    layers=32,
+    vocab=32000,
+    kv_bytes_per_token=2 * 32 * 32 * 128 * 2,
+    itemsize=2,
+    cache_persists=True,
+)
+PROBE_7B = Probe({"none": int(2.6 * GIB), "elementwise": int(1.6 * GIB), "matmuls": int(0.6 * GIB)})
+BUDGET_7B = Budget(target_bytes=int(128.6 * GIB), held_bytes=25 * GIB, reserve_bytes=GIB // 4)
+
+
+def test_a_kept_generation_cache_is_held_while_training_and_scoring_are_planned():
+    from dataclasses import replace
+
+    cache = WORK_7B.held_cache_bytes(256)
+    assert cache == 64 * GIB
+    forgetful = make_plan(replace(WORK_7B, cache_persists=False), Asked(), PROBE_7B, BUDGET_7B, "aggressive")
+    kept = make_plan(WORK_7B, Asked(), PROBE_7B, BUDGET_7B, "aggressive")
+    # without the cache the plan merges two micro-batches; beside it only the user's micro-batch fits
+    assert forgetful.train_rows == 16 and kept.train_rows == 8
+    assert kept.generation_rows == 256 and kept.checkpointing == "none" and kept.fits
+    train = BUDGET_7B.held_bytes + BUDGET_7B.reserve_bytes + int(1.3 * PROBE_7B.activation_bytes["none"] * 8)
+    assert kept.phase_peak_bytes["training"] == train + cache
+    # the same scoring chunk fits beside the cache; its phase peak now counts the cache
+    assert kept.scoring_rows == forgetful.scoring_rows == 256
+    assert kept.phase_peak_bytes["scoring"] == forgetful.phase_peak_bytes["scoring"] + cache
+    assert kept.planned_peak_bytes == kept.phase_peak_bytes["training"] <= kept.target_bytes
+    # the forgetful plan's training peak is what the run really needs minus the cache
+    assert forgetful.phase_peak_bytes["training"] + cache > forgetful.target_bytes
+
+
+def test_the_generation_chunk_shrinks_before_training_recomputes_beside_its_cache():
+    tight = Budget(target_bytes=int(100 * GIB), held_bytes=25 * GIB, reserve_bytes=GIB // 4)
+    p = make_plan(WORK_7B, Asked(), PROBE_7B, tight, "aggressive")
+    # the whole batch's 64 GiB cache leaves no room for 8 rows without recompute; half of it does
+    assert p.checkpointing == "none" and p.train_rows == 8
+    assert p.generation_rows == 128 and "no recompute" in p.reasons["generation_rows"]
+    assert p.planned_peak_bytes <= p.target_bytes and p.fits
+    # a generation chunk the user set is kept: then training recomputes to fit beside its cache
+    q = make_plan(WORK_7B, Asked(generation_rows=256), PROBE_7B, tight, "aggressive")
+    assert q.generation_rows == 256 and q.checkpointing != "none"
+    assert q.phase_peak_bytes["training"] >= WORK_7B.held_cache_bytes(256)
+
+
+def test_without_a_kept_cache_nothing_is_held_across_phases():
+    from dataclasses import replace
+
+    hf = replace(WORK_7B, cache_persists=False)
+    assert hf.held_cache_bytes(256) == 0
+    p = make_plan(hf, Asked(), PROBE_7B, BUDGET_7B, "aggressive")
+    assert p.phase_peak_bytes["training"] == (
+        BUDGET_7B.held_bytes
+        + BUDGET_7B.reserve_bytes
+        + int(1.3 * PROBE_7B.activation_bytes["none"] * p.train_rows)
+    )

@@ -131,3 +131,31 @@ def test_probe_cache_survives_hostile_folders_and_entries(tmp_path, caplog):
     for entry in ('{"none": -3}', '{"none": NaN}', '{"none": true}', '{"other": 4}'):
         (tmp_path / PROBE_CACHE).write_text('{"version": 1, "entries": {"k": ' + entry + "}}")
         assert ProbeCache(tmp_path).get("k", ("none",)) is None, entry
+
+
+@pytest.mark.parametrize("backend,kept", [("static", True), ("hf", False), ("auto", False)])
+def test_the_plan_counts_the_kv_cache_only_where_the_engine_keeps_it(
+    tmp_path, tokenizer, monkeypatch, backend, kept
+):
+    """The static engine keeps its KV cache between updates, so the planner holds it through scoring and
+    training; model.generate frees it (and "auto" is model.generate on a CPU)."""
+    import rapidfire_hf.ppo.planning as planning
+
+    seen = []
+    make_plan = planning.make_plan
+
+    def spy(work, *a, **k):
+        seen.append(work)
+        return make_plan(work, *a, **k)
+
+    monkeypatch.setattr(planning, "make_plan", spy)
+    trainer = trainer_with(tmp_path, tokenizer, {}, rollout_backend=backend)
+    trainer.train()
+    assert [w.cache_persists for w in seen] == [kept]
+    assert trainer._rollout_engine.backend == ("static" if kept else "hf")
+    cache = seen[0].held_cache_bytes(trainer.plan.generation_rows)
+    assert (cache > 0) == kept
+    assert (
+        trainer.plan.phase_peak_bytes["training"] >= cache
+        and trainer.plan.phase_peak_bytes["scoring"] >= cache
+    )

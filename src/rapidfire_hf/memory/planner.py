@@ -94,6 +94,9 @@ class Workload:
         hidden, layers, vocab: the policy's shape.
         kv_bytes_per_token: K and V of every layer for one token of one row, in the cache's dtype.
         itemsize: bytes per activation element (2 for bf16/fp16, 4 for fp32).
+        cache_persists: the rollout engine keeps its KV cache between generations (the static engine
+            reuses it, and its recorded or compiled decode step, every update), so the cache of a generation
+            chunk is held through scoring and training too.
     """
 
     rollout_rows: int
@@ -106,6 +109,7 @@ class Workload:
     vocab: int
     kv_bytes_per_token: int
     itemsize: int = 2
+    cache_persists: bool = False
 
     @property
     def tokens(self) -> int:
@@ -122,6 +126,11 @@ class Workload:
         (log-probs are computed from them in chunks of a few hundred tokens, so full logits never exist)."""
         working = self.tokens * 16 * self.hidden * self.itemsize
         return working + self.response_tokens * self.hidden * 4
+
+    def held_cache_bytes(self, generation_rows: int) -> int:
+        """What a generation chunk of ``generation_rows`` leaves held through scoring and training: its KV
+        cache when the engine keeps it, else nothing."""
+        return generation_rows * self.tokens * self.kv_bytes_per_token if self.cache_persists else 0
 
     def generation_row_bytes(self) -> int:
         """Bytes one generated row holds: its KV cache for every token, the prefill's working set and one
@@ -379,27 +388,47 @@ def _largest_chunk(total: int, row_bytes: int, room: int, cap: int) -> tuple[int
     return -(-total // chunks), True
 
 
+def _generation_chunk(work: Workload, asked: Asked, probe: Probe, budget: Budget) -> tuple[int, bool, str]:
+    """``(rows, fits, why)`` of the generation chunk: the largest that fits, and, where the engine keeps its
+    cache through training, the largest whose cache still lets the user's micro-batch train with no more
+    recompute than it needs without that cache (no level recomputes to keep a bigger generation chunk)."""
+    rows, ok = _largest_chunk(
+        work.rollout_rows, work.generation_row_bytes(), budget.no_grad_bytes, work.rollout_rows
+    )
+    why = "the whole rollout batch fits" if rows == work.rollout_rows else "KV cache bounded to fit"
+    if not (ok and work.cache_persists):
+        return rows, ok, why
+    _, needed, fits_alone, _, _ = _choose_training(work, asked, probe, budget)
+    if not fits_alone:
+        return rows, ok, why
+    for chunks in range(-(-work.rollout_rows // rows), work.rollout_rows + 1):
+        candidate = -(-work.rollout_rows // chunks)
+        beside = _held(budget, work.held_cache_bytes(candidate))
+        _, policy, fits, _, _ = _choose_training(work, asked, probe, beside)
+        if fits and policy == needed:
+            if candidate < rows:
+                why = "KV cache bounded so training needs no recompute beside it"
+            return candidate, True, why
+    return rows, ok, why
+
+
+def _held(budget: Budget, extra: int) -> Budget:
+    """``budget`` with ``extra`` bytes more held (the generation cache kept through the other phases)."""
+    return Budget(budget.target_bytes, budget.held_bytes + extra, budget.reserve_bytes)
+
+
 def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level="balanced") -> Plan:
     """Choose micro-batches, chunks and checkpointing for ``work`` within ``budget`` (module docstring).
 
     Settings the user gave (``asked``) are kept; with ``asked.planner`` off the user's micro-batch split
     is kept and the ``auto`` chunks take TRL's defaults, but the checkpointing policy still follows the
-    level (no recompute that the run does not need).
+    level (no recompute that the run does not need). Where the engine keeps its KV cache between
+    generations (``work.cache_persists``) the generation chunk is chosen first and its cache counts as held
+    while scoring and training are planned.
     """
     level_target(level)  # validates the name
     name = getattr(level, "value", level)
-    merge, policy, fits, why_rows, why_policy = _choose_training(work, asked, probe, budget)
-    train_rows = merge * work.micro_rows
-    room = budget.no_grad_bytes
-    reasons = {"train_rows": why_rows, "checkpointing": why_policy}
-    if asked.scoring_rows is not None:
-        scoring_rows, reasons["scoring_rows"] = asked.scoring_rows, "your local_rollout_forward_batch_size"
-    elif not asked.planner:
-        scoring_rows, reasons["scoring_rows"] = UNPLANNED_SCORING_ROWS, "TRL's default (planner off)"
-    else:
-        scoring_rows, ok = _largest_chunk(work.rollout_rows, work.scoring_row_bytes(), room, MAX_SCORING_ROWS)
-        fits = fits and ok
-        reasons["scoring_rows"] = "the largest chunk that fits" if ok else "one row does not fit"
+    reasons, fits = {}, True
     if asked.generation_rows:
         generation_rows, reasons["generation_rows"] = (
             asked.generation_rows,
@@ -408,18 +437,27 @@ def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level=
     elif asked.generation_rows == 0 or not asked.planner:
         generation_rows, reasons["generation_rows"] = work.rollout_rows, "the whole rollout batch"
     else:
-        generation_rows, ok = _largest_chunk(
-            work.rollout_rows, work.generation_row_bytes(), room, work.rollout_rows
+        generation_rows, fits, reasons["generation_rows"] = _generation_chunk(work, asked, probe, budget)
+    cache = work.held_cache_bytes(generation_rows)
+    beside = _held(budget, cache)
+    merge, policy, fits_training, reasons["train_rows"], reasons["checkpointing"] = _choose_training(
+        work, asked, probe, beside
+    )
+    fits = fits and fits_training
+    train_rows = merge * work.micro_rows
+    if asked.scoring_rows is not None:
+        scoring_rows, reasons["scoring_rows"] = asked.scoring_rows, "your local_rollout_forward_batch_size"
+    elif not asked.planner:
+        scoring_rows, reasons["scoring_rows"] = UNPLANNED_SCORING_ROWS, "TRL's default (planner off)"
+    else:
+        scoring_rows, ok = _largest_chunk(
+            work.rollout_rows, work.scoring_row_bytes(), beside.no_grad_bytes, MAX_SCORING_ROWS
         )
         fits = fits and ok
-        reasons["generation_rows"] = (
-            "the whole rollout batch fits"
-            if generation_rows == work.rollout_rows
-            else "KV cache bounded to fit"
-        )
+        reasons["scoring_rows"] = "the largest chunk that fits" if ok else "one row does not fit"
     peaks = (
-        _train_peak(probe, policy, train_rows) + budget.reserve_bytes,
-        scoring_rows * work.scoring_row_bytes() + budget.reserve_bytes,
+        _train_peak(probe, policy, train_rows) + budget.reserve_bytes + cache,
+        scoring_rows * work.scoring_row_bytes() + budget.reserve_bytes + cache,
         generation_rows * work.generation_row_bytes() + budget.reserve_bytes,
     )
     asked_view = {
@@ -441,7 +479,8 @@ def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level=
         generation_rows=generation_rows,
         planned_peak_bytes=budget.held_bytes + max(peaks),
         phase_peak_bytes={
-            phase: budget.held_bytes + peak for phase, peak in zip(("training", "scoring", "generation"), peaks)
+            phase: budget.held_bytes + peak
+            for phase, peak in zip(("training", "scoring", "generation"), peaks)
         },
         target_bytes=budget.target_bytes,
         fits=fits and budget.held_bytes + max(peaks) <= budget.target_bytes,

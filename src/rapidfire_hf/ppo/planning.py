@@ -38,6 +38,8 @@ from rapidfire_hf.memory.planner import (
     make_plan,
     unplanned,
 )
+from rapidfire_hf.ppo.rollout_phase import rollout_backend
+from rapidfire_hf.rollout.engine import resolved_backend
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")
 
@@ -45,8 +47,11 @@ PROBE_CACHE = "rapidfire_plan_probe.json"
 PROBE_CACHE_VERSION = 1
 
 
-def workload(args, policy_config, prompt_tokens: int, itemsize: int) -> Workload:
-    """The :class:`Workload` of one update of ``args`` on a policy of ``policy_config``."""
+def workload(
+    args, policy_config, prompt_tokens: int, itemsize: int, cache_persists: bool = False
+) -> Workload:
+    """The :class:`Workload` of one update of ``args`` on a policy of ``policy_config`` (``cache_persists``:
+    the rollout runs the static engine, which keeps its KV cache between updates)."""
     heads = policy_config.num_attention_heads
     kv_heads = getattr(policy_config, "num_key_value_heads", None) or heads
     head_dim = getattr(policy_config, "head_dim", None) or policy_config.hidden_size // heads
@@ -62,6 +67,7 @@ def workload(args, policy_config, prompt_tokens: int, itemsize: int) -> Workload
         vocab=policy_config.vocab_size,
         kv_bytes_per_token=2 * layers * kv_heads * head_dim * itemsize,
         itemsize=itemsize,
+        cache_persists=cache_persists,
     )
 
 
@@ -241,7 +247,8 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
     models = [m for m in (unwrapped.policy, unwrapped.value_model) if m is not None]
     ctx = queries.shape[1]
     itemsize = 2 if acc.mixed_precision in ("bf16", "fp16") else next(unwrapped.parameters()).element_size()
-    work = workload(args, unwrapped.policy.config, ctx, itemsize)
+    static = resolved_backend(unwrapped.policy, rollout_backend(args, trainer.engine_support)) == "static"
+    work = workload(args, unwrapped.policy.config, ctx, itemsize, cache_persists=static)
     want = asked(args, memory, acc.distributed_type == DistributedType.DEEPSPEED)
     if memory is None:
         plan = unplanned(work, want, "gradient_checkpointing" if user_checkpointing(args) else "none")

@@ -38,6 +38,15 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def resolved_backend(model, backend: str = "auto") -> str:
+    """The backend a :class:`RolloutEngine` built on ``model`` with ``backend`` runs: ``"auto"`` is the
+    static engine for a supported model on CUDA, else ``"hf"``. The static engine keeps its KV cache
+    between generations (the throughput planner counts it as held through scoring and training)."""
+    if backend != "auto":
+        return backend
+    return "static" if _model_device(model).type == "cuda" and unsupported_reason(model) is None else "hf"
+
+
 class RolloutEngine:
     """Generates responses and their log-probs on the model's current (training) weights.
 
@@ -111,11 +120,9 @@ class RolloutEngine:
         reason = unsupported_reason(model)
         if backend == "static" and reason is not None:
             raise ValueError(f"backend='static' cannot run this model ({reason}); use backend='hf'")
-        if backend == "auto":
-            on_cuda = _model_device(model).type == "cuda"
-            backend = "static" if on_cuda and reason is None else "hf"
-            if on_cuda and reason is not None:
-                logger.info("rapidfire rollout: using model.generate (%s)", reason)
+        if backend == "auto" and _model_device(model).type == "cuda" and reason is not None:
+            logger.info("rapidfire rollout: using model.generate (%s)", reason)
+        backend = resolved_backend(model, backend)
         self.backend = backend
         static_only = {
             "decode_attention": (decode_attention, "sdpa"),
