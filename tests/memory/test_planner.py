@@ -135,6 +135,11 @@ def test_the_plan_states_each_phase_peak_and_the_planned_peak_is_the_largest():
     # generation holds the whole batch's KV cache (plus held and reserve), as the Workload counts it
     assert p.phase_peak_bytes["generation"] == 6 * GIB + p.generation_rows * WORK.generation_row_bytes()
     assert min(p.phase_peak_bytes.values()) > 6 * GIB
+    # shown in the printed table and logged to the trackers
+    assert "planned peak by phase (GiB): training " in p.table()
+    assert p.metrics()["rapidfire/plan/generation_peak_gib"] == round(
+        p.phase_peak_bytes["generation"] / GIB, 3
+    )
 
 
 # The 7B LoRA shape of benchmarks/presets/results/h200/lora7b_phases: rollout batch 256, 128 + 384 tokens,

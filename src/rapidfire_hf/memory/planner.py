@@ -246,6 +246,9 @@ class Plan:
         rows = [("setting", "asked", "chosen", "why"), *self.rows()]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [head]
+        if self.phase_peak_bytes:
+            phases = ", ".join(f"{phase} {peak / GIB:.1f}" for phase, peak in self.phase_peak_bytes.items())
+            lines.append(f"  planned peak by phase (GiB): {phases}")
         for r in rows:
             lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
         return "\n".join(lines)
@@ -262,6 +265,10 @@ class Plan:
             "rapidfire/plan/generation_rows": self.generation_rows,
             "rapidfire/plan/planned_peak_gib": round(self.planned_peak_bytes / GIB, 3),
             "rapidfire/plan/target_gib": round(self.target_bytes / GIB, 3),
+            **{
+                f"rapidfire/plan/{phase}_peak_gib": round(peak / GIB, 3)
+                for phase, peak in self.phase_peak_bytes.items()
+            },
         }
 
     def to_dict(self) -> dict:
