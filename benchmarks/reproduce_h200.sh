@@ -61,9 +61,11 @@ ENTRIES=(
   "presets_b256|presets/results/h200/b256|1.1B batch 256 fused + Liger + compile: stock, no config, balanced (exact clip) and balanced with clip_prediction scale (README row 13)"
   "presets_clip64|presets/results/h200/clip64|1.1B batch 64: no config, balanced (clip_prediction exact), balanced with scale, stock (stock timed out in the stored call)"
   "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model: stock b4, ours aggressive b160 from the batch alone, today's hand-tuned b160 (not run yet)"
-  "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (not run yet)"
+  "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (stored: ours only, stock left out of that call)"
+  "presets_pipe7b|presets/results/h200/pipe7b|7B full fine-tuning, batch 32: the gradient pipeline on/off at 1, 4, 8 accumulation steps (not run yet)"
   "presets_pipe64|presets/results/h200/pipe64|1.1B batch 64: the gradient pipeline on/off at 1, 4, 8 accumulation steps, stock"
   "presets_b8|presets/results/h200/b8|1.1B batch 8, separate value: no config, every preset, advanced.yaml, the snippet, stock"
+  "presets_b8_span_cap|presets/results/h200/b8_span_cap|1.1B batch 8 with the span cap, 6 timed updates a row (stock's row cut by its limit)"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
   "precision_torchao|precision/results/h200/torchao|fp16 overflow; FP8 linears per backend; 40-step loss"
@@ -201,6 +203,9 @@ entry() {  # the commands of one entry, writing into $1
     presets_lora7b) bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     presets_pipe64) bash benchmarks/presets/h200.sh "$o" pipe64 && mv "$o"/pipe64/* "$o"/ && rmdir "$o/pipe64" ;;
     presets_b8) bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
+    presets_b8_span_cap) B8_UPDATES=7 B8_TIMEOUT=85 B8_ROWS=none,conservative,balanced,aggressive,advanced,snippet,trl \
+        bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
+    presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;
     rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
     kernels) bash benchmarks/kernels/h200.sh "$o" ;;
     precision_torchao) $PY benchmarks/precision/run.py --out "$o" --budget-s 275 ;;

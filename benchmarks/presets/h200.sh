@@ -11,6 +11,8 @@
 #   bash benchmarks/presets/h200.sh OUT lora7b  # 7B LoRA, 7B reward model: stock b64, ours b256
 #   bash benchmarks/presets/h200.sh OUT pipe64  # 1.1B, batch 64: the gradient pipeline on/off at 1, 4, 8
 #                                               # accumulation steps (balanced, planner off), stock
+#   bash benchmarks/presets/h200.sh OUT pipe7b  # 7B full fine-tuning, 7B reward model, batch 32: the same
+#                                               # six pipeline rows (a call of its own; no stock row)
 set -u
 OUT=${1:?output folder}; shift
 PY=${PYTHON:-python3}  # reproduce_h200.sh's PYTHON (its tests record the commands instead of running them)
@@ -33,10 +35,13 @@ for part in "$@"; do
            --peft --value-mode fused --trl-batch 64 --timeout 240 --rows aggressive,handtuned,trl ;;
     pipe64) $PY benchmarks/presets/run.py --out "$OUT/pipe64" --batch 64 --timeout 100 \
            --rows pipeline-a1,nopipeline-a1,pipeline-a4,nopipeline-a4,pipeline-a8,nopipeline-a8,trl ;;
+    pipe7b) $PY benchmarks/presets/run.py --out "$OUT/pipe7b" --shape llama-7b --reward model --batch 32 \
+           --value-mode fused --timeout 150 --updates 3 \
+           --rows pipeline-a1,nopipeline-a1,pipeline-a4,nopipeline-a4,pipeline-a8,nopipeline-a8 ;;
     b8) $PY benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout ${B8_TIMEOUT:-120} --updates ${B8_UPDATES:-4} \
            --rows ${B8_ROWS:-none,balanced,aggressive,conservative,advanced,snippet,trl} ;;
     b8prof) $PY benchmarks/presets/run.py --out "$OUT/b8prof" --batch 8 --timeout 120 --updates 5 \
            --profile-update 4 --rows none,conservative,balanced,aggressive ;;  # where the presets' cost goes
-    *) echo "unknown part $part (b64, b256, b8, b8prof, clip64, full7b, lora7b, pipe64)"; exit 2 ;;
+    *) echo "unknown part $part (b64, b256, b8, b8prof, clip64, full7b, lora7b, pipe64, pipe7b)"; exit 2 ;;
   esac
 done
