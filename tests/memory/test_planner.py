@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from rapidfire_hf.memory.planner import GIB, MAX_TRAIN_TOKENS, Asked, Budget, Probe, Workload, make_plan
@@ -145,26 +147,14 @@ def test_the_plan_states_each_phase_peak_and_the_planned_peak_is_the_largest():
 # The 7B LoRA shape of benchmarks/presets/results/h200/lora7b_phases: rollout batch 256, 128 + 384 tokens,
 # micro-batch 8, the static engine's KV cache (0.5 MiB per token and row) kept between updates. There the
 # plan that ignored the kept cache said 93 GiB and the run peaked at 132 GiB in training.
-WORK_7B = Workload(
-    rollout_rows=256,
-    mini_rows=64,
-    micro_rows=8,
-    prompt_tokens=128,
-    response_tokens=384,
-    hidden=4096,
-    layers=32,
-    vocab=32000,
-    kv_bytes_per_token=2 * 32 * 32 * 128 * 2,
-    itemsize=2,
-    cache_persists=True,
+WORK_7B = replace(
+    WORK, mini_rows=64, hidden=4096, layers=32, kv_bytes_per_token=2 * 32 * 32 * 128 * 2, cache_persists=True
 )
 PROBE_7B = Probe({"none": int(2.6 * GIB), "elementwise": int(1.6 * GIB), "matmuls": int(0.6 * GIB)})
 BUDGET_7B = Budget(target_bytes=int(128.6 * GIB), held_bytes=25 * GIB, reserve_bytes=GIB // 4)
 
 
 def test_a_kept_generation_cache_is_held_while_training_and_scoring_are_planned():
-    from dataclasses import replace
-
     cache = WORK_7B.held_cache_bytes(256)
     assert cache == 64 * GIB
     forgetful = make_plan(replace(WORK_7B, cache_persists=False), Asked(), PROBE_7B, BUDGET_7B, "aggressive")
@@ -196,8 +186,6 @@ def test_the_generation_chunk_shrinks_before_training_recomputes_beside_its_cach
 
 
 def test_without_a_kept_cache_nothing_is_held_across_phases():
-    from dataclasses import replace
-
     hf = replace(WORK_7B, cache_persists=False)
     assert hf.held_cache_bytes(256) == 0
     p = make_plan(hf, Asked(), PROBE_7B, BUDGET_7B, "aggressive")
