@@ -9,6 +9,8 @@
 #                                               # (exact) against the previous one (scale), no config, stock
 #   bash benchmarks/presets/h200.sh OUT full7b  # 7B full fine-tuning, 7B reward model: stock b4, ours b160
 #   bash benchmarks/presets/h200.sh OUT lora7b  # 7B LoRA, 7B reward model: stock b64, ours b256
+#     (full7b / lora7b: ROWS_7B and UPDATES_7B pick rows and updates; three rows of ~200 s do not fit one
+#     600 s call, e.g. ROWS_7B=aggressive,handtuned UPDATES_7B=3 in one call and the stock row in the next)
 #   bash benchmarks/presets/h200.sh OUT pipe64  # 1.1B, batch 64: the gradient pipeline on/off at 1, 4, 8
 #                                               # accumulation steps (balanced, planner off), stock
 #   bash benchmarks/presets/h200.sh OUT pipe7b  # 7B full fine-tuning, 7B reward model, batch 32: the same
@@ -30,9 +32,10 @@ for part in "$@"; do
            --rows none,balanced,balancedscale,trl ;;
     full7b) $PY benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch 160 \
            --value-mode fused --trl-batch 4 --timeout 240 --hand-optimizer adamw8bit --hand-gen-chunk 80 \
-           --rows aggressive,handtuned,trl ;;
+           --updates ${UPDATES_7B:-4} --rows ${ROWS_7B:-aggressive,handtuned,trl} ;;
     lora7b) $PY benchmarks/presets/run.py --out "$OUT/lora7b" --shape llama-7b --reward model --batch 256 \
-           --peft --value-mode fused --trl-batch 64 --timeout 240 --rows aggressive,handtuned,trl ;;
+           --peft --value-mode fused --trl-batch 64 --timeout 240 --updates ${UPDATES_7B:-4} \
+           --rows ${ROWS_7B:-aggressive,handtuned,trl} ;;
     pipe64) $PY benchmarks/presets/run.py --out "$OUT/pipe64" --batch 64 --timeout 100 \
            --rows pipeline-a1,nopipeline-a1,pipeline-a4,nopipeline-a4,pipeline-a8,nopipeline-a8,trl ;;
     pipe7b) $PY benchmarks/presets/run.py --out "$OUT/pipe7b" --shape llama-7b --reward model --batch 32 \
