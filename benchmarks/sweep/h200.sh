@@ -3,6 +3,8 @@
 # carried; ../shared/gpu/wheels.sh trl112 fetches them):
 #   bash benchmarks/sweep/h200.sh OUT          # 1.1B, 8 trials (kl_coef 0.01/0.1 x lr 3e-5..1e-3), U = 12 (~8 min)
 #   bash benchmarks/sweep/h200.sh OUT 7b       # 7B, 4 trials (kl_coef 0.01/0.1 x lr 1e-4/1e-3), U = 8 (a call of its own)
+#   bash benchmarks/sweep/h200.sh OUT bounded  # training forwards of 8 rows: 8 trials' peak and speed against PPOTrainer
+#   bash benchmarks/sweep/h200.sh OUT packing  # the same at 16 and 32 rows (TRAIN_ROWS), PPOTrainer once
 # The parts run in order of what the targets need most (halving, stock TRL, ours one after another, all
 # trials without halving), each with its own timeout and all within --budget-s; results.json is rewritten
 # after every part, so a part cut by its timeout leaves the others (and what it measured itself).
@@ -30,5 +32,13 @@ case "$PART" in
     $PY benchmarks/sweep/run.py --out "$OUT" --updates 6 --rungs 2,4 --all-updates 4 --seq-updates 3 --train-rows 8 \
       --decode-routing index --parts sweep_all,sequential_ours --timeouts sweep_all=200,sequential_ours=220 \
       --budget-s 440 ;;
-  *) echo "unknown part $PART (1b, 7b, routing, bounded)"; exit 2 ;;
+  packing)  # the packing between bounded (8 rows) and the default (64 rows at 256 tokens): all trials, no
+    # halving, one folder per row count (TRAIN_ROWS), then PPOTrainer one trial after another (~5 min)
+    for rows in ${TRAIN_ROWS:-16 32}; do
+      $PY benchmarks/sweep/run.py --out "$OUT/rows$rows" --updates 6 --rungs 2,4 --all-updates 4 --train-rows "$rows" \
+        --decode-routing index --parts sweep_all --timeouts sweep_all=120 --budget-s 130
+    done
+    $PY benchmarks/sweep/run.py --out "$OUT/sequential" --updates 6 --rungs 2,4 --seq-updates 3 \
+      --parts sequential_ours --timeouts sequential_ours=110 --budget-s 120 ;;
+  *) echo "unknown part $PART (1b, 7b, routing, bounded, packing)"; exit 2 ;;
 esac
