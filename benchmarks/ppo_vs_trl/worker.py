@@ -493,6 +493,8 @@ class PhasePeaks:
     peak across the resets (what ``peak_gib`` reports). The phases' calls and results are unchanged."""
 
     PHASES = (("rollout", "rollout"), ("score", "scoring"), ("optimize", "training"))
+    # the running maximum of the last instance (read by main() when the run raised, e.g. out of memory)
+    last_overall = 0
 
     def __init__(self, trainer):
         self.gib = {name: [] for _, name in self.PHASES}
@@ -507,6 +509,7 @@ class PhasePeaks:
             out = fn(*a, **k)
             peak = torch.cuda.max_memory_allocated()
             self.overall = max(self.overall, peak)
+            PhasePeaks.last_overall = self.overall
             self.gib[name].append(peak / 2**30)
             return out
 
@@ -574,7 +577,11 @@ def main() -> None:
             "status": "skipped" if skipped else ("oom" if oom else "error"),
             "error": f"{type(e).__name__}: {e}"[:600],
             "traceback": traceback.format_exc()[-2500:],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+            "peak_gib": (
+                max(torch.cuda.max_memory_allocated(), PhasePeaks.last_overall) / 2**30
+                if device == "cuda"
+                else None
+            ),
         }
         if device == "cuda":
             row["gpu_total_gib"] = torch.cuda.mem_get_info()[1] / 2**30
