@@ -37,7 +37,7 @@ trained in 4.65 s against 5.13 s for micro-batch 8 (separate value model) and 2.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 GIB = 1024**3
 
@@ -408,8 +408,9 @@ def _generation_chunk(work: Workload, asked: Asked, probe: Probe, budget: Budget
     _, needed, fits_alone, _, _ = _choose_training(work, asked, probe, budget)
     if not fits_alone:
         return rows, ok, why
-    for chunks in range(-(-work.rollout_rows // rows), work.rollout_rows + 1):
-        candidate = -(-work.rollout_rows // chunks)
+    # each chunk size once, largest first (the rollout batch in 1, 2, 3, ... equal chunks)
+    sizes = sorted({-(-work.rollout_rows // k) for k in range(1, work.rollout_rows + 1)}, reverse=True)
+    for candidate in (n for n in sizes if n <= rows):
         beside = _held(budget, work.held_cache_bytes(candidate))
         _, policy, fits, _, _ = _choose_training(work, asked, probe, beside)
         if fits and policy == needed:
@@ -421,7 +422,7 @@ def _generation_chunk(work: Workload, asked: Asked, probe: Probe, budget: Budget
 
 def _held(budget: Budget, extra: int) -> Budget:
     """``budget`` with ``extra`` bytes more held (the generation cache kept through the other phases)."""
-    return Budget(budget.target_bytes, budget.held_bytes + extra, budget.reserve_bytes)
+    return replace(budget, held_bytes=budget.held_bytes + extra)
 
 
 def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level="balanced") -> Plan:
