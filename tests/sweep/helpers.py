@@ -44,7 +44,8 @@ def lora_config():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
-def make_sweep(tokenizer, out_dir, trials, dataset=None, reward_model=None, **shared):
+def make_sweep(tokenizer, out_dir, trials, dataset=None, reward_model=None, train_rows_per_forward=None,
+               **shared):  # fmt: skip
     """A PPOSweep on the vowel task with ``COMMON`` settings (``shared`` overrides them)."""
     args = PPOConfig(output_dir=str(out_dir), **{**COMMON, **shared})
     return PPOSweep(
@@ -57,6 +58,7 @@ def make_sweep(tokenizer, out_dir, trials, dataset=None, reward_model=None, **sh
         train_dataset=dataset if dataset is not None else make_prompt_dataset(48),
         peft_config=lora_config(),
         progress=False,
+        train_rows_per_forward=train_rows_per_forward,
     )
 
 

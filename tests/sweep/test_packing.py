@@ -27,11 +27,21 @@ def test_default_limit_is_the_planners_merge_and_at_least_one_micro_batch():
 
 
 def _rows_per_training_forward(sweep) -> list[int]:
-    seen = []
+    seen, inside = [], []
     decoder = sweep.phases.decoder
+    optimize = sweep.phases.optimize
+
+    def counted(*args, **kwargs):  # the PPO epochs' forwards only (not the plan's one-row probe)
+        inside.append(True)
+        try:
+            return optimize(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    sweep.phases.optimize = counted
 
     def hook(module, args, kwargs):
-        if torch.is_grad_enabled() and module.training:
+        if inside and torch.is_grad_enabled() and module.training:
             seen.append(int(kwargs["input_ids"].shape[0]))
 
     handle = decoder.register_forward_pre_hook(hook, with_kwargs=True)
@@ -43,8 +53,7 @@ def test_packed_sweep_trains_the_same_trials_with_smaller_forwards(tokenizer, tm
     results, rows = {}, {}
     micro = 4  # tests/sweep/helpers.COMMON: per_device_train_batch_size
     for limit in (None, micro):
-        sweep = make_sweep(tokenizer, tmp_path / str(limit), TRIALS, max_steps=2)
-        sweep.phases.train_rows_per_forward = limit
+        sweep = make_sweep(tokenizer, tmp_path / str(limit), TRIALS, max_steps=2, train_rows_per_forward=limit)
         seen, handle = _rows_per_training_forward(sweep)
         sweep.train()
         handle.remove()
@@ -80,4 +89,4 @@ def test_the_yaml_key_is_checked_before_anything_loads_and_reaches_the_sweep(tmp
         with pytest.raises(ConfigError, match="train_rows_per_forward"):
             validate({**doc, "train_rows_per_forward": bad})
     sweep = build(validate({**doc, "train_rows_per_forward": 4}), progress=False)
-    assert sweep.phases.train_rows_per_forward == 4
+    assert sweep.planner.train_rows == 4 and sweep.phases.train_rows == 4

@@ -152,6 +152,8 @@ class Asked:
             engine fixes the micro-batch at ``prepare``).
         planner: ``memory.planner``; ``False`` keeps the user's micro-batch split and chunks exactly
             (the ``auto`` chunks then take TRL's defaults: scoring 64 rows, the whole batch generated).
+        train_rows: rows per training forward fixed by the user (``PPOSweep``'s ``train_rows_per_forward``:
+            rows of several trials' micro-batches in one forward); None lets the planner merge.
     """
 
     scoring_rows: int | None = None
@@ -159,6 +161,7 @@ class Asked:
     checkpointing: str = "auto"
     planner: bool = True
     merge: bool = True
+    train_rows: int | None = None
 
 
 # what "auto" means with the planner off (TRL's defaults)
@@ -346,12 +349,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget):
-    """``(merge, policy, fits, why_rows, why_policy)``: the least recompute that fits the user's
-    micro-batch and (planner on, no recompute needed) as many of the user's micro-batches per forward as
-    fit."""
+    """``(rows, policy, fits, why_rows, why_policy)``: the least recompute that fits the user's
+    micro-batch (or the rows per forward the user fixed) and (planner on, no recompute needed) as many of
+    the user's micro-batches per forward as fit."""
     room = budget.train_bytes
     policies = list(probe.activation_bytes)
-    policy = next((p for p in policies if _train_peak(probe, p, work.micro_rows) <= room), None)
+    first = asked.train_rows or work.micro_rows
+    policy = next((p for p in policies if _train_peak(probe, p, first) <= room), None)
     fits = policy is not None
     forced = asked.checkpointing != "auto"
     if forced:
@@ -368,6 +372,8 @@ def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget)
         why_policy = "nothing fits: the most recompute this level allows"
     policy = policy or policies[-1]
     merge, why_rows = 1, "your per_device_train_batch_size"
+    if asked.train_rows:
+        return asked.train_rows, policy, fits, "your train_rows_per_forward", why_policy
     if not asked.planner:
         why_rows = "memory.planner off"
     elif not asked.merge:
@@ -381,7 +387,7 @@ def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget)
                 merge = k
         if merge > 1:
             why_rows = f"{merge} of your micro-batches per forward (same mini-batch and optimizer steps)"
-    return merge, policy, fits, why_rows, why_policy
+    return merge * work.micro_rows, policy, fits, why_rows, why_policy
 
 
 def _largest_chunk(total: int, row_bytes: int, room: int, cap: int) -> tuple[int, bool]:
@@ -448,11 +454,11 @@ def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level=
         generation_rows, fits, reasons["generation_rows"] = _generation_chunk(work, asked, probe, budget)
     cache = work.held_cache_bytes(generation_rows)
     beside = _held(budget, cache)
-    merge, policy, fits_training, reasons["train_rows"], reasons["checkpointing"] = _choose_training(
+    train_rows, policy, fits_training, reasons["train_rows"], reasons["checkpointing"] = _choose_training(
         work, asked, probe, beside
     )
     fits = fits and fits_training
-    train_rows = merge * work.micro_rows
+    merge = max(1, train_rows // work.micro_rows)
     if asked.scoring_rows is not None:
         scoring_rows, reasons["scoring_rows"] = asked.scoring_rows, "your local_rollout_forward_batch_size"
     elif not asked.planner:
@@ -469,7 +475,7 @@ def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level=
         generation_rows * work.generation_row_bytes() + budget.reserve_bytes,
     )
     asked_view = {
-        "train_rows": work.micro_rows,
+        "train_rows": asked.train_rows or work.micro_rows,
         "checkpointing": asked.checkpointing,
         "scoring_rows": asked.scoring_rows if asked.scoring_rows is not None else "auto",
         "generation_rows": (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from rapidfire_hf.memory.checkpointing import activation_bytes
 from rapidfire_hf.memory.planner import MAX_TRAIN_TOKENS, UNPLANNED_SCORING_ROWS
 from rapidfire_hf.models.plumbing import causal_lm_parts
 from rapidfire_hf.ppo.core import truncate_after_stop
@@ -86,8 +87,10 @@ class SweepPhases:
         reward_model / reward_funcs: one of them, shared by every trial.
         full_mask / reward_full_mask: give the policy's / the reward model's forwards the 4-D mask
             (:func:`rapidfire_hf.ppo.modeling.sequence_inputs`; SDPA models only).
-        train_rows_per_forward: the most rows one training forward takes across trials (None: the
-            throughput planner's merge limit, see :func:`train_pack_rows`).
+        train_rows: the most rows one training forward takes across trials (None: the fixed rule of
+            :func:`train_pack_rows`); the sweep's plan (``sweep/planning.py``) sets it before each update.
+        scoring_rows: rows per scoring forward (None: ``local_rollout_forward_batch_size``, TRL's 64 for
+            ``"auto"``); set by the sweep's plan too.
     """
 
     def __init__(
@@ -101,10 +104,11 @@ class SweepPhases:
         reward_funcs,
         full_mask,
         reward_full_mask,
-        train_rows_per_forward: int | None = None,
+        train_rows: int | None = None,
+        scoring_rows: int | None = None,
     ):
         self.model, self.bank, self.shared, self.tok = model, bank, shared, tokenizer
-        self.train_rows_per_forward = train_rows_per_forward
+        self.train_rows, self.scoring_rows = train_rows, scoring_rows
         self.oom_splits = 0  # packed training forwards split after an OOM so far
         self.scoring_chunks = NoGradChunks(next(model.parameters()).device)  # oom_retries: scoring retries
         self.engine, self.reward_model, self.reward_funcs = engine, reward_model, reward_funcs
@@ -116,6 +120,32 @@ class SweepPhases:
         self._last_route = None
         self._gen_rows = 0  # the most rows one batched decode has had (index routing pads up to it)
         self._index_version = -1  # the bank's index_version the engine's recorded graphs read
+
+    @property
+    def decode_rows(self) -> int:
+        """The most rows one batched decode has had (the index route pads later decodes up to it)."""
+        return self._gen_rows
+
+    def row_activation_bytes(self, trial, tokens: int, ctx: int) -> int:
+        """Bytes one training row of ``tokens`` tokens keeps for backward through the shared base, ``trial``'s
+        adapter and value head (the plan's probe; :func:`rapidfire_hf.memory.checkpointing.activation_bytes`)."""
+        vocab = self.model.config.vocab_size
+        row = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(self.device)
+        row[row == self.pad] = (self.pad + 1) % vocab  # no padding in the probe row
+
+        def forward():
+            with self._autocast(), self.bank.route([(trial.slot, 1)]):
+                _, hidden, lp, ent = policy_outputs(
+                    self.decoder, self.lm_head, row, self.pad, ctx, self.shared.temperature, self.full_mask, True
+                )
+                return lp, ent, block_values([trial.value_head], [1], hidden)
+
+        was_training = self.model.training
+        self.model.train()
+        try:
+            return activation_bytes(forward)
+        finally:
+            self.model.train(was_training)
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, trials, batches: list[dict]) -> list[Rollout]:
@@ -173,8 +203,8 @@ class SweepPhases:
         posts = [truncate_after_stop(r.responses, self.stop, self.pad) for r in rollouts]
         post_qr = torch.cat([torch.cat([r.queries, p], 1) for r, p in zip(rollouts, posts)])
         layout = blocks(trials, lambda t: t.args.local_batch_size)
-        step = self.shared.local_rollout_forward_batch_size
-        if step == "auto":  # the sweep has no throughput planner yet: TRL's default chunk
+        step = self.scoring_rows or self.shared.local_rollout_forward_batch_size
+        if step == "auto":  # no plan (phases used on their own): TRL's default chunk
             step = UNPLANNED_SCORING_ROWS
         pending = {}  # the pieces of the pack that starts at a row
 
@@ -241,7 +271,7 @@ class SweepPhases:
         steps = [iter(s) for s in schedules]
         seq = exps[0].rollout.query_responses.shape[1]
         micro = max(t.args.per_device_train_batch_size for t in trials)
-        cap = train_pack_rows(seq, micro, self.train_rows_per_forward)
+        cap = self.train_rows or train_pack_rows(seq, micro)
         # PPOTrainer's OOM policy, new each update (memory may differ after a rollout): a pack that runs out
         # of memory is split by rows and retried, later packs of the update split as often up front
         recovery = pack_recovery(

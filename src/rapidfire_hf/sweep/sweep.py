@@ -14,6 +14,7 @@ from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
+from rapidfire_hf.ppo.setup import load_rapidfire_config
 from rapidfire_hf.ppo.types import PPOStats, sync_time
 from rapidfire_hf.sweep import checkpoint as ckpt
 from rapidfire_hf.sweep import outputs
@@ -21,6 +22,7 @@ from rapidfire_hf.sweep.control import ControlFile
 from rapidfire_hf.sweep.fields import check_trial_name
 from rapidfire_hf.sweep.lora import AdapterBank
 from rapidfire_hf.sweep.phases import SweepPhases, trial_metrics
+from rapidfire_hf.sweep.planning import SweepPlanner, sweep_memory
 from rapidfire_hf.sweep.trackers import TrialTrackers
 from rapidfire_hf.sweep.trial import Trial, build_trial, trial_args
 
@@ -70,8 +72,15 @@ class PPOSweep:
             object with ``check(trials) -> [(name, reason)]``), a list of them, or None.
         progress: draw a live table of every trial (rich); off a terminal, one line per update instead.
         train_rows_per_forward: the most rows one training forward takes across the trials of a micro-step
-            (None: as many as the throughput planner merges for one run, 16,384 tokens, and at least one
-            trial's micro-batch; the math is the same either way, only the peak and the speed change).
+            (None: the sweep's throughput plan decides, ``sweep/planning.py``: as many trials' micro-batches
+            as fit the memory level's target, at most 16,384 tokens, at least one trial's micro-batch; the
+            math is the same either way, only the peak and the speed change).
+
+    ``args.rapidfire_config`` sets the plan's memory level (``memory.optimization``: the share of the device
+    the sweep may plan to use; default ``balanced``) and ``memory.planner: false`` turns the plan off (the
+    fixed 16,384-token packing and TRL's scoring chunk). The plan is printed before the first update and
+    logged to the trackers as ``rapidfire/plan/*``. The rest of a rapidfire config does not apply to a
+    sweep (each trial trains with torch AdamW, no memory callback or precision plugin).
 
     ``args.report_to`` may name ``"tensorboard"`` (one sub-folder per trial under ``output_dir/runs``) and
     ``"wandb"`` (one run per trial, grouped by the sweep's folder name).
@@ -165,6 +174,9 @@ class PPOSweep:
         if getattr(tok, "pad_token_id", None) is None:
             raise ValueError("processing_class has no pad token: add one distinct from the EOS token.")
         self.trackers = TrialTrackers(args.report_to, args.output_dir)  # report_to checked before the model
+        level, planner = sweep_memory(load_rapidfire_config(args.rapidfire_config))  # checked before the model
+        self.planner = SweepPlanner(level, planner, train_rows_per_forward)
+        self._plan_logs: dict = {}  # a new plan's rapidfire/plan/* values, logged with the next update
         unused = _unused_settings(args)
         if unused:
             logger.warning("PPOSweep does not use these PPOConfig settings: %s", "; ".join(unused))
@@ -187,7 +199,7 @@ class PPOSweep:
         self.phases = SweepPhases(
             self.model, self.bank, args, tok, self._make_engine(), reward_model, funcs,
             full_mask=_full_mask(self.model), reward_full_mask=_full_mask(reward_model),
-            train_rows_per_forward=train_rows_per_forward,
+            train_rows=train_rows_per_forward,
         )  # fmt: skip
         self.trials: dict[str, Trial] = {}
         self._slots = 0
@@ -436,6 +448,8 @@ class PPOSweep:
         active = self._keep_finite(active, [_params_problem(t) for t in active], "before the rollout")
         if not active:
             return
+        self._phase = "the throughput plan"
+        self._plan(active)
         t0 = time.perf_counter()
         self._phase = "the rollout"
         batches = [self._prompts(t) for t in active]
@@ -467,6 +481,7 @@ class PPOSweep:
             metrics = trial_metrics(trial, exp, st, (t0, t1, t2, t3), self.tok.eos_token_id, self._start)
             metrics["rapidfire/skipped_steps"] = skipped[trial.name]  # as PPOTrainer logs it
             metrics["rapidfire/oom_splits"] = self.phases.oom_splits  # of the shared training forwards
+            metrics.update(self._plan_logs)
             s = trial.state
             s.global_step += 1
             s.epoch = s.global_step / trial.prompt_order.batches_per_pass
@@ -476,6 +491,7 @@ class PPOSweep:
             if log:
                 s.log_history.append({**metrics, "epoch": s.epoch, "step": s.global_step})
             logged.append((trial, metrics if log else None))
+        self._plan_logs = {}
         self._clean = True  # every trial is at an update boundary again
         self._phase = "the callbacks and checkpoints"
         saved = False
@@ -497,6 +513,18 @@ class PPOSweep:
                 self._pending.append(("stop", trial.name, "callback"))
         if saved:
             ckpt.write_index(self)
+
+    def _plan(self, active: list[Trial]) -> None:
+        """The sweep's throughput plan for this update's trials (``sweep/planning.py``): printed as a table
+        the first time, one line when it changes; its values go to the trackers with the update."""
+        plan = self.planner.update(self.phases, active, self.args, self.prompt_width)
+        if plan is None:
+            return
+        if self.planner.plans == 1:
+            print(plan.table(), flush=True)
+        else:
+            logger.info(SweepPlanner.describe(plan, len(active)))
+        self._plan_logs = plan.metrics()
 
     def _keep_finite(self, trials: list[Trial], problems: list[str | None], when: str) -> list[Trial]:
         """The trials without a problem; the others are marked ``diverged`` with the update and the check."""
@@ -618,8 +646,8 @@ def _unused_settings(args: PPOConfig) -> list[str]:
         )
     if args.rapidfire_config is not None:
         out.append(
-            "rapidfire_config (the sweep's trials train with torch AdamW, no memory callback, planner probe "
-            "or precision plugin; training forwards are bounded by train_rows_per_forward)"
+            "rapidfire_config beyond memory.optimization and memory.planner (the sweep's trials train with "
+            "torch AdamW, no memory callback, recompute or precision plugin)"
         )
     return out
 

@@ -1,0 +1,149 @@
+"""PPOSweep's throughput plan: the single-run planner (``rapidfire_hf.memory.planner``) on every trial's rows.
+
+One sweep update holds every active trial's rows at once: one decode of all their prompts (the static
+engine keeps that KV cache between updates), scoring packs across trials, and training forwards that pack
+the trials' micro-batches. :class:`SweepPlanner` asks :func:`rapidfire_hf.memory.planner.make_plan`, with
+the rows of all trials as the workload, for:
+
+- the rows of one training forward across trials (``train_rows_per_forward`` when the user set it): as
+  many of the trials' micro-batches as fit the level's target, up to the planner's 16,384-token cap (no
+  measurable speed above it on an H200 at 1.1B), never fewer than one trial's micro-batch. Packing never
+  changes a trial's math: each trial's micro-batch stays whole in one forward and its loss reads only its
+  own rows (``tests/sweep/test_packing.py``);
+- the scoring chunk (rows per no-grad scoring forward), unless ``local_rollout_forward_batch_size`` is set.
+
+The decode is never chunked (one decode serves every trial) and the sweep never recomputes activations, so
+a plan that does not fit says so; PPOTrainer's out-of-memory recovery then splits the packs. The level is
+``rapidfire_config``'s ``memory.optimization`` (default ``balanced``: 85% of the device); its
+``memory.planner: false`` keeps the sweep's fixed rule instead (16,384 tokens per training forward, TRL's
+scoring chunk of 64 rows).
+
+The plan is made before the first update and again whenever the rows of an update change (a clone, a stop,
+a rung of successive halving); the activation bytes of one training row are measured once per row length
+(one forward of one row through the shared base and one trial's adapter and value head).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rapidfire_hf.memory.checkpointing import level_budget
+from rapidfire_hf.memory.planner import Asked, Plan, Probe, Workload, make_plan, unplanned
+from rapidfire_hf.sweep.phases import train_pack_rows
+
+logger = logging.getLogger("rapidfire_hf.sweep")
+
+DEFAULT_LEVEL = "balanced"
+
+
+def sweep_memory(rf_config) -> tuple[str, bool]:
+    """``(level, planner on)`` from a loaded rapidfire config (None: ``balanced``, planner on)."""
+    memory = getattr(rf_config, "memory", None)
+    if memory is None:
+        return DEFAULT_LEVEL, True
+    level = getattr(memory.optimization, "value", memory.optimization)
+    return str(level), bool(memory.planner)
+
+
+def reserve_bytes(trials) -> int:
+    """What the trials' first backward and optimizer step still allocate: gradients not yet there, and
+    AdamW's two moments for every optimizer without state yet (in the parameters' dtype)."""
+    total = 0
+    for t in trials:
+        total += sum(p.numel() * p.element_size() for p in t.params if p.grad is None)
+        if not t.optimizer.state:
+            total += sum(2 * p.numel() * p.element_size() for p in t.params)
+    return total
+
+
+class SweepPlanner:
+    """Plans the packing of a sweep's updates (module docstring).
+
+    Args:
+        level: the ``memory.optimization`` level (its share of the device is the target).
+        planner: False keeps the sweep's fixed rule (:func:`rapidfire_hf.sweep.phases.train_pack_rows`,
+            TRL's scoring chunk).
+        train_rows: the user's ``train_rows_per_forward`` (kept), or None.
+        free_bytes: plan against this many bytes instead of measuring the device (tests).
+    """
+
+    def __init__(self, level: str = DEFAULT_LEVEL, planner: bool = True, train_rows: int | None = None,
+                 free_bytes: int | None = None):  # fmt: skip
+        self.level, self.planner, self.train_rows, self.free_bytes = level, planner, train_rows, free_bytes
+        self.plan: Plan | None = None  # the plan in force
+        self.plans = 0  # plans made so far (the first is printed as a table, later ones as one line)
+        self._key = None
+        self._probe: dict[int, int] = {}  # tokens per row -> activation bytes of one training row
+
+    def workload(self, trials, prompt_tokens: int, response_tokens: int, decode_rows: int, model,
+                 static: bool, itemsize: int) -> Workload:  # fmt: skip
+        """The workload of one update of ``trials``: all their rows, one micro-step of every trial as the
+        micro-batches a training forward may pack (``decode_rows``: rows of the one decode, padded)."""
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        micro = max(t.args.per_device_train_batch_size for t in trials)
+        return Workload(
+            rollout_rows=max(decode_rows, sum(t.args.local_batch_size for t in trials)),
+            mini_rows=micro * len(trials),
+            micro_rows=micro,
+            prompt_tokens=prompt_tokens,
+            response_tokens=response_tokens,
+            hidden=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            vocab=cfg.vocab_size,
+            kv_bytes_per_token=2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize,
+            itemsize=itemsize,
+            cache_persists=static,
+        )
+
+    def update(self, phases, trials, shared, prompt_tokens: int) -> Plan | None:
+        """Plan for this update of ``trials`` and apply it to ``phases``; returns the plan when it is new
+        (first update, or the update's rows changed), else None."""
+        static = phases.engine.backend == "static"
+        itemsize = 2 if (shared.bf16 or shared.fp16) and phases.device.type == "cuda" else 4
+        work = self.workload(
+            trials, prompt_tokens, shared.response_length, phases.decode_rows, phases.model, static, itemsize
+        )
+        key = (work, tuple(t.args.per_device_train_batch_size for t in trials))
+        if key == self._key:
+            return None
+        self._key = key
+        scoring = shared.local_rollout_forward_batch_size
+        asked = Asked(
+            scoring_rows=None if scoring == "auto" else scoring,
+            generation_rows=0,  # one decode of every trial's prompts
+            planner=self.planner,
+            train_rows=self.train_rows,
+        )
+        if not self.planner:
+            plan = unplanned(work, asked, "none", self.level)
+            plan.train_rows = self.train_rows or train_pack_rows(work.tokens, work.micro_rows)
+            plan.reasons["train_rows"] = (
+                "your train_rows_per_forward" if self.train_rows else "16,384 tokens (memory.planner off)"
+            )
+        else:
+            tokens = work.tokens
+            if tokens not in self._probe:
+                self._probe[tokens] = phases.row_activation_bytes(trials[0], tokens, prompt_tokens)
+            probe = Probe({"none": self._probe[tokens]})  # the only policy: a sweep never recomputes
+            budget = level_budget(phases.device, self.level, reserve_bytes(trials), self.free_bytes)
+            plan = make_plan(work, asked, probe, budget, self.level)
+        plan.reasons["generation_rows"] = "one decode of every trial's prompts"
+        plan.asked["checkpointing"] = "off"
+        plan.reasons["checkpointing"] = "a sweep does not recompute activations"
+        plan.reasons["optimizer_state"] = "each trial's torch AdamW"
+        phases.train_rows, phases.scoring_rows = plan.train_rows, plan.scoring_rows
+        self.plan = plan
+        self.plans += 1
+        return plan
+
+    @staticmethod
+    def describe(plan: Plan, trials: int) -> str:
+        """One line for a plan made after the first (rows per training forward and per scoring forward)."""
+        return (
+            f"PPOSweep plan for {trials} trial(s): {plan.train_rows} rows per training forward, "
+            f"{plan.scoring_rows} per scoring forward, planned peak {plan.planned_peak_bytes / 2**30:.1f} GiB"
+            + ("" if plan.fits or not plan.planned else " (DOES NOT FIT: out-of-memory recovery will split)")
+        )
