@@ -4,7 +4,8 @@
 #   bash benchmarks/sweep/h200.sh OUT          # 1.1B, 8 trials (kl_coef 0.01/0.1 x lr 3e-5..1e-3), U = 12 (~8 min)
 #   bash benchmarks/sweep/h200.sh OUT 7b       # 7B, 4 trials (kl_coef 0.01/0.1 x lr 1e-4/1e-3), U = 8 (a call of its own)
 #   bash benchmarks/sweep/h200.sh OUT bounded  # training forwards of 8 rows: 8 trials' peak and speed against PPOTrainer
-#   bash benchmarks/sweep/h200.sh OUT packing  # the same at 16 and 32 rows (TRAIN_ROWS), PPOTrainer once
+#   bash benchmarks/sweep/h200.sh OUT packing  # the same at 16 and 32 rows (TRAIN_ROWS), PPOTrainer once;
+#     SWEEP_PLANS="on off" adds all trials with the sweep's throughput plan and with the fixed rule it replaced
 # The parts run in order of what the targets need most (halving, stock TRL, ours one after another, all
 # trials without halving), each with its own timeout and all within --budget-s; results.json is rewritten
 # after every part, so a part cut by its timeout leaves the others (and what it measured itself).
@@ -36,6 +37,10 @@ case "$PART" in
     # halving, one folder per row count (TRAIN_ROWS), then PPOTrainer one trial after another (~5 min)
     for rows in ${TRAIN_ROWS:-16 32}; do
       $PY benchmarks/sweep/run.py --out "$OUT/rows$rows" --updates 6 --rungs 2,4 --all-updates 4 --train-rows "$rows" \
+        --decode-routing index --parts sweep_all --timeouts sweep_all=120 --budget-s 130
+    done
+    for plan in ${SWEEP_PLANS:-}; do  # e.g. SWEEP_PLANS="on off": the sweep's plan against the fixed rule
+      $PY benchmarks/sweep/run.py --out "$OUT/plan_$plan" --updates 6 --rungs 2,4 --all-updates 4 --sweep-plan "$plan" \
         --decode-routing index --parts sweep_all --timeouts sweep_all=120 --budget-s 130
     done
     $PY benchmarks/sweep/run.py --out "$OUT/sequential" --updates 6 --rungs 2,4 --seq-updates 3 \

@@ -100,6 +100,7 @@ def base_config(args) -> dict:
         "decode_mode": args.decode_mode,
         "decode_routing": args.decode_routing,
         "train_rows_per_forward": args.train_rows,
+        "sweep_plan": args.sweep_plan,
     }
 
 
@@ -387,6 +388,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-rows", type=int, default=None,
                    help="PPOSweep(train_rows_per_forward=N): the most rows one training forward packs across "
                         "trials (default: the throughput planner's merge limit; the micro-batch bounds memory)")  # fmt: skip
+    p.add_argument("--sweep-plan", default="on", choices=["on", "off"],
+                   help="the sweeps' throughput plan (sweep/planning.py); off: the fixed rule it replaced "
+                        "(16,384 tokens per training forward, scoring chunks of 64 rows)")  # fmt: skip
     p.add_argument("--decode-routing", default="auto", choices=["auto", "blocks", "index"],
                    help="the sweeps' adapter routing in the batched decode (AdapterBank.decode_routing)")  # fmt: skip
     p.add_argument("--timeouts", type=lambda s: dict((k, float(v)) for k, v in (x.split("=") for x in s.split(",") if x)),

@@ -93,8 +93,10 @@ def run_sweep(cfg: dict, rec: Recorder, device: str) -> None:
             row["status"] = "running"
             rec.write()
 
+    # the sweep's throughput plan (sweep/planning.py) is on by default; "off" is the fixed rule it replaced
+    plan = {} if cfg.get("sweep_plan", "on") == "on" else {"rapidfire_config": {"memory": {"planner": False}}}
     sweep = PPOSweep(
-        args=ppo_args(cfg, device, out_dir), trials=trials, model=policy, processing_class=tok,
+        args=ppo_args(cfg, device, out_dir, **plan), trials=trials, model=policy, processing_class=tok,
         train_dataset=ds, peft_config=peft_config(cfg), reward_model=reward, callbacks=[Clock()],
         early_stopping=rule, progress=False, train_rows_per_forward=cfg.get("train_rows_per_forward"),
     )  # fmt: skip
@@ -104,6 +106,12 @@ def run_sweep(cfg: dict, rec: Recorder, device: str) -> None:
     start["t"] = _now(device)
     sweep.train()
     rec.data["train_s"] = _now(device) - start["t"]  # includes the final save of every trial
+    made = sweep.planner.plan
+    rec.data["plan"] = None if made is None else {
+        "train_rows": made.train_rows, "scoring_rows": made.scoring_rows, "planned": made.planned,
+        "planned_peak_gib": made.planned_peak_bytes / 2**30, "target_gib": made.target_bytes / 2**30,
+        "phase_peak_gib": {k: v / 2**30 for k, v in made.phase_peak_bytes.items()},
+    }  # fmt: skip
     summary = json.loads((Path(out_dir) / "summary.json").read_text())  # the sweep's own record
     for name, info in summary["trials"].items():
         per_trial[name].update(status=info["state"], reason=info["reason"], updates=info["updates"])

@@ -45,7 +45,8 @@ def _train(tokenizer, out_dir, max_rows=None, **shared):
     sweep = _sweep(tokenizer, out_dir, **shared)
     oom = None
     if max_rows is not None:
-        oom = oom_above_rows(causal_lm_parts(sweep.model)[0], max_rows, grad=True)
+        # the PPO epochs' forwards only (not the throughput plan's one-row probe before the first update)
+        oom = only_during(oom_above_rows(causal_lm_parts(sweep.model)[0], max_rows, grad=True), sweep.phases, "optimize")
     sweep.train()
     return sweep, oom
 

@@ -198,4 +198,4 @@ def test_settings_a_sweep_does_not_use_are_named(tokenizer, tmp_path, caplog):
             tokenizer, tmp_path / "b", {A: {}}, rollout_generation_batch_size=4, rapidfire_config="balanced"
         )
     assert "rollout_generation_batch_size=4 (the sweep decodes every trial's prompts" in caplog.text
-    assert "rapidfire_config (the sweep's trials train with torch AdamW" in caplog.text
+    assert "rapidfire_config beyond memory.optimization and memory.planner (the sweep's trials" in caplog.text

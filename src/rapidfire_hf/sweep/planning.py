@@ -117,17 +117,15 @@ class SweepPlanner:
             planner=self.planner,
             train_rows=self.train_rows,
         )
-        if not self.planner:
+        probe = self._measure(phases, trials[0], work.tokens, prompt_tokens) if self.planner else None
+        if probe is None:
             plan = unplanned(work, asked, "none", self.level)
             plan.train_rows = self.train_rows or train_pack_rows(work.tokens, work.micro_rows)
+            off = "memory.planner off" if not self.planner else "the probe failed"
             plan.reasons["train_rows"] = (
-                "your train_rows_per_forward" if self.train_rows else "16,384 tokens (memory.planner off)"
+                "your train_rows_per_forward" if self.train_rows else f"16,384 tokens ({off})"
             )
         else:
-            tokens = work.tokens
-            if tokens not in self._probe:
-                self._probe[tokens] = phases.row_activation_bytes(trials[0], tokens, prompt_tokens)
-            probe = Probe({"none": self._probe[tokens]})  # the only policy: a sweep never recomputes
             budget = level_budget(phases.device, self.level, reserve_bytes(trials), self.free_bytes)
             plan = make_plan(work, asked, probe, budget, self.level)
         plan.reasons["generation_rows"] = "one decode of every trial's prompts"
@@ -138,6 +136,18 @@ class SweepPlanner:
         self.plan = plan
         self.plans += 1
         return plan
+
+    def _measure(self, phases, trial, tokens: int, ctx: int) -> Probe | None:
+        """Activation bytes of one training row (once per row length); None, with a warning, when the
+        probe itself fails (the sweep then packs by the fixed rule, as with the planner off)."""
+        if tokens not in self._probe:
+            try:
+                self._probe[tokens] = phases.row_activation_bytes(trial, tokens, ctx)
+            except Exception as err:  # noqa: BLE001 - e.g. out of memory on one row: training would fail too
+                logger.warning("PPOSweep: the throughput plan could not measure a training row (%s): "
+                               "packing by the fixed rule", err)  # fmt: skip
+                return None
+        return Probe({"none": self._probe[tokens]})  # the only policy: a sweep never recomputes
 
     @staticmethod
     def describe(plan: Plan, trials: int) -> str:

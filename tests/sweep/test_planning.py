@@ -1,0 +1,114 @@
+"""PPOSweep's throughput plan (``sweep/planning.py``): the training packing and the scoring chunk follow the
+memory level's target, a user's ``train_rows_per_forward`` is kept, ``memory.planner: false`` keeps the
+fixed rule, and the plan is made again when an update's rows change.
+
+Budgets are stated from the plan's own probe: ``needed(rows)`` is what the planner's memory model says a
+training forward of ``rows`` rows adds to what the sweep holds (the trials' first-step reserve and, with the
+static engine, the decode's KV cache), so "room for 4 rows, not 12" is exact whatever the machine measures.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidfire_hf.config import ConfigError
+from rapidfire_hf.memory.planner import LEVEL_TARGETS, TRAIN_PEAK_FACTOR
+from rapidfire_hf.sweep.phases import train_pack_rows
+from rapidfire_hf.sweep.planning import SweepPlanner, reserve_bytes
+
+from .helpers import TRIALS, make_sweep
+
+# micro-batches of 4, 4 and 2 rows: one micro-step of every trial packs up to 3 x 4 rows (the largest
+# micro-batch counts for each)
+PACKED = 12
+
+
+def _active(sweep):
+    return [t for t in sweep.trials.values() if t.active]
+
+
+def _needed(sweep, planner, rows: int) -> int:
+    """Bytes the planner's memory model needs to train ``rows`` rows per forward (no level share)."""
+    trials = _active(sweep)
+    work = planner.workload(
+        trials, sweep.prompt_width, sweep.args.response_length, sweep.phases.decode_rows, sweep.model,
+        sweep.phases.engine.backend == "static", 4,
+    )  # fmt: skip
+    row = sweep.phases.row_activation_bytes(trials[0], work.tokens, sweep.prompt_width)
+    cache = work.held_cache_bytes(work.rollout_rows)
+    return reserve_bytes(trials) + cache + int(TRAIN_PEAK_FACTOR * row * rows)
+
+
+def _plan_with(sweep, free_bytes: int, **kw):
+    planner = SweepPlanner("balanced", free_bytes=free_bytes, **kw)
+    return planner, planner.update(sweep.phases, _active(sweep), sweep.args, sweep.prompt_width)
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_the_packing_follows_the_memory_target(tokenizer, tmp_path):
+    sweep = make_sweep(tokenizer, tmp_path, TRIALS)
+    share = LEVEL_TARGETS["balanced"].device_share
+    roomy = int(_needed(sweep, SweepPlanner(), PACKED) / share) * 4
+    planner, plan = _plan_with(sweep, roomy)
+    assert plan.train_rows == PACKED and plan.fits  # every trial's micro-batch in one forward
+    assert sweep.phases.train_rows == PACKED and sweep.phases.scoring_rows == plan.scoring_rows
+    roomy_scoring = plan.scoring_rows
+    # room for the one decode of every trial (never chunked) and one trial's micro-batch, not for three:
+    # one micro-batch per forward, and a smaller scoring chunk
+    tight = int(max(_needed(sweep, planner, 4), plan.phase_peak_bytes["generation"]) / share) + 1
+    assert _needed(sweep, planner, PACKED) > share * tight
+    _, plan = _plan_with(sweep, tight)
+    assert plan.train_rows == 4 and plan.fits, plan.table()
+    assert sweep.phases.train_rows == 4 and plan.scoring_rows < roomy_scoring
+    assert "rows" in plan.table() and plan.reasons["checkpointing"] == "a sweep does not recompute activations"
+    # less than one micro-batch needs: the plan says it does not fit (the OOM recovery splits later)
+    _, plan = _plan_with(sweep, 1)
+    assert not plan.fits and plan.train_rows == 4 and "DOES NOT FIT" in plan.table()
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_users_rows_are_kept_and_the_planner_switch_keeps_the_fixed_rule(tokenizer, tmp_path):
+    sweep = make_sweep(tokenizer, tmp_path, TRIALS)
+    _, plan = _plan_with(sweep, 10**12, train_rows=5)
+    assert plan.train_rows == 5 and plan.reasons["train_rows"] == "your train_rows_per_forward"
+    _, plan = _plan_with(sweep, 1, train_rows=5)  # kept even where it does not fit
+    assert plan.train_rows == 5 and not plan.fits
+    _, plan = _plan_with(sweep, 1, planner=False)  # no probe, no budget: the rule the plan replaced
+    tokens = sweep.prompt_width + sweep.args.response_length
+    assert not plan.planned and plan.train_rows == train_pack_rows(tokens, 4) and plan.scoring_rows == 64
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_rapidfire_config_sets_the_level_and_is_checked_before_the_model_loads(tokenizer, tmp_path):
+    sweep = make_sweep(tokenizer, tmp_path / "a", TRIALS, rapidfire_config={"memory": {"planner": False}})
+    assert not sweep.planner.planner
+    sweep = make_sweep(tokenizer, tmp_path / "b", TRIALS, rapidfire_config="aggressive")
+    assert sweep.planner.level == "aggressive" and sweep.planner.planner
+    with pytest.raises(ConfigError, match="optimization"):
+        make_sweep(tokenizer, tmp_path / "c", TRIALS, rapidfire_config={"memory": {"optimization": "lots"}})
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_the_plan_is_printed_logged_and_made_again_when_the_rows_change(tokenizer, tmp_path, capsys, caplog):
+    sweep = make_sweep(tokenizer, tmp_path, TRIALS, max_steps=2)
+    seen = []
+
+    class StopAfterOne:  # stops one trial after its first update: the second update has fewer rows
+        def on_step_end(self, args, state, control, sweep=None, trial=None, **kw):
+            seen.append((trial, sweep.phases.train_rows))
+            if trial == "kl0.01" and state.global_step == 1:
+                sweep.stop(trial)
+
+    sweep.callbacks.append(StopAfterOne())
+    with caplog.at_level("INFO", logger="rapidfire_hf.sweep"):
+        sweep.train()
+    assert capsys.readouterr().out.count("rapidfire plan (memory.optimization=balanced") == 1
+    assert sweep.planner.plans == 2  # the first update's, then the one for two trials
+    assert any("PPOSweep plan for 2 trial(s)" in r.getMessage() for r in caplog.records)
+    assert seen[0][1] == PACKED and seen[-1][1] == 8  # two trials of micro-batches 4 and 2: 2 x 4 rows
+    for name, trial in sweep.trials.items():
+        first = trial.state.log_history[0]
+        assert first["rapidfire/plan/train_rows"] == PACKED, name
+        assert first["rapidfire/plan/scoring_rows"] >= 1
+    later = sweep.trials["clip0.1"].state.log_history[1]
+    assert later["rapidfire/plan/train_rows"] == 8
