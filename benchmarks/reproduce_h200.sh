@@ -47,6 +47,7 @@ ENTRIES=(
   "ppo_sweep|ppo_vs_trl/results/h200/sweep|LoRA sweeps, 1.1B: N trials one after another (stock, ours) vs PPOSweep (not run yet)"
   "ppo_sweep_7b|ppo_vs_trl/results/h200/sweep_7b|LoRA sweeps, 7B: 4 trials one after another (ours) vs PPOSweep (not run yet)"
   "sweep|sweep/results/h200/first_run|8 LoRA trials, 1.1B: PPOSweep with successive halving vs PPOTrainer one after another vs stock TRL 1.12: time to the best trial, memory (stored: a shorter first call, see sweep/README.md)"
+  "sweep_packing|sweep/results/h200/packing|8 LoRA trials, 1.1B: training forwards of 16 rows, the sweep's throughput plan on and off, PPOTrainer one after another (one call; rows32 in packing_rows32, a later call)"
   "sweep_7b|sweep/results/h200_7b|4 LoRA trials, 7B: the same parts as sweep (not run yet)"
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
@@ -60,9 +61,10 @@ ENTRIES=(
   "presets_b64|presets/results/h200/b64|1.1B batch 64: stock, no config, every preset, advanced.yaml, the snippet, with/without the planner"
   "presets_b256|presets/results/h200/b256|1.1B batch 256 fused + Liger + compile: stock, no config, balanced (exact clip) and balanced with clip_prediction scale (README row 13)"
   "presets_clip64|presets/results/h200/clip64|1.1B batch 64: no config, balanced (clip_prediction exact), balanced with scale, stock (stock timed out in the stored call)"
-  "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model: stock b4, ours aggressive b160 from the batch alone, today's hand-tuned b160 (not run yet)"
+  "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model, b160: ours aggressive from the batch alone against today's hand-tuned settings"
   "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (stored: ours only, stock left out of that call)"
-  "presets_pipe7b|presets/results/h200/pipe7b|7B full fine-tuning, batch 32: the gradient pipeline on/off at 1, 4, 8 accumulation steps (not run yet)"
+  "presets_lora7b_cache_plan|presets/results/h200/lora7b_cache_plan|7B LoRA b256: aggressive from the batch alone (KV cache held in the plan) against hand-tuned"
+  "presets_pipe7b|presets/results/h200/pipe7b|7B full fine-tuning, batch 32: the gradient pipeline on/off at 1, 4, 8 accumulation steps"
   "presets_pipe64|presets/results/h200/pipe64|1.1B batch 64: the gradient pipeline on/off at 1, 4, 8 accumulation steps, stock"
   "presets_b8|presets/results/h200/b8|1.1B batch 8, separate value: no config, every preset, advanced.yaml, the snippet, stock"
   "presets_b8_span_cap|presets/results/h200/b8_span_cap|1.1B batch 8 with the span cap, 6 timed updates a row (stock's row cut by its limit)"
@@ -174,6 +176,7 @@ entry() {  # the commands of one entry, writing into $1
       $PY benchmarks/ppo_vs_trl/summarize.py --sweep "$o" ;;
     sweep) bash benchmarks/sweep/h200.sh "$o" ;;  # one call of about 8 minutes
     sweep_7b) bash benchmarks/sweep/h200.sh "$o" 7b ;;
+    sweep_packing) TRAIN_ROWS=16 SWEEP_PLANS="on off" bash benchmarks/sweep/h200.sh "$o" packing ;;
     ppo_learning_sweep)
       local lr system seeds
       for spec in "3e-4 learn_trl 16" "3e-4 learn_rapidfire_separate 16" "3e-4 learn_rapidfire_fused 8" \
@@ -199,7 +202,8 @@ entry() {  # the commands of one entry, writing into $1
     presets_b64) bash benchmarks/presets/h200.sh "$o" b64 && mv "$o"/b64/* "$o"/ && rmdir "$o/b64" ;;
     presets_b256) bash benchmarks/presets/h200.sh "$o" b256 && mv "$o"/b256/* "$o"/ && rmdir "$o/b256" ;;
     presets_clip64) bash benchmarks/presets/h200.sh "$o" clip64 && mv "$o"/clip64/* "$o"/ && rmdir "$o/clip64" ;;
-    presets_full7b) bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
+    presets_full7b) ROWS_7B=aggressive,handtuned UPDATES_7B=3 bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
+    presets_lora7b_cache_plan) ROWS_7B=aggressive,handtuned UPDATES_7B=3 bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     presets_lora7b) bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     presets_pipe64) bash benchmarks/presets/h200.sh "$o" pipe64 && mv "$o"/pipe64/* "$o"/ && rmdir "$o/pipe64" ;;
     presets_b8) bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
