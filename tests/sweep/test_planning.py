@@ -61,6 +61,17 @@ def test_the_packing_follows_the_memory_target(tokenizer, tmp_path):
     assert plan.train_rows == 4 and plan.fits, plan.table()
     assert sweep.phases.train_rows == 4 and plan.scoring_rows < roomy_scoring
     assert "rows" in plan.table() and plan.reasons["checkpointing"] == "a sweep does not recompute activations"
+    # the static engine keeps the decode's KV cache through training: room for 12 rows beside everything but
+    # that cache is not room for 12 rows
+    assert sweep.phases.engine.backend == "static"
+    work = planner.workload(
+        _active(sweep), sweep.prompt_width, sweep.args.response_length, 0, sweep.model, True, 4
+    )  # fmt: skip
+    cache = work.held_cache_bytes(work.rollout_rows)
+    assert cache > 0
+    beside = int((_needed(sweep, planner, PACKED) - cache // 2) / share)
+    _, plan = _plan_with(sweep, beside)
+    assert plan.train_rows == 4 and plan.fits, plan.table()
     # less than one micro-batch needs: the plan says it does not fit (the OOM recovery splits later)
     _, plan = _plan_with(sweep, 1)
     assert not plan.fits and plan.train_rows == 4 and "DOES NOT FIT" in plan.table()
@@ -112,3 +123,31 @@ def test_the_plan_is_printed_logged_and_made_again_when_the_rows_change(tokenize
         assert first["rapidfire/plan/scoring_rows"] >= 1
     later = sweep.trials["clip0.1"].state.log_history[1]
     assert later["rapidfire/plan/train_rows"] == 8
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_the_reserve_counts_what_the_first_step_still_allocates(tokenizer, tmp_path):
+    sweep = make_sweep(tokenizer, tmp_path, TRIALS)
+    trials = _active(sweep)
+    param_bytes = sum(p.numel() * p.element_size() for t in trials for p in t.params)
+    assert param_bytes > 0
+    assert reserve_bytes(trials) == 3 * param_bytes  # gradients and AdamW's two moments, none there yet
+    sweep.args.max_steps = 1
+    sweep.train()  # every optimizer now has its state; gradients are freed after each step
+    assert reserve_bytes(trials) == param_bytes
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_probe_that_fails_falls_back_to_the_fixed_rule_with_a_warning(tokenizer, tmp_path, caplog):
+    sweep = make_sweep(tokenizer, tmp_path, TRIALS)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    sweep.phases.row_activation_bytes = broken
+    with caplog.at_level("WARNING", logger="rapidfire_hf.sweep"):
+        _, plan = _plan_with(sweep, 10**12)
+    assert "could not measure a training row (CUDA out of memory (injected))" in caplog.text
+    tokens = sweep.prompt_width + sweep.args.response_length
+    assert not plan.planned and plan.train_rows == train_pack_rows(tokens, 4)
+    assert "the probe failed" in plan.reasons["train_rows"]
