@@ -227,3 +227,10 @@ def test_short_form_errors(data, key, allowed):
 def test_unsupported_source_type():
     with pytest.raises(ConfigError, match="unsupported config source; got 42"):
         load_config(42)
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "x" * 300 + ".yaml", "config/" + "y" * 300, "config/" + "y" * 300 + ".yml"])
+def test_a_name_over_the_file_systems_limit_is_a_config_error(name):
+    with pytest.raises(ConfigError) as err:
+        load_config(name)
+    assert "File name too long" in str(err.value) or "unknown preset" in str(err.value)

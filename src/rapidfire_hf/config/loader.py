@@ -140,7 +140,10 @@ def bundled_config(src: str | os.PathLike) -> Path | None:
     if parent not in (".", "config") or path.suffix not in ("", ".yaml", ".yml"):
         return None
     candidate = BUNDLED_DIR / f"{path.stem}.yaml"
-    return candidate if candidate.is_file() else None
+    try:
+        return candidate if candidate.is_file() else None
+    except OSError:  # a name over the file system's limit names no shipped file
+        return None
 
 
 def _looks_like_path(text: str) -> bool:
@@ -162,7 +165,11 @@ def read_yaml(path: str | os.PathLike) -> Mapping[str, Any]:
 
     path = Path(path)
     presets = ", ".join(repr(n) for n in PRESETS)
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as err:  # e.g. a name over the file system's limit
+        raise ConfigError(f"cannot read the file: {err.strerror}", source=str(path)[:200]) from None
+    if not found:
         raise ConfigError(
             "config file not found",
             value=str(path),
