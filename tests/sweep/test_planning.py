@@ -151,3 +151,15 @@ def test_a_probe_that_fails_falls_back_to_the_fixed_rule_with_a_warning(tokenize
     tokens = sweep.prompt_width + sweep.args.response_length
     assert not plan.planned and plan.train_rows == train_pack_rows(tokens, 4)
     assert "the probe failed" in plan.reasons["train_rows"]
+
+
+def test_a_sweep_files_rapidfire_config_is_checked_before_anything_loads(tmp_path):
+    from rapidfire_hf.sweep.spec import validate
+
+    doc = {"reward_funcs": ["demo"], "trials": {"a": {}}}
+    config = {"output_dir": str(tmp_path), "use_cpu": True, "response_length": 4}
+    for bad, says in (({"memory": {"optimization": "lots"}}, "memory.optimization"), ("x" * 300, "unknown preset")):
+        with pytest.raises(ConfigError, match="config.rapidfire_config") as err:
+            validate({**doc, "config": {**config, "rapidfire_config": bad}})
+        assert says in str(err.value)
+    validate({**doc, "config": {**config, "rapidfire_config": {"memory": {"planner": False}}}})

@@ -127,6 +127,13 @@ def _check_trials(data: dict):
         shared = PPOConfig(**{"report_to": [], "output_dir": "rapidfire_sweep", **config})
     except (TypeError, ValueError) as err:
         raise ConfigError(f"PPOConfig refuses it ({_one_line(err)})", key="config") from None
+    if config.get("rapidfire_config") is not None:  # the plan's memory level: checked before the model loads
+        from rapidfire_hf.config.loader import load_config
+
+        try:
+            load_config(config["rapidfire_config"])
+        except ConfigError as err:
+            raise ConfigError(_one_line(err), key="config.rapidfire_config") from None
     for name, overrides in trials.items():
         try:
             check_trial_name(name)
