@@ -113,7 +113,9 @@ def test_the_plan_is_printed_logged_and_made_again_when_the_rows_change(tokenize
     sweep.callbacks.append(StopAfterOne())
     with caplog.at_level("INFO", logger="rapidfire_hf.sweep"):
         sweep.train()
-    assert capsys.readouterr().out.count("rapidfire plan (memory.optimization=balanced") == 1
+    out = capsys.readouterr().out
+    assert out.count("PPOSweep plan (memory.optimization=balanced") == 1
+    assert "training rows per forward (all trials)" in out and "3 trials' micro-batches per forward" in out
     assert sweep.planner.plans == 2  # the first update's, then the one for two trials
     assert any("PPOSweep plan for 2 trial(s)" in r.getMessage() for r in caplog.records)
     assert seen[0][1] == PACKED and seen[-1][1] == 8  # two trials of micro-batches 4 and 2: 2 x 4 rows

@@ -221,11 +221,13 @@ class Plan:
     planned: bool = True  # False: memory.planner off (the user's split kept)
     # phase -> its planned peak (held + the phase's own bytes): training, scoring, generation
     phase_peak_bytes: dict = field(default_factory=dict)
+    title: str = "rapidfire plan"  # the table's first words (PPOSweep: "PPOSweep plan")
+    train_label: str = "training micro-batch (rows)"  # (PPOSweep: rows of all trials per training forward)
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """``(setting, asked, chosen, why)`` for the table."""
         return [
-            ("training micro-batch (rows)", str(self.asked.get("train_rows")), str(self.train_rows),
+            (self.train_label, str(self.asked.get("train_rows")), str(self.train_rows),
              self.reasons.get("train_rows", "")),
             ("activation checkpointing", str(self.asked.get("checkpointing")), self.checkpointing,
              self.reasons.get("checkpointing", "")),
@@ -240,7 +242,7 @@ class Plan:
     def table(self) -> str:
         """The plan as the small table the trainers print once."""
         head = (
-            f"rapidfire plan (memory.optimization={self.level}; planned peak "
+            f"{self.title} (memory.optimization={self.level}; planned peak "
             f"{self.planned_peak_bytes / GIB:.1f} GiB of the {self.target_bytes / GIB:.1f} GiB target"
             + ("" if self.fits else "; DOES NOT FIT: out-of-memory recovery will split micro-batches")
             + ("" if self.planned else "; memory.planner off: your split kept")

@@ -128,6 +128,11 @@ class SweepPlanner:
         else:
             budget = level_budget(phases.device, self.level, reserve_bytes(trials), self.free_bytes)
             plan = make_plan(work, asked, probe, budget, self.level)
+        plan.title, plan.train_label = "PPOSweep plan", "training rows per forward (all trials)"
+        if plan.planned and not self.train_rows and plan.train_rows > work.micro_rows:
+            plan.reasons["train_rows"] = (
+                f"{plan.train_rows // work.micro_rows} trials' micro-batches per forward (each trial's math unchanged)"
+            )
         plan.reasons["generation_rows"] = "one decode of every trial's prompts"
         plan.asked["checkpointing"] = "off"
         plan.reasons["checkpointing"] = "a sweep does not recompute activations"
