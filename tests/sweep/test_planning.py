@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from rapidfire_hf.config import ConfigError
-from rapidfire_hf.memory.planner import LEVEL_TARGETS, TRAIN_PEAK_FACTOR
+from rapidfire_hf.memory.planner import LEVEL_TARGETS, TRAIN_PEAK_FACTOR, make_plan
 from rapidfire_hf.sweep.phases import train_pack_rows
 from rapidfire_hf.sweep.planning import SweepPlanner, reserve_bytes
 
@@ -165,3 +165,32 @@ def test_a_sweep_files_rapidfire_config_is_checked_before_anything_loads(tmp_pat
             validate({**doc, "config": {**config, "rapidfire_config": bad}})
         assert says in str(err.value)
     validate({**doc, "config": {**config, "rapidfire_config": {"memory": {"planner": False}}}})
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_the_engines_kept_cache_is_counted_once_when_the_plan_is_made_again(tokenizer, tmp_path, monkeypatch):
+    from rapidfire_hf.memory.planner import Budget
+    from rapidfire_hf.sweep import planning
+
+    sweep = make_sweep(tokenizer, tmp_path, TRIALS, max_steps=1)
+    assert sweep.phases.engine.held_bytes() == 0  # nothing decoded yet
+    sweep.train()
+    engine = sweep.phases.engine.held_bytes()
+    trials = list(sweep.trials.values())
+    work = SweepPlanner().workload(
+        trials, sweep.prompt_width, sweep.args.response_length, sweep.phases.decode_rows, sweep.model, True, 4
+    )  # fmt: skip
+    assert engine >= work.held_cache_bytes(work.rollout_rows) > 0  # K and V of every decoded row, and buffers
+    # a device that holds the weights (1 MB) and the engine's cache, as CUDA's allocator reports it
+    monkeypatch.setattr(
+        planning, "level_budget", lambda device, level, reserve, free=None: Budget(10**9, 10**6 + engine, reserve)
+    )
+    seen = []
+    monkeypatch.setattr(planning, "make_plan", lambda work, asked, probe, budget, level: seen.append(budget) or
+                        make_plan(work, asked, probe, budget, level))  # fmt: skip
+    for t in trials:
+        t.state.global_step = 0  # active again, to plan for
+    SweepPlanner().update(sweep.phases, trials, sweep.args, sweep.prompt_width)
+    assert seen[0].held_bytes == 10**6  # the plan adds the decode's cache itself
+    sweep.phases.engine.release()
+    assert sweep.phases.engine.held_bytes() == 0

@@ -183,6 +183,11 @@ class RolloutEngine:
             chunk_prefill(self._static.net, rows)
         return True
 
+    def held_bytes(self) -> int:
+        """Bytes the engine keeps allocated between generations (the static engine's KV cache and step
+        buffers; 0 for ``model.generate``, which frees its cache when it returns)."""
+        return self._static.held_bytes() if self._static is not None else 0
+
     def release(self) -> None:
         """Free the static engine's KV cache, buffers and recorded graphs (rebuilt on the next call)."""
         if self._static is not None:

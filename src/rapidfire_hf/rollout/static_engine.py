@@ -155,6 +155,17 @@ class StaticEngine:
         self._compiled_shapes: set[tuple] = set()
         self.step_callback = None  # called with t after each decode step (timing, progress); None = off
 
+    def held_bytes(self) -> int:
+        """Bytes of the KV cache and step buffers kept for the next generation (0 after ``release``)."""
+        if self._buf is None:
+            return 0
+        total = 0
+        for value in vars(self._buf).values():
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
     def release(self) -> None:
         """Drop the cache, buffers, recorded graphs and their memory pool."""
         self._buf, self._graphs, self._graph_key, self._pool = None, {}, None, None

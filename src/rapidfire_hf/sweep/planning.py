@@ -26,6 +26,7 @@ a rung of successive halving); the activation bytes of one training row are meas
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from rapidfire_hf.memory.checkpointing import level_budget
 from rapidfire_hf.memory.planner import Asked, Plan, Probe, Workload, make_plan, unplanned
@@ -78,8 +79,10 @@ class SweepPlanner:
     def workload(self, trials, prompt_tokens: int, response_tokens: int, decode_rows: int, model,
                  static: bool, itemsize: int) -> Workload:  # fmt: skip
         """The workload of one update of ``trials``: all their rows, one micro-step of every trial as the
-        micro-batches a training forward may pack (``decode_rows``: rows of the one decode, padded)."""
+        micro-batches a training forward may pack (``decode_rows``: rows of the one decode, padded;
+        ``itemsize``: bytes per activation element; the KV cache is in the model's dtype)."""
         cfg = model.config
+        cache_itemsize = next(model.parameters()).element_size()
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -93,7 +96,7 @@ class SweepPlanner:
             hidden=cfg.hidden_size,
             layers=cfg.num_hidden_layers,
             vocab=cfg.vocab_size,
-            kv_bytes_per_token=2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize,
+            kv_bytes_per_token=2 * cfg.num_hidden_layers * kv_heads * head_dim * cache_itemsize,
             itemsize=itemsize,
             cache_persists=static,
         )
@@ -102,7 +105,8 @@ class SweepPlanner:
         """Plan for this update of ``trials`` and apply it to ``phases``; returns the plan when it is new
         (first update, or the update's rows changed), else None."""
         static = phases.engine.backend == "static"
-        itemsize = 2 if (shared.bf16 or shared.fp16) and phases.device.type == "cuda" else 4
+        autocast = (shared.bf16 or shared.fp16) and phases.device.type == "cuda"  # as SweepPhases' forwards
+        itemsize = 2 if autocast else next(phases.model.parameters()).element_size()
         work = self.workload(
             trials, prompt_tokens, shared.response_length, phases.decode_rows, phases.model, static, itemsize
         )
@@ -127,6 +131,9 @@ class SweepPlanner:
             )
         else:
             budget = level_budget(phases.device, self.level, reserve_bytes(trials), self.free_bytes)
+            if self.free_bytes is None:  # the engine's cache of the last decode is in what the device holds
+                # now, and the plan counts the decode's cache itself: count it once
+                budget = replace(budget, held_bytes=max(0, budget.held_bytes - phases.engine.held_bytes()))
             plan = make_plan(work, asked, probe, budget, self.level)
         plan.title, plan.train_label = "PPOSweep plan", "training rows per forward (all trials)"
         if plan.planned and not self.train_rows and plan.train_rows > work.micro_rows:
