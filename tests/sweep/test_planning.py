@@ -9,6 +9,8 @@ static engine, the decode's KV cache), so "room for 4 rows, not 12" is exact wha
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rapidfire_hf.config import ConfigError
@@ -125,6 +127,8 @@ def test_the_plan_is_printed_logged_and_made_again_when_the_rows_change(tokenize
         assert first["rapidfire/plan/scoring_rows"] >= 1
     later = sweep.trials["clip0.1"].state.log_history[1]
     assert later["rapidfire/plan/train_rows"] == 8
+    summary = json.loads((tmp_path / "summary.json").read_text())  # the plan of the last update
+    assert summary["plan"]["train_rows"] == 8 and summary["plan"]["title"] == "PPOSweep plan"
 
 
 @pytest.mark.usefixtures("single_thread")

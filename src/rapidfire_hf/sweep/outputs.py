@@ -74,6 +74,8 @@ def write_all(sweep, wall_seconds: float | None = None, status: str = "finished"
     summary["messages"] = list(sweep.messages)
     summary["device"] = str(sweep.device)
     summary["rollout_backend"] = sweep.phases.engine.backend
+    plan = sweep.planner.plan  # the throughput plan of the last update (None before the first)
+    summary["plan"] = None if plan is None else plan.to_dict()
     if wall_seconds is not None:
         summary["wall_seconds"] = round(wall_seconds, 2)
     write_json(out / "summary.json", summary, indent=2)
