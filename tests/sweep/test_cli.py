@@ -212,3 +212,30 @@ def test_ctl_line_after_an_unfinished_one_is_kept(tmp_path):
     (tmp_path / "control.jsonl").write_bytes(b'{"op": "stop", "tri')  # a writer killed mid-line
     assert _ctl(tmp_path, "stop", "a") == 0
     assert [cmd for _, cmd in reader.read()] == [("stop", "a", "ctl")]
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_plan_prints_the_first_updates_plan_and_trains_nothing(tmp_path, capsys):
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(TINY.replace("OUT", str(tmp_path / "out")))
+    assert main(["sweep", str(spec), "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "PPOSweep plan (memory.optimization=balanced" in out
+    # two trials' micro-batches of 4 rows in one training forward (the demo's prompts fit the cap)
+    assert "training rows per forward (all trials)  4      8" in out
+    assert not (tmp_path / "out" / "summary.json").exists()  # nothing trained, nothing written
+    assert main(["sweep", str(spec), "--plan", "--resume"]) == 2
+    assert "--plan and --resume: give one" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_the_readme_sweep_plan_line_runs_as_written(capsys, monkeypatch):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    line = next(x for x in (root / "README.md").read_text().splitlines() if x.startswith("rapidfire sweep "))
+    monkeypatch.chdir(root)
+    existed = (root / "out").exists()
+    assert main(line.split("#")[0].split()[1:]) == 0
+    assert "PPOSweep plan (memory.optimization=balanced" in capsys.readouterr().out
+    assert existed or not (root / "out").exists()  # the plan writes no output folder into the checkout

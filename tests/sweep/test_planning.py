@@ -62,7 +62,9 @@ def test_the_packing_follows_the_memory_target(tokenizer, tmp_path):
     _, plan = _plan_with(sweep, tight)
     assert plan.train_rows == 4 and plan.fits, plan.table()
     assert sweep.phases.train_rows == 4 and plan.scoring_rows < roomy_scoring
-    assert "rows" in plan.table() and plan.reasons["checkpointing"] == "a sweep does not recompute activations"
+    assert (
+        "rows" in plan.table() and plan.reasons["checkpointing"] == "a sweep does not recompute activations"
+    )
     # the static engine keeps the decode's KV cache through training: room for 12 rows beside everything but
     # that cache is not room for 12 rows
     assert sweep.phases.engine.backend == "static"
@@ -164,7 +166,10 @@ def test_a_sweep_files_rapidfire_config_is_checked_before_anything_loads(tmp_pat
 
     doc = {"reward_funcs": ["demo"], "trials": {"a": {}}}
     config = {"output_dir": str(tmp_path), "use_cpu": True, "response_length": 4}
-    for bad, says in (({"memory": {"optimization": "lots"}}, "memory.optimization"), ("x" * 300, "unknown preset")):
+    for bad, says in (
+        ({"memory": {"optimization": "lots"}}, "memory.optimization"),
+        ("x" * 300, "unknown preset"),
+    ):
         with pytest.raises(ConfigError, match="config.rapidfire_config") as err:
             validate({**doc, "config": {**config, "rapidfire_config": bad}})
         assert says in str(err.value)
@@ -187,7 +192,9 @@ def test_the_engines_kept_cache_is_counted_once_when_the_plan_is_made_again(toke
     assert engine >= work.held_cache_bytes(work.rollout_rows) > 0  # K and V of every decoded row, and buffers
     # a device that holds the weights (1 MB) and the engine's cache, as CUDA's allocator reports it
     monkeypatch.setattr(
-        planning, "level_budget", lambda device, level, reserve, free=None: Budget(10**9, 10**6 + engine, reserve)
+        planning,
+        "level_budget",
+        lambda device, level, reserve, free=None: Budget(10**9, 10**6 + engine, reserve),
     )
     seen = []
     monkeypatch.setattr(planning, "make_plan", lambda work, asked, probe, budget, level: seen.append(budget) or

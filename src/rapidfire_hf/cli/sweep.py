@@ -3,6 +3,7 @@
     rapidfire sweep SWEEP.yaml                        # run (see rapidfire_hf.sweep.spec for the format)
     rapidfire sweep SWEEP.yaml --resume               # continue it from its checkpoints (after a crash,
                                                       # or with a larger max_steps)
+    rapidfire sweep SWEEP.yaml --plan                 # print the throughput plan of its first update, no training
     rapidfire sweep ctl --dir out/sweep stop kl0.2    # stop a trial at the next update boundary
     rapidfire sweep ctl --dir out/sweep resume kl0.2
     rapidfire sweep ctl --dir out/sweep clone kl0.05 kl0.05-lr2 learning_rate=2e-5
@@ -30,6 +31,12 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--resume", action="store_true", help="Continue every trial from its latest complete checkpoint."
     )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="Print the throughput plan of the first update (rows per training forward across trials, "
+        "scoring chunk, planned peak) and exit without training.",
+    )
     p.set_defaults(func=run_sweep_command)
 
 
@@ -44,7 +51,7 @@ def _ctl_parser() -> argparse.ArgumentParser:
 def run_sweep_command(args) -> int:
     if args.target == "ctl":
         return run_ctl(_ctl_parser().parse_args(args.rest))
-    flags = ("--no-progress", "--resume")
+    flags = ("--no-progress", "--resume", "--plan")
     rest = [a for a in args.rest if a not in flags]  # REMAINDER also holds options after the file
     if rest:
         raise SystemExit(f"unexpected arguments after {args.target}: {' '.join(rest)}")
@@ -53,6 +60,11 @@ def run_sweep_command(args) -> int:
     progress = not (args.no_progress or "--no-progress" in args.rest)
     resume = args.resume or "--resume" in args.rest
     spec = load_spec(args.target)  # every key checked before anything loads
+    if args.plan or "--plan" in args.rest:
+        if resume:
+            raise SystemExit("--plan and --resume: give one (--plan trains nothing)")
+        print(build(spec, progress=False).plan().table())
+        return 0
     if progress:
         print(f"rapidfire sweep {args.target}: loading the model, the data and the trials ...", flush=True)
     sweep = build(spec, progress=progress)

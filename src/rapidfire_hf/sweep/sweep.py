@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from rapidfire_hf.memory.planner import Plan
 from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
 from rapidfire_hf.ppo.config import PPOConfig
@@ -513,6 +514,20 @@ class PPOSweep:
                 self._pending.append(("stop", trial.name, "callback"))
         if saved:
             ckpt.write_index(self)
+
+    def plan(self) -> Plan:
+        """The throughput plan for the next update of the active trials, made without training (one probe
+        forward of one row); what ``rapidfire sweep SWEEP.yaml --plan`` prints. ``train()`` then keeps it
+        until the trials' rows change.
+
+        Raises:
+            ValueError: no trial is active (every one is finished or stopped).
+        """
+        active = [t for t in self.trials.values() if t.active]
+        if not active:
+            raise ValueError("no active trial to plan for: every trial is finished or stopped")
+        self.planner.update(self.phases, active, self.args, self.prompt_width)
+        return self.planner.plan
 
     def _plan(self, active: list[Trial]) -> None:
         """The sweep's throughput plan for this update's trials (``sweep/planning.py``): printed as a table
