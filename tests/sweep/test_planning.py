@@ -197,11 +197,22 @@ def test_the_engines_kept_cache_is_counted_once_when_the_plan_is_made_again(toke
         lambda device, level, reserve, free=None: Budget(10**9, 10**6 + engine, reserve),
     )
     seen = []
-    monkeypatch.setattr(planning, "make_plan", lambda work, asked, probe, budget, level: seen.append(budget) or
-                        make_plan(work, asked, probe, budget, level))  # fmt: skip
+    monkeypatch.setattr(planning, "make_plan", lambda work, asked, probe, budget, level, **kw: seen.append(budget)
+                        or make_plan(work, asked, probe, budget, level, **kw))  # fmt: skip
     for t in trials:
         t.state.global_step = 0  # active again, to plan for
     SweepPlanner().update(sweep.phases, trials, sweep.args, sweep.prompt_width)
     assert seen[0].held_bytes == 10**6  # the plan adds the decode's cache itself
     sweep.phases.engine.release()
     assert sweep.phases.engine.held_bytes() == 0
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_the_scoring_chunk_stays_at_the_sweeps_earlier_64_rows_where_memory_allows_more(tokenizer, tmp_path):
+    five = {f"t{i}": {"seed": i} for i in range(5)}  # 5 x 16 = 80 rows per update
+    sweep = make_sweep(tokenizer, tmp_path, five, gradient_accumulation_steps=4)
+    assert sum(t.args.local_batch_size for t in sweep.trials.values()) == 80
+    _, plan = _plan_with(sweep, 10**12)
+    assert plan.scoring_rows == 64 and "as before the plan" in plan.reasons["scoring_rows"]
+    _, plan = _plan_with(sweep, 10**12, planner=False)
+    assert plan.scoring_rows == 64

@@ -392,13 +392,16 @@ def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget)
     return merge * work.micro_rows, policy, fits, why_rows, why_policy
 
 
-def _largest_chunk(total: int, row_bytes: int, room: int, cap: int) -> tuple[int, bool]:
+def _largest_chunk(total: int, row_bytes: int, room: int, cap: int, equal: bool = True) -> tuple[int, bool]:
     """The rows per chunk: ``total`` split into the fewest equal chunks that fit ``room`` (at most
-    ``cap`` rows each); ``(1, False)`` when even one row does not fit."""
+    ``cap`` rows each; ``equal=False``: the most rows that fit, at most ``cap``); ``(1, False)`` when even
+    one row does not fit."""
     cap = max(1, min(cap, total))
     fit_rows = room // max(1, row_bytes)
     if fit_rows < 1:
         return 1, False
+    if not equal:
+        return min(cap, fit_rows), True
     chunks = -(-total // min(cap, fit_rows))
     return -(-total // chunks), True
 
@@ -433,14 +436,24 @@ def _held(budget: Budget, extra: int) -> Budget:
     return replace(budget, held_bytes=budget.held_bytes + extra)
 
 
-def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level="balanced") -> Plan:
+def make_plan(
+    work: Workload,
+    asked: Asked,
+    probe: Probe,
+    budget: Budget,
+    level="balanced",
+    scoring_cap: int = MAX_SCORING_ROWS,
+    equal_scoring: bool = True,
+) -> Plan:
     """Choose micro-batches, chunks and checkpointing for ``work`` within ``budget`` (module docstring).
 
     Settings the user gave (``asked``) are kept; with ``asked.planner`` off the user's micro-batch split
     is kept and the ``auto`` chunks take TRL's defaults, but the checkpointing policy still follows the
     level (no recompute that the run does not need). Where the engine keeps its KV cache between
     generations (``work.cache_persists``) the generation chunk is chosen first and its cache counts as held
-    while scoring and training are planned.
+    while scoring and training are planned. ``scoring_cap``: the most rows the scoring chunk may take;
+    ``equal_scoring=False`` takes the most rows that fit instead of equal chunks (``PPOSweep`` packs its
+    trials' pieces into chunks of at most that many rows, so an equal split would only add forwards).
     """
     level_target(level)  # validates the name
     name = getattr(level, "value", level)
@@ -467,7 +480,7 @@ def make_plan(work: Workload, asked: Asked, probe: Probe, budget: Budget, level=
         scoring_rows, reasons["scoring_rows"] = UNPLANNED_SCORING_ROWS, "TRL's default (planner off)"
     else:
         scoring_rows, ok = _largest_chunk(
-            work.rollout_rows, work.scoring_row_bytes(), beside.no_grad_bytes, MAX_SCORING_ROWS
+            work.rollout_rows, work.scoring_row_bytes(), beside.no_grad_bytes, scoring_cap, equal_scoring
         )
         fits = fits and ok
         reasons["scoring_rows"] = "the largest chunk that fits" if ok else "one row does not fit"

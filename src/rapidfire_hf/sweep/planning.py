@@ -10,7 +10,9 @@ the rows of all trials as the workload, for:
   measurable speed above it on an H200 at 1.1B), never fewer than one trial's micro-batch. Packing never
   changes a trial's math: each trial's micro-batch stays whole in one forward and its loss reads only its
   own rows (``tests/sweep/test_packing.py``);
-- the scoring chunk (rows per no-grad scoring forward), unless ``local_rollout_forward_batch_size`` is set.
+- the scoring chunk (rows per no-grad scoring forward), unless ``local_rollout_forward_batch_size`` is set:
+  the sweep's earlier fixed chunk (TRL's 64 rows), or fewer where memory is short. Larger chunks (the
+  single-run planner goes up to 256 rows) are not measured for sweeps, so the plan does not take them.
 
 The decode is never chunked (one decode serves every trial) and the sweep never recomputes activations, so
 a plan that does not fit says so; PPOTrainer's out-of-memory recovery then splits the packs. The level is
@@ -29,7 +31,15 @@ import logging
 from dataclasses import replace
 
 from rapidfire_hf.memory.checkpointing import level_budget
-from rapidfire_hf.memory.planner import Asked, Plan, Probe, Workload, make_plan, unplanned
+from rapidfire_hf.memory.planner import (
+    UNPLANNED_SCORING_ROWS,
+    Asked,
+    Plan,
+    Probe,
+    Workload,
+    make_plan,
+    unplanned,
+)
 from rapidfire_hf.sweep.phases import train_pack_rows
 
 logger = logging.getLogger("rapidfire_hf.sweep")
@@ -134,11 +144,28 @@ class SweepPlanner:
             if self.free_bytes is None:  # the engine's cache of the last decode is in what the device holds
                 # now, and the plan counts the decode's cache itself: count it once
                 budget = replace(budget, held_bytes=max(0, budget.held_bytes - phases.engine.held_bytes()))
-            plan = make_plan(work, asked, probe, budget, self.level)
+            # the scoring chunk grows no larger than the sweep's previous fixed chunk (TRL's 64 rows): a larger
+            # one is not measured for sweeps yet; the plan only makes it smaller where memory is short
+            plan = make_plan(
+                work,
+                asked,
+                probe,
+                budget,
+                self.level,
+                scoring_cap=UNPLANNED_SCORING_ROWS,
+                equal_scoring=False,
+            )
         plan.title, plan.train_label = "PPOSweep plan", "training rows per forward (all trials)"
         if plan.planned and not self.train_rows and plan.train_rows > work.micro_rows:
             plan.reasons["train_rows"] = (
                 f"{plan.train_rows // work.micro_rows} trials' micro-batches per forward (each trial's math unchanged)"
+            )
+        if plan.planned and asked.scoring_rows is None:
+            whole = min(UNPLANNED_SCORING_ROWS, work.rollout_rows)
+            plan.reasons["scoring_rows"] = (
+                "TRL's 64 rows, as before the plan (larger: not measured for sweeps)"
+                if plan.scoring_rows >= whole
+                else "bounded to fit"
             )
         plan.reasons["generation_rows"] = "one decode of every trial's prompts"
         plan.asked["checkpointing"] = "off"
