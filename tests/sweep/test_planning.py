@@ -75,7 +75,7 @@ def test_the_packing_follows_the_memory_target(tokenizer, tmp_path):
     assert cache > 0
     beside = int((_needed(sweep, planner, PACKED) - cache // 2) / share)
     _, plan = _plan_with(sweep, beside)
-    assert plan.train_rows == 4 and plan.fits, plan.table()
+    assert plan.train_rows < PACKED and plan.fits, plan.table()  # fewer trials per forward
     # less than one micro-batch needs: the plan says it does not fit (the OOM recovery splits later)
     _, plan = _plan_with(sweep, 1)
     assert not plan.fits and plan.train_rows == 4 and "DOES NOT FIT" in plan.table()
@@ -216,3 +216,20 @@ def test_the_scoring_chunk_stays_at_the_sweeps_earlier_64_rows_where_memory_allo
     assert plan.scoring_rows == 64 and "as before the plan" in plan.reasons["scoring_rows"]
     _, plan = _plan_with(sweep, 10**12, planner=False)
     assert plan.scoring_rows == 64
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_any_number_of_trials_may_share_a_forward_not_only_a_divisor(tokenizer, tmp_path):
+    five = {f"t{i}": {"seed": i} for i in range(5)}  # micro-batches of 4 rows: one forward packs up to 20
+    sweep = make_sweep(tokenizer, tmp_path, five)
+    planner = SweepPlanner()
+    share = LEVEL_TARGETS["balanced"].device_share
+    _, roomy = _plan_with(sweep, 10**12)
+    assert roomy.train_rows == 20
+    # room for 4 trials' micro-batches, not 5: 16 rows (packs of 4 + 1), not one trial per forward
+    room = max(
+        _needed(sweep, planner, 16), roomy.phase_peak_bytes["generation"], roomy.phase_peak_bytes["scoring"]
+    )
+    assert _needed(sweep, planner, 20) > room
+    _, plan = _plan_with(sweep, int(room / share) + 1)
+    assert plan.train_rows == 16 and plan.fits, plan.table()

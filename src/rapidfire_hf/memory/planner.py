@@ -154,6 +154,9 @@ class Asked:
             (the ``auto`` chunks then take TRL's defaults: scoring 64 rows, the whole batch generated).
         train_rows: rows per training forward fixed by the user (``PPOSweep``'s ``train_rows_per_forward``:
             rows of several trials' micro-batches in one forward); None lets the planner merge.
+        merge_any: merge any number of micro-batches, not only a divisor of a mini-batch's (``PPOSweep``
+            packs its trials' micro-batches in order, the last pack smaller; one run's windows need equal
+            forwards).
     """
 
     scoring_rows: int | None = None
@@ -162,6 +165,7 @@ class Asked:
     planner: bool = True
     merge: bool = True
     train_rows: int | None = None
+    merge_any: bool = False
 
 
 # what "auto" means with the planner off (TRL's defaults)
@@ -381,7 +385,8 @@ def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget)
     elif not asked.merge:
         why_rows = "kept (DeepSpeed fixes the micro-batch)"
     elif fits and policy == "none" and not forced:
-        for k in _divisors(work.micro_batches):
+        counts = range(1, work.micro_batches + 1) if asked.merge_any else _divisors(work.micro_batches)
+        for k in counts:
             rows = k * work.micro_rows
             if rows * work.tokens > max(MAX_TRAIN_TOKENS, work.micro_rows * work.tokens):
                 break

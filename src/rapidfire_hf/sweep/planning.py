@@ -130,6 +130,7 @@ class SweepPlanner:
             generation_rows=0,  # one decode of every trial's prompts
             planner=self.planner,
             train_rows=self.train_rows,
+            merge_any=True,  # packs of any number of trials (pack_in_order): 5 trials may pack 4 + 1
         )
         probe = self._measure(phases, trials[0], work.tokens, prompt_tokens) if self.planner else None
         if probe is None:
