@@ -140,6 +140,15 @@ class Workload:
         return cache + prefill + 2 * self.vocab * 4
 
 
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """K and V of every layer for one token of one row of a model of ``config`` (a HF config: grouped-query
+    heads and an explicit ``head_dim`` respected), in a cache of ``itemsize`` bytes per element."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
 @dataclass(frozen=True)
 class Asked:
     """What the user set: ``None`` for a setting left to the planner (``"auto"``).

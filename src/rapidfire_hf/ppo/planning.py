@@ -35,6 +35,7 @@ from rapidfire_hf.memory.planner import (
     Plan,
     Probe,
     Workload,
+    kv_bytes_per_token,
     make_plan,
     unplanned,
 )
@@ -52,10 +53,6 @@ def workload(
 ) -> Workload:
     """The :class:`Workload` of one update of ``args`` on a policy of ``policy_config`` (``cache_persists``:
     the rollout runs the static engine, which keeps its KV cache between updates)."""
-    heads = policy_config.num_attention_heads
-    kv_heads = getattr(policy_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(policy_config, "head_dim", None) or policy_config.hidden_size // heads
-    layers = policy_config.num_hidden_layers
     return Workload(
         rollout_rows=args.local_batch_size,
         mini_rows=args.local_mini_batch_size,
@@ -63,9 +60,9 @@ def workload(
         prompt_tokens=prompt_tokens,
         response_tokens=args.response_length,
         hidden=policy_config.hidden_size,
-        layers=layers,
+        layers=policy_config.num_hidden_layers,
         vocab=policy_config.vocab_size,
-        kv_bytes_per_token=2 * layers * kv_heads * head_dim * itemsize,
+        kv_bytes_per_token=kv_bytes_per_token(policy_config, itemsize),
         itemsize=itemsize,
         cache_persists=cache_persists,
     )

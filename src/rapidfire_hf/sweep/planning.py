@@ -37,6 +37,7 @@ from rapidfire_hf.memory.planner import (
     Plan,
     Probe,
     Workload,
+    kv_bytes_per_token,
     make_plan,
     unplanned,
 )
@@ -93,9 +94,6 @@ class SweepPlanner:
         ``itemsize``: bytes per activation element; the KV cache is in the model's dtype)."""
         cfg = model.config
         cache_itemsize = next(model.parameters()).element_size()
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         micro = max(t.args.per_device_train_batch_size for t in trials)
         return Workload(
             rollout_rows=max(decode_rows, sum(t.args.local_batch_size for t in trials)),
@@ -106,7 +104,7 @@ class SweepPlanner:
             hidden=cfg.hidden_size,
             layers=cfg.num_hidden_layers,
             vocab=cfg.vocab_size,
-            kv_bytes_per_token=2 * cfg.num_hidden_layers * kv_heads * head_dim * cache_itemsize,
+            kv_bytes_per_token=kv_bytes_per_token(cfg, cache_itemsize),
             itemsize=itemsize,
             cache_persists=static,
         )
