@@ -62,6 +62,56 @@ def test_a_split_without_valid_slots_weighs_nothing():
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("splits,end", [(1, 37), (4, 37), (4, 150), (None, 180)])
+def test_kv_end_reads_no_slot_past_it_and_changes_no_bit(splits, end):
+    # slots at and past kv_end are invalid and hold NaN: read there (even masked) they would reach the
+    # output through p @ V (0 * NaN); bounded, the result is bit-identical to the unbounded run on clean slots
+    q, k, v, valid = _attention_inputs(3, 2, 4, 200, 16, seed=6)
+    valid[:, end:] = False
+    valid[:, end - 1] = True
+    clean = flash_decode(q, k, v, valid, 0.25, splits)
+    k[:, :, end:], v[:, :, end:] = float("nan"), float("nan")
+    kv_end = torch.tensor([end], device=DEVICE)
+    out = flash_decode(q, k, v, valid, 0.25, splits, kv_end=kv_end)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, clean)
+    assert torch.isnan(flash_decode(q, k, v, valid, 0.25, splits)).any()  # the poison is real
+    ref = gqa_decode_attention(q[..., :], k[:, :, :end], v[:, :, :end], valid[:, :end], 0.25, "matmul")
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+    through = gqa_decode_attention(q, k, v, valid, 0.25, "triton", kv_end)  # the default split count
+    assert torch.equal(through, flash_decode(q, k, v, valid, 0.25, kv_end=kv_end))
+    with pytest.raises(ValueError, match="one slot count"):
+        flash_decode(q, k, v, valid, 0.25, kv_end=torch.tensor([end, end], device=DEVICE))
+
+
+def test_the_engine_bounds_triton_attention_by_the_step_slot(tokenizer, monkeypatch):
+    import rapidfire_hf.rollout.llama_forward as llama_forward
+
+    seen = []
+    real = llama_forward.gqa_decode_attention
+
+    def spy(q, k, v, valid, scale, impl, kv_end=None):
+        last = int(valid.any(0).nonzero().max()) + 1  # one past the last slot any row may see
+        seen.append((impl, None if kv_end is None else int(kv_end), last))
+        return real(q, k, v, valid, scale, impl, kv_end)
+
+    monkeypatch.setattr(llama_forward, "gqa_decode_attention", spy)
+    ids, mask = _prompts()
+    params = SamplingParams(max_new_tokens=6, temperature=0.8)
+    _engine(tokenizer, decode_attention="triton").generate(
+        ids, mask, params, torch.Generator().manual_seed(1)
+    )
+    layers = build_tiny_llama(tokenizer).config.num_hidden_layers
+    steps = [s for s in seen if s[0] == "triton"]
+    assert len(steps) == layers * 5  # 6 tokens: the first comes from the prefill
+    ends = sorted({s[1] for s in steps})
+    assert ends == list(range(ends[0], ends[0] + 5))  # one slot further each step
+    assert all(end == last for _, end, last in steps)  # exactly the last valid slot + 1
+    seen.clear()
+    _engine(tokenizer).generate(ids, mask, params, torch.Generator().manual_seed(1))
+    assert seen and all(s[1] is None for s in seen)  # SDPA reads the cache it is given
+
+
 def test_num_splits_fills_the_device_and_never_exceeds_the_blocks():
     device = torch.device(DEVICE)
     assert num_splits(256, 4, 512, device) == 1 or DEVICE == "cpu"
@@ -194,6 +244,33 @@ def test_flash_decode_under_torch_compile_matches_eager():
     eager = flash_decode(q, k, v, valid, 0.125)
     compiled = torch.compile(lambda *a: flash_decode(*a, 0.125), fullgraph=True)(q, k, v, valid)
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv,group,d", [(4, 8, 64), (32, 1, 128)])  # the 1.1B and 7B shapes
+def test_kv_end_on_cuda_bf16_compiled_and_recorded(kv, group, d):
+    q, k, v, valid = _attention_inputs(8, kv, group, 512, d, seed=7)
+    end = 321
+    valid[:, end:] = False
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = flash_decode(q, k, v, valid, d**-0.5)
+    k_clean, v_clean = k.clone(), v.clone()
+    k[:, :, end:], v[:, :, end:] = float("nan"), float("nan")
+    kv_end = torch.tensor([end], device=DEVICE)
+    eager = flash_decode(q, k, v, valid, d**-0.5, kv_end=kv_end)
+    assert torch.equal(eager, ref)
+    compiled = torch.compile(lambda *a: flash_decode(*a, d**-0.5, kv_end=kv_end), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, valid), ref)
+    # recorded once, replayed at another bound: the bound is read at run time
+    out = torch.empty_like(ref)
+    graph = torch.cuda.CUDAGraph()
+    flash_decode(q, k, v, valid, d**-0.5, kv_end=kv_end)
+    with torch.cuda.graph(graph):
+        out.copy_(flash_decode(q, k, v, valid, d**-0.5, kv_end=kv_end))
+    valid[:, 200:] = False
+    kv_end.fill_(200)
+    graph.replay()
+    assert torch.equal(out, flash_decode(q, k_clean, v_clean, valid, d**-0.5))
 
 
 def test_a_nan_row_gives_a_nan_log_prob_never_a_finite_one():

@@ -14,7 +14,8 @@ Three implementations of the same math:
   Unfused: at group 8 the fp32 scores passes move more bytes than the K/V reads themselves.
 - ``"triton"``: the project's flash-decoding kernel (``kernels/triton_flash_decode.py``): the group's query
   heads as one tile per K/V head, the cache length split across programs so a small batch still fills the
-  GPU, fp32 online softmax. Needs Triton and a CUDA device (or ``TRITON_INTERPRET=1``).
+  GPU, fp32 online softmax, and (given ``kv_end``) no read of the slots past the current step, which a
+  recorded step with SDPA reads every time. Needs Triton and a CUDA device (or ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def gqa_decode_attention(
     key_valid: torch.Tensor,
     scale: float,
     impl: str = "sdpa",
+    kv_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over a (masked) static cache, GQA-aware.
 
@@ -43,6 +45,9 @@ def gqa_decode_attention(
         key_valid: ``[B, L]`` bool, True where a cache slot holds a real token this query may see.
         scale: softmax scale, usually ``D ** -0.5``.
         impl: "sdpa" (fused where the device has a kernel), "matmul" or "triton".
+        kv_end: optional one-element integer tensor: no valid slot lies at or past it. Only ``"triton"``
+            uses it, to read no slot there (a run-time bound inside a recorded or compiled step); the others
+            read the whole cache and mask. The result is the same either way.
 
     Returns:
         ``[B, KV, G, D]`` attention output in ``q.dtype``.
@@ -52,7 +57,7 @@ def gqa_decode_attention(
             q, k_cache, v_cache, attn_mask=key_valid[:, None, None, :], scale=scale
         )
     if impl == "triton":
-        return _triton_flash_decode()(q, k_cache, v_cache, key_valid, scale)
+        return _triton_flash_decode()(q, k_cache, v_cache, key_valid, scale, kv_end=kv_end)
     if impl != "matmul":
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     scores = torch.matmul(q, k_cache.transpose(-1, -2)).float() * scale  # [B, KV, G, L]

@@ -8,6 +8,14 @@ row). At small batches ``batch x kv_heads`` programs would leave most of the GPU
 merges the splits' partial sums with their log-sum-exp weights. With one split the first kernel writes
 the normalised output itself.
 
+``kv_end`` (a device tensor, so a recorded or compiled step reads it at run time) bounds the slots read:
+a decode step at slot ``s`` of a static cache needs only ``[0, s]``, while the shapes (and so the grid)
+stay those of the whole cache. Programs whose split starts past the bound exit at once; the others stop
+there. Slots past it are masked out by ``key_valid`` anyway, so the result is bit-identical to reading
+them: a fully masked block leaves the online softmax unchanged (``alpha = 1``, ``p = 0``). SDPA in a
+recorded step has no such bound and reads every slot: at 128 + 384 tokens the average step needs 320 of
+512 slots.
+
 Imported lazily by :func:`rapidfire_hf.kernels.decode_attention.gqa_decode_attention` (``impl="triton"``):
 Triton decides at import whether kernels are compiled for the GPU or run by its interpreter
 (``TRITON_INTERPRET=1``, how the CPU tests run them).
@@ -37,7 +45,7 @@ def _store_out(Out, base, stride_og, offs_g, offs_d, out, g_ok, d_ok):
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, Valid, Out, Acc, Mx, Sums,
+    Q, K, V, Valid, End, Out, Acc, Mx, Sums,
     stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
@@ -45,7 +53,7 @@ def _partial_kernel(
     stride_ob, stride_oh, stride_og,
     n_kv, group, kv_len, split_len, n_splits, scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    SINGLE: tl.constexpr, IEEE: tl.constexpr,
+    SINGLE: tl.constexpr, IEEE: tl.constexpr, HAS_END: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -65,6 +73,8 @@ def _partial_kernel(
     v_base = V + b * stride_vb + h * stride_vh
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
+    if HAS_END:  # the slots any row can see this step (run-time bound; the grid covers the whole cache)
+        end = tl.minimum(end, tl.load(End).to(tl.int32))
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -166,11 +176,14 @@ def flash_decode(
     key_valid: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    kv_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, KV, G, D]`` queries over ``[B, KV, L, D]`` caches (``key_valid`` ``[B, L]``) -> ``[B, KV, G, D]``.
 
     ``splits`` overrides the split count (tests); the default follows :func:`num_splits`. The caches may be
-    length-slice views of larger caches; their last dimension must be contiguous.
+    length-slice views of larger caches; their last dimension must be contiguous. ``kv_end``: an integer
+    tensor of one element on the caches' device, no slot at or past it is read (every row's valid slots
+    must lie below it; the result is then bit-identical to ``kv_end=None``).
     """
     b, n_kv, group, d = q.shape
     kv_len = k_cache.shape[2]
@@ -191,8 +204,11 @@ def flash_decode(
         sums = torch.empty_like(mx)
     else:
         acc = mx = sums = out  # unused by the single-split path
+    if kv_end is not None and kv_end.numel() != 1:
+        raise ValueError(f"kv_end must hold one slot count, got shape {tuple(kv_end.shape)}")
+    end = kv_end if kv_end is not None else valid  # unused when HAS_END is off
     _partial_kernel[(b * n_kv, n_splits)](
-        q, k_cache, v_cache, valid, out, acc, mx, sums,
+        q, k_cache, v_cache, valid, end, out, acc, mx, sums,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -200,6 +216,7 @@ def flash_decode(
         out.stride(0), out.stride(1), out.stride(2),
         n_kv, group, kv_len, split_len, n_splits, scale,
         HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=BLOCK_N, SINGLE=n_splits == 1, IEEE=ieee,
+        HAS_END=kv_end is not None,
     )  # fmt: skip
     if n_splits > 1:
         _merge_kernel[(b * n_kv,)](

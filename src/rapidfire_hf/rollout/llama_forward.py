@@ -268,6 +268,9 @@ class StaticLlama:
         cos_k, sin_k = cos[:, None, :], sin[:, None, :]
         n = k_cache[0].shape[2] if kv_len is None else kv_len
         valid = key_valid[:, :n]
+        # no slot past this step's is valid: the Triton kernel stops there at run time (one shape for the
+        # whole response: a compiled step's ``n`` is the whole cache)
+        kv_end = slot + 1 if self.attention == "triton" else None
         x = self.body.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -285,7 +288,7 @@ class StaticLlama:
             k_cache[i].index_copy_(2, slot, k[:, :, None, :])
             v_cache[i].index_copy_(2, slot, v[:, :, None, :])
             o = gqa_decode_attention(
-                q, k_cache[i][:, :, :n], v_cache[i][:, :, :n], valid, self.scale, self.attention
+                q, k_cache[i][:, :, :n], v_cache[i][:, :, :n], valid, self.scale, self.attention, kv_end
             )
             out = self._out_linear[i]
             x = x + (out(o.reshape(b, -1), attn.o_proj.weight) if out else attn.o_proj(o.reshape(b, -1)))
