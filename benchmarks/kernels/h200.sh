@@ -12,7 +12,9 @@
 #   profile   benchmarks/kernels/profile_decode.py: the compiled decode step by kernel category,
 #             1.1B / 7B, batch 8 / 64 / 256, default and Triton; ~25-40 s a cell, so the cells left when
 #             its budget ends are recorded as skipped (run them with PARTS=profile PROFILE_BATCHES=...)
-# PARTS picks parts (default all, in the order above); TOTAL_S (default 510) bounds the call after the
+# PARTS picks parts (default all, in the order above); KERNELS the sections of run.py; PROFILE_SHAPES,
+# PROFILE_FIRST_STEP (184: the 16 profiled steps sit at the response's mean cache length, 320 of 512
+# slots) and PPO_KERNELS (e.g. "base tattn") change a part; TOTAL_S (default 510) bounds the call after the
 # wheel install, which takes ~15-20 s. On the rollout part's compiled batch 8 / 64 steps the profile reuses
 # inductor's on-disk cache (same step, same shapes).
 set -u
@@ -42,7 +44,7 @@ run() {
 }
 
 run tests 60 bash -o pipefail -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4'
-run kernels 120 bash -o pipefail -c "python3 benchmarks/kernels/run.py --out '$OUT/kernels' 2>&1 | grep -v '^{' | tail -3"
+run kernels 120 bash -o pipefail -c "python3 benchmarks/kernels/run.py --out '$OUT/kernels' --kernels ${KERNELS:-attention,sampling,matmul} 2>&1 | grep -v '^{' | tail -3"
 run logprobs 70 bash -o pipefail -c "python3 benchmarks/kernels/logprobs.py --out '$OUT/logprobs' --budget-s ${LOGPROBS_BUDGET_S:-45} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"
 run rollout ${ROLLOUT_CAP_S:-170} bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \
@@ -51,7 +53,7 @@ run rollout ${ROLLOUT_CAP_S:-170} bash -o pipefail -c "python3 benchmarks/rollou
   2>&1 | tail -14"
 # PPO at batch 8 and 32 (issue 31's end-to-end target): stock TRL 1.12, ours, ours with each decode option;
 # not in the default PARTS (a call of its own: ~450 s; needs .whl-trl112 carried)
-for k in base fuse skinny; do
+for k in ${PPO_KERNELS:-base fuse skinny}; do
   flag=$([ $k = base ] || echo "--ours-decode-kernels $k")
   trl=$([ $k = base ] && echo 8,32 || echo "")
   run ppo 200 bash -o pipefail -c "python3 benchmarks/ppo_vs_trl/run.py --out '$OUT/ppo_$k' --part throughput \
@@ -61,6 +63,7 @@ done
 left=$((TOTAL_S - SECONDS))
 run profile $left bash -o pipefail -c "python3 benchmarks/kernels/profile_decode.py --out '$OUT/profile' \
   --batches ${PROFILE_BATCHES:-8,64,256} --variants ${PROFILE_VARIANTS:-default,fuse,triton} --mode ${PROFILE_MODE:-compile} --budget-s ${PROFILE_BUDGET_S:-$((left - 40))} \
+  --shapes ${PROFILE_SHAPES:-llama-1.1b,llama-7b} --first-step ${PROFILE_FIRST_STEP:-8} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-260 | tail -14"
 echo "== done in ${SECONDS}s"
 # the device tool returns at most 8 files from OUT: one archive of every part's files, parts.log beside it

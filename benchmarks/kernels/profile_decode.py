@@ -62,8 +62,10 @@ VARIANTS = {
     "triton": ("triton", "triton"),
     "triton-philox": ("triton", "triton-philox"),
     "fuse": ("sdpa", "torch"),  # + decode_fuse_projections (FUSED below)
+    "tattn": ("triton", "torch"),  # the flash-decoding kernel alone (bounded by the step's slot)
+    "fuse_tattn": ("triton", "torch"),  # both
 }
-FUSED = ("fuse",)
+FUSED = ("fuse", "fuse_tattn")
 SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "llama-7b": LLAMA_SHAPES["llama-7b"]}
 SMOKE_SHAPES = {"smoke": llama_shape("smoke", vocab_size=128)}
 PEAK_TB_S = {"H200": 4.8, "H100": 3.35}  # HBM peak (vendor figures), as benchmarks/kernels/run.py

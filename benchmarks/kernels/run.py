@@ -121,6 +121,20 @@ def attention_rows(args, device: str, dtype) -> list[dict]:
                 call = partial(gqa_decode_attention, q, k, v, valid, d**-0.5, impl)
                 ms = _time(call, device, args.warmup, args.repeats)
                 rows.append(_timed_row("attention", shape, batch, impl, ms, floor, out, ref))
+            if not args.end or args.end >= args.cache:
+                continue
+            # mid-response: only the first `end` slots are filled (the engine's step at slot end - 1); a
+            # recorded step gives every implementation the whole cache, the Triton kernel also the bound
+            valid[:, args.end :] = False
+            ref = gqa_decode_attention(q.float(), k.float(), v.float(), valid, d**-0.5, "matmul")
+            floor = floor * args.end / args.cache if floor else None
+            kv_end = torch.tensor([args.end], device=device)
+            for impl, bound in (("sdpa", None), ("triton", None), ("triton", kv_end)):
+                call = partial(gqa_decode_attention, q, k, v, valid, d**-0.5, impl, bound)
+                out = call()
+                ms = _time(call, device, args.warmup, args.repeats)
+                name = f"{impl}@{args.end}" + ("+kv_end" if bound is not None else "")
+                rows.append(_timed_row("attention", shape, batch, name, ms, floor, out, ref))
     return rows
 
 
@@ -220,6 +234,14 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="8,64,256")
     p.add_argument("--matmul-rows", default="8,64", help="rows M of the matmul section")
     p.add_argument("--cache", type=int, default=512, help="cache slots attended (prompt + response)")
+    p.add_argument(
+        "--end",
+        type=int,
+        default=320,
+        help="filled slots of the mid-response rows (0: none); 320 is the "
+        "mean over the steps of 128 + 384 tokens",
+    )
+    p.add_argument("--kernels", default="attention,sampling,matmul", help="which sections to run")
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=20)
@@ -234,14 +256,19 @@ def main(argv=None) -> int:
             return 2
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
         args.batches, args.cache, args.vocab, args.warmup, args.repeats = [2], 64, 256, 1, 2
+        args.end = 40
         args.matmul_rows = [3]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     env["command"] = " ".join(["python", "benchmarks/kernels/run.py", *(argv or sys.argv[1:])])
-    rows = attention_rows(args, device, dtype) + sampling_rows(args, device, dtype)
-    rows += matmul_rows(args, device, dtype)
+    sections = {"attention": attention_rows, "sampling": sampling_rows, "matmul": matmul_rows}
+    picked = [k for k in args.kernels.split(",") if k]
+    if unknown := [k for k in picked if k not in sections]:
+        print(f"unknown --kernels {', '.join(unknown)}; known: {', '.join(sections)}", file=sys.stderr)
+        return 2
+    rows = [row for k in picked for row in sections[k](args, device, dtype)]
     write_json(out / "results.json", {"environment": env, "rows": rows})
     write_csv(out / "results.csv", rows)
     bar_chart(

@@ -324,6 +324,8 @@ DECODE_KERNELS = {
     "fuse": {"rollout_decode_fuse_projections": True},
     "triton": {"rollout_decode_attention": "triton", "rollout_decode_sampler": "triton"},
     "skinny": {"rollout_decode_fuse_projections": True, "rollout_decode_linear": "triton"},
+    "tattn": {"rollout_decode_attention": "triton"},  # the flash-decoding kernel alone
+    "sdpa": {"rollout_decode_attention": "sdpa"},  # SDPA named explicitly (whatever the default is)
 }
 
 

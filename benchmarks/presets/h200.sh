@@ -10,7 +10,8 @@
 #   bash benchmarks/presets/h200.sh OUT full7b  # 7B full fine-tuning, 7B reward model: stock b4, ours b160
 #   bash benchmarks/presets/h200.sh OUT lora7b  # 7B LoRA, 7B reward model: stock b64, ours b256
 #     (full7b / lora7b: ROWS_7B and UPDATES_7B pick rows and updates; three rows of ~200 s do not fit one
-#     600 s call, e.g. ROWS_7B=aggressive,handtuned UPDATES_7B=3 in one call and the stock row in the next)
+#     600 s call, e.g. ROWS_7B=aggressive,handtuned UPDATES_7B=3 in one call and the stock row in the next;
+#     BATCH_7B sets full7b's rollout batch, a row name may end in +sdpa / +tattn: the decode attention)
 #   bash benchmarks/presets/h200.sh OUT pipe64  # 1.1B, batch 64: the gradient pipeline on/off at 1, 4, 8
 #                                               # accumulation steps (balanced, planner off), stock
 #   bash benchmarks/presets/h200.sh OUT pipe7b  # 7B full fine-tuning, 7B reward model, batch 32: the same
@@ -30,7 +31,7 @@ for part in "$@"; do
            --timeout 150 --rows none,balanced,balancedscale,trl ;;
     clip64) $PY benchmarks/presets/run.py --out "$OUT/clip64" --batch 64 --timeout 120 \
            --rows none,balanced,balancedscale,trl ;;
-    full7b) $PY benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch 160 \
+    full7b) $PY benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch ${BATCH_7B:-160} \
            --value-mode fused --trl-batch 4 --timeout 240 --hand-optimizer adamw8bit --hand-gen-chunk 80 \
            --updates ${UPDATES_7B:-4} --rows ${ROWS_7B:-aggressive,handtuned,trl} ;;
     lora7b) $PY benchmarks/presets/run.py --out "$OUT/lora7b" --shape llama-7b --reward model --batch 256 \

@@ -85,8 +85,25 @@ def _yaml_noplan(path: str) -> dict:
     return data
 
 
+# a row name may end in "+<decode option>" (benchmarks/ppo_vs_trl/worker.DECODE_KERNELS): "aggressive+sdpa"
+# is `aggressive` with rollout_decode_attention="sdpa", "aggressive+tattn" the same with the Triton kernel
+DECODE_SUFFIXES = ("sdpa", "tattn", "fuse")
+
+
 def row_config(name: str, args) -> dict:
-    """The worker configuration of row ``name``."""
+    """The worker configuration of row ``name`` (``name+<decode option>``: that row with the option)."""
+    name, _, decode = name.partition("+")
+    if decode and decode not in DECODE_SUFFIXES:
+        raise SystemExit(f"row {name}+{decode}: unknown decode option; known: {', '.join(DECODE_SUFFIXES)}")
+    cfg = _row_config(name, args)
+    if decode:
+        cfg["name"] = f"{name}+{decode}_b{cfg['batch']}"
+        cfg["row"] = f"{name}+{decode}"
+        cfg["decode_kernels"] = decode
+    return cfg
+
+
+def _row_config(name: str, args) -> dict:
     batch = args.trl_batch if name == "trl" and args.trl_batch else args.batch
     cfg = {
         "name": f"{name}_b{batch}",
@@ -193,9 +210,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny smoke shape, 8 + 8 tokens, batch 8")
     args = p.parse_args(argv)
     args.rows = [r for r in args.rows.split(",") if r]
-    unknown = [r for r in args.rows if r not in ROW_NAMES and pipeline_row(r) is None]
+
+    def known(row: str) -> bool:
+        base, plus, decode = row.partition("+")
+        if plus and (base == "trl" or decode not in DECODE_SUFFIXES):
+            return False
+        return base in ROW_NAMES or pipeline_row(base) is not None
+
+    unknown = [r for r in args.rows if not known(r)]
     if unknown:
-        p.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROW_NAMES)}")
+        p.error(
+            f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROW_NAMES)}, and any but trl with "
+            f"+{' / +'.join(DECODE_SUFFIXES)}"
+        )
     if args.smoke:
         args.shape, args.prompt_len, args.response_len, args.batch, args.micro = "smoke", 8, 8, 8, 2
         args.updates = min(args.updates, 3)

@@ -29,6 +29,9 @@ def test_smoke_run_writes_results_and_every_kernel_matches_its_reference(tmp_pat
         ("attention", "sdpa"),
         ("attention", "matmul"),
         ("attention", "triton"),
+        ("attention", "sdpa@40"),  # mid-response: the first 40 of 64 slots filled
+        ("attention", "triton@40"),
+        ("attention", "triton@40+kv_end"),
         ("sampling", "torch"),
         ("sampling", "triton"),
         ("sampling", "triton-philox"),
@@ -46,6 +49,17 @@ def test_smoke_run_writes_results_and_every_kernel_matches_its_reference(tmp_pat
         if row.get("same_tokens") is not None:
             assert row["same_tokens"], row
     assert (tmp_path / "results.csv").stat().st_size > 0 and (tmp_path / "kernels.png").stat().st_size > 0
+
+
+def test_kernel_sections_are_picked_by_name_and_unknown_ones_refused(tmp_path, capsys):
+    from tests.benchmarks.loader import load_benchmark
+
+    run = load_benchmark("kernels/run.py")
+    assert run.main(["--out", str(tmp_path), "--smoke", "--kernels", "sampling"]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["kernel"] for r in rows} == {"sampling"}
+    assert run.main(["--out", str(tmp_path), "--smoke", "--kernels", "sampling,gemv"]) == 2
+    assert "unknown --kernels gemv" in capsys.readouterr().err
 
 
 def test_profile_smoke_splits_the_step_into_categories_gaps_and_a_floor_from_the_bytes(tmp_path):

@@ -22,6 +22,20 @@ def test_pipeline_rows_parse_and_unknown_rows_are_refused(capsys):
 
 
 @pytest.mark.slow  # three tiny PPO runs in worker processes (~30 s)
+def test_decode_suffix_rows_set_the_attention_and_bad_suffixes_are_refused(capsys):
+    from benchmarks.presets.run import row_config
+
+    args = parse_args(["--out", "x", "--rows", "aggressive+tattn,aggressive+sdpa,none"])
+    cfg = row_config("aggressive+tattn", args)
+    assert cfg["decode_kernels"] == "tattn" and cfg["row"] == "aggressive+tattn"
+    assert cfg["rapidfire_config"] == row_config("aggressive", args)["rapidfire_config"]
+    assert "decode_kernels" not in row_config("none", args)
+    for bad in ("aggressive+flash", "trl+sdpa", "nonsense+tattn"):
+        with pytest.raises(SystemExit):
+            parse_args(["--out", "x", "--rows", bad])
+        assert f"unknown row(s) {bad}" in capsys.readouterr().err
+
+
 def test_smoke_pipeline_rows_run_the_split_and_the_pipeline_they_name(tmp_path):
     main(["--out", str(tmp_path), "--smoke", "--rows", "nopipeline-a4,pipeline-a4,pipeline-a1"])
     rows = {r["row"]: r for r in json.loads((tmp_path / "results.json").read_text())["summary"]}
