@@ -3,7 +3,7 @@
 #   bash benchmarks/kernels/h200.sh OUT
 # in this order, each part under its own time limit (seconds, capped by what is left of TOTAL_S for the call),
 # each writing its rows as they finish, so a part that runs out of time keeps what it measured:
-#   tests     the GPU tests of the Triton kernels (tests/kernels -m gpu)                      ~40 s, cap 60
+#   tests     the GPU tests of the Triton kernels (tests/kernels -m gpu)                      ~40 s, cap 90
 #   kernels   benchmarks/kernels/run.py: each kernel against its PyTorch path and the floor   ~90 s, cap 120
 #   logprobs  benchmarks/kernels/logprobs.py: chunked log-probs, ours / TRL 1.16 / Liger      ~45 s, cap 70
 #   rollout   benchmarks/rollout/run.py: the decode step end to end, with and without Triton  ~150 s, cap 170
@@ -43,7 +43,7 @@ run() {
     tee -a "$OUT/parts.log"
 }
 
-run tests 60 bash -o pipefail -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4'
+run tests 90 bash -o pipefail -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4'
 run kernels 120 bash -o pipefail -c "python3 benchmarks/kernels/run.py --out '$OUT/kernels' --kernels ${KERNELS:-attention,sampling,matmul} 2>&1 | grep -v '^{' | tail -3"
 run logprobs 70 bash -o pipefail -c "python3 benchmarks/kernels/logprobs.py --out '$OUT/logprobs' --budget-s ${LOGPROBS_BUDGET_S:-45} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"

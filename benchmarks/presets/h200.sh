@@ -32,7 +32,7 @@ for part in "$@"; do
     clip64) $PY benchmarks/presets/run.py --out "$OUT/clip64" --batch 64 --timeout 120 \
            --rows none,balanced,balancedscale,trl ;;
     full7b) $PY benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch ${BATCH_7B:-160} \
-           --value-mode fused --trl-batch 4 --timeout 240 --hand-optimizer adamw8bit --hand-gen-chunk 80 \
+           --value-mode fused --trl-batch 4 --timeout ${TIMEOUT_7B:-240} --hand-optimizer adamw8bit --hand-gen-chunk 80 \
            --updates ${UPDATES_7B:-4} --rows ${ROWS_7B:-aggressive,handtuned,trl} ;;
     lora7b) $PY benchmarks/presets/run.py --out "$OUT/lora7b" --shape llama-7b --reward model --batch 256 \
            --peft --value-mode fused --trl-batch 64 --timeout 240 --updates ${UPDATES_7B:-4} \
