@@ -64,12 +64,16 @@ ENTRIES=(
   "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model, b160: ours aggressive from the batch alone against today's hand-tuned settings"
   "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (stored: ours only, stock left out of that call)"
   "presets_lora7b_cache_plan|presets/results/h200/lora7b_cache_plan|7B LoRA b256: aggressive from the batch alone (KV cache held in the plan) against hand-tuned"
+  "presets_full7b_b256|presets/results/h200/full7b_b256|7B full fine-tuning, batch 256 from the batch alone: aggressive with Triton attention, with SDPA, stock TRL at batch 4, one call"
+  "presets_lora7b_tattn|presets/results/h200/lora7b_tattn|7B LoRA batch 256 from the batch alone: aggressive with Triton attention against SDPA, one call"
   "presets_pipe7b|presets/results/h200/pipe7b|7B full fine-tuning, batch 32: the gradient pipeline on/off at 1, 4, 8 accumulation steps"
   "presets_pipe64|presets/results/h200/pipe64|1.1B batch 64: the gradient pipeline on/off at 1, 4, 8 accumulation steps, stock"
   "presets_b8|presets/results/h200/b8|1.1B batch 8, separate value: no config, every preset, advanced.yaml, the snippet, stock"
   "presets_b8_span_cap|presets/results/h200/b8_span_cap|1.1B batch 8 with the span cap, 6 timed updates a row (stock's row cut by its limit)"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
+  "kernels_call5|kernels/results/h200/call5|GPU kernel tests, attention mid-response with the kv_end bound, the compiled decode step (default SDPA vs Triton attention) at the response's mean cache length"
+  "kernels_call6|kernels/results/h200/call6|PPO 1.1B batch 8 / 32: stock TRL 1.12, ours with SDPA, with the Triton attention, with fused projections + Triton attention, one call"
   "precision_torchao|precision/results/h200/torchao|fp16 overflow; FP8 linears per backend; 40-step loss"
   "precision_fp8_7b|precision/results/h200/fp8_loss/llama-7b_bf16|compiled FP8 training, 7B (README row 10)"
   "precision_fp8_1b_bf16|precision/results/h200/fp8_loss/llama-1.1b_bf16|compiled FP8 training, 1.1B bf16 weights"
@@ -203,6 +207,10 @@ entry() {  # the commands of one entry, writing into $1
     presets_b256) bash benchmarks/presets/h200.sh "$o" b256 && mv "$o"/b256/* "$o"/ && rmdir "$o/b256" ;;
     presets_clip64) bash benchmarks/presets/h200.sh "$o" clip64 && mv "$o"/clip64/* "$o"/ && rmdir "$o/clip64" ;;
     presets_full7b) ROWS_7B=aggressive,handtuned UPDATES_7B=3 bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
+    presets_full7b_b256) BATCH_7B=256 ROWS_7B=aggressive+tattn,aggressive+sdpa,trl UPDATES_7B=4 TIMEOUT_7B=245 \
+        bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
+    presets_lora7b_tattn) ROWS_7B=aggressive+tattn,aggressive+sdpa UPDATES_7B=4 TIMEOUT_7B=190 \
+        bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     presets_lora7b_cache_plan) ROWS_7B=aggressive,handtuned UPDATES_7B=3 bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     presets_lora7b) bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     presets_pipe64) bash benchmarks/presets/h200.sh "$o" pipe64 && mv "$o"/pipe64/* "$o"/ && rmdir "$o/pipe64" ;;
@@ -212,6 +220,9 @@ entry() {  # the commands of one entry, writing into $1
     presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;
     rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
     kernels) bash benchmarks/kernels/h200.sh "$o" ;;
+    kernels_call5) PARTS="tests kernels profile" KERNELS=attention TOTAL_S=545 PROFILE_VARIANTS=sdpa,tattn \
+        PROFILE_FIRST_STEP=184 PROFILE_BATCHES=8,256,64 bash benchmarks/kernels/h200.sh "$o" ;;
+    kernels_call6) PARTS=ppo PPO_KERNELS="base tattn fuse+tattn" TOTAL_S=560 bash benchmarks/kernels/h200.sh "$o" ;;
     precision_torchao) $PY benchmarks/precision/run.py --out "$o" --budget-s 275 ;;
     precision_fp8_7b) $PY benchmarks/precision/run.py --out "$o" --parts fp8_loss --fp8-loss-shape llama-7b --fp8-loss-weights bf16 \
         --fp8-loss-variants bf16_compiled,torchao_tensorwise_compiled,torchao_rowwise_compiled --fp8-loss-steps 30 --budget-s 130 ;;

@@ -58,7 +58,8 @@ from benchmarks.common.charts import pyplot  # noqa: E402
 CATEGORIES = ("gemm", "attention", "norm_rope_elementwise", "sampling", "other")
 # "<name>": (decode_attention, decode_sampler) of the engine
 VARIANTS = {
-    "default": ("sdpa", "torch"),
+    "default": ("auto", "torch"),  # the engine's defaults (SDPA attention before 2026-12-04; call5 ran that)
+    "sdpa": ("sdpa", "torch"),
     "triton": ("triton", "triton"),
     "triton-philox": ("triton", "triton-philox"),
     "fuse": ("sdpa", "torch"),  # + decode_fuse_projections (FUSED below)
@@ -434,6 +435,9 @@ def profile_cell(model, shape: dict, variant: str, batch: int, args, cuda: bool)
     finally:
         engine.release()
         del engine
+        # every cell compiles the engine's step method anew; without a reset dynamo counts them all
+        # against its recompile limit (8) and runs the later cells uncompiled (call5's batch-64 cells)
+        torch._dynamo.reset()
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

@@ -81,7 +81,8 @@ class _StepHook(LogitsProcessor):
 # "ours_<mode>+<variant>": (decode_attention, decode_sampler, decode_fuse_projections, decode_compile_mode);
 # no variant = the defaults
 VARIANTS = {  # attention, sampler, fused projections, compile mode, projections' matmul
-    "": ("sdpa", "torch", False, None, "torch"),
+    "": ("auto", "torch", False, None, "torch"),  # the engine's defaults (auto: Triton attention on a GPU)
+    "sdpa": ("sdpa", "torch", False, None, "torch"),  # SDPA attention (the default before 2026-12-04)
     "matmul": ("matmul", "torch", False, None, "torch"),
     "triton": ("triton", "triton-philox", False, None, "torch"),  # the attention and sampling kernels
     "tattn": ("triton", "torch", False, None, "torch"),  # the flash-decoding kernel alone

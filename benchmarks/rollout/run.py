@@ -33,11 +33,13 @@ SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke"
 # in priority order (a config not started within --budget-s is skipped); "+matmul" = unfused decode
 # attention, "+triton" = the Triton flash-decoding and fused-sampling kernels, "+tattn" = the attention
 # kernel alone, "+fuse" = fused q/k/v and gate/up projections, "+autotune" = torch.compile's
-# max-autotune-no-cudagraphs, "+fuse_skinny" = fused projections through the Triton skinny matmul
+# max-autotune-no-cudagraphs, "+fuse_skinny" = fused projections through the Triton skinny matmul,
+# "+sdpa" = SDPA attention named (the systems without a "+" run the engine's defaults)
 # (_timing.VARIANTS); those systems are opt-in (--systems)
 OPT_IN = ("ours_compile+triton", "ours_cuda_graph+triton", "ours_compile+tattn", "ours_cuda_graph+tattn",
           "ours_compile+fuse", "ours_cuda_graph+fuse", "ours_eager+fuse", "ours_compile+autotune",
-          "ours_compile+fuse_autotune", "ours_compile+fuse_skinny", "ours_eager+fuse_skinny")  # fmt: skip
+          "ours_compile+fuse_autotune", "ours_compile+fuse_skinny", "ours_eager+fuse_skinny",
+          "ours_compile+sdpa", "ours_cuda_graph+sdpa")  # fmt: skip
 SYSTEMS = (
     "ours_cuda_graph",
     "hf_dynamic",

@@ -44,3 +44,35 @@ def test_bf16_on_cuda_matches_fp32(impl):
     out = gqa_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), valid, 0.125, impl)
     # bf16 inputs: ~3 significant digits
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_auto_resolves_to_the_triton_kernel_only_where_it_runs_recorded(monkeypatch):
+    import rapidfire_hf.kernels.decode_attention as da
+
+    assert da.resolve_impl("auto", torch.device("cpu")) == "sdpa"  # no CUDA
+    for name in da.IMPLS:
+        assert da.resolve_impl(name, torch.device("cpu")) == name  # a named one is kept
+    with pytest.raises(ValueError, match="decode attention must be one of"):
+        da.resolve_impl("flash9", torch.device("cpu"))
+    # a CUDA device as the resolver sees it: Triton available, a given compute capability
+    monkeypatch.setattr(da, "triton_unavailable_reason", lambda device: None)
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
+    cuda = torch.device("cuda", 0)
+    assert da.resolve_impl("auto", cuda) == "triton"
+    assert da.resolve_impl("auto", cuda, recorded=False) == "sdpa"  # eager steps: host launch cost
+    capability["value"] = (7, 5)  # no bf16 dot products
+    assert da.resolve_impl("auto", cuda) == "sdpa"
+    capability["value"] = (8, 0)
+    monkeypatch.setattr(da, "triton_unavailable_reason", lambda device: "Triton is not installed")
+    assert da.resolve_impl("auto", cuda) == "sdpa"
+
+
+def test_the_engine_and_ppo_config_default_to_auto(tokenizer):
+    from rapidfire_hf.demo import build_tiny_llama
+    from rapidfire_hf.ppo.config import PPOConfig
+    from rapidfire_hf.rollout import RolloutEngine
+
+    assert PPOConfig(output_dir="unused").rollout_decode_attention == "auto"
+    engine = RolloutEngine(build_tiny_llama(tokenizer), 0, [], backend="static", decode_mode="eager")
+    assert engine._static.attention == "sdpa"  # what auto became on the CPU

@@ -259,8 +259,12 @@ def test_kv_end_on_cuda_bf16_compiled_and_recorded(kv, group, d):
     kv_end = torch.tensor([end], device=DEVICE)
     eager = flash_decode(q, k, v, valid, d**-0.5, kv_end=kv_end)
     assert torch.equal(eager, ref)
+    # under torch.compile the scale arrives as fp64 (s * scale rounds differently unless it is a power of
+    # two: 128 ** -0.5 is not), so the compiled call is held to bf16's tolerance, and to finite values
     compiled = torch.compile(lambda *a: flash_decode(*a, d**-0.5, kv_end=kv_end), fullgraph=True)
-    assert torch.equal(compiled(q, k, v, valid), ref)
+    out_compiled = compiled(q, k, v, valid)
+    assert torch.isfinite(out_compiled).all()
+    torch.testing.assert_close(out_compiled, ref, atol=1e-2, rtol=1e-2)
     # recorded once, replayed at another bound: the bound is read at run time
     out = torch.empty_like(ref)
     graph = torch.cuda.CUDAGraph()

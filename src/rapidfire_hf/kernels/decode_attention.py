@@ -24,6 +24,29 @@ import torch
 import torch.nn.functional as F
 
 IMPLS = ("sdpa", "matmul", "triton")
+# "auto": the Triton kernel where it runs compiled (CUDA, Triton, compute capability 8.0 or later for its
+# bf16 dot products), SDPA elsewhere. One H200 at the response's mean cache length (320 of 512 slots,
+# benchmarks/kernels/results/h200/call5): one layer's attention 1.3-2.7x faster than SDPA at batch 8-256
+# (7B batch 8: 19.6 against 26.2 us), the compiled decode step 1.33x at 1.1B batch 256, 1.24x at 7B batch
+# 256, 0.99-1.01x at batch 8; PPO updates 1.05x (7B full, batch 256), 1.06x (7B LoRA, 256), 1.02x / 1.00x
+# (1.1B, batch 8 / 32), each against SDPA in the same call.
+AUTO = "auto"
+
+
+def resolve_impl(impl: str, device: torch.device, recorded: bool = True) -> str:
+    """The implementation ``impl`` names on ``device``: ``"auto"`` resolves as :data:`AUTO`'s comment says;
+    any other name is returned as given (checked against :data:`IMPLS`). ``recorded=False`` (an eager decode
+    step): ``"auto"`` is SDPA, since each Triton launch from Python costs ~20-60 us of host time per layer
+    (benchmarks/kernels/results/h200_host_launch), more than the kernel saves."""
+    if impl != AUTO:
+        if impl not in IMPLS:
+            raise ValueError(f"decode attention must be one of {(*IMPLS, AUTO)}, got {impl!r}")
+        return impl
+    device = torch.device(device)
+    if not recorded or device.type != "cuda" or triton_unavailable_reason(device) is not None:
+        return "sdpa"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "triton" if torch.cuda.get_device_capability(index) >= (8, 0) else "sdpa"
 
 
 def gqa_decode_attention(

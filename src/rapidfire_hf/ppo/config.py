@@ -84,7 +84,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "reward_model_quantization": _QUANTIZATION,
     "rollout_backend": Among(("auto", "static", "hf")),
     "rollout_decode_mode": Among(("auto", "compile", "cuda_graph", "eager")),
-    "rollout_decode_attention": Among(("sdpa", "matmul", "triton")),
+    "rollout_decode_attention": Among(("auto", "sdpa", "matmul", "triton")),
     "rollout_decode_sampler": Among(("torch", "triton", "triton-philox")),
     "rollout_decode_fuse_projections": Bool(),
     "rollout_decode_linear": Among(("torch", "triton")),
@@ -331,11 +331,13 @@ class PPOConfig(TrainingArguments):
         },
     )
     rollout_decode_attention: str = field(
-        default="sdpa",
+        default="auto",
         metadata={
-            "help": "Decode attention of the fast engine: 'sdpa' (fused GQA attention), 'matmul', or 'triton' "
-            "(the project's flash-decoding kernel; H200, 1.1B shape: 9.0 against SDPA's 16.1 us per layer "
-            "at batch 8, 43 against 81 at 256; ties SDPA without GQA: benchmarks/kernels). Opt-in."
+            "help": "Decode attention of the fast engine: 'auto' (the default: 'triton' on CUDA GPUs where "
+            "Triton runs, else 'sdpa'), 'sdpa' (fused GQA attention), 'matmul', or 'triton' (the project's "
+            "flash-decoding kernel, which reads no cache slot past the current step's; one H200, same calls: "
+            "decode step 1.24x at 7B batch 256, PPO updates 1.05x at 7B full batch 256, 1.06x at 7B LoRA "
+            "batch 256, 1.02x / 1.00x at 1.1B batch 8 / 32: benchmarks/kernels)."
         },
     )
     rollout_decode_sampler: str = field(

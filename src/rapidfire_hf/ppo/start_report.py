@@ -38,7 +38,7 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
         kernels = [
             f"{name}={value}"
             for name, value, default in (
-                ("attention", args.rollout_decode_attention, "sdpa"),
+                ("attention", args.rollout_decode_attention, "auto"),
                 ("sampler", args.rollout_decode_sampler, "torch"),
                 ("fuse_projections", args.rollout_decode_fuse_projections, False),
                 ("linear", args.rollout_decode_linear, "torch"),

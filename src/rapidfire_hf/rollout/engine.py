@@ -58,8 +58,10 @@ class RolloutEngine:
         backend: "auto" (the static engine on CUDA for Llama/Mistral/Qwen2/Qwen3, else "hf"), "static"
             (force the static engine; also runs on CPU) or "hf" (``model.generate``).
         decode_mode: static engine only: "auto", "eager", "cuda_graph" or "compile".
-        decode_attention: static engine only: "sdpa" (fused GQA attention on CUDA), "matmul", or "triton"
-            (the project's split-length flash-decoding kernel, ``kernels/triton_flash_decode.py``).
+        decode_attention: static engine only: "auto" (default: "triton" on CUDA where Triton runs, else
+            "sdpa"; ``kernels.decode_attention.resolve_impl``), "sdpa" (fused GQA attention on CUDA),
+            "matmul", or "triton" (the project's split-length flash-decoding kernel, which reads no cache
+            slot past the step's, ``kernels/triton_flash_decode.py``).
         decode_sampler: static engine only: "torch" (``rollout/sampling.py``), "triton" (one fused kernel
             on the same noise: the same tokens) or "triton-philox" (the kernel draws its own noise);
             the Triton samplers take temperature only (no top-k / top-p).
@@ -100,7 +102,7 @@ class RolloutEngine:
         stop_token_ids: list[int] | None = None,
         backend: str = "auto",
         decode_mode: str = "auto",
-        decode_attention: str = "sdpa",
+        decode_attention: str = "auto",
         prefill_chunk_rows: int | None = None,
         decode_sampler: str = "torch",
         decode_fuse_projections: bool = False,
@@ -125,7 +127,7 @@ class RolloutEngine:
         backend = resolved_backend(model, backend)
         self.backend = backend
         static_only = {
-            "decode_attention": (decode_attention, "sdpa"),
+            "decode_attention": (decode_attention, "auto"),
             "decode_sampler": (decode_sampler, "torch"),
             "decode_fuse_projections": (decode_fuse_projections, False),
             "decode_compile_mode": (decode_compile_mode, None),

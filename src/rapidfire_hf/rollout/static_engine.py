@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from rapidfire_hf.kernels.decode_attention import triton_unavailable_reason
+from rapidfire_hf.kernels.decode_attention import resolve_impl, triton_unavailable_reason
 from rapidfire_hf.rollout.llama_forward import StaticLlama
 from rapidfire_hf.rollout.prefill import chunk_prefill
 from rapidfire_hf.rollout.sampling import philox_seeds, sample_tokens
@@ -95,7 +95,8 @@ class StaticEngine:
             compiled against 3.22 ms recorded uncompiled at batch 8, 1.88 against 3.46 at batch 32;
             benchmarks/rollout/results); eager elsewhere.
         prompt_bucket: prompts are left-padded to a multiple of this width so shapes repeat.
-        attention: decode attention, "sdpa" (fused on CUDA) or "matmul" (see ``gqa_decode_attention``).
+        attention: decode attention, "auto" (the Triton kernel on CUDA where it runs, else "sdpa"), "sdpa"
+            (fused on CUDA), "matmul" or "triton" (see ``gqa_decode_attention`` and ``resolve_impl``).
         prefill_rows: run the prompt prefill that many prompts at a time (``rollout.prefill.chunk_prefill``;
             ``None``: all at once).
         fuse_projections: one matmul for q/k/v and one for gate/up per layer in the decode step
@@ -115,7 +116,7 @@ class StaticEngine:
         stop_token_ids: list[int],
         decode_mode: str = "auto",
         prompt_bucket: int = 32,
-        attention: str = "sdpa",
+        attention: str = "auto",
         prefill_rows: int | None = None,
         sampler: str = "torch",
         fuse_projections: bool = False,
@@ -128,6 +129,8 @@ class StaticEngine:
         if compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         self.compile_mode = compile_mode
+        attention = resolve_impl(attention, next(model.parameters()).device, recorded=decode_mode != "eager")
+        self.attention = attention  # what "auto" became on this model's device
         if attention == "triton" or sampler != "torch" or linear != "torch":
             reason = triton_unavailable_reason(next(model.parameters()).device)
             if reason is not None:
