@@ -204,3 +204,33 @@ def _assert_same_curves(blocks: dict, index: dict) -> None:
             for key in ("objective/scores", "objective/kl", "loss/value_avg"):
                 if key in ha:
                     assert abs(ha[key] - hb[key]) <= 1e-5, (name, key, ha[key], hb[key])
+
+
+def test_the_sweep_keeps_sdpa_for_auto_and_a_named_attention(monkeypatch):
+    import rapidfire_hf.rollout as rollout
+    from rapidfire_hf.sweep.sweep import sweep_decode_attention
+
+    assert sweep_decode_attention("auto") == "sdpa"  # no sweep was measured with the Triton kernel
+    for name in ("sdpa", "matmul", "triton"):
+        assert sweep_decode_attention(name) == name
+    # and it is what the sweep's engine gets
+    seen = {}
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(rollout, "RolloutEngine", Spy)
+    from rapidfire_hf.sweep.sweep import PPOSweep
+
+    fake = type("S", (), {})()
+    fake.tok = type("T", (), {"eos_token_id": 2, "pad_token_id": 0})()
+    fake.model = torch.nn.Linear(2, 2)  # the batched decode cannot run it: the hf path, same arguments
+    fake.args = type("A", (), {})()
+    for key, value in dict(
+        stop_token="eos", stop_token_id=None, rollout_decode_mode="auto", rollout_decode_attention="auto",
+        rollout_decode_sampler="torch", rollout_decode_fuse_projections=False, rollout_decode_linear="torch",
+    ).items():  # fmt: skip
+        setattr(fake.args, key, value)
+    PPOSweep._make_engine(fake)
+    assert seen["decode_attention"] == "sdpa"
