@@ -60,6 +60,8 @@ ENTRIES=(
   "memory_defaults_pressure|memory/results/h200/defaults_pressure|native allocator with the pressure rule"
   "presets_b64|presets/results/h200/b64|1.1B batch 64: stock, no config, every preset, advanced.yaml, the snippet, with/without the planner"
   "presets_b256|presets/results/h200/b256|1.1B batch 256 fused + Liger + compile: stock, no config, balanced (exact clip) and balanced with clip_prediction scale (README row 13)"
+  "presets_b256_p1|presets/results/h200/b256p1|1.1B batch 256 fused + Liger + compile: no config, conservative, aggressive, stock (not run yet)"
+  "presets_b256_p2|presets/results/h200/b256p2|1.1B batch 256 fused + Liger + compile: no config, advanced.yaml, the snippet, balanced (not run yet)"
   "presets_clip64|presets/results/h200/clip64|1.1B batch 64: no config, balanced (clip_prediction exact), balanced with scale, stock (stock timed out in the stored call)"
   "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model, b160: ours aggressive from the batch alone against today's hand-tuned settings"
   "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (stored: ours only, stock left out of that call)"
@@ -207,6 +209,8 @@ entry() {  # the commands of one entry, writing into $1
     presets_b256) bash benchmarks/presets/h200.sh "$o" b256 && mv "$o"/b256/* "$o"/ && rmdir "$o/b256" ;;
     presets_clip64) bash benchmarks/presets/h200.sh "$o" clip64 && mv "$o"/clip64/* "$o"/ && rmdir "$o/clip64" ;;
     presets_full7b) ROWS_7B=aggressive,handtuned UPDATES_7B=3 bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
+    presets_b256_p1) bash benchmarks/presets/h200.sh "$o" b256p1 && mv "$o"/b256p1/* "$o"/ && rmdir "$o/b256p1" ;;
+    presets_b256_p2) bash benchmarks/presets/h200.sh "$o" b256p2 && mv "$o"/b256p2/* "$o"/ && rmdir "$o/b256p2" ;;
     presets_full7b_b256) BATCH_7B=256 ROWS_7B=aggressive+tattn,aggressive+sdpa,trl UPDATES_7B=4 TIMEOUT_7B=245 \
         bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
     presets_lora7b_tattn) ROWS_7B=aggressive+tattn,aggressive+sdpa UPDATES_7B=4 TIMEOUT_7B=190 \

@@ -3,6 +3,8 @@
 # .whl-trl112/ carried; ../shared/gpu/wheels.sh trl112 fetches them):
 #   bash benchmarks/presets/h200.sh OUT b64     # 1.1B, batch 64, separate value: stock, none, every config
 #   bash benchmarks/presets/h200.sh OUT b256    # 1.1B, batch 256, fused value + Liger + compile
+#   bash benchmarks/presets/h200.sh OUT b256p1  # the same: none, conservative, aggressive, stock (not run yet)
+#   bash benchmarks/presets/h200.sh OUT b256p2  # the same: none, advanced.yaml, the snippet, balanced (not run yet)
 #   bash benchmarks/presets/h200.sh OUT b8      # 1.1B, batch 8, separate value (B8_ROWS, B8_UPDATES, B8_TIMEOUT)
 #   bash benchmarks/presets/h200.sh OUT b8prof  # batch 8: none and three presets, one update each profiled
 #   bash benchmarks/presets/h200.sh OUT clip64  # 1.1B, batch 64: balanced with the clip_prediction default
@@ -29,6 +31,10 @@ for part in "$@"; do
            --rows none,balanced,aggressive,advanced,snippet,conservative,aggressive-noplan,trl ;;
     b256) $PY benchmarks/presets/run.py --out "$OUT/b256" --batch 256 --value-mode fused --liger --compile \
            --timeout 150 --rows none,balanced,balancedscale,trl ;;
+    b256p1|b256p2)  # issue 27's batch-256 target for every preset: four rows of ~130 s per call, no config in both
+      rows=$([ "$part" = b256p1 ] && echo none,conservative,aggressive,trl || echo none,advanced,snippet,balanced)
+      $PY benchmarks/presets/run.py --out "$OUT/$part" --batch 256 --value-mode fused --liger --compile \
+           --timeout 140 --rows "$rows" ;;
     clip64) $PY benchmarks/presets/run.py --out "$OUT/clip64" --batch 64 --timeout 120 \
            --rows none,balanced,balancedscale,trl ;;
     full7b) $PY benchmarks/presets/run.py --out "$OUT/full7b" --shape llama-7b --reward model --batch ${BATCH_7B:-160} \
@@ -46,6 +52,6 @@ for part in "$@"; do
            --rows ${B8_ROWS:-none,balanced,aggressive,conservative,advanced,snippet,trl} ;;
     b8prof) $PY benchmarks/presets/run.py --out "$OUT/b8prof" --batch 8 --timeout 120 --updates 5 \
            --profile-update 4 --rows none,conservative,balanced,aggressive ;;  # where the presets' cost goes
-    *) echo "unknown part $part (b64, b256, b8, b8prof, clip64, full7b, lora7b, pipe64, pipe7b)"; exit 2 ;;
+    *) echo "unknown part $part (b64, b256, b256p1, b256p2, b8, b8prof, clip64, full7b, lora7b, pipe64, pipe7b)"; exit 2 ;;
   esac
 done
