@@ -159,3 +159,35 @@ def test_the_plan_counts_the_kv_cache_only_where_the_engine_keeps_it(
         trainer.plan.phase_peak_bytes["training"] >= cache
         and trainer.plan.phase_peak_bytes["scoring"] >= cache
     )
+
+
+def test_the_plan_holds_the_fused_decode_copies_before_they_exist(tmp_path, tokenizer, monkeypatch):
+    """rollout_decode_fuse_projections allocates copies of the q/k/v and gate/up weights at the first
+    generation, after the plan: the plan counts them as held, once."""
+    import rapidfire_hf.ppo.planning as planning
+    from rapidfire_hf.memory.planner import Budget
+    from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
+
+    budgets = []
+    make_plan = planning.make_plan
+
+    def spy(work, asked, probe, budget, *a, **k):
+        budgets.append(budget)
+        return make_plan(work, asked, probe, budget, *a, **k)
+
+    monkeypatch.setattr(planning, "make_plan", spy)
+    monkeypatch.setattr(planning, "level_budget", lambda *a, **k: Budget(2**40, 5 * 2**20, 0))
+    plain = trainer_with(tmp_path / "a", tokenizer, {}, rollout_backend="static")
+    plain.train()
+    fused = trainer_with(
+        tmp_path / "b", tokenizer, {}, rollout_backend="static", rollout_decode_fuse_projections=True
+    )
+    fused.train()
+    copies = fused_projection_bytes(fused.accelerator.unwrap_model(fused.model).policy)
+    assert copies > 0
+    assert [b.held_bytes for b in budgets] == [5 * 2**20, 5 * 2**20 + copies]
+    assert "fused decode projections" in fused.plan.reasons["held"] and "held" not in plain.plan.reasons
+    # allocated now: planning again counts nothing more (memory_allocated sees them on a GPU)
+    assert fused._rollout_engine.copy_bytes() == copies
+    assert planning.decode_copy_bytes(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == 0
+    assert planning.decode_copy_bytes(plain, plain.accelerator.unwrap_model(plain.model).policy, True) == 0

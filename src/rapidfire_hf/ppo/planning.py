@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from rapidfire_hf.memory.planner import (
 )
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
 from rapidfire_hf.rollout.engine import resolved_backend
+from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")
 
@@ -202,6 +204,16 @@ def measure(trainer, models, tokens: int, ctx: int, wanted: tuple[str, ...]) -> 
     return Probe(measured)
 
 
+def decode_copy_bytes(trainer, policy, static: bool) -> int:
+    """Bytes the rollout engine allocates at its first generation and then keeps, not yet allocated: the
+    q/k/v and gate/up weight copies of ``rollout_decode_fuse_projections`` (static engine only)."""
+    if not (static and trainer.args.rollout_decode_fuse_projections):
+        return 0
+    engine = trainer.roller.engine
+    have = engine.copy_bytes() if engine is not None else 0
+    return max(0, fused_projection_bytes(policy) - have)
+
+
 def first_step_reserve(trainer) -> int:
     """Bytes the first backward and optimizer step still allocate: the gradients not yet there, and
     AdamW's two moments while the optimizer holds no state (in the parameters' dtype; 1 byte each for an
@@ -260,7 +272,11 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             plan = unplanned(work, want, wanted[0], memory.optimization)
         else:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
+            copies = decode_copy_bytes(trainer, unwrapped.policy, static)
+            budget = replace(budget, held_bytes=budget.held_bytes + copies)
             plan = make_plan(work, want, probe, budget, memory.optimization)
+            if copies:
+                plan.reasons["held"] = f"includes {copies / 2**30:.2f} GiB of fused decode projections"
         plan = _agreed(acc, plan)
         _apply(models, plan.checkpointing)
         state = getattr(trainer, "state_decision", None)  # set when the trainer built the optimizer

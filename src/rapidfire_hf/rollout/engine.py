@@ -190,6 +190,11 @@ class RolloutEngine:
         buffers; 0 for ``model.generate``, which frees its cache when it returns)."""
         return self._static.held_bytes() if self._static is not None else 0
 
+    def copy_bytes(self) -> int:
+        """Bytes of the fused decode projections' weight copies allocated so far (``decode_fuse_projections``;
+        kept for the engine's life, refreshed in place before each generation; 0 without them)."""
+        return self._static.net.fused_bytes() if self._static is not None else 0
+
     def release(self) -> None:
         """Free the static engine's KV cache, buffers and recorded graphs (rebuilt on the next call)."""
         if self._static is not None:

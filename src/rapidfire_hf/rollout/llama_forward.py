@@ -60,6 +60,19 @@ def _fusable(layer) -> bool:
     )
 
 
+def fused_projection_bytes(model) -> int:
+    """Bytes of the concatenated q/k/v and gate/up copies that ``fuse_projections=True`` allocates for
+    ``model`` at its first generation and keeps (the layers :class:`StaticLlama` fuses; others take none)."""
+    lm = unwrap_peft(model)
+    total = 0
+    for layer in list(lm.model.layers[: lm.config.num_hidden_layers]):
+        if _fusable(layer):
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
 def _plain(module) -> bool:
     return type(module) is nn.Linear and module.bias is None
 
@@ -179,6 +192,10 @@ class StaticLlama:
     def fused_weights(self) -> tuple[torch.Tensor, ...]:
         """The concatenated weights in use (their addresses are part of what a recorded graph reads)."""
         return tuple(w for w in (*self._qkv_w, *self._gu_w) if w is not None)
+
+    def fused_bytes(self) -> int:
+        """Bytes of the concatenated weights allocated so far (0 before the first generation)."""
+        return sum(w.numel() * w.element_size() for w in self.fused_weights())
 
     @property
     def dtype(self) -> torch.dtype:
