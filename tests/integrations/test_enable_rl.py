@@ -108,3 +108,28 @@ def test_unsupported_sampling_falls_back_to_hf(build):
     assert any("repetition_penalty" in s for s in trainer._rapidfire.skipped)
     trainer.train()
     assert train_log(trainer, "reward")
+
+
+def test_the_grpo_rollout_engine_runs_sdpa_attention(monkeypatch, tokenizer):
+    """The engine's "auto" attention (the Triton kernel on a GPU) was measured for PPOTrainer only: TRL's
+    trainers keep SDPA, named, until a GRPO benchmark says otherwise."""
+    import rapidfire_hf.rollout as rollout
+    from rapidfire_hf.integrations.rollout import DECODE_ATTENTION, RolloutPatch
+
+    seen = {}
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+        def chunk_prefill(self, rows):
+            return False
+
+    monkeypatch.setattr(rollout, "RolloutEngine", Spy)
+    trainer = type("T", (), {})()
+    trainer._generate_single_turn = lambda prompt_ids, images=None, multimodal_fields=None: None
+    trainer._tokenizer = tokenizer
+    trainer.eos_token_ids = [tokenizer.eos_token_id]
+    patch = RolloutPatch(trainer)
+    patch._engine_for(torch.nn.Linear(2, 2))
+    assert DECODE_ATTENTION == "sdpa" and seen["decode_attention"] == "sdpa"

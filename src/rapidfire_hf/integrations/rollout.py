@@ -30,6 +30,11 @@ _HANDLED = {
 _NEUTRAL = {"min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "suppress_tokens": (None, [])}
 
 
+# SDPA, named: the engine's "auto" (the Triton flash-decoding kernel on a GPU) was measured for PPOTrainer
+# only (benchmarks/kernels, fifth and sixth calls); every GRPO number (benchmarks/grpo) is SDPA's
+DECODE_ATTENTION = "sdpa"
+
+
 def supports_rollout(trainer) -> str | None:
     """``None`` when the trainer's generation can run on the engine, else the reason it cannot."""
     if not hasattr(trainer, "_generate_single_turn"):
@@ -152,6 +157,7 @@ class RolloutPatch:
                 stop_token_ids=list(tr.eos_token_ids),
                 backend=self.backend,
                 prefill_chunk_rows=self.prefill_rows,
+                decode_attention=DECODE_ATTENTION,
             )
             self._engine_model = model
         self._chunk_prefill()  # the engine is built at the first rollout: chunk it from there on
