@@ -554,6 +554,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.smoke and not (
+        1 <= args.first_step and 1 <= args.steps and args.first_step + args.steps < args.new_tokens
+    ):
+        print(
+            f"--first-step {args.first_step} --steps {args.steps}: the profiled steps must lie within the "
+            f"response (1 <= first step, first step + steps < --new-tokens {args.new_tokens})",
+            file=sys.stderr,
+        )
+        return 2
     start = time.perf_counter()
     cuda = cuda_or_smoke(args.smoke)
     if cuda is None:

@@ -247,6 +247,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = p.parse_args(argv)
+    if not 0 <= args.end <= args.cache:
+        print(
+            f"--end {args.end}: give 0 (no mid-response rows) up to --cache ({args.cache})", file=sys.stderr
+        )
+        return 2
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.matmul_rows = [int(m) for m in args.matmul_rows.split(",") if m]
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"

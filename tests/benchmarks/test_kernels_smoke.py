@@ -60,6 +60,11 @@ def test_kernel_sections_are_picked_by_name_and_unknown_ones_refused(tmp_path, c
     assert {r["kernel"] for r in rows} == {"sampling"}
     assert run.main(["--out", str(tmp_path), "--smoke", "--kernels", "sampling,gemv"]) == 2
     assert "unknown --kernels gemv" in capsys.readouterr().err
+    assert run.main(["--out", str(tmp_path), "--smoke", "--kernels", "attention", "--end", "-5"]) == 2
+    assert "--end -5" in capsys.readouterr().err
+    prof = load_benchmark("kernels/profile_decode.py")
+    assert prof.main(["--out", str(tmp_path), "--first-step", "380", "--steps", "16"]) == 2
+    assert "must lie within the response" in capsys.readouterr().err
 
 
 def test_profile_smoke_splits_the_step_into_categories_gaps_and_a_floor_from_the_bytes(tmp_path):

@@ -80,8 +80,9 @@ def test_kv_end_reads_no_slot_past_it_and_changes_no_bit(splits, end):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
     through = gqa_decode_attention(q, k, v, valid, 0.25, "triton", kv_end)  # the default split count
     assert torch.equal(through, flash_decode(q, k, v, valid, 0.25, kv_end=kv_end))
-    with pytest.raises(ValueError, match="one slot count"):
-        flash_decode(q, k, v, valid, 0.25, kv_end=torch.tensor([end, end], device=DEVICE))
+    for bad in (torch.tensor([end, end]), torch.tensor([end + 0.7]), torch.tensor([True])):
+        with pytest.raises(ValueError, match="one integer slot count"):
+            flash_decode(q, k, v, valid, 0.25, kv_end=bad.to(DEVICE))
 
 
 def test_the_engine_bounds_triton_attention_by_the_step_slot(tokenizer, monkeypatch):

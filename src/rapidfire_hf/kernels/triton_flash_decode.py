@@ -204,8 +204,14 @@ def flash_decode(
         sums = torch.empty_like(mx)
     else:
         acc = mx = sums = out  # unused by the single-split path
-    if kv_end is not None and kv_end.numel() != 1:
-        raise ValueError(f"kv_end must hold one slot count, got shape {tuple(kv_end.shape)}")
+    if kv_end is not None and (
+        kv_end.numel() != 1 or kv_end.dtype.is_floating_point or kv_end.dtype == torch.bool
+        or kv_end.device != k_cache.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"kv_end must hold one integer slot count on the caches' device ({k_cache.device}), got "
+            f"{kv_end.dtype} of shape {tuple(kv_end.shape)} on {kv_end.device}"
+        )
     end = kv_end if kv_end is not None else valid  # unused when HAS_END is off
     _partial_kernel[(b * n_kv, n_splits)](
         q, k_cache, v_cache, valid, end, out, acc, mx, sums,
