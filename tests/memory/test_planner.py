@@ -185,6 +185,31 @@ def test_the_generation_chunk_shrinks_before_training_recomputes_beside_its_cach
     assert q.phase_peak_bytes["training"] >= WORK_7B.held_cache_bytes(256)
 
 
+def test_free_cache_gives_the_kept_cache_to_a_bigger_generation_chunk_only_where_it_saves_chunks():
+    tight = Budget(target_bytes=int(100 * GIB), held_bytes=25 * GIB, reserve_bytes=GIB // 4)
+    kept = make_plan(WORK_7B, Asked(), PROBE_7B, tight, "aggressive")
+    freed = make_plan(WORK_7B, Asked(free_cache=True), PROBE_7B, tight, "aggressive")
+    # kept: two chunks of 128 (the cache beside training); freed: the whole batch in one chunk
+    assert (kept.generation_rows, kept.free_cache) == (128, False)
+    assert (freed.generation_rows, freed.free_cache) == (256, True) and freed.fits
+    assert "freed after generation (kept, generation would take 2 chunks)" in freed.reasons["generation_rows"]
+    # nothing held beside scoring and training: their peaks are the forgetful plan's
+    forgetful = make_plan(replace(WORK_7B, cache_persists=False), Asked(), PROBE_7B, tight, "aggressive")
+    assert freed.phase_peak_bytes["training"] == forgetful.phase_peak_bytes["training"]
+    assert freed.phase_peak_bytes["scoring"] == forgetful.phase_peak_bytes["scoring"]
+    assert freed.planned_peak_bytes <= freed.target_bytes
+    assert "rollout KV cache" in freed.table() and "rollout KV cache" not in kept.table()
+    assert (
+        freed.metrics()["rapidfire/plan/free_cache"] == 1 and kept.metrics()["rapidfire/plan/free_cache"] == 0
+    )
+    # where keeping the cache costs no chunk, it is kept (no re-recording for nothing)
+    roomy = make_plan(WORK_7B, Asked(free_cache=True), PROBE_7B, BUDGET_7B, "aggressive")
+    assert (roomy.generation_rows, roomy.free_cache) == (256, False)
+    # a chunk the user set is the user's: nothing freed
+    mine = make_plan(WORK_7B, Asked(generation_rows=64, free_cache=True), PROBE_7B, tight, "aggressive")
+    assert (mine.generation_rows, mine.free_cache) == (64, False)
+
+
 def test_without_a_kept_cache_nothing_is_held_across_phases():
     hf = replace(WORK_7B, cache_persists=False)
     assert hf.held_cache_bytes(256) == 0

@@ -191,3 +191,41 @@ def test_the_plan_holds_the_fused_decode_copies_before_they_exist(tmp_path, toke
     assert fused._rollout_engine.copy_bytes() == copies
     assert planning.decode_copy_bytes(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == 0
     assert planning.decode_copy_bytes(plain, plain.accelerator.unwrap_model(plain.model).policy, True) == 0
+
+
+def test_a_plan_that_frees_the_cache_releases_the_engine_after_each_rollout_and_trains_the_same(
+    tmp_path, tokenizer, monkeypatch
+):
+    """rollout_cache='auto': where the plan frees the KV cache, the engine is released after every
+    generation (rebuilt at the next); the update's numbers are those of the run that keeps it."""
+    from dataclasses import replace
+
+    import rapidfire_hf.ppo.planning as planning
+
+    make_plan = planning.make_plan
+    asked_free = []
+
+    def freeing(work, asked, *a, **k):
+        asked_free.append(asked.free_cache)
+        return replace(make_plan(work, asked, *a, **k), free_cache=True)
+
+    kept = trainer_with(tmp_path / "kept", tokenizer, {}, rollout_backend="static")
+    kept.train()
+    monkeypatch.setattr(planning, "make_plan", freeing)
+    freed = trainer_with(tmp_path / "freed", tokenizer, {}, rollout_backend="static", rollout_cache="auto")
+    released = []
+    engine_release = type(freed.roller).rollout
+
+    def rollout_then_check(self, *a, **k):
+        out = engine_release(self, *a, **k)
+        released.append(self.engine.held_bytes())  # before the trainer's release: the cache is there
+        return out
+
+    monkeypatch.setattr(type(freed.roller), "rollout", rollout_then_check)
+    freed.train()
+    assert asked_free == [True] and freed.plan.free_cache
+    assert len(released) == 2 and all(b > 0 for b in released)
+    assert freed._rollout_engine.held_bytes() == 0  # released after the last rollout
+    assert kept._rollout_engine.held_bytes() > 0
+    for a, b in zip(kept.model.parameters(), freed.model.parameters()):
+        assert torch.equal(a, b)

@@ -166,6 +166,10 @@ class Asked:
         merge_any: merge any number of micro-batches, not only a divisor of a mini-batch's (``PPOSweep``
             packs its trials' micro-batches in order, the last pack smaller; one run's windows need equal
             forwards).
+        free_cache: where the engine keeps its KV cache between generations, it may instead free it after
+            each generation when keeping it would split generation into more chunks (``PPOConfig``'s
+            ``rollout_cache="auto"``). The cache and the recorded decode graphs are then rebuilt at every
+            update (graphs recorded again; the compiled step is reused). False keeps it (the default).
     """
 
     scoring_rows: int | None = None
@@ -175,6 +179,7 @@ class Asked:
     merge: bool = True
     train_rows: int | None = None
     merge_any: bool = False
+    free_cache: bool = False
 
 
 # what "auto" means with the planner off (TRL's defaults)
@@ -234,6 +239,9 @@ class Plan:
     planned: bool = True  # False: memory.planner off (the user's split kept)
     # phase -> its planned peak (held + the phase's own bytes): training, scoring, generation
     phase_peak_bytes: dict = field(default_factory=dict)
+    # the rollout engine frees its KV cache after each generation (Asked.free_cache): the cache is not held
+    # beside scoring and training, and generation takes bigger chunks
+    free_cache: bool = False
     title: str = "rapidfire plan"  # the table's first words (PPOSweep: "PPOSweep plan")
     train_label: str = "training micro-batch (rows)"  # (PPOSweep: rows of all trials per training forward)
 
@@ -250,6 +258,8 @@ class Plan:
              self.reasons.get("generation_rows", "")),
             ("optimizer state", str(self.asked.get("optimizer_state", "auto")), self.optimizer_state,
              self.reasons.get("optimizer_state", "")),
+            *([("rollout KV cache", "auto", "freed after generation", self.reasons.get("free_cache", ""))]
+              if self.free_cache else []),
         ]  # fmt: skip
 
     def table(self) -> str:
@@ -281,6 +291,7 @@ class Plan:
             "rapidfire/plan/recompute": recompute,
             "rapidfire/plan/scoring_rows": self.scoring_rows,
             "rapidfire/plan/generation_rows": self.generation_rows,
+            "rapidfire/plan/free_cache": int(self.free_cache),
             "rapidfire/plan/planned_peak_gib": round(self.planned_peak_bytes / GIB, 3),
             "rapidfire/plan/target_gib": round(self.target_bytes / GIB, 3),
             **{
@@ -420,29 +431,37 @@ def _largest_chunk(total: int, row_bytes: int, room: int, cap: int, equal: bool 
     return -(-total // chunks), True
 
 
-def _generation_chunk(work: Workload, asked: Asked, probe: Probe, budget: Budget) -> tuple[int, bool, str]:
-    """``(rows, fits, why)`` of the generation chunk: the largest that fits, and, where the engine keeps its
-    cache through training, the largest whose cache still lets the user's micro-batch train with no more
-    recompute than it needs without that cache (no level recomputes to keep a bigger generation chunk)."""
+def _generation_chunk(
+    work: Workload, asked: Asked, probe: Probe, budget: Budget
+) -> tuple[int, bool, str, bool]:
+    """``(rows, fits, why, free_cache)`` of the generation chunk: the largest that fits, and, where the engine
+    keeps its cache through training, the largest whose cache still lets the user's micro-batch train with no
+    more recompute than it needs without that cache (no level recomputes to keep a bigger generation chunk).
+    With ``asked.free_cache``, a cache that would cost generation chunks is freed after each generation
+    instead (``free_cache`` True: the largest chunk that fits generation alone)."""
     rows, ok = _largest_chunk(
         work.rollout_rows, work.generation_row_bytes(), budget.no_grad_bytes, work.rollout_rows
     )
     why = "the whole rollout batch fits" if rows == work.rollout_rows else "KV cache bounded to fit"
     if not (ok and work.cache_persists):
-        return rows, ok, why
+        return rows, ok, why, False
     _, needed, fits_alone, _, _ = _choose_training(work, asked, probe, budget)
     if not fits_alone:
-        return rows, ok, why
+        return rows, ok, why, False
     # each chunk size once, largest first (the rollout batch in 1, 2, 3, ... equal chunks)
     sizes = sorted({-(-work.rollout_rows // k) for k in range(1, work.rollout_rows + 1)}, reverse=True)
     for candidate in (n for n in sizes if n <= rows):
         beside = _held(budget, work.held_cache_bytes(candidate))
         _, policy, fits, _, _ = _choose_training(work, asked, probe, beside)
         if fits and policy == needed:
+            kept, freed = -(-work.rollout_rows // candidate), -(-work.rollout_rows // rows)
+            if candidate < rows and asked.free_cache and freed < kept:
+                why += f"; its KV cache freed after generation (kept, generation would take {kept} chunks)"
+                return rows, True, why, True
             if candidate < rows:
                 why = "KV cache bounded so training needs no recompute beside it"
-            return candidate, True, why
-    return rows, ok, why
+            return candidate, True, why, False
+    return rows, ok, why, False
 
 
 def _held(budget: Budget, extra: int) -> Budget:
@@ -471,7 +490,7 @@ def make_plan(
     """
     level_target(level)  # validates the name
     name = getattr(level, "value", level)
-    reasons, fits = {}, True
+    reasons, fits, free_cache = {}, True, False
     if asked.generation_rows:
         generation_rows, reasons["generation_rows"] = (
             asked.generation_rows,
@@ -480,8 +499,12 @@ def make_plan(
     elif asked.generation_rows == 0 or not asked.planner:
         generation_rows, reasons["generation_rows"] = work.rollout_rows, "the whole rollout batch"
     else:
-        generation_rows, fits, reasons["generation_rows"] = _generation_chunk(work, asked, probe, budget)
-    cache = work.held_cache_bytes(generation_rows)
+        generation_rows, fits, reasons["generation_rows"], free_cache = _generation_chunk(
+            work, asked, probe, budget
+        )
+    if free_cache:
+        reasons["free_cache"] = "kept beside training, it would cost generation chunks (rollout_cache='auto')"
+    cache = 0 if free_cache else work.held_cache_bytes(generation_rows)
     beside = _held(budget, cache)
     train_rows, policy, fits_training, reasons["train_rows"], reasons["checkpointing"] = _choose_training(
         work, asked, probe, beside
@@ -530,4 +553,5 @@ def make_plan(
         asked=asked_view,
         reasons=reasons,
         planned=asked.planner,
+        free_cache=free_cache,
     )

@@ -88,6 +88,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "rollout_decode_sampler": Among(("torch", "triton", "triton-philox")),
     "rollout_decode_fuse_projections": Bool(),
     "rollout_decode_linear": Among(("torch", "triton")),
+    "rollout_cache": Among(("keep", "auto")),
     "rollout_generation_batch_size": AutoOr(Optional(Int(min=1), "the whole rollout batch at once")),
 }
 
@@ -374,6 +375,16 @@ class PPOConfig(TrainingArguments):
             "The rollout engine's KV cache grows with this (about 11.5 MB per sequence for a 1.1B Llama at "
             "512 tokens). 'auto': the throughput planner bounds it to fit (the whole batch without a rapidfire "
             "config)."
+        },
+    )
+    rollout_cache: str = field(
+        default="keep",
+        metadata={
+            "help": "The fast engine's KV cache between updates: 'keep' (the default: allocated once, the decode "
+            "graphs recorded once; the planner holds it beside scoring and training, which can shrink the "
+            "generation chunk) or 'auto' (with the throughput planner: freed after each generation where "
+            "keeping it would split generation into more chunks; the cache is allocated and the graphs "
+            "recorded again every update). 'auto' is not measured on a GPU yet."
         },
     )
     rapidfire_config: Any = field(

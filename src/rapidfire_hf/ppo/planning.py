@@ -84,6 +84,7 @@ def asked(args, memory, deepspeed: bool) -> Asked:
         checkpointing=checkpointing,
         planner=bool(memory is not None and memory.planner),
         merge=not deepspeed,
+        free_cache=args.rollout_cache == "auto",
     )
 
 

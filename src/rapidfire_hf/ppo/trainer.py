@@ -359,7 +359,10 @@ class PPOTrainer:
             generator = sampling_generator(
                 self.args.seed, self.state.global_step, self.accelerator.process_index
             )
-        return self.roller.rollout(batch, plan.generation_rows, sampling, generator)
+        rollout = self.roller.rollout(batch, plan.generation_rows, sampling, generator)
+        if plan.free_cache:  # the plan gave the kept cache's memory to bigger generation chunks
+            self.roller.engine.release()
+        return rollout
 
     def score(self, rollout: Rollout) -> Experience:
         """Reference log-probs, values and scores of a rollout, then KL-shaped rewards and advantages."""
