@@ -326,6 +326,7 @@ DECODE_KERNELS = {
     "skinny": {"rollout_decode_fuse_projections": True, "rollout_decode_linear": "triton"},
     "tattn": {"rollout_decode_attention": "triton"},  # the flash-decoding kernel alone
     "sdpa": {"rollout_decode_attention": "sdpa"},  # SDPA named explicitly (whatever the default is)
+    "freecache": {"rollout_cache": "auto"},  # not a kernel: the plan may free the KV cache after generation
 }
 
 

@@ -13,7 +13,8 @@
 #   bash benchmarks/presets/h200.sh OUT lora7b  # 7B LoRA, 7B reward model: stock b64, ours b256
 #     (full7b / lora7b: ROWS_7B and UPDATES_7B pick rows and updates; three rows of ~200 s do not fit one
 #     600 s call, e.g. ROWS_7B=aggressive,handtuned UPDATES_7B=3 in one call and the stock row in the next;
-#     BATCH_7B sets full7b's rollout batch, a row name may end in +sdpa / +tattn: the decode attention)
+#     BATCH_7B sets full7b's rollout batch, a row name may end in +sdpa / +tattn: the decode attention, or
+#     +freecache: rollout_cache="auto", e.g. ROWS_7B=aggressive,aggressive+freecache,trl, not run yet)
 #   bash benchmarks/presets/h200.sh OUT pipe64  # 1.1B, batch 64: the gradient pipeline on/off at 1, 4, 8
 #                                               # accumulation steps (balanced, planner off), stock
 #   bash benchmarks/presets/h200.sh OUT pipe7b  # 7B full fine-tuning, 7B reward model, batch 32: the same

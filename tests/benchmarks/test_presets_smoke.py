@@ -30,6 +30,10 @@ def test_decode_suffix_rows_set_the_attention_and_bad_suffixes_are_refused(capsy
     assert cfg["decode_kernels"] == "tattn" and cfg["row"] == "aggressive+tattn"
     assert cfg["rapidfire_config"] == row_config("aggressive", args)["rapidfire_config"]
     assert "decode_kernels" not in row_config("none", args)
+    from benchmarks.ppo_vs_trl.worker import speedup_args
+
+    assert speedup_args(row_config("aggressive+freecache", args))["rollout_cache"] == "auto"
+    assert "rollout_cache" not in speedup_args(row_config("aggressive", args))
     for bad in ("aggressive+flash", "trl+sdpa", "nonsense+tattn"):
         with pytest.raises(SystemExit):
             parse_args(["--out", "x", "--rows", bad])
