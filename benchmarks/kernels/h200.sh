@@ -18,6 +18,7 @@
 # wheel install, which takes ~15-20 s. On the rollout part's compiled batch 8 / 64 steps the profile reuses
 # inductor's on-disk cache (same step, same shapes).
 set -u
+PY=${PYTHON:-python3}  # reproduce_h200.sh's PYTHON (its tests record the commands instead of running them)
 OUT=${1:?output folder}
 mkdir -p "$OUT"
 source benchmarks/common/gpu_env.sh
@@ -43,11 +44,11 @@ run() {
     tee -a "$OUT/parts.log"
 }
 
-run tests 90 bash -o pipefail -c 'python3 -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4'
-run kernels 120 bash -o pipefail -c "python3 benchmarks/kernels/run.py --out '$OUT/kernels' --kernels ${KERNELS:-attention,sampling,matmul} 2>&1 | grep -v '^{' | tail -3"
-run logprobs 70 bash -o pipefail -c "python3 benchmarks/kernels/logprobs.py --out '$OUT/logprobs' --budget-s ${LOGPROBS_BUDGET_S:-45} \
+run tests 90 bash -o pipefail -c "$PY -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4"
+run kernels 120 bash -o pipefail -c "$PY benchmarks/kernels/run.py --out '$OUT/kernels' --kernels ${KERNELS:-attention,sampling,matmul} 2>&1 | grep -v '^{' | tail -3"
+run logprobs 70 bash -o pipefail -c "$PY benchmarks/kernels/logprobs.py --out '$OUT/logprobs' --budget-s ${LOGPROBS_BUDGET_S:-45} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"
-run rollout ${ROLLOUT_CAP_S:-170} bash -o pipefail -c "python3 benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \
+run rollout ${ROLLOUT_CAP_S:-170} bash -o pipefail -c "$PY benchmarks/rollout/run.py --out '$OUT/rollout' --batches ${ROLLOUT_BATCHES:-8,64} \
   --budget-s ${ROLLOUT_BUDGET_S:-140} --no-correctness \
   --systems ${ROLLOUT_SYSTEMS:-ours_compile,ours_compile+fuse,ours_compile+fuse_skinny,ours_compile+autotune,ours_compile+triton} \
   2>&1 | tail -14"
@@ -56,12 +57,12 @@ run rollout ${ROLLOUT_CAP_S:-170} bash -o pipefail -c "python3 benchmarks/rollou
 for k in ${PPO_KERNELS:-base fuse skinny}; do
   flag=$([ $k = base ] || echo "--ours-decode-kernels $k")
   trl=$([ $k = base ] && echo 8,32 || echo "")
-  run ppo 200 bash -o pipefail -c "python3 benchmarks/ppo_vs_trl/run.py --out '$OUT/ppo_$k' --part throughput \
+  run ppo 200 bash -o pipefail -c "$PY benchmarks/ppo_vs_trl/run.py --out '$OUT/ppo_$k' --part throughput \
     --trl-batches '$trl' --our-batches 8,32 --fused-batches '' --updates 4 $flag 2>&1 | tail -4"
 done
 # the profile's own budget leaves ~40 s for the cell started last (a compiled 7B cell)
 left=$((TOTAL_S - SECONDS))
-run profile $left bash -o pipefail -c "python3 benchmarks/kernels/profile_decode.py --out '$OUT/profile' \
+run profile $left bash -o pipefail -c "$PY benchmarks/kernels/profile_decode.py --out '$OUT/profile' \
   --batches ${PROFILE_BATCHES:-8,64,256} --variants ${PROFILE_VARIANTS:-default,fuse,triton} --mode ${PROFILE_MODE:-compile} --budget-s ${PROFILE_BUDGET_S:-$((left - 40))} \
   --shapes ${PROFILE_SHAPES:-llama-1.1b,llama-7b} --first-step ${PROFILE_FIRST_STEP:-8} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-260 | tail -14"

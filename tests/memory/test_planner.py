@@ -199,9 +199,6 @@ def test_free_cache_gives_the_kept_cache_to_a_bigger_generation_chunk_only_where
     assert freed.phase_peak_bytes["scoring"] == forgetful.phase_peak_bytes["scoring"]
     assert freed.planned_peak_bytes <= freed.target_bytes
     assert "rollout KV cache" in freed.table() and "rollout KV cache" not in kept.table()
-    assert (
-        freed.metrics()["rapidfire/plan/free_cache"] == 1 and kept.metrics()["rapidfire/plan/free_cache"] == 0
-    )
     # where keeping the cache costs no chunk, it is kept (no re-recording for nothing)
     roomy = make_plan(WORK_7B, Asked(free_cache=True), PROBE_7B, BUDGET_7B, "aggressive")
     assert (roomy.generation_rows, roomy.free_cache) == (256, False)

@@ -291,7 +291,6 @@ class Plan:
             "rapidfire/plan/recompute": recompute,
             "rapidfire/plan/scoring_rows": self.scoring_rows,
             "rapidfire/plan/generation_rows": self.generation_rows,
-            "rapidfire/plan/free_cache": int(self.free_cache),
             "rapidfire/plan/planned_peak_gib": round(self.planned_peak_bytes / GIB, 3),
             "rapidfire/plan/target_gib": round(self.target_bytes / GIB, 3),
             **{
