@@ -213,6 +213,10 @@ class Budget:
     def train_bytes(self) -> int:
         return self.target_bytes - self.held_bytes - self.reserve_bytes
 
+    def holding(self, extra: int) -> Budget:
+        """This budget with ``extra`` bytes more held (a kept generation cache, the engine's weight copies)."""
+        return replace(self, held_bytes=self.held_bytes + extra)
+
     @property
     def no_grad_bytes(self) -> int:
         """Generation and scoring run after the first step: gradients are freed, the optimizer state is
@@ -450,7 +454,7 @@ def _generation_chunk(
     # each chunk size once, largest first (the rollout batch in 1, 2, 3, ... equal chunks)
     sizes = sorted({-(-work.rollout_rows // k) for k in range(1, work.rollout_rows + 1)}, reverse=True)
     for candidate in (n for n in sizes if n <= rows):
-        beside = _held(budget, work.held_cache_bytes(candidate))
+        beside = budget.holding(work.held_cache_bytes(candidate))
         _, policy, fits, _, _ = _choose_training(work, asked, probe, beside)
         if fits and policy == needed:
             kept, freed = -(-work.rollout_rows // candidate), -(-work.rollout_rows // rows)
@@ -462,10 +466,6 @@ def _generation_chunk(
             return candidate, True, why, False
     return rows, ok, why, False
 
-
-def _held(budget: Budget, extra: int) -> Budget:
-    """``budget`` with ``extra`` bytes more held (the generation cache kept through the other phases)."""
-    return replace(budget, held_bytes=budget.held_bytes + extra)
 
 
 def make_plan(
@@ -504,7 +504,7 @@ def make_plan(
     if free_cache:
         reasons["free_cache"] = "kept beside training, it would cost generation chunks (rollout_cache='auto')"
     cache = 0 if free_cache else work.held_cache_bytes(generation_rows)
-    beside = _held(budget, cache)
+    beside = budget.holding(cache)
     train_rows, policy, fits_training, reasons["train_rows"], reasons["checkpointing"] = _choose_training(
         work, asked, probe, beside
     )

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -274,7 +273,7 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
         else:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
             copies = decode_copy_bytes(trainer, unwrapped.policy, static)
-            budget = replace(budget, held_bytes=budget.held_bytes + copies)
+            budget = budget.holding(copies)
             plan = make_plan(work, want, probe, budget, memory.optimization)
             if copies:
                 plan.reasons["held"] = f"includes {copies / 2**30:.2f} GiB of fused decode projections"
