@@ -322,6 +322,7 @@ def run_trl(cfg: dict, device: str) -> dict:
 # run.py --ours-decode-kernels: the PPOConfig fields of each decode-step option
 DECODE_KERNELS = {
     "fuse": {"rollout_decode_fuse_projections": True},
+    "nofuse": {"rollout_decode_fuse_projections": False},  # the module projections (the default until 12-04)
     "triton": {"rollout_decode_attention": "triton", "rollout_decode_sampler": "triton"},
     "skinny": {"rollout_decode_fuse_projections": True, "rollout_decode_linear": "triton"},
     "tattn": {"rollout_decode_attention": "triton"},  # the flash-decoding kernel alone

@@ -216,3 +216,53 @@ def test_without_a_kept_cache_nothing_is_held_across_phases():
         + BUDGET_7B.reserve_bytes
         + int(1.3 * PROBE_7B.activation_bytes["none"] * p.train_rows)
     )
+
+
+def test_auto_fused_copies_are_held_only_where_the_plan_stays_the_same():
+    """The fused decode projections' weight copies are memory spent on decode speed: "auto" holds them where
+    the plan with them held fits and chooses the same split and chunks; never at the plan's expense."""
+    from rapidfire_hf.memory.planner import decide_fused_copies
+
+    plain = make_plan(WORK_7B, Asked(), PROBE_7B, BUDGET_7B, "aggressive")  # peak 116.3 of 128.6 GiB
+
+    def decided(copies_gib, want="auto"):
+        copies = int(copies_gib * GIB)
+        held = make_plan(WORK_7B, Asked(), PROBE_7B, BUDGET_7B.holding(copies), "aggressive")
+        return held, decide_fused_copies(plain, held, want, copies)
+
+    held, room = decided(9)  # 9 GiB (the 7B shape's copies) fit in the 12.3 GiB left: the same plan
+    assert room.fuse_projections is True and room.fits
+    assert (room.train_rows, room.scoring_rows, room.generation_rows, room.checkpointing) == (8, 256, 256, "none")
+    assert room.planned_peak_bytes == plain.planned_peak_bytes + 9 * GIB  # the plan counts what it holds
+    assert "fit beside the plan unchanged" in room.reasons["fuse_projections"]
+    held, costly = decided(14)  # held, the plan would halve the generation chunk: not worth it
+    assert held.generation_rows == 128 and held.fits
+    assert costly.fuse_projections is False and costly.planned_peak_bytes == plain.planned_peak_bytes
+    assert costly.generation_rows == 256
+    assert "the generation chunk 256 -> 128" in costly.reasons["fuse_projections"]
+    assert "fused decode projections" in costly.table() and "off" in costly.table()
+    _, tight = decided(110)  # nothing fits beside 135 GiB held
+    assert tight.fuse_projections is False and "would not fit" in tight.reasons["fuse_projections"]
+    # asked explicitly: True holds them whatever it costs, False never does
+    held, forced = decided(14, want=True)
+    assert forced.fuse_projections is True and forced.generation_rows == 128 and forced is not held
+    _, never = decided(1, want=False)
+    assert never.fuse_projections is False and never.planned_peak_bytes == plain.planned_peak_bytes
+    # nothing to fuse (LoRA layers keep their modules): off, and the plan is the plain one
+    none = decide_fused_copies(plain, plain, "auto", 0)
+    assert none.fuse_projections is False and "no layer to fuse" in none.reasons["fuse_projections"]
+    # the decision never writes into the plans it was given
+    assert plain.fuse_projections is None and "fuse_projections" not in plain.reasons
+
+
+def test_without_a_plan_auto_holds_only_small_fused_copies():
+    from rapidfire_hf.memory.planner import UNPLANNED_COPY_SHARE, unplanned, unplanned_fused_copies
+
+    plain = unplanned(WORK, Asked(), "none")
+    h200 = int(139.8 * GIB)
+    small = unplanned_fused_copies(plain, "auto", int(1.2 * GIB), h200)  # the 1.1B shape's copies
+    assert small.fuse_projections is True and small.fits
+    big = unplanned_fused_copies(plain, "auto", 9 * GIB, h200)  # the 7B shape's: 6.4% of the device
+    assert big.fuse_projections is False and f"{UNPLANNED_COPY_SHARE:.0%}" in big.reasons["fuse_projections"]
+    assert unplanned_fused_copies(plain, True, 9 * GIB, h200).fuse_projections is True
+    assert unplanned_fused_copies(plain, "auto", int(1.2 * GIB), 0).fuse_projections is False  # no device

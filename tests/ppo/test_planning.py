@@ -4,6 +4,7 @@ tolerance), explicit settings are kept, the probe is cached and a damaged cache 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -161,9 +162,11 @@ def test_the_plan_counts_the_kv_cache_only_where_the_engine_keeps_it(
     )
 
 
-def test_the_plan_holds_the_fused_decode_copies_before_they_exist(tmp_path, tokenizer, monkeypatch):
+def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, tokenizer, monkeypatch):
     """rollout_decode_fuse_projections allocates copies of the q/k/v and gate/up weights at the first
-    generation, after the plan: the plan counts them as held, once."""
+    generation, after the plan. True: the plan holds them. "auto" (the default, on a GPU where the step is
+    recorded; forced here): held only where the plan with them makes the same choices and fits, and the
+    engine built at the first rollout follows the plan's decision."""
     import rapidfire_hf.ppo.planning as planning
     from rapidfire_hf.memory.planner import Budget
     from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
@@ -172,25 +175,43 @@ def test_the_plan_holds_the_fused_decode_copies_before_they_exist(tmp_path, toke
     make_plan = planning.make_plan
 
     def spy(work, asked, probe, budget, *a, **k):
-        budgets.append(budget)
+        budgets.append(budget.held_bytes)
         return make_plan(work, asked, probe, budget, *a, **k)
 
     monkeypatch.setattr(planning, "make_plan", spy)
-    monkeypatch.setattr(planning, "level_budget", lambda *a, **k: Budget(2**40, 5 * 2**20, 0))
-    plain = trainer_with(tmp_path / "a", tokenizer, {}, rollout_backend="static")
-    plain.train()
-    fused = trainer_with(
-        tmp_path / "b", tokenizer, {}, rollout_backend="static", rollout_decode_fuse_projections=True
-    )
-    fused.train()
-    copies = fused_projection_bytes(fused.accelerator.unwrap_model(fused.model).policy)
-    assert copies > 0
-    assert [b.held_bytes for b in budgets] == [5 * 2**20, 5 * 2**20 + copies]
-    assert "fused decode projections" in fused.plan.reasons["held"] and "held" not in plain.plan.reasons
+    room = [2**40]
+    monkeypatch.setattr(planning, "level_budget", lambda *a, **k: Budget(room[0], 5 * 2**20, 0))
+
+    def run(name, **kw):
+        budgets.clear()
+        t = trainer_with(tmp_path / name, tokenizer, {}, rollout_backend="static", **kw)
+        t.train()
+        policy = t.accelerator.unwrap_model(t.model).policy
+        return t, fused_projection_bytes(policy)
+
+    plain, _ = run("plain")  # "auto" on a CPU: not considered worth it, nothing held
+    assert budgets == [5 * 2**20] and plain.plan.fuse_projections is False
+    assert plain._rollout_engine.copy_bytes() == 0
+    fused, copies = run("fused", rollout_decode_fuse_projections=True)
+    assert copies > 0 and budgets == [5 * 2**20, 5 * 2**20 + copies]
+    assert fused.plan.fuse_projections is True and "held" in fused.plan.reasons["fuse_projections"]
     # allocated now: planning again counts nothing more (memory_allocated sees them on a GPU)
     assert fused._rollout_engine.copy_bytes() == copies
-    assert planning.decode_copy_bytes(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == 0
-    assert planning.decode_copy_bytes(plain, plain.accelerator.unwrap_model(plain.model).policy, True) == 0
+    assert planning.decode_copies(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == (True, 0)
+
+    monkeypatch.setattr(planning, "fuse_wanted", lambda args, device: args.rollout_decode_fuse_projections)
+    roomy, copies = run("auto-roomy")
+    assert roomy.plan.fuse_projections is True and roomy._rollout_engine.copy_bytes() == copies
+    assert re.search(r"fused decode projections +auto +on +\d+\.\d MiB of weight copies fit", roomy.plan.table())
+    # a budget where the copies would cost the plan: the plan without them runs, the engine fuses nothing
+    need = roomy.plan.planned_peak_bytes - copies  # the plan's peak without the copies
+    room[0] = need + copies // 2
+    tight, _ = run("auto-tight")
+    assert tight.plan.fuse_projections is False and tight._rollout_engine.copy_bytes() == 0
+    assert "would" in tight.plan.reasons["fuse_projections"]
+    # and what the run trains does not depend on it: the same rollouts and updates (fp32, CPU)
+    for (name, a), b in zip(roomy.policy.state_dict().items(), tight.policy.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=roomy.args.learning_rate / 100, msg=name)
 
 
 def test_a_plan_that_frees_the_cache_releases_the_engine_after_each_rollout_and_trains_the_same(

@@ -246,6 +246,9 @@ class Plan:
     # the rollout engine frees its KV cache after each generation (Asked.free_cache): the cache is not held
     # beside scoring and training, and generation takes bigger chunks
     free_cache: bool = False
+    # the rollout engine decodes with fused q/k/v and gate/up projections, holding copies of those weights
+    # (:func:`decide_fused_copies`); None: the run did not consider them (not the static engine on CUDA)
+    fuse_projections: bool | None = None
     title: str = "rapidfire plan"  # the table's first words (PPOSweep: "PPOSweep plan")
     train_label: str = "training micro-batch (rows)"  # (PPOSweep: rows of all trials per training forward)
 
@@ -264,6 +267,9 @@ class Plan:
              self.reasons.get("optimizer_state", "")),
             *([("rollout KV cache", "auto", "freed after generation", self.reasons.get("free_cache", ""))]
               if self.free_cache else []),
+            *([("fused decode projections", str(self.asked.get("fuse_projections", "auto")),
+                "on" if self.fuse_projections else "off", self.reasons.get("fuse_projections", ""))]
+              if self.fuse_projections is not None else []),
         ]  # fmt: skip
 
     def table(self) -> str:
@@ -325,6 +331,73 @@ def unplanned(work: Workload, asked: Asked, checkpointing: str, level="balanced"
         reasons={},
         planned=False,
     )
+
+
+# Without a plan (no rapidfire config, or the planner could not measure), ``"auto"`` holds the fused decode
+# projections' weight copies where they are at most this share of the device: 1.2 GB at 1.1B is 0.9% of an
+# H200; ~9 GB at 7B (6.4%) is held only where a plan shows the room.
+UNPLANNED_COPY_SHARE = 0.02
+
+
+_CHOICES = {
+    "train_rows": "the training micro-batch",
+    "checkpointing": "recompute",
+    "scoring_rows": "the scoring chunk",
+    "generation_rows": "the generation chunk",
+    "free_cache": "the kept KV cache",
+}
+
+
+def _changed(a: Plan, b: Plan) -> list[str]:
+    """The choices ``b`` makes differently from ``a``, as ``"<what> <a's> -> <b's>"``."""
+    return [
+        f"{what} {getattr(a, name)} -> {getattr(b, name)}"
+        for name, what in _CHOICES.items()
+        if getattr(a, name) != getattr(b, name)
+    ]
+
+
+def decide_fused_copies(plain: Plan, held: Plan, want, copies: int) -> Plan:
+    """Whether the rollout engine holds ``copies`` bytes of fused decode projections, as a plan.
+
+    ``plain`` is the plan without the copies, ``held`` the plan with them held (:meth:`Budget.holding`).
+    ``want``: ``True`` (the user asked: ``held``, whatever it cost), ``False`` (``plain``) or ``"auto"``: the
+    copies are memory spent on decode speed, so they are held only where nothing the user runs pays for them:
+    ``held`` must fit and choose the same micro-batch, recompute and chunks as ``plain``; else ``plain``.
+    The chosen plan's ``fuse_projections`` and its reason are set (the table's row)."""
+    size = f"{copies / GIB:.2f} GiB" if copies >= GIB // 10 else f"{copies / 2**20:.1f} MiB"
+    if want is True:
+        chosen, on, why = held, True, f"your rollout_decode_fuse_projections=True ({size} held)"
+    elif want is False:
+        chosen, on, why = plain, False, "your rollout_decode_fuse_projections=False"
+    elif copies <= 0:
+        chosen, on, why = plain, False, "no layer to fuse (LoRA, quantized or biased projections)"
+    elif not held.fits:
+        chosen, on, why = plain, False, f"{size} of weight copies would not fit beside the plan"
+    elif _changed(plain, held):
+        chosen, on = plain, False
+        why = f"{size} of weight copies would change {', '.join(_changed(plain, held))}"
+    else:
+        chosen, on, why = held, True, f"{size} of weight copies fit beside the plan unchanged"
+    chosen = replace(chosen, reasons=dict(chosen.reasons), asked=dict(chosen.asked))
+    chosen.fuse_projections = on
+    chosen.reasons["fuse_projections"] = why
+    chosen.asked["fuse_projections"] = want
+    return chosen
+
+
+def unplanned_fused_copies(plan: Plan, want, copies: int, device_bytes: int) -> Plan:
+    """:func:`decide_fused_copies` for a run without a plan: ``"auto"`` holds the copies where they are at most
+    :data:`UNPLANNED_COPY_SHARE` of ``device_bytes``."""
+    small = 0 < copies <= UNPLANNED_COPY_SHARE * device_bytes
+    held = replace(plan, fits=plan.fits and (want is True or small))
+    chosen = decide_fused_copies(plan, held, want, copies)
+    if want == "auto" and copies > 0 and not small:
+        chosen.reasons["fuse_projections"] = (
+            f"{copies / GIB:.2f} GiB of weight copies is over {UNPLANNED_COPY_SHARE:.0%} of the device, and no "
+            "plan shows the room (a rapidfire config plans it)"
+        )
+    return chosen
 
 
 def level_target(level) -> LevelTarget:

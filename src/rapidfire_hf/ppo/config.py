@@ -86,7 +86,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "rollout_decode_mode": Among(("auto", "compile", "cuda_graph", "eager")),
     "rollout_decode_attention": Among(("auto", "sdpa", "matmul", "triton")),
     "rollout_decode_sampler": Among(("torch", "triton", "triton-philox")),
-    "rollout_decode_fuse_projections": Bool(),
+    "rollout_decode_fuse_projections": AutoOr(Bool()),
     "rollout_decode_linear": Among(("torch", "triton")),
     "rollout_cache": Among(("keep", "auto")),
     "rollout_generation_batch_size": AutoOr(Optional(Int(min=1), "the whole rollout batch at once")),
@@ -349,14 +349,16 @@ class PPOConfig(TrainingArguments):
             "Triton samplers take temperature only (no top_k / top_p). Opt-in."
         },
     )
-    rollout_decode_fuse_projections: bool = field(
-        default=False,
+    rollout_decode_fuse_projections: bool | str = field(
+        default="auto",
         metadata={
             "help": "Decode step of the fast engine: one matmul for each layer's q/k/v projections and one for "
             "gate/up, from concatenated copies of their weights (refreshed before each rollout; PEFT, "
-            "quantized or biased layers keep their modules). Costs a copy of those weights (1.2 GB at 1.1B). "
-            "Opt-in: on one H200 (benchmarks/kernels) the 1.1B decode step is 1.2x faster and a PPO update "
-            "1.15x faster at batch 8, but 0.97x at batch 32."
+            "quantized or biased layers keep their modules). Costs a copy of those weights (1.2 GB at 1.1B, "
+            "~9 GB at 7B). 'auto' (the default) holds the copies where the decode step is recorded on a CUDA "
+            "GPU and they cost nothing else: with a rapidfire config, where the plan with them held makes the "
+            "same choices and fits; without one, where they are at most 2% of the device. One H200, same "
+            "call: PPO updates 1.14x faster at 1.1B batch 8, 1.09x at batch 32 (benchmarks/kernels, call 6)."
         },
     )
     rollout_decode_linear: str = field(
@@ -424,7 +426,7 @@ class PPOConfig(TrainingArguments):
                     f"{self.local_batch_size} is not divisible by num_mini_batches={self.num_mini_batches}"
                 )
             )
-        if self.rollout_decode_linear != "torch" and not self.rollout_decode_fuse_projections:
+        if self.rollout_decode_linear != "torch" and self.rollout_decode_fuse_projections is not True:
             errors.append(
                 ConfigError(
                     f"rollout_decode_linear={self.rollout_decode_linear!r} runs the fused decode projections "

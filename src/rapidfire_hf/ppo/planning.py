@@ -36,8 +36,10 @@ from rapidfire_hf.memory.planner import (
     Probe,
     Workload,
     kv_bytes_per_token,
+    decide_fused_copies,
     make_plan,
     unplanned,
+    unplanned_fused_copies,
 )
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
 from rapidfire_hf.rollout.engine import resolved_backend
@@ -204,14 +206,36 @@ def measure(trainer, models, tokens: int, ctx: int, wanted: tuple[str, ...]) -> 
     return Probe(measured)
 
 
-def decode_copy_bytes(trainer, policy, static: bool) -> int:
-    """Bytes the rollout engine allocates at its first generation and then keeps, not yet allocated: the
-    q/k/v and gate/up weight copies of ``rollout_decode_fuse_projections`` (static engine only)."""
-    if not (static and trainer.args.rollout_decode_fuse_projections):
-        return 0
+def fuse_wanted(args, device) -> bool | str:
+    """What ``rollout_decode_fuse_projections`` asks on ``device``: ``True``, ``False`` or ``"auto"``, which
+    is ``False`` where the decode step is not recorded on a CUDA GPU (fusing pays by cutting the recorded
+    step's GEMMs; it was measured nowhere else)."""
+    want = args.rollout_decode_fuse_projections
+    if want == "auto" and (torch.device(device).type != "cuda" or args.rollout_decode_mode == "eager"):
+        return False
+    return want
+
+
+def decode_copies(trainer, policy, static: bool) -> tuple[bool | str | None, int]:
+    """``(want, bytes)`` of the fused decode projections' weight copies, which the rollout engine allocates
+    at its first generation and keeps (static engine only): ``want`` None where they are not considered
+    (another engine); ``bytes`` those not yet allocated. An engine already built keeps what it has."""
+    if not static:
+        return None, 0
     engine = trainer.roller.engine
-    have = engine.copy_bytes() if engine is not None else 0
-    return max(0, fused_projection_bytes(policy) - have)
+    if engine is not None:  # built by a rollout before the plan: its projections stay as they are
+        return engine.copy_bytes() > 0, 0
+    want = fuse_wanted(trainer.args, trainer.accelerator.device)
+    return want, (fused_projection_bytes(policy) if want is not False else 0)
+
+
+def _fused(plan: Plan, want, copies: int, device) -> Plan:
+    """``plan`` with the fused projections decided without a plan (:func:`unplanned_fused_copies`)."""
+    if want is None:
+        return plan
+    device = torch.device(device)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    return unplanned_fused_copies(plan, want, copies, total)
 
 
 def first_step_reserve(trainer) -> int:
@@ -245,7 +269,10 @@ def unplanned_run(trainer, prompt_tokens: int) -> Plan:
     work = workload(args, unwrapped.policy.config, prompt_tokens, 2)
     memory = trainer.rf_config.memory if trainer.rf_config is not None else None
     want = asked(args, None, False)
-    return unplanned(work, want, "none", memory.optimization if memory is not None else "balanced")
+    plan = unplanned(work, want, "none", memory.optimization if memory is not None else "balanced")
+    static = resolved_backend(unwrapped.policy, rollout_backend(args, trainer.engine_support)) == "static"
+    fuse, copies = decode_copies(trainer, unwrapped.policy, static)
+    return _fused(plan, fuse, copies, acc.device)
 
 
 def plan_run(trainer, queries: torch.Tensor) -> Plan:
@@ -259,8 +286,10 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
     static = resolved_backend(unwrapped.policy, rollout_backend(args, trainer.engine_support)) == "static"
     work = workload(args, unwrapped.policy.config, ctx, itemsize, cache_persists=static)
     want = asked(args, memory, acc.distributed_type == DistributedType.DEEPSPEED)
+    fuse, copies = decode_copies(trainer, unwrapped.policy, static)
     if memory is None:
         plan = unplanned(work, want, "gradient_checkpointing" if user_checkpointing(args) else "none")
+        plan = _fused(plan, fuse, copies, acc.device)
     else:
         wanted = policies(memory, want.checkpointing)
         try:
@@ -269,14 +298,13 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             logger.warning(
                 "rapidfire: the throughput planner could not measure (%s); your split is kept", err
             )
-            plan = unplanned(work, want, wanted[0], memory.optimization)
+            plan = _fused(unplanned(work, want, wanted[0], memory.optimization), fuse, copies, acc.device)
         else:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
-            copies = decode_copy_bytes(trainer, unwrapped.policy, static)
-            budget = budget.holding(copies)
             plan = make_plan(work, want, probe, budget, memory.optimization)
-            if copies:
-                plan.reasons["held"] = f"includes {copies / 2**30:.2f} GiB of fused decode projections"
+            if fuse is not None:  # the same plan with the copies held: kept only where it changes nothing
+                held = make_plan(work, want, probe, budget.holding(copies), memory.optimization) if copies else plan
+                plan = decide_fused_copies(plan, held, fuse, copies)
         plan = _agreed(acc, plan)
         _apply(models, plan.checkpointing)
         state = getattr(trainer, "state_decision", None)  # set when the trainer built the optimizer

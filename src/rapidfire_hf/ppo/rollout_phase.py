@@ -76,10 +76,12 @@ class Roller:
         generation_rows: int | None,
         sampling: bool = True,
         generator: torch.Generator | None = None,
+        fuse_projections: bool = False,
     ) -> Rollout:
         """Generate responses for a batch of prompts (greedy when not ``sampling``), ``generation_rows``
         prompts at a time (all at once when None), the noise drawn from ``generator`` (chunk after chunk;
-        None: the global RNG)."""
+        None: the global RNG). ``fuse_projections``: the engine's ``decode_fuse_projections`` when this call
+        builds it (the plan's decision, ``Plan.fuse_projections``)."""
         from rapidfire_hf.rollout import RolloutEngine
 
         args, device = self.args, self.accelerator.device
@@ -95,7 +97,7 @@ class Roller:
                 decode_mode=args.rollout_decode_mode,
                 decode_attention=args.rollout_decode_attention,
                 decode_sampler=args.rollout_decode_sampler,
-                decode_fuse_projections=args.rollout_decode_fuse_projections,
+                decode_fuse_projections=fuse_projections,
                 decode_linear=args.rollout_decode_linear,
             )
         params = sampling_params(args, sampling)

@@ -40,7 +40,7 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
             for name, value, default in (
                 ("attention", args.rollout_decode_attention, "auto"),
                 ("sampler", args.rollout_decode_sampler, "torch"),
-                ("fuse_projections", args.rollout_decode_fuse_projections, False),
+                ("fuse_projections", args.rollout_decode_fuse_projections, "auto"),
                 ("linear", args.rollout_decode_linear, "torch"),
             )
             if value != default

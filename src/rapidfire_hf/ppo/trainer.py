@@ -359,7 +359,9 @@ class PPOTrainer:
             generator = sampling_generator(
                 self.args.seed, self.state.global_step, self.accelerator.process_index
             )
-        rollout = self.roller.rollout(batch, plan.generation_rows, sampling, generator)
+        rollout = self.roller.rollout(
+            batch, plan.generation_rows, sampling, generator, fuse_projections=bool(plan.fuse_projections)
+        )
         if plan.free_cache:  # the plan gave the kept cache's memory to bigger generation chunks
             self.roller.engine.release()
         return rollout

@@ -252,7 +252,9 @@ class PPOSweep:
             decode_mode=self.args.rollout_decode_mode,
             decode_attention=sweep_decode_attention(self.args.rollout_decode_attention),
             decode_sampler=self.args.rollout_decode_sampler,
-            decode_fuse_projections=self.args.rollout_decode_fuse_projections,
+            # "auto" is off here: a sweep's layers carry its trials' adapters, which the fused step leaves
+            # to their modules anyway, and no sweep benchmark ran with it
+            decode_fuse_projections=self.args.rollout_decode_fuse_projections is True,
             decode_linear=self.args.rollout_decode_linear,
         )
 
