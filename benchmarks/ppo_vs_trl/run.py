@@ -619,11 +619,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ours.add_argument(
         "--ours-decode-kernels",
         default=None,
-        choices=["fuse", "triton", "fuse+triton", "skinny", "tattn", "sdpa", "fuse+tattn"],
+        choices=["fuse", "triton", "fuse+triton", "skinny", "tattn", "sdpa", "fuse+tattn", "nofuse"],
         help="decode-step options of ours: fuse = rollout_decode_fuse_projections, triton = the Triton "
         "attention and sampler (rollout_decode_attention / rollout_decode_sampler 'triton'), skinny = fused "
         "projections through the Triton skinny matmul (rollout_decode_linear 'triton'), tattn = the Triton "
-        "attention alone, sdpa = SDPA attention named explicitly; default none",
+        "attention alone, sdpa = SDPA attention named explicitly, nofuse = the module projections "
+        "(rollout_decode_fuse_projections=False, the default until 2026-12-04); default none",
     )
     ours.add_argument(
         "--ours-gen-chunk",

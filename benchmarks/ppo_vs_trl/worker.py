@@ -554,6 +554,8 @@ def run_ours(cfg: dict, device: str) -> dict:
         "reward_class": type(trainer.reward_model).__name__,
         "speedups": trainer.kernel_patches.summary(),
         "plan": trainer.plan.to_dict() if trainer.plan is not None else None,
+        # the fused decode projections' weight copies the engine holds (0: the module projections ran)
+        "fused_copy_bytes": getattr(trainer._rollout_engine, "copy_bytes", lambda: None)(),
         "phase_peak_gib": peaks.gib if peaks is not None else None,
         "run_peak_bytes": peaks.overall if peaks is not None else None,
         "profile": profiler.summary if profiler is not None else None,

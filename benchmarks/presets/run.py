@@ -253,6 +253,7 @@ def summary_row(row: dict, baseline: dict | None) -> dict:
         "plan_checkpointing": plan.get("checkpointing"),
         "plan_scoring_rows": plan.get("scoring_rows"),
         "plan_generation_rows": plan.get("generation_rows"),
+        "plan_fuse_projections": plan.get("fuse_projections"),
         "plan_peak_gib": plan.get("planned_peak_bytes", 0) / 2**30 if plan else None,
         "micro": row.get("micro"),
         "pipeline": row.get("pipeline"),
