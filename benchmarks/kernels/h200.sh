@@ -44,7 +44,9 @@ run() {
     tee -a "$OUT/parts.log"
 }
 
-run tests 90 bash -o pipefail -c "$PY -m pytest -q -p no:cacheprovider tests/kernels -m gpu 2>&1 | tail -4"
+# --tb=line --show-capture=no: one line per failure, naming the assertion (a failing compiled test's captured
+# torch logs otherwise push it out of the device tool's output)
+run tests 90 bash -o pipefail -c "$PY -m pytest -q -p no:cacheprovider tests/kernels -m gpu --tb=line --show-capture=no 2>&1 | tail -8"
 run kernels 120 bash -o pipefail -c "$PY benchmarks/kernels/run.py --out '$OUT/kernels' --kernels ${KERNELS:-attention,sampling,matmul} 2>&1 | grep -v '^{' | tail -3"
 run logprobs 70 bash -o pipefail -c "$PY benchmarks/kernels/logprobs.py --out '$OUT/logprobs' --budget-s ${LOGPROBS_BUDGET_S:-45} \
   2>&1 | grep -E '^\{|wrote' | cut -c1-220 | tail -30"

@@ -259,13 +259,13 @@ def test_kv_end_on_cuda_bf16_compiled_and_recorded(kv, group, d):
     k[:, :, end:], v[:, :, end:] = float("nan"), float("nan")
     kv_end = torch.tensor([end], device=DEVICE)
     eager = flash_decode(q, k, v, valid, d**-0.5, kv_end=kv_end)
-    assert torch.equal(eager, ref)
+    assert torch.equal(eager, ref), f"eager with kv_end: max diff {(eager - ref).abs().max().item()}"
     # under torch.compile the scale arrives as fp64 (s * scale rounds differently unless it is a power of
     # two: 128 ** -0.5 is not), so the compiled call is held to bf16's tolerance, and to finite values
     compiled = torch.compile(lambda *a: flash_decode(*a, d**-0.5, kv_end=kv_end), fullgraph=True)
     out_compiled = compiled(q, k, v, valid)
-    assert torch.isfinite(out_compiled).all()
-    torch.testing.assert_close(out_compiled, ref, atol=1e-2, rtol=1e-2)
+    assert torch.isfinite(out_compiled).all(), "compiled with kv_end read a poisoned slot"
+    torch.testing.assert_close(out_compiled, ref, atol=1e-2, rtol=1e-2, msg=lambda m: f"compiled: {m}")
     # recorded once, replayed at another bound: the bound is read at run time
     out = torch.empty_like(ref)
     graph = torch.cuda.CUDAGraph()
@@ -275,7 +275,8 @@ def test_kv_end_on_cuda_bf16_compiled_and_recorded(kv, group, d):
     valid[:, 200:] = False
     kv_end.fill_(200)
     graph.replay()
-    assert torch.equal(out, flash_decode(q, k_clean, v_clean, valid, d**-0.5))
+    replay_ref = flash_decode(q, k_clean, v_clean, valid, d**-0.5)
+    assert torch.equal(out, replay_ref), f"replayed at kv_end=200: max diff {(out - replay_ref).abs().max().item()}"
 
 
 def test_a_nan_row_gives_a_nan_log_prob_never_a_finite_one():
