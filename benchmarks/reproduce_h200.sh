@@ -60,14 +60,14 @@ ENTRIES=(
   "memory_defaults_pressure|memory/results/h200/defaults_pressure|native allocator with the pressure rule"
   "presets_b64|presets/results/h200/b64|1.1B batch 64: stock, no config, every preset, advanced.yaml, the snippet, with/without the planner"
   "presets_b256|presets/results/h200/b256|1.1B batch 256 fused + Liger + compile: stock, no config, balanced (exact clip) and balanced with clip_prediction scale (README row 13)"
-  "presets_b256_p1|presets/results/h200/b256p1|1.1B batch 256 fused + Liger + compile: no config, conservative, aggressive, stock (not run yet)"
+  "presets_b256_p1|presets/results/h200/b256p1|1.1B batch 256 fused + Liger + compile: no config, conservative, aggressive, stock"
   "presets_b256_p2|presets/results/h200/b256p2|1.1B batch 256 fused + Liger + compile: no config, advanced.yaml, the snippet, balanced (not run yet)"
   "presets_clip64|presets/results/h200/clip64|1.1B batch 64: no config, balanced (clip_prediction exact), balanced with scale, stock (stock timed out in the stored call)"
   "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model, b160: ours aggressive from the batch alone against today's hand-tuned settings"
   "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (stored: ours only, stock left out of that call)"
   "presets_lora7b_cache_plan|presets/results/h200/lora7b_cache_plan|7B LoRA b256: aggressive from the batch alone (KV cache held in the plan) against hand-tuned"
   "presets_full7b_b256|presets/results/h200/full7b_b256|7B full fine-tuning, batch 256 from the batch alone: aggressive with Triton attention, with SDPA, stock TRL at batch 4, one call"
-  "presets_full7b_freecache|presets/results/h200/full7b_freecache|7B full fine-tuning, batch 160: aggressive with the KV cache kept and freed after generation (rollout_cache auto), stock b4 (not run yet)"
+  "presets_full7b_freecache|presets/results/h200/full7b_freecache|7B full fine-tuning, batch 160: aggressive with the KV cache kept and freed after generation (rollout_cache auto), one call (stock left out)"
   "presets_lora7b_tattn|presets/results/h200/lora7b_tattn|7B LoRA batch 256 from the batch alone: aggressive with Triton attention against SDPA, one call"
   "presets_pipe7b|presets/results/h200/pipe7b|7B full fine-tuning, batch 32: the gradient pipeline on/off at 1, 4, 8 accumulation steps"
   "presets_pipe64|presets/results/h200/pipe64|1.1B batch 64: the gradient pipeline on/off at 1, 4, 8 accumulation steps, stock"
@@ -77,6 +77,9 @@ ENTRIES=(
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
   "kernels_call5|kernels/results/h200/call5|GPU kernel tests, attention mid-response with the kv_end bound, the compiled decode step (default SDPA vs Triton attention) at the response's mean cache length"
   "kernels_call6|kernels/results/h200/call6|PPO 1.1B batch 8 / 32: stock TRL 1.12, ours with SDPA, with the Triton attention, with fused projections + Triton attention, one call"
+  "kernels_call7|kernels/results/h200/call7|GPU kernel tests; PPO 1.1B: stock (ours' base rows cut by the part's 200 s), ours with the module projections"
+  "kernels_call8|kernels/results/h200/call8|PPO 1.1B batch 8 / 32: stock TRL 1.12, ours (fused projections from 'auto'), ours with the module projections, one call (ours' batch 32 cut by the limit)"
+  "kernels_call9|kernels/results/h200/call9|PPO 1.1B batch 32: ours (fused from 'auto') against the module projections, one call"
   "precision_torchao|precision/results/h200/torchao|fp16 overflow; FP8 linears per backend; 40-step loss"
   "precision_fp8_7b|precision/results/h200/fp8_loss/llama-7b_bf16|compiled FP8 training, 7B (README row 10)"
   "precision_fp8_1b_bf16|precision/results/h200/fp8_loss/llama-1.1b_bf16|compiled FP8 training, 1.1B bf16 weights"
@@ -214,7 +217,7 @@ entry() {  # the commands of one entry, writing into $1
     presets_b256_p2) bash benchmarks/presets/h200.sh "$o" b256p2 && mv "$o"/b256p2/* "$o"/ && rmdir "$o/b256p2" ;;
     presets_full7b_b256) BATCH_7B=256 ROWS_7B=aggressive+tattn,aggressive+sdpa,trl UPDATES_7B=4 TIMEOUT_7B=245 \
         bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
-    presets_full7b_freecache) ROWS_7B=aggressive,aggressive+freecache,trl UPDATES_7B=4 \
+    presets_full7b_freecache) ROWS_7B=aggressive,aggressive+freecache UPDATES_7B=4 TIMEOUT_7B=265 \
         bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
     presets_lora7b_tattn) ROWS_7B=aggressive+tattn,aggressive+sdpa UPDATES_7B=4 TIMEOUT_7B=190 \
         bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
@@ -230,6 +233,10 @@ entry() {  # the commands of one entry, writing into $1
     kernels_call5) PARTS="tests kernels profile" KERNELS=attention TOTAL_S=545 PROFILE_VARIANTS=sdpa,tattn \
         PROFILE_FIRST_STEP=184 PROFILE_BATCHES=8,256,64 bash benchmarks/kernels/h200.sh "$o" ;;
     kernels_call6) PARTS=ppo PPO_KERNELS="base tattn fuse+tattn" TOTAL_S=560 bash benchmarks/kernels/h200.sh "$o" ;;
+    kernels_call7) PARTS="tests ppo" PPO_KERNELS="base nofuse" TOTAL_S=540 bash benchmarks/kernels/h200.sh "$o" ;;
+    kernels_call8) PARTS=ppo PPO_KERNELS="base nofuse" PPO_CAP_S=300 TOTAL_S=560 bash benchmarks/kernels/h200.sh "$o" ;;
+    kernels_call9) PARTS=ppo PPO_KERNELS="base nofuse" PPO_BATCHES=32 PPO_TRL_BATCHES= PPO_CAP_S=85 TOTAL_S=300 \
+        bash benchmarks/kernels/h200.sh "$o" ;;
     precision_torchao) $PY benchmarks/precision/run.py --out "$o" --budget-s 275 ;;
     precision_fp8_7b) $PY benchmarks/precision/run.py --out "$o" --parts fp8_loss --fp8-loss-shape llama-7b --fp8-loss-weights bf16 \
         --fp8-loss-variants bf16_compiled,torchao_tensorwise_compiled,torchao_rowwise_compiled --fp8-loss-steps 30 --budget-s 130 ;;

@@ -56,11 +56,13 @@ run rollout ${ROLLOUT_CAP_S:-170} bash -o pipefail -c "$PY benchmarks/rollout/ru
   2>&1 | tail -14"
 # PPO at batch 8 and 32 (issue 31's end-to-end target): stock TRL 1.12, ours, ours with each decode option;
 # not in the default PARTS (a call of its own: ~450 s; needs .whl-trl112 carried)
+# (PPO_CAP_S: seconds per variant, 200; PPO_BATCHES: ours, 8,32; PPO_TRL_BATCHES: stock's, in the base variant, 8,32:
+# stock's generation is Python-bound, ~10 s an update on a slow host, when 200 s no longer fit stock and ours)
 for k in ${PPO_KERNELS:-base fuse skinny}; do
   flag=$([ $k = base ] || echo "--ours-decode-kernels $k")
-  trl=$([ $k = base ] && echo 8,32 || echo "")
-  run ppo 200 bash -o pipefail -c "$PY benchmarks/ppo_vs_trl/run.py --out '$OUT/ppo_$k' --part throughput \
-    --trl-batches '$trl' --our-batches 8,32 --fused-batches '' --updates 4 $flag 2>&1 | tail -4"
+  trl=$([ $k = base ] && echo "${PPO_TRL_BATCHES-8,32}" || echo "")
+  run ppo ${PPO_CAP_S:-200} bash -o pipefail -c "$PY benchmarks/ppo_vs_trl/run.py --out '$OUT/ppo_$k' --part throughput \
+    --trl-batches '$trl' --our-batches ${PPO_BATCHES:-8,32} --fused-batches '' --updates 4 $flag 2>&1 | tail -4"
 done
 # the profile's own budget leaves ~40 s for the cell started last (a compiled 7B cell)
 left=$((TOTAL_S - SECONDS))
