@@ -70,8 +70,10 @@ class RolloutEngine:
             ``batch / prefill_chunk_rows`` (``None``: all prompts at once; the hf backend ignores it).
         decode_fuse_projections: static engine only: one matmul for each layer's q/k/v projections and one
             for gate/up in the decode step, from concatenated copies of their weights (refreshed before each
-            generation; layers with PEFT, quantized or biased projections keep their modules). Opt-in: 1.1-1.2x
-            on the step on one H200, a PPO update 1.15x at batch 8 but 0.97x at 32 (``benchmarks/kernels``).
+            generation; layers with PEFT, quantized or biased projections keep their modules). Off here by
+            default; ``PPOTrainer`` turns it on where its plan has room for the copies
+            (``PPOConfig.rollout_decode_fuse_projections="auto"``). 1.1-1.2x on the step on one H200; a PPO update
+            1.09x at batch 8 and 1.00x at 32 against the module projections, same calls (``benchmarks/kernels``).
         decode_compile_mode: static engine only: ``torch.compile`` mode of the compiled decode step (None:
             torch's default; ``"max-autotune-no-cudagraphs"``: inductor autotunes the few-row matmuls).
             Opt-in until measured (the ``+autotune`` systems).

@@ -122,9 +122,10 @@ class StaticLlama:
             profile in benchmarks/kernels: the weight GEMMs are ~1.1 of 1.78 ms per step at 1.1B batch 8,
             against a 0.45 ms floor for the whole step). Costs a second copy of those weights (1.2 GB at
             1.1B). Layers whose projections are not plain bias-free ``nn.Linear`` (PEFT LoRA, quantized,
-            biased) keep the module calls. Off by default: on one H200 (benchmarks/kernels, third call) the step
-            is 1.21x faster at 1.1B batch 8, 1.18x at batch 64, 1.10x at 7B batch 8, and a PPO update 1.15x faster
-            at batch 8, but 0.97x at batch 32 (training slower in that run, cause not found).
+            biased) keep the module calls. On one H200 (benchmarks/kernels, third call) the step is 1.21x faster at
+            1.1B batch 8, 1.18x at batch 64 and 1.10x at 7B batch 8; PPO updates 1.09x at batch 8 and 1.00x at
+            batch 32 against the module projections (eighth and ninth calls). ``PPOTrainer`` fuses where its plan
+            has room for the copies (``rollout_decode_fuse_projections="auto"``).
         linear: the matmul of the fused layers' decode projections (q/k/v, o, gate/up, down): ``"torch"``
             (``F.linear``) or ``"triton"`` (:func:`rapidfire_hf.kernels.triton_skinny_matmul.skinny_linear`,
             built to read each weight once at close to the memory bandwidth for a few rows). Needs

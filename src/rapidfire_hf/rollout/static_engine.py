@@ -100,7 +100,8 @@ class StaticEngine:
         prefill_rows: run the prompt prefill that many prompts at a time (``rollout.prefill.chunk_prefill``;
             ``None``: all at once).
         fuse_projections: one matmul for q/k/v and one for gate/up per layer in the decode step
-            (``StaticLlama``; opt-in: a faster step, PPO 1.15x at batch 8 but 0.97x at 32 on the H200).
+            (``StaticLlama``; a faster step: PPO 1.09x at batch 8, 1.00x at 32 on the H200; see
+            ``RolloutEngine``).
         compile_mode: ``torch.compile``'s ``mode`` for the compiled step (None: its default); e.g.
             ``"max-autotune-no-cudagraphs"`` lets inductor time Triton GEMM templates against cuBLAS for the
             decode's few-row matmuls (the step is recorded as a CUDA graph here either way). Opt-in: longer
