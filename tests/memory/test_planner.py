@@ -261,7 +261,7 @@ def test_without_a_plan_auto_holds_only_small_fused_copies():
     plain = unplanned(WORK, Asked(), "none")
     h200 = int(139.8 * GIB)
     small = unplanned_fused_copies(plain, "auto", int(1.2 * GIB), h200)  # the 1.1B shape's copies
-    assert small.fuse_projections is True and small.fits
+    assert small.fuse_projections is True and small.fits and "(no plan)" in small.reasons["fuse_projections"]
     big = unplanned_fused_copies(plain, "auto", 9 * GIB, h200)  # the 7B shape's: 6.4% of the device
     assert big.fuse_projections is False and f"{UNPLANNED_COPY_SHARE:.0%}" in big.reasons["fuse_projections"]
     assert unplanned_fused_copies(plain, True, 9 * GIB, h200).fuse_projections is True

@@ -392,10 +392,13 @@ def unplanned_fused_copies(plan: Plan, want, copies: int, device_bytes: int) -> 
     small = 0 < copies <= UNPLANNED_COPY_SHARE * device_bytes
     held = replace(plan, fits=plan.fits and (want is True or small))
     chosen = decide_fused_copies(plan, held, want, copies)
-    if want == "auto" and copies > 0 and not small:
+    if want == "auto" and copies > 0:
+        share = f"{UNPLANNED_COPY_SHARE:.0%} of the device"
         chosen.reasons["fuse_projections"] = (
-            f"{copies / GIB:.2f} GiB of weight copies is over {UNPLANNED_COPY_SHARE:.0%} of the device, and no "
-            "plan shows the room (a rapidfire config plans it)"
+            f"{copies / GIB:.2f} GiB of weight copies, at most {share} (no plan)"
+            if small
+            else f"{copies / GIB:.2f} GiB of weight copies is over {share}, and no plan shows the room "
+            "(a rapidfire config plans it)"
         )
     return chosen
 
