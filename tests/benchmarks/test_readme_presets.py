@@ -58,3 +58,18 @@ def test_readme_row_13_is_the_stored_b256_call():
     assert cells[4] == f"**{balanced / none:.2f}×**"
     assert f"stock TRL {float(rows['trl']['tokens_per_s']):,.0f}" in cells[1]
     assert f"merges {int(rows['balanced']['plan_train_rows']) // 8} micro-batches" in cells[1]
+
+
+def test_readme_row_1_is_the_stored_same_call_run():
+    """Row 1: stock and ours (fused decode projections from "auto") at batch 8 from one call, and the
+    previous default (the module projections) of the same call in the row's label."""
+    call = ROOT / "benchmarks" / "kernels" / "results" / "h200" / "call8"
+    base = {r["name"]: r for r in csv.DictReader((call / "ppo_base" / "results.csv").open())}
+    nofuse = {r["name"]: r for r in csv.DictReader((call / "ppo_nofuse" / "results.csv").open())}
+    stock, ours = base["tp_trl_b8"], base["tp_rapidfire_b8"]
+    before = nofuse["tp_rapidfire_b8_nofuse"]
+    assert stock["status"] == ours["status"] == before["status"] == "ok"
+    cells = _cells((ROOT / "README.md").read_text(), "| 1 | ")
+    assert cells[2] == f"{float(stock['tokens_per_s']):,.0f}" and cells[3] == f"{float(ours['tokens_per_s']):,.0f}"
+    assert cells[4] == f"**{float(ours['tokens_per_s']) / float(stock['tokens_per_s']):.1f}×**"
+    assert f"same call: {float(before['tokens_per_s']):,.0f}" in cells[1]
