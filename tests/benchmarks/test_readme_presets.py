@@ -70,6 +70,9 @@ def test_readme_row_1_is_the_stored_same_call_run():
     before = nofuse["tp_rapidfire_b8_nofuse"]
     assert stock["status"] == ours["status"] == before["status"] == "ok"
     cells = _cells((ROOT / "README.md").read_text(), "| 1 | ")
-    assert cells[2] == f"{float(stock['tokens_per_s']):,.0f}" and cells[3] == f"{float(ours['tokens_per_s']):,.0f}"
+    assert (
+        cells[2] == f"{float(stock['tokens_per_s']):,.0f}"
+        and cells[3] == f"{float(ours['tokens_per_s']):,.0f}"
+    )
     assert cells[4] == f"**{float(ours['tokens_per_s']) / float(stock['tokens_per_s']):.1f}×**"
     assert f"same call: {float(before['tokens_per_s']):,.0f}" in cells[1]

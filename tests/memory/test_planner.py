@@ -232,7 +232,12 @@ def test_auto_fused_copies_are_held_only_where_the_plan_stays_the_same():
 
     held, room = decided(9)  # 9 GiB (the 7B shape's copies) fit in the 12.3 GiB left: the same plan
     assert room.fuse_projections is True and room.fits
-    assert (room.train_rows, room.scoring_rows, room.generation_rows, room.checkpointing) == (8, 256, 256, "none")
+    assert (room.train_rows, room.scoring_rows, room.generation_rows, room.checkpointing) == (
+        8,
+        256,
+        256,
+        "none",
+    )
     assert room.planned_peak_bytes == plain.planned_peak_bytes + 9 * GIB  # the plan counts what it holds
     assert "fit beside the plan unchanged" in room.reasons["fuse_projections"]
     held, costly = decided(14)  # held, the plan would halve the generation chunk: not worth it

@@ -197,12 +197,17 @@ def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, to
     assert fused.plan.fuse_projections is True and "held" in fused.plan.reasons["fuse_projections"]
     # allocated now: planning again counts nothing more (memory_allocated sees them on a GPU)
     assert fused._rollout_engine.copy_bytes() == copies
-    assert planning.decode_copies(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == (True, 0)
+    assert planning.decode_copies(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == (
+        True,
+        0,
+    )
 
     monkeypatch.setattr(planning, "fuse_wanted", lambda args, device: args.rollout_decode_fuse_projections)
     roomy, copies = run("auto-roomy")
     assert roomy.plan.fuse_projections is True and roomy._rollout_engine.copy_bytes() == copies
-    assert re.search(r"fused decode projections +auto +on +\d+\.\d MiB of weight copies fit", roomy.plan.table())
+    assert re.search(
+        r"fused decode projections +auto +on +\d+\.\d MiB of weight copies fit", roomy.plan.table()
+    )
     # a budget where the copies would cost the plan: the plan without them runs, the engine fuses nothing
     need = roomy.plan.planned_peak_bytes - copies  # the plan's peak without the copies
     room[0] = need + copies // 2

@@ -543,7 +543,6 @@ def _generation_chunk(
     return rows, ok, why, False
 
 
-
 def make_plan(
     work: Workload,
     asked: Asked,

@@ -303,7 +303,11 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
             plan = make_plan(work, want, probe, budget, memory.optimization)
             if fuse is not None:  # the same plan with the copies held: kept only where it changes nothing
-                held = make_plan(work, want, probe, budget.holding(copies), memory.optimization) if copies else plan
+                held = (
+                    make_plan(work, want, probe, budget.holding(copies), memory.optimization)
+                    if copies
+                    else plan
+                )
                 plan = decide_fused_copies(plan, held, fuse, copies)
         plan = _agreed(acc, plan)
         _apply(models, plan.checkpointing)
