@@ -206,27 +206,28 @@ def measure(trainer, models, tokens: int, ctx: int, wanted: tuple[str, ...]) -> 
     return Probe(measured)
 
 
-def fuse_wanted(args, device) -> bool | str:
-    """What ``rollout_decode_fuse_projections`` asks on ``device``: ``True``, ``False`` or ``"auto"``, which
-    is ``False`` where the decode step is not recorded on a CUDA GPU (fusing pays by cutting the recorded
-    step's GEMMs; it was measured nowhere else)."""
+def fuse_wanted(args, device) -> bool | str | None:
+    """What ``rollout_decode_fuse_projections`` asks on ``device``: ``True``, ``False`` or ``"auto"``; None
+    where ``"auto"`` has nothing to decide because the decode step is not recorded on a CUDA GPU (fusing pays
+    by cutting the recorded step's GEMMs and was measured nowhere else): no copies, no row in the plan."""
     want = args.rollout_decode_fuse_projections
     if want == "auto" and (torch.device(device).type != "cuda" or args.rollout_decode_mode == "eager"):
-        return False
+        return None
     return want
 
 
 def decode_copies(trainer, policy, static: bool) -> tuple[bool | str | None, int]:
     """``(want, bytes)`` of the fused decode projections' weight copies, which the rollout engine allocates
     at its first generation and keeps (static engine only): ``want`` None where they are not considered
-    (another engine); ``bytes`` those not yet allocated. An engine already built keeps what it has."""
+    (another engine, or :func:`fuse_wanted` None); ``bytes`` those not yet allocated. An engine already built
+    keeps what it has."""
     if not static:
         return None, 0
     engine = trainer.roller.engine
     if engine is not None:  # built by a rollout before the plan: its projections stay as they are
         return engine.copy_bytes() > 0, 0
     want = fuse_wanted(trainer.args, trainer.accelerator.device)
-    return want, (fused_projection_bytes(policy) if want is not False else 0)
+    return want, (fused_projection_bytes(policy) if want in (True, "auto") else 0)
 
 
 def _fused(plan: Plan, want, copies: int, device) -> Plan:
