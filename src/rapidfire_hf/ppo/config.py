@@ -357,8 +357,9 @@ class PPOConfig(TrainingArguments):
             "quantized or biased layers keep their modules). Costs a copy of those weights (1.2 GB at 1.1B, "
             "~9 GB at 7B). 'auto' (the default) holds the copies where the decode step is recorded on a CUDA "
             "GPU and they cost nothing else: with a rapidfire config, where the plan with them held makes the "
-            "same choices and fits; without one, where they are at most 2% of the device. One H200, same "
-            "call: PPO updates 1.14x faster at 1.1B batch 8, 1.09x at batch 32 (benchmarks/kernels, call 6)."
+            "same choices and fits; without one, where they are at most 2% of the device. One H200, against "
+            "the module projections in the same call: PPO updates at 1.1B 1.09x at batch 8 and 1.00x at batch 32 "
+            "(benchmarks/kernels, calls 8 and 9; 1.14x and 1.09x with a faster training phase in call 6)."
         },
     )
     rollout_decode_linear: str = field(
