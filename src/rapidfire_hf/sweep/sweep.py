@@ -252,8 +252,8 @@ class PPOSweep:
             decode_mode=self.args.rollout_decode_mode,
             decode_attention=sweep_decode_attention(self.args.rollout_decode_attention),
             decode_sampler=self.args.rollout_decode_sampler,
-            # "auto" is off here: a sweep's layers carry its trials' adapters, which the fused step leaves
-            # to their modules anyway, and no sweep benchmark ran with it
+            # "auto" is off here: no sweep benchmark ran with fused projections, and layers carrying the
+            # trials' adapters on q/k/v or gate/up keep their modules anyway
             decode_fuse_projections=self.args.rollout_decode_fuse_projections is True,
             decode_linear=self.args.rollout_decode_linear,
         )
