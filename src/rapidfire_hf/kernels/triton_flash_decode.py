@@ -11,8 +11,10 @@ the normalised output itself.
 ``kv_end`` (a device tensor, so a recorded or compiled step reads it at run time) bounds the slots read:
 a decode step at slot ``s`` of a static cache needs only ``[0, s]``, while the shapes (and so the grid)
 stay those of the whole cache. Programs whose split starts past the bound exit at once; the others stop
-there. Slots past it are masked out by ``key_valid`` anyway, so the result is bit-identical to reading
-them: a fully masked block leaves the online softmax unchanged (``alpha = 1``, ``p = 0``). SDPA in a
+there. Slots past it are masked out by ``key_valid`` anyway, so in exact arithmetic nothing changes: a
+fully masked block leaves the online softmax unchanged (``alpha = 1``, ``p = 0``). Triton's interpreter
+gives bit-identical results with and without the bound; on a GPU the two are separate compilations
+(``HAS_END``), held to one bf16 rounding of each other by the GPU test. SDPA in a
 recorded step has no such bound and reads every slot: at 128 + 384 tokens the average step needs 320 of
 512 slots.
 
@@ -183,7 +185,7 @@ def flash_decode(
     ``splits`` overrides the split count (tests); the default follows :func:`num_splits`. The caches may be
     length-slice views of larger caches; their last dimension must be contiguous. ``kv_end``: an integer
     tensor of one element on the caches' device, no slot at or past it is read (every row's valid slots
-    must lie below it; the result is then bit-identical to ``kv_end=None``).
+    must lie below it; the result then equals ``kv_end=None``'s up to the rounding of another compilation).
     """
     b, n_kv, group, d = q.shape
     kv_len = k_cache.shape[2]
