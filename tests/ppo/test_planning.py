@@ -203,7 +203,17 @@ def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, to
     assert planning.decode_copies(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == (
         True,
         0,
+        copies,
     )
+    # an engine built by a rollout before the plan (outside train()) keeps what it has; the plan says so
+    early = trainer_with(
+        tmp_path / "early", tokenizer, {}, rollout_backend="static", rollout_decode_fuse_projections=True
+    )
+    early.rollout(early.next_prompts(0))
+    assert early.plan is None and early._rollout_engine.copy_bytes() == copies
+    early.train()
+    assert early.plan.fuse_projections is True
+    assert "held by the engine built before the plan" in early.plan.reasons["fuse_projections"]
 
     monkeypatch.setattr(planning, "fuse_wanted", lambda args, device: args.rollout_decode_fuse_projections)
     roomy, copies = run("auto-roomy")

@@ -357,16 +357,29 @@ def _changed(a: Plan, b: Plan) -> list[str]:
     ]
 
 
-def decide_fused_copies(plain: Plan, held: Plan, want, copies: int) -> Plan:
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def decide_fused_copies(plain: Plan, held: Plan, want, copies: int, built: int | None = None) -> Plan:
     """Whether the rollout engine holds ``copies`` bytes of fused decode projections, as a plan.
 
     ``plain`` is the plan without the copies, ``held`` the plan with them held (:meth:`Budget.holding`).
     ``want``: ``True`` (the user asked: ``held``, whatever it cost), ``False`` (``plain``) or ``"auto"``: the
     copies are memory spent on decode speed, so they are held only where nothing the user runs pays for them:
     ``held`` must fit and choose the same micro-batch, recompute and chunks as ``plain``; else ``plain``.
+    ``built``: the bytes an engine built before this plan already holds (None: no engine yet); that engine
+    stays as it is, and the device's held memory already counts its copies, so ``plain`` is the plan.
     The chosen plan's ``fuse_projections`` and its reason are set (the table's row)."""
-    size = f"{copies / GIB:.2f} GiB" if copies >= GIB // 10 else f"{copies / 2**20:.1f} MiB"
-    if want is True:
+    size = _size(copies)
+    if built is not None:
+        chosen, on = plain, built > 0
+        why = (
+            f"{_size(built)} held by the engine built before the plan"
+            if on
+            else "the engine was built before the plan without them"
+        )
+    elif want is True:
         chosen, on, why = held, True, f"your rollout_decode_fuse_projections=True ({size} held)"
     elif want is False:
         chosen, on, why = plain, False, "your rollout_decode_fuse_projections=False"
@@ -386,13 +399,15 @@ def decide_fused_copies(plain: Plan, held: Plan, want, copies: int) -> Plan:
     return chosen
 
 
-def unplanned_fused_copies(plan: Plan, want, copies: int, device_bytes: int) -> Plan:
+def unplanned_fused_copies(
+    plan: Plan, want, copies: int, device_bytes: int, built: int | None = None
+) -> Plan:
     """:func:`decide_fused_copies` for a run without a plan: ``"auto"`` holds the copies where they are at most
     :data:`UNPLANNED_COPY_SHARE` of ``device_bytes``."""
     small = 0 < copies <= UNPLANNED_COPY_SHARE * device_bytes
     held = replace(plan, fits=plan.fits and (want is True or small))
-    chosen = decide_fused_copies(plan, held, want, copies)
-    if want == "auto" and copies > 0:
+    chosen = decide_fused_copies(plan, held, want, copies, built)
+    if built is None and want == "auto" and copies > 0:
         share = f"{UNPLANNED_COPY_SHARE:.0%} of the device"
         chosen.reasons["fuse_projections"] = (
             f"{copies / GIB:.2f} GiB of weight copies, at most {share} (no plan)"

@@ -216,27 +216,27 @@ def fuse_wanted(args, device) -> bool | str | None:
     return want
 
 
-def decode_copies(trainer, policy, static: bool) -> tuple[bool | str | None, int]:
-    """``(want, bytes)`` of the fused decode projections' weight copies, which the rollout engine allocates
-    at its first generation and keeps (static engine only): ``want`` None where they are not considered
-    (another engine, or :func:`fuse_wanted` None); ``bytes`` those not yet allocated. An engine already built
-    keeps what it has."""
-    if not static:
-        return None, 0
+def decode_copies(trainer, policy, static: bool) -> tuple[bool | str | None, int, int | None]:
+    """``(want, bytes, built)`` of the fused decode projections' weight copies, which the rollout engine
+    allocates at its first generation and keeps (static engine only): ``want`` None where they are not
+    considered (another engine, or :func:`fuse_wanted` None); ``bytes`` what they would take; ``built`` the
+    bytes an engine built before the plan already holds (None: no engine yet; that engine stays as it is)."""
+    want = fuse_wanted(trainer.args, trainer.accelerator.device) if static else None
+    if want is None:
+        return None, 0, None
     engine = trainer.roller.engine
     if engine is not None:  # built by a rollout before the plan: its projections stay as they are
-        return engine.copy_bytes() > 0, 0
-    want = fuse_wanted(trainer.args, trainer.accelerator.device)
-    return want, (fused_projection_bytes(policy) if want in (True, "auto") else 0)
+        return want, 0, engine.copy_bytes()
+    return want, (fused_projection_bytes(policy) if want is not False else 0), None
 
 
-def _fused(plan: Plan, want, copies: int, device) -> Plan:
+def _fused(plan: Plan, want, copies: int, built: int | None, device) -> Plan:
     """``plan`` with the fused projections decided without a plan (:func:`unplanned_fused_copies`)."""
     if want is None:
         return plan
     device = torch.device(device)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-    return unplanned_fused_copies(plan, want, copies, total)
+    return unplanned_fused_copies(plan, want, copies, total, built)
 
 
 def first_step_reserve(trainer) -> int:
@@ -272,8 +272,8 @@ def unplanned_run(trainer, prompt_tokens: int) -> Plan:
     want = asked(args, None, False)
     plan = unplanned(work, want, "none", memory.optimization if memory is not None else "balanced")
     static = resolved_backend(unwrapped.policy, rollout_backend(args, trainer.engine_support)) == "static"
-    fuse, copies = decode_copies(trainer, unwrapped.policy, static)
-    return _fused(plan, fuse, copies, acc.device)
+    fuse, copies, built = decode_copies(trainer, unwrapped.policy, static)
+    return _fused(plan, fuse, copies, built, acc.device)
 
 
 def plan_run(trainer, queries: torch.Tensor) -> Plan:
@@ -287,10 +287,10 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
     static = resolved_backend(unwrapped.policy, rollout_backend(args, trainer.engine_support)) == "static"
     work = workload(args, unwrapped.policy.config, ctx, itemsize, cache_persists=static)
     want = asked(args, memory, acc.distributed_type == DistributedType.DEEPSPEED)
-    fuse, copies = decode_copies(trainer, unwrapped.policy, static)
+    fuse, copies, built = decode_copies(trainer, unwrapped.policy, static)
     if memory is None:
         plan = unplanned(work, want, "gradient_checkpointing" if user_checkpointing(args) else "none")
-        plan = _fused(plan, fuse, copies, acc.device)
+        plan = _fused(plan, fuse, copies, built, acc.device)
     else:
         wanted = policies(memory, want.checkpointing)
         try:
@@ -299,7 +299,9 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             logger.warning(
                 "rapidfire: the throughput planner could not measure (%s); your split is kept", err
             )
-            plan = _fused(unplanned(work, want, wanted[0], memory.optimization), fuse, copies, acc.device)
+            plan = _fused(
+                unplanned(work, want, wanted[0], memory.optimization), fuse, copies, built, acc.device
+            )
         else:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
             plan = make_plan(work, want, probe, budget, memory.optimization)
@@ -309,7 +311,7 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
                     if copies
                     else plan
                 )
-                plan = decide_fused_copies(plan, held, fuse, copies)
+                plan = decide_fused_copies(plan, held, fuse, copies, built)
         plan = _agreed(acc, plan)
         _apply(models, plan.checkpointing)
         state = getattr(trainer, "state_decision", None)  # set when the trainer built the optimizer
