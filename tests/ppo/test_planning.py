@@ -84,6 +84,25 @@ def test_no_config_no_plan_printed_and_trl_chunks(tmp_path, tokenizer, capsys):
     assert not trainer.plan.planned and trainer.plan.scoring_rows == 64 and trainer.plan.merge == 1
 
 
+def test_no_config_says_once_when_it_holds_fused_copies(tmp_path, tokenizer, capsys, monkeypatch):
+    """Without a plan table, memory held for fused decode projections is said in one line, once; where "auto"
+    holds nothing (here: no CUDA device, so no device share to fit in), nothing is said."""
+    import rapidfire_hf.ppo.planning as planning
+
+    fused = tiny_trainer(
+        tmp_path / "a", tokenizer, rollout_backend="static", rollout_decode_fuse_projections=True
+    )
+    fused.train()
+    out = capsys.readouterr().out
+    assert out.count("rapidfire: fused decode projections on (your rollout_decode_fuse_projections=True") == 1
+    assert fused.plan.fuse_projections is True and fused._rollout_engine.copy_bytes() > 0
+    monkeypatch.setattr(planning, "fuse_wanted", lambda args, device: args.rollout_decode_fuse_projections)
+    auto = tiny_trainer(tmp_path / "b", tokenizer, rollout_backend="static")
+    auto.train()
+    assert "fused decode projections" not in capsys.readouterr().out
+    assert auto.plan.fuse_projections is False and auto._rollout_engine.copy_bytes() == 0
+
+
 def test_probe_is_cached_and_a_damaged_cache_is_measured_again(tmp_path, tokenizer, caplog):
     first = trainer_with(tmp_path, tokenizer, {})
     first.train()

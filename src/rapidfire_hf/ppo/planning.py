@@ -291,6 +291,12 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
     if memory is None:
         plan = unplanned(work, want, "gradient_checkpointing" if user_checkpointing(args) else "none")
         plan = _fused(plan, fuse, copies, built, acc.device)
+        if plan.fuse_projections and acc.is_main_process:  # memory held without a plan table: said once
+            print(
+                f"rapidfire: fused decode projections on ({plan.reasons['fuse_projections']}); "
+                "rollout_decode_fuse_projections=False turns them off",
+                flush=True,
+            )
     else:
         wanted = policies(memory, want.checkpointing)
         try:
