@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from rapidfire_hf.config.errors import ConfigErrors
 from rapidfire_hf.demo import build_char_tokenizer, build_tiny_llama, build_tiny_value_model, vowel_reward
 from rapidfire_hf.ppo import PPOConfig, PPOTrainer
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
@@ -117,3 +118,33 @@ def test_dataset_num_proc_tokenizes_in_several_processes(tmp_path):
     assert one["input_ids"] == two["input_ids"]
     assert os.listdir(single) == [str(os.getpid())]
     assert len(os.listdir(multi)) == 2 and str(os.getpid()) not in os.listdir(multi)
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [([], "auto"), (["true"], True), (["False"], False), (["auto"], "auto")],
+)
+def test_fuse_projections_from_a_command_line(tmp_path, argv, expected):
+    """A TRL script's command line gives text: "auto" stays, "true" / "false" become booleans, anything else
+    is refused naming the field."""
+    from transformers import HfArgumentParser
+
+    flag = ["--rollout_decode_fuse_projections", *argv] if argv else []
+    parser = HfArgumentParser(PPOConfig)
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", *flag]
+    )
+    assert args.rollout_decode_fuse_projections == expected and type(
+        args.rollout_decode_fuse_projections
+    ) is type(expected)
+    with pytest.raises(ConfigErrors, match="rollout_decode_fuse_projections='maybe'"):
+        parser.parse_args_into_dataclasses(
+            [
+                "--output_dir",
+                str(tmp_path),
+                "--report_to",
+                "none",
+                "--rollout_decode_fuse_projections",
+                "maybe",
+            ]
+        )

@@ -349,7 +349,8 @@ class PPOConfig(TrainingArguments):
             "Triton samplers take temperature only (no top_k / top_p). Opt-in."
         },
     )
-    rollout_decode_fuse_projections: bool | str = field(
+    # annotated `str` so that HfArgumentParser takes "auto" from a command line ("true" / "false": below)
+    rollout_decode_fuse_projections: str = field(
         default="auto",
         metadata={
             "help": "Decode step of the fast engine: one matmul for each layer's q/k/v projections and one for "
@@ -404,6 +405,9 @@ class PPOConfig(TrainingArguments):
                 setattr(self, name, int(value))
             elif isinstance(value, str) and value.strip().lower() == "none" and name.startswith("rollout_"):
                 setattr(self, name, None)
+        fuse = self.rollout_decode_fuse_projections  # a command line gives text: "true" -> True
+        if isinstance(fuse, str) and fuse.strip().lower() in ("true", "false"):
+            self.rollout_decode_fuse_projections = fuse.strip().lower() == "true"
         # the table first: TrainingArguments' own checks would otherwise meet a bad value raw
         errors = check_fields(self, FIELD_CHECKS)
         if errors:
