@@ -254,8 +254,9 @@ def test_auto_fused_copies_are_held_only_where_the_plan_stays_the_same():
     _, never = decided(1, want=False)
     assert never.fuse_projections is False and never.planned_peak_bytes == plain.planned_peak_bytes
     # nothing to fuse (LoRA layers keep their modules): off, and the plan is the plain one
-    none = decide_fused_copies(plain, plain, "auto", 0)
-    assert none.fuse_projections is False and "no layer to fuse" in none.reasons["fuse_projections"]
+    for want in ("auto", True):  # asked or not, nothing to fuse is said as such, never "on"
+        none = decide_fused_copies(plain, plain, want, 0)
+        assert none.fuse_projections is False and "no layer to fuse" in none.reasons["fuse_projections"]
     # the decision never writes into the plans it was given
     assert plain.fuse_projections is None and "fuse_projections" not in plain.reasons
 

@@ -379,12 +379,12 @@ def decide_fused_copies(plain: Plan, held: Plan, want, copies: int, built: int |
             if on
             else "the engine was built before the plan without them"
         )
-    elif want is True:
-        chosen, on, why = held, True, f"your rollout_decode_fuse_projections=True ({size} held)"
     elif want is False:
         chosen, on, why = plain, False, "your rollout_decode_fuse_projections=False"
     elif copies <= 0:
         chosen, on, why = plain, False, "no layer to fuse (LoRA, quantized or biased projections)"
+    elif want is True:
+        chosen, on, why = held, True, f"your rollout_decode_fuse_projections=True ({size} held)"
     elif not held.fits:
         chosen, on, why = plain, False, f"{size} of weight copies would not fit beside the plan"
     elif _changed(plain, held):
