@@ -101,6 +101,22 @@ def test_no_config_says_once_when_it_holds_fused_copies(tmp_path, tokenizer, cap
     auto.train()
     assert "fused decode projections" not in capsys.readouterr().out
     assert auto.plan.fuse_projections is False and auto._rollout_engine.copy_bytes() == 0
+    # asked for, with nothing to fuse (LoRA on q/v): said as off, with the reason, never "on"
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    asked = tiny_trainer(
+        tmp_path / "c",
+        tokenizer,
+        rollout_backend="static",
+        rollout_decode_fuse_projections=True,
+        value_mode="fused",
+        trainer_kwargs={"peft_config": lora},
+    )
+    asked.train()
+    out = capsys.readouterr().out
+    assert "rapidfire: fused decode projections off (no layer to fuse" in out
+    assert asked.plan.fuse_projections is False and asked._rollout_engine.copy_bytes() == 0
 
 
 def test_probe_is_cached_and_a_damaged_cache_is_measured_again(tmp_path, tokenizer, caplog):

@@ -291,10 +291,12 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
     if memory is None:
         plan = unplanned(work, want, "gradient_checkpointing" if user_checkpointing(args) else "none")
         plan = _fused(plan, fuse, copies, built, acc.device)
-        if plan.fuse_projections and acc.is_main_process:  # memory held without a plan table: said once
+        # without a plan table: memory held, or a request that cannot be met, is said once
+        if (plan.fuse_projections or fuse is True) and acc.is_main_process:
+            state = "on" if plan.fuse_projections else "off"
+            hint = "; rollout_decode_fuse_projections=False turns them off" if plan.fuse_projections else ""
             print(
-                f"rapidfire: fused decode projections on ({plan.reasons['fuse_projections']}); "
-                "rollout_decode_fuse_projections=False turns them off",
+                f"rapidfire: fused decode projections {state} ({plan.reasons['fuse_projections']}){hint}",
                 flush=True,
             )
     else:
