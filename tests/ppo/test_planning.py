@@ -224,9 +224,8 @@ def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, to
         policy = t.accelerator.unwrap_model(t.model).policy
         return t, fused_projection_bytes(policy)
 
-    plain, _ = run(
-        "plain"
-    )  # "auto" on a CPU: nothing to decide (no recorded CUDA step), no row, nothing held
+    # "auto" on a CPU: nothing to decide (no recorded CUDA step), no row, nothing held
+    plain, _ = run("plain")
     assert budgets == [5 * 2**20] and plain.plan.fuse_projections is None
     assert "fused decode projections" not in plain.plan.table()
     assert plain._rollout_engine.copy_bytes() == 0
