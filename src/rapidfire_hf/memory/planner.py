@@ -371,7 +371,7 @@ def decide_fused_copies(plain: Plan, held: Plan, want, copies: int, built: int |
     ``built``: the bytes an engine built before this plan already holds (None: no engine yet); that engine
     stays as it is, and the device's held memory already counts its copies, so ``plain`` is the plan.
     The chosen plan's ``fuse_projections`` and its reason are set (the table's row)."""
-    size = _size(copies)
+    size, changed = _size(copies), _changed(plain, held)
     if built is not None:
         chosen, on = plain, built > 0
         why = (
@@ -387,9 +387,8 @@ def decide_fused_copies(plain: Plan, held: Plan, want, copies: int, built: int |
         chosen, on, why = held, True, f"your rollout_decode_fuse_projections=True ({size} held)"
     elif not held.fits:
         chosen, on, why = plain, False, f"{size} of weight copies would not fit beside the plan"
-    elif _changed(plain, held):
-        chosen, on = plain, False
-        why = f"{size} of weight copies would change {', '.join(_changed(plain, held))}"
+    elif changed:
+        chosen, on, why = plain, False, f"{size} of weight copies would change {', '.join(changed)}"
     else:
         chosen, on, why = held, True, f"{size} of weight copies fit beside the plan unchanged"
     chosen = replace(chosen, reasons=dict(chosen.reasons), asked=dict(chosen.asked))
@@ -410,9 +409,9 @@ def unplanned_fused_copies(
     if built is None and want == "auto" and copies > 0:
         share = f"{UNPLANNED_COPY_SHARE:.0%} of the device"
         chosen.reasons["fuse_projections"] = (
-            f"{copies / GIB:.2f} GiB of weight copies, at most {share} (no plan)"
+            f"{_size(copies)} of weight copies, at most {share} (no plan)"
             if small
-            else f"{copies / GIB:.2f} GiB of weight copies is over {share}, and no plan shows the room "
+            else f"{_size(copies)} of weight copies is over {share}, and no plan shows the room "
             "(a rapidfire config plans it)"
         )
     return chosen
