@@ -68,7 +68,8 @@ ENTRIES=(
   "presets_lora7b_cache_plan|presets/results/h200/lora7b_cache_plan|7B LoRA b256: aggressive from the batch alone (KV cache held in the plan) against hand-tuned"
   "presets_full7b_b256|presets/results/h200/full7b_b256|7B full fine-tuning, batch 256 from the batch alone: aggressive with Triton attention, with SDPA, stock TRL at batch 4, one call"
   "presets_full7b_freecache|presets/results/h200/full7b_freecache|7B full fine-tuning, batch 160: aggressive with the KV cache kept and freed after generation (rollout_cache auto), one call (stock left out)"
-  "presets_full7b_freecache_stock|presets/results/h200/full7b_freecache_stock|7B full fine-tuning, batch 160: aggressive, aggressive with rollout_cache auto, stock b4, one call (the rollout_cache default decision; not run yet)"
+  "presets_full7b_freecache_stock|presets/results/h200/full7b_freecache_stock|7B full fine-tuning, batch 160: aggressive with rollout_cache keep (stored as the row aggressive, then the default) and auto, stock b4, one call (the rollout_cache default decision)"
+  "presets_full7b_b256_cache|presets/results/h200/full7b_b256_cache|7B full fine-tuning, batch 256 from the batch alone: aggressive (rollout_cache auto, the default) and with rollout_cache keep, one call"
   "presets_lora7b_tattn|presets/results/h200/lora7b_tattn|7B LoRA batch 256 from the batch alone: aggressive with Triton attention against SDPA, one call"
   "presets_pipe7b|presets/results/h200/pipe7b|7B full fine-tuning, batch 32: the gradient pipeline on/off at 1, 4, 8 accumulation steps"
   "presets_pipe64|presets/results/h200/pipe64|1.1B batch 64: the gradient pipeline on/off at 1, 4, 8 accumulation steps, stock"
@@ -218,9 +219,11 @@ entry() {  # the commands of one entry, writing into $1
     presets_b256_p2) bash benchmarks/presets/h200.sh "$o" b256p2 && mv "$o"/b256p2/* "$o"/ && rmdir "$o/b256p2" ;;
     presets_full7b_b256) BATCH_7B=256 ROWS_7B=aggressive+tattn,aggressive+sdpa,trl UPDATES_7B=4 TIMEOUT_7B=245 \
         bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
-    presets_full7b_freecache) ROWS_7B=aggressive,aggressive+freecache UPDATES_7B=4 TIMEOUT_7B=265 \
+    presets_full7b_freecache) ROWS_7B=aggressive+keepcache,aggressive+freecache UPDATES_7B=4 TIMEOUT_7B=265 \
         bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
-    presets_full7b_freecache_stock) ROWS_7B=aggressive,aggressive+freecache,trl UPDATES_7B=4 TIMEOUT_7B=180 \
+    presets_full7b_freecache_stock) ROWS_7B=aggressive+keepcache,aggressive+freecache,trl UPDATES_7B=4 TIMEOUT_7B=180 \
+        bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
+    presets_full7b_b256_cache) BATCH_7B=256 ROWS_7B=aggressive,aggressive+keepcache UPDATES_7B=4 TIMEOUT_7B=240 \
         bash benchmarks/presets/h200.sh "$o" full7b && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
     presets_lora7b_tattn) ROWS_7B=aggressive+tattn,aggressive+sdpa UPDATES_7B=4 TIMEOUT_7B=190 \
         bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;

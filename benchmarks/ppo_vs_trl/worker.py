@@ -328,6 +328,7 @@ DECODE_KERNELS = {
     "tattn": {"rollout_decode_attention": "triton"},  # the flash-decoding kernel alone
     "sdpa": {"rollout_decode_attention": "sdpa"},  # SDPA named explicitly (whatever the default is)
     "freecache": {"rollout_cache": "auto"},  # not a kernel: the plan may free the KV cache after generation
+    "keepcache": {"rollout_cache": "keep"},  # the KV cache kept between updates (the default until 12-04)
 }
 
 

@@ -87,8 +87,9 @@ def _yaml_noplan(path: str) -> dict:
 
 # a row name may end in "+<decode option>" (benchmarks/ppo_vs_trl/worker.DECODE_KERNELS): "aggressive+sdpa"
 # is `aggressive` with rollout_decode_attention="sdpa", "aggressive+tattn" the same with the Triton kernel,
-# "aggressive+freecache" with rollout_cache="auto", "aggressive+nofuse" without fused decode projections
-DECODE_SUFFIXES = ("sdpa", "tattn", "fuse", "nofuse", "freecache")
+# "aggressive+freecache" with rollout_cache="auto", "aggressive+keepcache" with rollout_cache="keep",
+# "aggressive+nofuse" without fused decode projections
+DECODE_SUFFIXES = ("sdpa", "tattn", "fuse", "nofuse", "freecache", "keepcache")
 
 
 def row_config(name: str, args) -> dict:

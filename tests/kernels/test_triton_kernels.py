@@ -271,8 +271,10 @@ def test_kv_end_on_cuda_bf16_compiled_and_recorded(kv, group, d):
     )
     torch.testing.assert_close(eager, unbounded, **bf16, msg=lambda m: f"bound vs unbounded: {m}")
     # under torch.compile the scale arrives as fp64 (s * scale rounds differently unless it is a power of
-    # two: 128 ** -0.5 is not)
-    compiled = torch.compile(lambda *a: flash_decode(*a, d**-0.5, kv_end=kv_end), fullgraph=True)
+    # two: 128 ** -0.5 is not). dynamic=False, as the engine compiles its step: the second shape would
+    # otherwise recompile this lambda with symbolic sizes, whose launch torch 2.11 feeds a float where
+    # Triton wants an int (seen on the H200; the engine never compiles the step dynamically)
+    compiled = torch.compile(lambda *a: flash_decode(*a, d**-0.5, kv_end=kv_end), fullgraph=True, dynamic=False)
     out_compiled = compiled(q, k, v, valid)
     assert torch.isfinite(out_compiled).all(), "compiled with kv_end read a poisoned slot"
     torch.testing.assert_close(out_compiled, eager, **bf16, msg=lambda m: f"compiled: {m}")
