@@ -61,7 +61,7 @@ ENTRIES=(
   "presets_b64|presets/results/h200/b64|1.1B batch 64: stock, no config, every preset, advanced.yaml, the snippet, with/without the planner"
   "presets_b256|presets/results/h200/b256|1.1B batch 256 fused + Liger + compile: stock, no config, balanced (exact clip) and balanced with clip_prediction scale (README row 13)"
   "presets_b256_p1|presets/results/h200/b256p1|1.1B batch 256 fused + Liger + compile: no config, conservative, aggressive, stock"
-  "presets_b256_p2|presets/results/h200/b256p2|1.1B batch 256 fused + Liger + compile: no config, advanced.yaml, the snippet, balanced (not run yet)"
+  "presets_b256_p2|presets/results/h200/b256p2|1.1B batch 256 fused + Liger + compile: no config, advanced.yaml, the snippet, balanced"
   "presets_clip64|presets/results/h200/clip64|1.1B batch 64: no config, balanced (clip_prediction exact), balanced with scale, stock (stock timed out in the stored call)"
   "presets_full7b|presets/results/h200/full7b|7B full fine-tuning, 7B reward model, b160: ours aggressive from the batch alone against today's hand-tuned settings"
   "presets_lora7b|presets/results/h200/lora7b|7B LoRA, 7B reward model: stock b64, ours aggressive b256, hand-tuned b256 (stored: ours only, stock left out of that call)"
@@ -75,6 +75,7 @@ ENTRIES=(
   "presets_pipe64|presets/results/h200/pipe64|1.1B batch 64: the gradient pipeline on/off at 1, 4, 8 accumulation steps, stock"
   "presets_b8|presets/results/h200/b8|1.1B batch 8, separate value: no config, every preset, advanced.yaml, the snippet, stock"
   "presets_b8_span_cap|presets/results/h200/b8_span_cap|1.1B batch 8 with the span cap, 6 timed updates a row (stock's row cut by its limit)"
+  "presets_b8_8updates|presets/results/h200/b8_8updates|1.1B batch 8: no config and every preset, 7 timed updates a row, no stock"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
   "kernels_call5|kernels/results/h200/call5|GPU kernel tests, attention mid-response with the kv_end bound, the compiled decode step (default SDPA vs Triton attention) at the response's mean cache length"
@@ -232,6 +233,8 @@ entry() {  # the commands of one entry, writing into $1
     presets_pipe64) bash benchmarks/presets/h200.sh "$o" pipe64 && mv "$o"/pipe64/* "$o"/ && rmdir "$o/pipe64" ;;
     presets_b8) bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_b8_span_cap) B8_UPDATES=7 B8_TIMEOUT=85 B8_ROWS=none,conservative,balanced,aggressive,advanced,snippet,trl \
+        bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
+    presets_b8_8updates) B8_UPDATES=8 B8_TIMEOUT=70 B8_ROWS=none,advanced,snippet,balanced,aggressive,conservative \
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;
     rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
