@@ -41,7 +41,18 @@ CONFIGS = {
     # the balanced preset with the clip prediction of earlier versions (gradient.clip_prediction: scale)
     "balancedscale": {"preset": "balanced", "gradient": {"clip_prediction": "scale"}},
 }
-ROW_NAMES = ("trl", "handtuned", *CONFIGS, *(f"{n}-noplan" for n in CONFIGS if n != "none"))
+# a row name may end in "-<flag>": that config with these memory settings ("aggressive-noplan": the planner
+# off; "balanced-pressurerelease": the cache released between scoring and training only under pressure)
+MEMORY_FLAGS = {
+    "noplan": {"planner": False},
+    "pressurerelease": {"release_after_rollout": "pressure"},
+}
+ROW_NAMES = (
+    "trl",
+    "handtuned",
+    *CONFIGS,
+    *(f"{n}-{f}" for f in MEMORY_FLAGS for n in CONFIGS if n != "none"),
+)
 # the gradient pipeline at a given number of accumulation steps: "pipeline-a4" / "nopipeline-a4" run
 # `balanced` with the planner off (the user's split kept) and micro-batch = rollout batch / 4
 ACCUMULATION_ROWS = ("pipeline-a", "nopipeline-a")
@@ -59,29 +70,25 @@ LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_
 
 
 def rapidfire_config(name: str):
-    """The rapidfire_config a row passes (a ``-noplan`` row: the same with ``memory.planner: false``)."""
+    """The rapidfire_config a row passes (``<config>-<flag>``: that config with ``MEMORY_FLAGS[flag]``)."""
     base, _, flag = name.partition("-")
     config = CONFIGS[base]
-    if flag != "noplan":
+    if not flag:
         return config
-    if isinstance(config, dict):
-        return {**config, "memory": {"planner": False}} if "preset" in config else _nested(config)
-    return {"preset": config, "memory": {"planner": False}} if config in CONFIGS else _yaml_noplan(config)
+    memory = MEMORY_FLAGS[flag]
+    if isinstance(config, dict) and "preset" in config:
+        return {**config, "memory": {**config.get("memory", {}), **memory}}
+    if isinstance(config, str) and config in CONFIGS:  # a preset name
+        return {"preset": config, "memory": dict(memory)}
+    return _with_memory(config, memory)  # the short form (the snippet) or a YAML path
 
 
-def _nested(short: dict) -> dict:
+def _with_memory(config, memory: dict) -> dict:
+    """``config`` (a short-form dict or a YAML path) in the nested form, its memory section updated."""
     from rapidfire_hf.config import load_config
 
-    data = load_config(short).to_dict()
-    data["memory"]["planner"] = False
-    return data
-
-
-def _yaml_noplan(path: str) -> dict:
-    from rapidfire_hf.config import load_config
-
-    data = load_config(path).to_dict()
-    data["memory"]["planner"] = False
+    data = load_config(config).to_dict()
+    data["memory"].update(memory)
     return data
 
 

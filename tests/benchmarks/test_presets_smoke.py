@@ -40,6 +40,23 @@ def test_decode_suffix_rows_set_the_attention_and_bad_suffixes_are_refused(capsy
         assert f"unknown row(s) {bad}" in capsys.readouterr().err
 
 
+def test_memory_flag_rows_keep_their_config_and_change_only_the_memory_setting():
+    from benchmarks.presets.run import rapidfire_config
+    from rapidfire_hf.config import load_config
+
+    for name in ("balanced", "aggressive", "advanced", "snippet"):
+        plain, flagged = (
+            load_config(rapidfire_config(name)),
+            load_config(rapidfire_config(f"{name}-pressurerelease")),
+        )
+        assert flagged.memory.release_after_rollout.value == "pressure"
+        assert plain.memory.release_after_rollout.value == "always"
+        a, b = plain.to_dict(), flagged.to_dict()
+        b["memory"]["release_after_rollout"] = "always"
+        assert a == b, name  # nothing else differs
+    assert load_config(rapidfire_config("aggressive-noplan")).memory.planner is False
+
+
 def test_smoke_pipeline_rows_run_the_split_and_the_pipeline_they_name(tmp_path):
     main(["--out", str(tmp_path), "--smoke", "--rows", "nopipeline-a4,pipeline-a4,pipeline-a1"])
     rows = {r["row"]: r for r in json.loads((tmp_path / "results.json").read_text())["summary"]}

@@ -128,3 +128,46 @@ def test_process_wide_writer_follows_each_runs_folder(tmp_path, tiny_policy, mon
         begins = [r for r in recs if r["kind"] == "event" and r["name"] == "train_begin"]
         assert len(begins) == 1, run  # its own run's records only
         assert [r["step"] for r in recs if r["kind"] == "memory" and r["where"] == "step_end"] == [1, 2]
+
+
+def _gpu_like(cb, reserved: int, floor: int):
+    """``cb`` sampling ``reserved`` bytes held on a device whose pressure floor is ``floor`` bytes."""
+    from rapidfire_hf.memory.stats import MemorySample
+
+    cb.sample = lambda where, step=None: MemorySample(
+        t=0.0, device="cuda:0", rss_bytes=1, allocated=reserved, reserved=reserved
+    )
+    cb.min_reserved_bytes = lambda: floor
+    return cb
+
+
+@pytest.mark.parametrize(
+    "release, reserved, compacts",
+    [("always", 10, True), ("pressure", 10, False), ("pressure", 100, True), ("pressure", 99, False)],
+)
+def test_release_after_rollout_waits_for_pressure_only_when_asked(release, reserved, compacts):
+    """'always' releases at every rollout->train boundary; 'pressure' only where the allocator holds at
+    least the pressure floor (100 bytes here), and then no threshold compaction either (no fragmentation)."""
+    cb = _gpu_like(
+        MemoryCompactionCallback(telemetry=False, expandable_segments=False, release_after_rollout=release),
+        reserved,
+        floor=100,
+    )
+    cb.phase_boundary("rollout", "train", step=3)
+    assert [c["reason"] for c in cb.compactions] == (["phase rollout->train"] if compacts else [])
+
+
+def test_release_after_rollout_comes_from_the_config_and_bad_values_are_named():
+    from rapidfire_hf.config import ConfigError, load_config
+    from rapidfire_hf.ppo.setup import make_memory_callback
+
+    args = types.SimpleNamespace(memory_management=True)
+    cfg = load_config({"preset": "balanced", "memory": {"release_after_rollout": "pressure"}})
+    assert make_memory_callback(args, cfg).release_after_rollout == "pressure"
+    assert make_memory_callback(args, load_config("balanced")).release_after_rollout == "always"
+    assert make_memory_callback(args, None).release_after_rollout == "always"
+    with pytest.raises(ConfigError, match="release_after_rollout") as err:
+        load_config({"preset": "balanced", "memory": {"release_after_rollout": "sometimes"}})
+    assert "pressure" in str(err.value)
+    with pytest.raises(ValueError, match="release_after_rollout='never'"):
+        MemoryCompactionCallback(telemetry=False, expandable_segments=False, release_after_rollout="never")

@@ -26,9 +26,11 @@ LEVELS = ("conservative", "balanced", "aggressive", "auto")
 # Fewest optimizer steps between two threshold compactions, by memory.optimization level: a compaction
 # makes the next step cudaMalloc its activations again, so lazier levels wait longer.
 MIN_INTERVAL_STEPS = {"conservative": 50, "balanced": 20, "aggressive": 5, "auto": 20}
-# Phase changes after which the cache is always released: generation leaves KV-cache blocks whose sizes
-# training never asks for again.
+# Phase changes after which the cache is released: generation leaves KV-cache blocks whose sizes training
+# never asks for again. Every time under release_after_rollout="always", under memory pressure only with
+# "pressure".
 COMPACT_ON = {("rollout", "train"), ("rollout", "training")}
+RELEASE_AFTER_ROLLOUT = ("always", "pressure")
 # Threshold compactions only once the allocator holds this share of the GPU (memory pressure). On an H200
 # (benchmarks/memory, 1.1B Llama, sequences of 512-4096) compacting on fragmentation alone cost +3.7% of the
 # step time at the default level with the native allocator (results/h200_defaults) and +11-12% under
@@ -66,7 +68,10 @@ class MemoryCompactionCallback(TrainerCallback):
         expandable_segments: Turn on ``expandable_segments`` unless the user configured the allocator.
         pressure_fraction: Threshold compactions only once the allocator holds this share of the GPU's
             memory (default ``PRESSURE_FRACTION`` = 0.85; 0: whatever is reserved). The rollout→train
-            release does not wait for it.
+            release waits for it only under ``release_after_rollout="pressure"``.
+        release_after_rollout: ``"always"`` releases the cache at every rollout→train boundary;
+            ``"pressure"`` only where the allocator holds ``pressure_fraction`` of the device (default from
+            ``config``'s ``release_after_rollout``, else ``"always"``).
 
     Example:
         >>> cb = MemoryCompactionCallback(compaction_threshold=0.3)        # before the model goes to the GPU
@@ -87,6 +92,7 @@ class MemoryCompactionCallback(TrainerCallback):
         telemetry_dir: str | None = None,
         expandable_segments: bool = True,
         pressure_fraction: float | None = None,
+        release_after_rollout: str | None = None,
     ):
         config = getattr(config, "memory", config)
         threshold = (
@@ -112,6 +118,16 @@ class MemoryCompactionCallback(TrainerCallback):
         if pressure_fraction is not None and not 0.0 <= pressure_fraction <= 1.0:
             raise ValueError(f"pressure_fraction={pressure_fraction!r}: expected a number in [0, 1]")
         self.pressure_fraction = pressure_fraction
+        release = _plain(
+            release_after_rollout
+            if release_after_rollout is not None
+            else getattr(config, "release_after_rollout", "always")
+        )
+        if release not in RELEASE_AFTER_ROLLOUT:
+            raise ValueError(
+                f"release_after_rollout={release!r}: expected one of {', '.join(RELEASE_AFTER_ROLLOUT)}"
+            )
+        self.release_after_rollout = release
         self._min_reserved: int | None | bool = False  # False: not computed yet
         self.sample_every = sample_every
         self.telemetry = get_telemetry() if telemetry is None or telemetry is True else telemetry or None
@@ -201,17 +217,25 @@ class MemoryCompactionCallback(TrainerCallback):
     def phase_boundary(self, previous: str, next_phase: str, step: int | None = None) -> int:
         """Called by a trainer between phases, e.g. ``phase_boundary("rollout", "train")``.
 
-        Samples memory; at rollout→train always compacts (the rollout's KV-cache blocks are not reused by
-        training), at other boundaries only when the threshold rule says so.
+        Samples memory; at rollout→train compacts (the rollout's KV-cache blocks are not reused by
+        training) every time, or under ``release_after_rollout="pressure"`` only where the allocator holds
+        the pressure share of the device; otherwise only when the threshold rule says so.
 
         Returns:
             Bytes returned by a compaction (0 when none happened).
         """
         self.phase = next_phase
         s = self.sample(f"phase:{previous}->{next_phase}", step)
-        if (previous, next_phase) in COMPACT_ON:
+        if (previous, next_phase) in COMPACT_ON and self._release_now(s):
             return self.compact(f"phase {previous}->{next_phase}", step)
         return self.maybe_compact(s, step)
+
+    def _release_now(self, sample: MemorySample) -> bool:
+        """Whether the rollout→train boundary releases the cache for ``sample``."""
+        if self.release_after_rollout == "always":
+            return True
+        floor = self.min_reserved_bytes()
+        return floor is None or (sample.reserved or 0) >= floor
 
     def attach(self, model=None, optimizer=None) -> None:
         """Tell a plain (non-Trainer) loop's model and optimizer, to report their holdings."""
