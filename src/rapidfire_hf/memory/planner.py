@@ -168,8 +168,9 @@ class Asked:
             forwards).
         free_cache: where the engine keeps its KV cache between generations, it may instead free it after
             each generation when keeping it would split generation into more chunks (``PPOConfig``'s
-            ``rollout_cache="auto"``). The cache and the recorded decode graphs are then rebuilt at every
-            update (graphs recorded again; the compiled step is reused). False keeps it (the default).
+            ``rollout_cache="auto"``, its default). The cache and the recorded decode graphs are then rebuilt
+            at every update (graphs recorded again; the compiled step is reused). False keeps it (this
+            field's default, for callers other than PPOTrainer: ``PPOSweep``, tests).
     """
 
     scoring_rows: int | None = None
