@@ -299,9 +299,9 @@ class MemoryConfig(_Section):
     )
     release_after_rollout: RolloutRelease = _field(
         RolloutRelease.ALWAYS,
-        "When PPOTrainer's memory callback releases the allocator's cached blocks between scoring and "
-        "training (torch.cuda.empty_cache; the blocks are then allocated again). 'always' (the default): every "
-        "update. 'pressure': only once the allocator holds 85% of the device, as threshold compactions "
+        "When the memory callback releases the allocator's cached blocks between rollout and training "
+        "(PPOTrainer after scoring; enable_rapidfire's fast GRPO/RLOO rollout after generation): "
+        "torch.cuda.empty_cache, the blocks then allocated again. 'always' (the default): every update. 'pressure': only once the allocator holds 85% of the device, as threshold compactions "
         "are; elsewhere the release only costs time (70-120 ms a compaction on an H200, benchmarks/memory). "
         "Not measured in a PPO run yet: the next GPU call decides the default.",
         Choice(RolloutRelease),
