@@ -2,7 +2,8 @@
 (a subprocess, so that its process group does not leak into other tests): verification reads the
 global gradient norm and skips a non-finite step without touching a parameter, the precision plugin's
 metric queue takes a DTensor norm, and the precision sensitivity pass declines sharded weights instead
-of failing (all three failed enable_rapidfire on 2x H200 under FSDP2)."""
+of failing (all three failed enable_rapidfire on 2x H200 under FSDP2). Also: the plugin's per-layer
+gradient statistics, gathered from all layers at once, read DTensor gradients."""
 
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ SCRIPT = textwrap.dedent(
     queue.submit(1, {"grad_norm": shard(torch.full((2,), 3.0)).norm(), "loss": 1.5})
     ((step, values),) = queue.ready(wait=True)
     assert step == 1 and values["loss"] == 1.5 and abs(values["grad_norm"] - 18 ** 0.5) < 1e-5, values
+
+    from rapidfire_hf.precision.metrics import GradientMonitor
+    layers = {"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(4, 2)}  # per-layer statistics of DTensor grads
+    for m in layers.values():
+        for p in m.parameters():
+            p.grad = shard(torch.randn(p.shape))
+    stats = {k: float(v) for k, v in GradientMonitor(layers).collect().items()}
+    for name, m in layers.items():
+        want = sum(p.grad.full_tensor().double().norm() ** 2 for p in m.parameters()) ** 0.5
+        assert abs(stats[f"layer:{name}.grad_norm"] - float(want)) < 1e-5 * float(want), (stats, name)
+    assert stats["nonfinite_grads"] == 0.0, stats
 
     model = torch.nn.Linear(3, 4)
     assert sharded_parameters_reason(model) is None

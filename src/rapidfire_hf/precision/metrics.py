@@ -147,6 +147,9 @@ class GradientMonitor:
             return {}
         # fp32 norms whatever the gradients' dtype (no cast per parameter)
         norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+        to_full = getattr(norms, "full_tensor", None)
+        if callable(to_full):  # FSDP2's DTensor gradients: the global norms, one collective for all layers
+            norms = to_full()
         key = (tuple(owner), norms.device)  # the same layers hold gradients step after step
         index = self._index.get(key)
         if index is None:  # built once: a host list copied to the device would wait for the GPU
