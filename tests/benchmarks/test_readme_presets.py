@@ -1,4 +1,4 @@
-"""README.md row 12 and benchmarks/presets/README.md's batch-64 table are the stored results'."""
+"""README.md rows 12-14 and benchmarks/presets/README.md's batch-64 table are the stored results'."""
 
 from __future__ import annotations
 
@@ -76,3 +76,15 @@ def test_readme_row_1_is_the_stored_same_call_run():
     )
     assert cells[4] == f"**{float(ours['tokens_per_s']) / float(stock['tokens_per_s']):.1f}×**"
     assert f"same call: {float(before['tokens_per_s']):,.0f}" in cells[1]
+
+
+def test_readme_row_14_is_the_stored_7b_call():
+    stored = ROOT / "benchmarks" / "presets" / "results" / "h200" / "full7b_freecache_stock" / "results.csv"
+    rows = {r["row"]: r for r in csv.DictReader(stored.open())}
+    assert all(rows[name]["status"] == "ok" for name in ("aggressive+freecache", "trl"))
+    ours, stock = float(rows["aggressive+freecache"]["tokens_per_s"]), float(rows["trl"]["tokens_per_s"])
+    cells = _cells((ROOT / "README.md").read_text(), "| 14 | ")
+    assert cells[2] == f"{stock:,.0f}" and cells[3] == f"{ours:,.0f}"
+    assert cells[4] == f"**{ours / stock:.1f}×**"
+    assert f"largest batch ({rows['trl']['batch']})" in cells[1]
+    assert f"rollout batch ({rows['aggressive+freecache']['batch']})" in cells[1]
