@@ -48,14 +48,26 @@ def test_presets_readme_table_is_the_stored_call():
         )
 
 
+def _stored(folder: str) -> dict[str, dict]:
+    path = ROOT / "benchmarks" / "presets" / "results" / "h200" / folder / "results.csv"
+    return {r["row"]: r for r in csv.DictReader(path.open())}
+
+
+def _ratio_row(number: int, rows: dict[str, dict], left: str, right: str, digits: int) -> list[str]:
+    """README row ``number``'s cells, its numbers checked: stored ``left`` and ``right`` tokens/s and their
+    ratio to ``digits`` decimals."""
+    assert rows[left]["status"] == rows[right]["status"] == "ok"
+    a, b = float(rows[left]["tokens_per_s"]), float(rows[right]["tokens_per_s"])
+    cells = _cells((ROOT / "README.md").read_text(), f"| {number} | ")
+    assert cells[2] == f"{a:,.0f}" and cells[3] == f"{b:,.0f}"
+    assert cells[4] == f"**{b / a:.{digits}f}×**"
+    return cells
+
+
 def test_readme_row_13_is_the_stored_b256_call():
-    stored = ROOT / "benchmarks" / "presets" / "results" / "h200" / "b256" / "results.csv"
-    rows = {r["row"]: r for r in csv.DictReader(stored.open())}
-    assert all(rows[name]["status"] == "ok" for name in ("none", "balanced", "balancedscale", "trl"))
-    none, balanced = float(rows["none"]["tokens_per_s"]), float(rows["balanced"]["tokens_per_s"])
-    cells = _cells((ROOT / "README.md").read_text(), "| 13 | ")
-    assert cells[2] == f"{none:,.0f}" and cells[3] == f"{balanced:,.0f}"
-    assert cells[4] == f"**{balanced / none:.2f}×**"
+    rows = _stored("b256")
+    assert rows["balancedscale"]["status"] == rows["trl"]["status"] == "ok"
+    cells = _ratio_row(13, rows, "none", "balanced", 2)
     assert f"stock TRL {float(rows['trl']['tokens_per_s']):,.0f}" in cells[1]
     assert f"merges {int(rows['balanced']['plan_train_rows']) // 8} micro-batches" in cells[1]
 
@@ -79,12 +91,7 @@ def test_readme_row_1_is_the_stored_same_call_run():
 
 
 def test_readme_row_14_is_the_stored_7b_call():
-    stored = ROOT / "benchmarks" / "presets" / "results" / "h200" / "full7b_freecache_stock" / "results.csv"
-    rows = {r["row"]: r for r in csv.DictReader(stored.open())}
-    assert all(rows[name]["status"] == "ok" for name in ("aggressive+freecache", "trl"))
-    ours, stock = float(rows["aggressive+freecache"]["tokens_per_s"]), float(rows["trl"]["tokens_per_s"])
-    cells = _cells((ROOT / "README.md").read_text(), "| 14 | ")
-    assert cells[2] == f"{stock:,.0f}" and cells[3] == f"{ours:,.0f}"
-    assert cells[4] == f"**{ours / stock:.1f}×**"
+    rows = _stored("full7b_freecache_stock")
+    cells = _ratio_row(14, rows, "trl", "aggressive+freecache", 1)
     assert f"largest batch ({rows['trl']['batch']})" in cells[1]
     assert f"rollout batch ({rows['aggressive+freecache']['batch']})" in cells[1]
