@@ -302,3 +302,17 @@ def test_a_plan_that_frees_the_cache_releases_the_engine_after_each_rollout_and_
     assert kept._rollout_engine.held_bytes() > 0
     for a, b in zip(kept.model.parameters(), freed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_plan_may_free_the_kv_cache_by_default_and_keep_keeps_it(tmp_path):
+    """rollout_cache defaults to 'auto' (same-call H200 evidence in benchmarks/presets, full7b_freecache_stock):
+    the plan is asked whether to free the cache unless the user says 'keep'."""
+    from rapidfire_hf import PPOConfig
+    from rapidfire_hf.config import load_config
+    from rapidfire_hf.ppo.planning import asked
+
+    memory = load_config("balanced").memory
+    default = PPOConfig(output_dir=str(tmp_path), report_to=[])
+    assert asked(default, memory, deepspeed=False).free_cache is True
+    keep = PPOConfig(output_dir=str(tmp_path), report_to=[], rollout_cache="keep")
+    assert asked(keep, memory, deepspeed=False).free_cache is False
