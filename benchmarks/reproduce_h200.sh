@@ -75,7 +75,8 @@ ENTRIES=(
   "presets_pipe64|presets/results/h200/pipe64|1.1B batch 64: the gradient pipeline on/off at 1, 4, 8 accumulation steps, stock"
   "presets_b8|presets/results/h200/b8|1.1B batch 8, separate value: no config, every preset, advanced.yaml, the snippet, stock"
   "presets_b8_span_cap|presets/results/h200/b8_span_cap|1.1B batch 8 with the span cap, 6 timed updates a row (stock's row cut by its limit)"
-  "presets_release_b8|presets/results/h200/release_b8|1.1B batch 8: balanced and aggressive with memory.release_after_rollout always (the default) and pressure, stock, one call (not run yet)"
+  "presets_release_b8|presets/results/h200/release_b8|1.1B batch 8: balanced and aggressive with memory.release_after_rollout always (the default then) and pressure, stock (cut by its 100 s), one call"
+  "presets_release8|presets/results/h200/release8|1.1B batch 8: the memory.release_after_rollout default (pressure) against the previous one (always) with no config and balanced, stock, aggressive, one call; one update of each of ours profiled"
   "presets_b8_8updates|presets/results/h200/b8_8updates|1.1B batch 8: no config and every preset, 7 timed updates a row, no stock"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
@@ -238,6 +239,7 @@ entry() {  # the commands of one entry, writing into $1
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_release_b8) B8_UPDATES=6 B8_TIMEOUT=100 B8_ROWS=balanced,balanced-pressurerelease,aggressive,aggressive-pressurerelease,trl \
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
+    presets_release8) bash benchmarks/presets/h200.sh "$o" release8 && mv "$o"/release8/* "$o"/ && rmdir "$o/release8" ;;
     presets_b8_8updates) B8_UPDATES=8 B8_TIMEOUT=70 B8_ROWS=none,advanced,snippet,balanced,aggressive,conservative \
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;

@@ -330,6 +330,10 @@ DECODE_KERNELS = {
     "freecache": {"rollout_cache": "auto"},  # not a kernel: the plan may free the KV cache after generation
     "keepcache": {"rollout_cache": "keep"},  # the KV cache kept between updates (the default until 12-04)
 }
+# options of the same "+"-list that are not PPOConfig fields but the memory callback's release between
+# scoring and training, set on the built trainer (a run without a rapidfire config has no other way to it):
+# "alwaysrelease" is the default until 12-04 (every update), "pressurerelease" the one since
+MEMORY_RELEASE = {"alwaysrelease": "always", "pressurerelease": "pressure"}
 
 
 def speedup_args(cfg: dict) -> dict:
@@ -341,7 +345,8 @@ def speedup_args(cfg: dict) -> dict:
     if cfg.get("rollout_generation_batch_size"):
         out["rollout_generation_batch_size"] = cfg["rollout_generation_batch_size"]
     for kernel in filter(None, (cfg.get("decode_kernels") or "").split("+")):
-        out.update(DECODE_KERNELS[kernel])
+        if kernel not in MEMORY_RELEASE:
+            out.update(DECODE_KERNELS[kernel])
     if cfg.get("liger"):
         out["use_liger_kernel"] = True
     if cfg.get("compile"):
@@ -397,6 +402,9 @@ def build_ours(cfg: dict, device: str):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     trainer.remove_progress_callbacks()
+    for option in filter(None, (cfg.get("decode_kernels") or "").split("+")):
+        if option in MEMORY_RELEASE:
+            trainer.memory_callback.release_after_rollout = MEMORY_RELEASE[option]
     trainer.build_s = build_s
     return trainer
 

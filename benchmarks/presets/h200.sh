@@ -6,6 +6,9 @@
 #   bash benchmarks/presets/h200.sh OUT b256p1  # the same: none, conservative, aggressive, stock (not run yet)
 #   bash benchmarks/presets/h200.sh OUT b256p2  # the same: none, advanced.yaml, the snippet, balanced (not run yet)
 #   bash benchmarks/presets/h200.sh OUT b8      # 1.1B, batch 8, separate value (B8_ROWS, B8_UPDATES, B8_TIMEOUT)
+#   bash benchmarks/presets/h200.sh OUT release8  # batch 8: no config and balanced under the release default
+#                                               # (pressure) and the previous one (+alwaysrelease), stock,
+#                                               # aggressive; the last update of each of ours profiled
 #   bash benchmarks/presets/h200.sh OUT b8prof  # batch 8: none and three presets, one update each profiled
 #   bash benchmarks/presets/h200.sh OUT clip64  # 1.1B, batch 64: balanced with the clip_prediction default
 #                                               # (exact) against the previous one (scale), no config, stock
@@ -51,8 +54,10 @@ for part in "$@"; do
            --rows pipeline-a1,nopipeline-a1,pipeline-a4,nopipeline-a4,pipeline-a8,nopipeline-a8 ;;
     b8) $PY benchmarks/presets/run.py --out "$OUT/b8" --batch 8 --timeout ${B8_TIMEOUT:-120} --updates ${B8_UPDATES:-4} \
            --rows ${B8_ROWS:-none,balanced,aggressive,conservative,advanced,snippet,trl} ;;
+    release8) $PY benchmarks/presets/run.py --out "$OUT/release8" --batch 8 --timeout 210 --updates 7 \
+           --profile-update 6 --rows none,none+alwaysrelease,trl,balanced,balanced+alwaysrelease,aggressive ;;
     b8prof) $PY benchmarks/presets/run.py --out "$OUT/b8prof" --batch 8 --timeout 120 --updates 5 \
            --profile-update 4 --rows none,conservative,balanced,aggressive ;;  # where the presets' cost goes
-    *) echo "unknown part $part (b64, b256, b256p1, b256p2, b8, b8prof, clip64, full7b, lora7b, pipe64, pipe7b)"; exit 2 ;;
+    *) echo "unknown part $part (b64, b256, b256p1, b256p2, b8, b8prof, release8, clip64, full7b, lora7b, pipe64, pipe7b)"; exit 2 ;;
   esac
 done

@@ -96,7 +96,9 @@ def _with_memory(config, memory: dict) -> dict:
 # is `aggressive` with rollout_decode_attention="sdpa", "aggressive+tattn" the same with the Triton kernel,
 # "aggressive+freecache" with rollout_cache="auto", "aggressive+keepcache" with rollout_cache="keep",
 # "aggressive+nofuse" without fused decode projections
-DECODE_SUFFIXES = ("sdpa", "tattn", "fuse", "nofuse", "freecache", "keepcache")
+# ("+alwaysrelease" / "+pressurerelease": the memory callback's release between scoring and training,
+# worker.MEMORY_RELEASE; the only way to the previous default for a row without a config, "none")
+DECODE_SUFFIXES = ("sdpa", "tattn", "fuse", "nofuse", "freecache", "keepcache", "alwaysrelease", "pressurerelease")
 
 
 def row_config(name: str, args) -> dict:

@@ -50,9 +50,8 @@ def test_memory_flag_rows_keep_their_config_and_change_only_the_memory_setting()
             load_config(rapidfire_config(f"{name}-pressurerelease")),
         )
         assert flagged.memory.release_after_rollout.value == "pressure"
-        assert plain.memory.release_after_rollout.value == "always"
         a, b = plain.to_dict(), flagged.to_dict()
-        b["memory"]["release_after_rollout"] = "always"
+        b["memory"]["release_after_rollout"] = a["memory"]["release_after_rollout"]
         assert a == b, name  # nothing else differs
     assert load_config(rapidfire_config("aggressive-noplan")).memory.planner is False
 
@@ -78,3 +77,19 @@ def test_profiled_update_is_summarised_and_kept_out_of_the_medians(tmp_path):
     assert any(op["name"] == "aten::mm" for op in profile["top"])  # the matmuls of a PPO update
     # the profiled update (0-based index 2 of 3) is out of the timed lists: 2 remain, its time apart
     assert len(row["update_times"]) == 2 and profiled["update_times"] * 1e3 >= 0.9 * profile["wall_ms"]
+
+
+def test_release_suffix_sets_the_memory_callback_of_a_row_without_a_config():
+    """'none+alwaysrelease' is the run without a config under the previous default (the release at every
+    update); plain 'none' keeps the default ('pressure'), and the suffix changes no PPOConfig field."""
+    from benchmarks.ppo_vs_trl.worker import build_ours, speedup_args
+    from benchmarks.presets.run import row_config
+
+    args = parse_args(["--out", "x", "--smoke", "--rows", "none+alwaysrelease"])
+    always, plain = row_config("none+alwaysrelease", args), row_config("none", args)
+    assert speedup_args(always) == speedup_args(plain)
+    released = {}
+    for cfg in (always, plain):
+        trainer = build_ours({**cfg, "device": "cpu"}, "cpu")
+        released[cfg["row"]] = trainer.memory_callback.release_after_rollout
+    assert released == {"none+alwaysrelease": "always", "none": "pressure"}

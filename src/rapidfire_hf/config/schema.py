@@ -298,12 +298,13 @@ class MemoryConfig(_Section):
         Float(0.0, 1.0, open_low=True),
     )
     release_after_rollout: RolloutRelease = _field(
-        RolloutRelease.ALWAYS,
+        RolloutRelease.PRESSURE,
         "When the memory callback releases the allocator's cached blocks between rollout and training "
         "(PPOTrainer after scoring; enable_rapidfire's fast GRPO/RLOO rollout after generation): "
-        "torch.cuda.empty_cache, the blocks then allocated again. 'always' (the default): every update. 'pressure': only once the allocator holds 85% of the device, as threshold compactions "
-        "are; elsewhere the release only costs time (70-120 ms a compaction on an H200, benchmarks/memory). "
-        "Not measured in a PPO run yet: the next GPU call decides the default.",
+        "torch.cuda.empty_cache, the blocks then allocated again. 'pressure' (the default): only once the "
+        "allocator holds 85% of the device, as threshold compactions are. 'always': every update, the "
+        "default until 2026-12-04; on an H200 at PPO batch 8 (1.1B) it cost the balanced preset 16% of "
+        "its update time, none of its peak (benchmarks/presets/results/h200/release_b8_stock).",
         Choice(RolloutRelease),
     )
     prefetch_window: int = _field(

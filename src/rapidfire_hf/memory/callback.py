@@ -71,7 +71,7 @@ class MemoryCompactionCallback(TrainerCallback):
             release waits for it only under ``release_after_rollout="pressure"``.
         release_after_rollout: ``"always"`` releases the cache at every rollout→train boundary;
             ``"pressure"`` only where the allocator holds ``pressure_fraction`` of the device (default from
-            ``config``'s ``release_after_rollout``, else ``"always"``).
+            ``config``'s ``release_after_rollout``, else ``"pressure"``).
 
     Example:
         >>> cb = MemoryCompactionCallback(compaction_threshold=0.3)        # before the model goes to the GPU
@@ -121,7 +121,7 @@ class MemoryCompactionCallback(TrainerCallback):
         release = _plain(
             release_after_rollout
             if release_after_rollout is not None
-            else getattr(config, "release_after_rollout", "always")
+            else getattr(config, "release_after_rollout", "pressure")
         )
         if release not in RELEASE_AFTER_ROLLOUT:
             raise ValueError(
