@@ -77,6 +77,8 @@ ENTRIES=(
   "presets_b8_span_cap|presets/results/h200/b8_span_cap|1.1B batch 8 with the span cap, 6 timed updates a row (stock's row cut by its limit)"
   "presets_release_b8|presets/results/h200/release_b8|1.1B batch 8: balanced and aggressive with memory.release_after_rollout always (the default then) and pressure, stock (cut by its 100 s), one call"
   "presets_release8|presets/results/h200/release8|1.1B batch 8: the memory.release_after_rollout default (pressure) against the previous one (always) with no config and balanced, stock, aggressive, one call; one update of each of ours profiled"
+  "presets_release8_rest|presets/results/h200/release8_rest|1.1B batch 8: no config, conservative, advanced.yaml and the snippet under the release default, 4 timed updates a row, no stock"
+  "presets_release_b8_stock|presets/results/h200/release_b8_stock|1.1B batch 8: no config, balanced with the release at every update (the default then) and under pressure, stock, one call"
   "presets_b8_8updates|presets/results/h200/b8_8updates|1.1B batch 8: no config and every preset, 7 timed updates a row, no stock"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
@@ -90,7 +92,7 @@ ENTRIES=(
   "precision_fp8_1b_bf16|precision/results/h200/fp8_loss/llama-1.1b_bf16|compiled FP8 training, 1.1B bf16 weights"
   "precision_fp8_1b_fp32|precision/results/h200/fp8_loss/llama-1.1b_fp32_master|compiled FP8 training, fp32 master"
   "precision_ppo_ratio|precision/results/h200/ppo_ratio_three_modes|PPO log-prob drift: bf16, adaptive, fp32"
-  "gpu_suite|gpu_tests/results/h200/suite|every GPU test (pytest -m gpu tests) on one visible GPU, JUnit XML and the summary (not run yet: the last whole run was 2026-11-30)"
+  "gpu_suite|gpu_tests/results/h200/suite|every GPU test (pytest -m gpu tests) on one visible GPU, JUnit XML and the summary"
   "dist_run|distributed/results/h200x2|2 GPUs: NCCL tests, engine smoke, DDP tokens/s (README row 11)"
   "dist_largest|distributed/results/h200x2/largest_model_bf16|2 GPUs: the largest PPO model per engine"
   "dist_sft_engines|distributed/results/h200x2/sft_engines|2 GPUs: enable_rapidfire (SFT) per engine"
@@ -240,6 +242,10 @@ entry() {  # the commands of one entry, writing into $1
     presets_release_b8) B8_UPDATES=6 B8_TIMEOUT=100 B8_ROWS=balanced,balanced-pressurerelease,aggressive,aggressive-pressurerelease,trl \
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_release8) bash benchmarks/presets/h200.sh "$o" release8 && mv "$o"/release8/* "$o"/ && rmdir "$o/release8" ;;
+    presets_release8_rest) B8_UPDATES=5 B8_TIMEOUT=75 B8_ROWS=none,conservative,advanced,snippet \
+        bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
+    presets_release_b8_stock) B8_UPDATES=6 B8_TIMEOUT=210 B8_ROWS=none,balanced,balanced-pressurerelease,trl \
+        bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_b8_8updates) B8_UPDATES=8 B8_TIMEOUT=70 B8_ROWS=none,advanced,snippet,balanced,aggressive,conservative \
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;

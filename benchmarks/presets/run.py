@@ -98,7 +98,16 @@ def _with_memory(config, memory: dict) -> dict:
 # "aggressive+nofuse" without fused decode projections
 # ("+alwaysrelease" / "+pressurerelease": the memory callback's release between scoring and training,
 # worker.MEMORY_RELEASE; the only way to the previous default for a row without a config, "none")
-DECODE_SUFFIXES = ("sdpa", "tattn", "fuse", "nofuse", "freecache", "keepcache", "alwaysrelease", "pressurerelease")
+DECODE_SUFFIXES = (
+    "sdpa",
+    "tattn",
+    "fuse",
+    "nofuse",
+    "freecache",
+    "keepcache",
+    "alwaysrelease",
+    "pressurerelease",
+)
 
 
 def row_config(name: str, args) -> dict:

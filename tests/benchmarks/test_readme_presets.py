@@ -1,4 +1,4 @@
-"""README.md rows 12-14 and benchmarks/presets/README.md's batch-64 table are the stored results'."""
+"""README.md rows 1 and 12-14, and benchmarks/presets/README.md's batch-64 and release tables, are the stored results'."""
 
 from __future__ import annotations
 
@@ -73,21 +73,51 @@ def test_readme_row_13_is_the_stored_b256_call():
 
 
 def test_readme_row_1_is_the_stored_same_call_run():
-    """Row 1: stock and ours (fused decode projections from "auto") at batch 8 from one call, and the
-    previous default (the module projections) of the same call in the row's label."""
-    call = ROOT / "benchmarks" / "kernels" / "results" / "h200" / "call8"
-    base = {r["name"]: r for r in csv.DictReader((call / "ppo_base" / "results.csv").open())}
-    nofuse = {r["name"]: r for r in csv.DictReader((call / "ppo_nofuse" / "results.csv").open())}
-    stock, ours = base["tp_trl_b8"], base["tp_rapidfire_b8"]
-    before = nofuse["tp_rapidfire_b8_nofuse"]
-    assert stock["status"] == ours["status"] == before["status"] == "ok"
-    cells = _cells((ROOT / "README.md").read_text(), "| 1 | ")
+    """Row 1: stock and our no-config run at batch 8 from one call, and the previous default (the cache
+    released at every update) of the same call in the row's label."""
+    rows = _stored("release8")
+    cells = _ratio_row(1, rows, "trl", "none", 1)
+    before = rows["none+alwaysrelease"]
     assert (
-        cells[2] == f"{float(stock['tokens_per_s']):,.0f}"
-        and cells[3] == f"{float(ours['tokens_per_s']):,.0f}"
+        before["status"] == "ok" and rows["none"]["batch"] == before["batch"] == rows["trl"]["batch"] == "8"
     )
-    assert cells[4] == f"**{float(ours['tokens_per_s']) / float(stock['tokens_per_s']):.1f}×**"
     assert f"same call: {float(before['tokens_per_s']):,.0f}" in cells[1]
+
+
+# benchmarks/presets/README.md's release tables: stored folder -> {row: the table's label}
+RELEASE_TABLES = {
+    "release8": {
+        "none": "| no config |",
+        "none+alwaysrelease": "| no config, `+alwaysrelease` (previous default) |",
+        "balanced": "| `balanced` |",
+        "balanced+alwaysrelease": "| `balanced+alwaysrelease` (previous default) |",
+        "aggressive": "| `aggressive` |",
+    },
+    "release8_rest": {
+        "none": "| no config |",
+        "conservative": "| `conservative` |",
+        "snippet": "| the articles' snippet |",
+        "advanced": "| `config/advanced.yaml` |",
+    },
+}
+
+
+def test_presets_readme_release_tables_are_the_stored_calls():
+    text = (ROOT / "benchmarks" / "presets" / "README.md").read_text()
+    section = text[text.index("## The release between scoring and training") :]
+    tables = section.split("| row | s per update |")[1:]  # the release tables, in RELEASE_TABLES' order
+    assert len(tables) == len(RELEASE_TABLES)
+    for section, (folder, labels) in zip(tables, RELEASE_TABLES.items()):
+        rows = _stored(folder)
+        none = float(rows["none"]["tokens_per_s"])
+        for name, label in labels.items():
+            cells, row = _cells(section, label), rows[name]
+            assert row["status"] == "ok", (folder, name)
+            assert cells[1] == f"{float(row['s_per_update']):.3f}", (folder, name)
+            assert cells[2] == f"{float(row['tokens_per_s']):,.0f}", (folder, name)
+            assert cells[3].strip("*") == f"{float(row['tokens_per_s']) / none:.2f}x", (folder, name)
+            assert cells[4] == f"{float(row['peak_gib']):.1f}", (folder, name)
+            assert cells[5] == f"{float(row['train_s']):.3f}", (folder, name)
 
 
 def test_readme_row_14_is_the_stored_7b_call():
