@@ -52,6 +52,7 @@ ENTRIES=(
   "ppo_learning_sweep|ppo_vs_trl/results/h200/learning_lr_sweep|learning: reward per lr and system, 4-16 seeds"
   "grpo_lowmem_switch|grpo/results/h200/lowmem_switch|GRPO memory.lowmem switch (README row 5)"
   "grpo_balanced|grpo/results/h200/balanced|GRPO balanced config (README row 6)"
+  "grpo_release|grpo/results/h200/release|GRPO: balanced and the low-memory switch under the memory.release_after_rollout default (pressure) and the previous one (always), stock, one call (not run yet)"
   "trl_trainers|trl_trainers/results/h200|SFT and DPO at sequence 2048 (README row 7)"
   "optimizer_interleaved|optimizer/results/h200/interleaved|optimizer variants, interleaved paired steps"
   "optimizer_buckets|optimizer/results/h200/buckets_interleaved|bucket sizes, overlap (README row 8)"
@@ -207,6 +208,8 @@ entry() {  # the commands of one entry, writing into $1
       $PY benchmarks/ppo_vs_trl/lr_sweep.py "$o" "$o/runs" ;;
     grpo_lowmem_switch) $PY benchmarks/grpo/run.py --out "$o" --variants stock,rapidfire_lowmem ;;
     grpo_balanced) $PY benchmarks/grpo/run.py --out "$o" --variants stock,rapidfire --steps 6 ;;
+    grpo_release) $PY benchmarks/grpo/run.py --out "$o" --steps 6 \
+        --variants stock,rapidfire,rapidfire_alwaysrelease,rapidfire_lowmem,rapidfire_lowmem_alwaysrelease ;;
     trl_trainers) $PY benchmarks/trl_trainers/run.py --out "$o" --systems stock,rapidfire,stock_no_ckpt --max-batch --budget-s 220 ;;
     optimizer_interleaved) $PY benchmarks/optimizer/run.py --out "$o" --rounds 1 --interleave 24 --only torch_adamw \
         rf_pipeline_off rf_pipeline_on rf_verify_only rf_pipeline_rollback torch_adamw_ckpt rf_pipeline_ckpt torch_adamw_accum \

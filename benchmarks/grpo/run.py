@@ -48,10 +48,18 @@ from benchmarks.common import environment, save_figure, write_json  # noqa: E402
 from rapidfire_hf.utils.units import GIB  # noqa: E402
 
 VARIANTS = ("stock", "rapidfire", "rapidfire_lowmem")
+# run only when named: a rapidfire variant under the previous memory.release_after_rollout default ("always":
+# the allocator's cache released after every rollout), set on the installed memory callback
+ALWAYS_RELEASE = "_alwaysrelease"
+KNOWN = VARIANTS + tuple(v + ALWAYS_RELEASE for v in VARIANTS if v != "stock")
 DESCRIPTIONS = {
     "stock": "trl.GRPOTrainer with TRL's defaults (optim adamw_torch_fused, gradient_checkpointing=True)",
     "rapidfire": "enable_rapidfire(GRPOTrainer(...)) with the balanced config and the trainer's own optimizer "
     "(adamw_torch_fused) inside RapidFireOptimizer",
+    "rapidfire_alwaysrelease": "the rapidfire variant with memory.release_after_rollout='always' (the default "
+    "until 2026-12-04)",
+    "rapidfire_lowmem_alwaysrelease": "the rapidfire_lowmem variant with memory.release_after_rollout='always' "
+    "(the default until 2026-12-04)",
     "rapidfire_lowmem": "enable_rapidfire(GRPOTrainer(...), config memory.lowmem='on_8bit_embedding'): 8-bit AdamW "
     "state (embedding included), no clipping, chunked checkpointing with layer inputs offloaded to pinned host "
     "memory, chunked rollout prefill, the rollout engine released after each rollout",
@@ -174,6 +182,8 @@ def make_trainer(variant: str, smoke: bool, steps: int, optimizer_kwargs: dict):
     shape = dict(SMOKE if smoke else FULL, steps=steps)
     device = "cpu" if smoke else "cuda"
     tok = build_tokenizer(shape["vocab"])
+    always_release = variant.endswith(ALWAYS_RELEASE)
+    variant = variant.removesuffix(ALWAYS_RELEASE)
     lowmem = variant == "rapidfire_lowmem"
     fallback = bnb_unusable(device) if lowmem else None
     extra = {}
@@ -219,6 +229,10 @@ def make_trainer(variant: str, smoke: bool, steps: int, optimizer_kwargs: dict):
             config={"memory": {"optimization": "aggressive", "lowmem": mode}},
             optimizer_kwargs={"rollback": "off"},
         )
+    if always_release:
+        from rapidfire_hf.integrations.parts import installed_parts
+
+        installed_parts(trainer)["memory"].release_after_rollout = "always"
     return trainer, shape, fallback
 
 
@@ -311,8 +325,9 @@ def run_variant(variant: str, smoke: bool, steps: int, optimizer_kwargs: dict) -
         from rapidfire_hf.integrations.parts import installed_parts
 
         result["installed_parts"] = sorted(installed_parts(trainer))
+        result["release_after_rollout"] = installed_parts(trainer)["memory"].release_after_rollout
         result["rapidfire_metrics"] = {k: v for k, v in logs[-1].items() if k.startswith("rapidfire/")}
-    if variant == "rapidfire_lowmem":
+    if variant.startswith("rapidfire_lowmem"):
         result["lowmem"] = lowmem_report(trainer, fallback)
     return result
 
@@ -495,9 +510,9 @@ def summary_lines(runs: dict, by_variant: dict) -> list[str]:
 
 def parse_variants(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v not in KNOWN]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown}; choose from {', '.join(KNOWN)}")
     return list(dict.fromkeys(names))
 
 
@@ -510,7 +525,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         "--variants",
         type=parse_variants,
         default=list(VARIANTS),
-        help=f"comma-separated variants to run, in order (default: {','.join(VARIANTS)})",
+        help=f"comma-separated variants to run, in order (default: {','.join(VARIANTS)}; also "
+        f"{', '.join(KNOWN[len(VARIANTS) :])}: the previous memory.release_after_rollout default)",
     )
     parser.add_argument(
         "--rollback", choices=("auto", "off"), default="auto", help="RapidFireOptimizer rollback (rapidfire)"
@@ -522,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         default="host",
         help="where rollback snapshots live (rapidfire)",
     )
-    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the child process's job
+    parser.add_argument("--variant", choices=KNOWN, help=argparse.SUPPRESS)  # the child process's job
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
     steps = args.steps or shape["steps"]
@@ -545,6 +561,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     settings["rapidfire"] = [
         {"setting": f"enable_rapidfire(optimizer_kwargs={optimizer_kwargs})", "source": "rapidfire_hf"}
     ]
+    previous = {
+        "setting": "memory callback release_after_rollout='always'",
+        "source": "benchmarks/grpo/run.py",
+    }
+    for base in VARIANTS[1:]:
+        settings[base + ALWAYS_RELEASE] = [*settings[base], previous]
     variants = {n: {"description": DESCRIPTIONS[n], "settings": settings[n]} for n in runs}
     stock = runs.get("stock")
     by_variant = {n: ratios_to_stock(r, stock) for n, r in runs.items() if n != "stock"} if stock else {}

@@ -25,6 +25,23 @@ def test_variants_flag_parses_and_rejects_unknown_names():
     assert {s["source"].split(" ")[0] for s in settings} == {"stock", "rapidfire_hf"}
 
 
+def test_alwaysrelease_variants_run_the_previous_release_default_and_only_when_named():
+    """'<variant>_alwaysrelease' is that variant with the memory callback releasing at every rollout (the default
+    until 2026-12-04); the plain variant keeps the default ('pressure'); neither is in the default list."""
+    module = load_run()
+    from rapidfire_hf.integrations.parts import installed_parts
+
+    assert module.parse_variants("rapidfire_alwaysrelease") == ["rapidfire_alwaysrelease"]
+    with pytest.raises(Exception, match="unknown variant"):
+        module.parse_variants("stock_alwaysrelease")
+    kwargs = {"rollback": "auto", "snapshot": "host"}
+    released = {}
+    for name in ("rapidfire", "rapidfire_alwaysrelease"):
+        trainer, _, _ = module.make_trainer(name, True, 1, kwargs)
+        released[name] = installed_parts(trainer)["memory"].release_after_rollout
+    assert released == {"rapidfire": "pressure", "rapidfire_alwaysrelease": "always"}
+
+
 def test_speed_ratios_and_targets():
     run = load_run()
     sp = run.speed([10.0, 2.0, 3.0, 2.0], [100, 100, 120, 100])

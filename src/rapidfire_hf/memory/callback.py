@@ -27,8 +27,9 @@ LEVELS = ("conservative", "balanced", "aggressive", "auto")
 # makes the next step cudaMalloc its activations again, so lazier levels wait longer.
 MIN_INTERVAL_STEPS = {"conservative": 50, "balanced": 20, "aggressive": 5, "auto": 20}
 # Phase changes after which the cache is released: generation leaves KV-cache blocks whose sizes training
-# never asks for again. Every time under release_after_rollout="always", under memory pressure only with
-# "pressure".
+# never asks for again. Under memory pressure with release_after_rollout="pressure" (the default: on an
+# H200 the release at every update cost 12-16% of a batch-8 PPO update and lowered no peak,
+# benchmarks/presets/results/h200/release8), every time with "always".
 COMPACT_ON = {("rollout", "train"), ("rollout", "training")}
 RELEASE_AFTER_ROLLOUT = ("always", "pressure")
 # Threshold compactions only once the allocator holds this share of the GPU (memory pressure). On an H200
@@ -51,8 +52,9 @@ class MemoryCompactionCallback(TrainerCallback):
 
     In a ``transformers.Trainer`` it samples memory at the end of every ``sample_every`` optimizer steps
     and compacts when :func:`~rapidfire_hf.memory.stats.compaction_reason` says so. A trainer with phases
-    (PPO: rollout, scoring, training) also calls :meth:`phase_boundary`; the rollout→train boundary always
-    releases the cache.
+    (PPO: rollout, scoring, training) also calls :meth:`phase_boundary`; the rollout→train boundary
+    releases the cache under memory pressure (``release_after_rollout="pressure"``, the default) or every
+    time (``"always"``).
 
     Args:
         config: A ``rapidfire_hf.config.MemoryConfig``, a full ``RapidFireConfig`` (its ``.memory`` is
@@ -218,8 +220,9 @@ class MemoryCompactionCallback(TrainerCallback):
         """Called by a trainer between phases, e.g. ``phase_boundary("rollout", "train")``.
 
         Samples memory; at rollout→train compacts (the rollout's KV-cache blocks are not reused by
-        training) every time, or under ``release_after_rollout="pressure"`` only where the allocator holds
-        the pressure share of the device; otherwise only when the threshold rule says so.
+        training) where the allocator holds the pressure share of the device (``release_after_rollout=
+        "pressure"``, the default) or every time (``"always"``); otherwise only when the threshold rule
+        says so.
 
         Returns:
             Bytes returned by a compaction (0 when none happened).
