@@ -303,8 +303,8 @@ class MemoryConfig(_Section):
         "(PPOTrainer after scoring; enable_rapidfire's fast GRPO/RLOO rollout after generation): "
         "torch.cuda.empty_cache, the blocks then allocated again. 'pressure' (the default): only once the "
         "allocator holds 85% of the device, as threshold compactions are. 'always': every update, the "
-        "default until 2026-12-04; on an H200 at PPO batch 8 (1.1B) it cost the balanced preset 16% of "
-        "its update time, none of its peak (benchmarks/presets/results/h200/release_b8_stock).",
+        "default until 2026-12-04; on an H200 at PPO batch 8 (1.1B) it cost 12-16% of each update and "
+        "lowered no peak (benchmarks/presets/results/h200/release8).",
         Choice(RolloutRelease),
     )
     prefetch_window: int = _field(
