@@ -93,6 +93,7 @@ ENTRIES=(
   "precision_fp8_1b_bf16|precision/results/h200/fp8_loss/llama-1.1b_bf16|compiled FP8 training, 1.1B bf16 weights"
   "precision_fp8_1b_fp32|precision/results/h200/fp8_loss/llama-1.1b_fp32_master|compiled FP8 training, fp32 master"
   "precision_ppo_ratio|precision/results/h200/ppo_ratio_three_modes|PPO log-prob drift: bf16, adaptive, fp32"
+  "kernels_b32_release|kernels/results/h200/b32_release|PPO 1.1B batch 32: stock TRL 1.12 and ours with today's defaults (fused projections, Triton attention, the release only under pressure), one call (issue 31's 7x target; not run yet)"
   "gpu_suite|gpu_tests/results/h200/suite|every GPU test (pytest -m gpu tests) on one visible GPU, JUnit XML and the summary"
   "dist_run|distributed/results/h200x2|2 GPUs: NCCL tests, engine smoke, DDP tokens/s (README row 11)"
   "dist_largest|distributed/results/h200x2/largest_model_bf16|2 GPUs: the largest PPO model per engine"
@@ -257,6 +258,8 @@ entry() {  # the commands of one entry, writing into $1
     kernels_call5) PARTS="tests kernels profile" KERNELS=attention TOTAL_S=545 PROFILE_VARIANTS=sdpa,tattn \
         PROFILE_FIRST_STEP=184 PROFILE_BATCHES=8,256,64 bash benchmarks/kernels/h200.sh "$o" ;;
     kernels_call6) PARTS=ppo PPO_KERNELS="base tattn fuse+tattn" TOTAL_S=560 bash benchmarks/kernels/h200.sh "$o" ;;
+    kernels_b32_release) PARTS=ppo PPO_KERNELS=base PPO_BATCHES=32 PPO_TRL_BATCHES=32 PPO_CAP_S=300 TOTAL_S=420 \
+        bash benchmarks/kernels/h200.sh "$o" ;;
     gpu_suite) CUDA_VISIBLE_DEVICES=0 $PY -m pytest -q -p no:cacheprovider -m gpu tests --junitxml "$o/junit.xml" \
         --tb=line --show-capture=no > "$o/summary.txt" 2>&1; tail -15 "$o/summary.txt" ;;
     kernels_call7) PARTS="tests ppo" PPO_KERNELS="base nofuse" TOTAL_S=540 bash benchmarks/kernels/h200.sh "$o" ;;
