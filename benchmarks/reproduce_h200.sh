@@ -80,6 +80,7 @@ ENTRIES=(
   "presets_release8|presets/results/h200/release8|1.1B batch 8: the memory.release_after_rollout default (pressure) against the previous one (always) with no config and balanced, stock, aggressive, one call; one update of each of ours profiled"
   "presets_release8_rest|presets/results/h200/release8_rest|1.1B batch 8: no config, conservative, advanced.yaml and the snippet under the release default, 4 timed updates a row, no stock"
   "presets_release_b8_stock|presets/results/h200/release_b8_stock|1.1B batch 8: no config, balanced with the release at every update (the default then) and under pressure, stock, one call"
+  "presets_lora7b_fuselora|presets/results/h200/lora7b_fuselora|7B LoRA batch 256: aggressive with and without rollout_decode_fuse_lora, one call (not run yet)"
   "presets_b8_8updates|presets/results/h200/b8_8updates|1.1B batch 8: no config and every preset, 7 timed updates a row, no stock"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
@@ -250,6 +251,8 @@ entry() {  # the commands of one entry, writing into $1
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_release_b8_stock) B8_UPDATES=6 B8_TIMEOUT=210 B8_ROWS=none,balanced,balanced-pressurerelease,trl \
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
+    presets_lora7b_fuselora) ROWS_7B=aggressive,aggressive+fuselora UPDATES_7B=4 TIMEOUT_7B=220 \
+        bash benchmarks/presets/h200.sh "$o" lora7b && mv "$o"/lora7b/* "$o"/ && rmdir "$o/lora7b" ;;
     presets_b8_8updates) B8_UPDATES=8 B8_TIMEOUT=70 B8_ROWS=none,advanced,snippet,balanced,aggressive,conservative \
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;

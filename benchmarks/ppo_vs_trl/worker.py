@@ -329,6 +329,7 @@ DECODE_KERNELS = {
     "sdpa": {"rollout_decode_attention": "sdpa"},  # SDPA named explicitly (whatever the default is)
     "freecache": {"rollout_cache": "auto"},  # not a kernel: the plan may free the KV cache after generation
     "keepcache": {"rollout_cache": "keep"},  # the KV cache kept between updates (the default until 12-04)
+    "fuselora": {"rollout_decode_fuse_lora": True},  # LoRA layers in the fused decode projections (opt-in)
 }
 # options of the same "+"-list that are not PPOConfig fields but the memory callback's release between
 # scoring and training, set on the built trainer (a run without a rapidfire config has no other way to it):

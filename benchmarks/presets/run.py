@@ -105,6 +105,7 @@ DECODE_SUFFIXES = (
     "nofuse",
     "freecache",
     "keepcache",
+    "fuselora",
     "alwaysrelease",
     "pressurerelease",
 )

@@ -88,6 +88,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "rollout_decode_sampler": Among(("torch", "triton", "triton-philox")),
     "rollout_decode_fuse_projections": AutoOr(Bool()),
     "rollout_decode_linear": Among(("torch", "triton")),
+    "rollout_decode_fuse_lora": Bool(),
     "rollout_cache": Among(("keep", "auto")),
     "rollout_generation_batch_size": AutoOr(Optional(Int(min=1), "the whole rollout batch at once")),
 }
@@ -372,6 +373,17 @@ class PPOConfig(TrainingArguments):
             "1.819 at 64; benchmarks/kernels)."
         },
     )
+    rollout_decode_fuse_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "Decode step of the fast engine, with fused projections (rollout_decode_fuse_projections): "
+            "fuse the layers whose projections carry a PEFT LoRA adapter too. The base weights are "
+            "concatenated as for full fine-tuning; the adapter adds one matmul by the stacked A factors and "
+            "one by the block-diagonal B * scaling per group (three matmuls for q/k/v where the adapter's "
+            "modules make nine). Generations whose adapter state it does not reproduce (several active "
+            "adapters, DoRA, dropout in training mode) keep the modules. Opt-in: not yet measured on a GPU."
+        },
+    )
     rollout_generation_batch_size: str | None = field(  # "auto", an int (digits: below) or None
         default="auto",
         metadata={
@@ -438,6 +450,13 @@ class PPOConfig(TrainingArguments):
                 ConfigError(
                     f"rollout_decode_linear={self.rollout_decode_linear!r} runs the fused decode projections "
                     "only: also set rollout_decode_fuse_projections=True"
+                )
+            )
+        if self.rollout_decode_fuse_lora is True and self.rollout_decode_fuse_projections is False:
+            errors.append(
+                ConfigError(
+                    "rollout_decode_fuse_lora=True fuses LoRA layers into the fused decode projections, which "
+                    "rollout_decode_fuse_projections=False turns off: set it to True or 'auto'"
                 )
             )
         return errors

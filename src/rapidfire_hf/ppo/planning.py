@@ -227,7 +227,8 @@ def decode_copies(trainer, policy, static: bool) -> tuple[bool | str | None, int
     engine = trainer.roller.engine
     if engine is not None:  # built by a rollout before the plan: its projections stay as they are
         return want, 0, engine.copy_bytes()
-    return want, (fused_projection_bytes(policy) if want is not False else 0), None
+    lora = trainer.args.rollout_decode_fuse_lora
+    return want, (fused_projection_bytes(policy, lora=lora) if want is not False else 0), None
 
 
 def _fused(plan: Plan, want, copies: int, built: int | None, device) -> Plan:

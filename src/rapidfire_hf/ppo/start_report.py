@@ -42,6 +42,7 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
                 ("sampler", args.rollout_decode_sampler, "torch"),
                 ("fuse_projections", args.rollout_decode_fuse_projections, "auto"),
                 ("linear", args.rollout_decode_linear, "torch"),
+                ("fuse_lora", args.rollout_decode_fuse_lora, False),
             )
             if value != default
         ]

@@ -46,30 +46,111 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _fusable(layer) -> bool:
+def _fusable(layer, lora: bool = False) -> bool:
     """Whether a decoder layer's q/k/v and gate/up projections are plain bias-free ``nn.Linear`` of one dtype
-    (PEFT LoRA layers, quantized linears and biased projections keep their module calls)."""
+    (with ``lora``: or PEFT LoRA ``Linear`` layers over such a base; quantized linears and biased projections
+    keep their module calls)."""
     attn, mlp = layer.self_attn, layer.mlp
     projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     projs += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    ok = (lambda m: _plain(m) or _lora_linear(m)) if lora else _plain
     return (
-        all(_plain(m) for m in projs)
-        and len({m.weight.dtype for m in projs}) == 1
+        all(ok(m) for m in projs)
+        and len({_base(m).weight.dtype for m in projs}) == 1
         and callable(getattr(mlp, "act_fn", None))
         and isinstance(getattr(mlp, "down_proj", None), nn.Module)
     )
 
 
-def fused_projection_bytes(model) -> int:
+def _lora_linear(module) -> bool:
+    """A PEFT LoRA ``Linear`` over a plain bias-free ``nn.Linear`` (any adapter state: see :func:`_lora_term`)."""
+    base = getattr(module, "base_layer", None)
+    return (
+        type(module).__name__ == "Linear"
+        and type(module).__module__.startswith("peft.")
+        and hasattr(module, "lora_A")
+        and _plain(base)
+    )
+
+
+def _base(module) -> nn.Linear:
+    return module.base_layer if _lora_linear(module) else module
+
+
+# what _lora_term returns for a LoRA layer whose state the fused decode does not reproduce
+UNSUPPORTED = "unsupported"
+
+
+def _lora_term(module):
+    """The low-rank term a projection adds to its base output now, as ``(A, B * scaling)``; None when it adds
+    none (a plain linear; adapters disabled and not merged; merged, so the base weight holds the term); or
+    :data:`UNSUPPORTED` where its forward does more than one vanilla adapter's ``B(A(x)) * scaling`` (several
+    active adapters, a variant such as DoRA, a bias on A or B, dropout that acts, disabled while merged)."""
+    if not _lora_linear(module):
+        return None
+    merged = bool(getattr(module, "merged", False))
+    if module.disable_adapters:
+        return UNSUPPORTED if merged else None  # PEFT unmerges on such a forward
+    if merged:
+        return None
+    active = [a for a in module.active_adapters if a in module.lora_A.keys()]
+    if not active:
+        return None
+    if len(active) > 1:
+        return UNSUPPORTED
+    name = active[0]
+    a, b, dropout = module.lora_A[name], module.lora_B[name], module.lora_dropout[name]
+    inert = isinstance(dropout, nn.Identity) or (
+        isinstance(dropout, nn.Dropout) and (dropout.p == 0 or not dropout.training)
+    )
+    if (
+        name in getattr(module, "lora_variant", {})
+        or not (_plain(a) and _plain(b))
+        or not inert
+        or not getattr(module, "cast_input_dtype_enabled", True)
+    ):
+        return UNSUPPORTED
+    return a.weight, b.weight * module.scaling[name]
+
+
+def _lora_into(out, terms: list, sizes: list[int]):
+    """``(A_cat, B_blk)`` for one fused projection group: the groups' A stacked ``[R, H]`` and their
+    ``B * scaling`` placed block-diagonally ``[sum(sizes), R]`` (zero rows for projections without a term),
+    written into ``out`` when its shapes still fit (graph-recorded addresses stay valid); None without terms."""
+    if all(t is None for t in terms):
+        return None
+    a_parts = [t[0] for t in terms if t is not None]
+    ranks = [a.shape[0] for a in a_parts]
+    first = a_parts[0]
+    a_cat = _concat_into(None if out is None else out[0], tuple(a_parts))
+    shape = (sum(sizes), sum(ranks))
+    b_blk = out[1] if out is not None else None
+    if b_blk is None or b_blk.shape != shape or b_blk.dtype != first.dtype or b_blk.device != first.device:
+        b_blk = torch.zeros(shape, dtype=first.dtype, device=first.device)
+    else:
+        b_blk.zero_()
+    row = col = 0
+    for term, size in zip(terms, sizes):
+        if term is not None:
+            r = term[0].shape[0]
+            b_blk[row : row + size, col : col + r].copy_(term[1])
+            col += r
+        row += size
+    return a_cat, b_blk
+
+
+def fused_projection_bytes(model, lora: bool = False) -> int:
     """Bytes of the concatenated q/k/v and gate/up copies that ``fuse_projections=True`` allocates for
-    ``model`` at its first generation and keeps (the layers :class:`StaticLlama` fuses; others take none)."""
+    ``model`` at its first generation and keeps (the layers :class:`StaticLlama` fuses, with ``lora`` those
+    with LoRA projections too; others take none). LoRA's stacked factors are left out (rank x width)."""
     lm = unwrap_peft(model)
     total = 0
     for layer in list(lm.model.layers[: lm.config.num_hidden_layers]):
-        if _fusable(layer):
+        if _fusable(layer, lora):
             attn, mlp = layer.self_attn, layer.mlp
             for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                total += m.weight.numel() * m.weight.element_size()
+                w = _base(m).weight
+                total += w.numel() * w.element_size()
     return total
 
 
@@ -131,9 +212,21 @@ class StaticLlama:
             built to read each weight once at close to the memory bandwidth for a few rows). Needs
             ``fuse_projections``. Opt-in: not yet measured on a GPU (``benchmarks/kernels`` matmul rows,
             ``benchmarks/rollout`` system ``ours_compile+fuse_skinny``).
+        fuse_lora: with ``fuse_projections``, fuse layers whose projections are PEFT LoRA layers too: the base
+            weights concatenated as above, and per group one matmul by the stacked ``A`` factors and one by the
+            block-diagonal ``B * scaling`` (three matmuls for q/k/v where the module calls make nine). A
+            generation whose adapter state the fused step does not reproduce (:func:`_lora_term`) runs those
+            layers' module calls. Opt-in: not yet measured on a GPU.
     """
 
-    def __init__(self, model, attention: str = "sdpa", fuse_projections: bool = False, linear: str = "torch"):
+    def __init__(
+        self,
+        model,
+        attention: str = "sdpa",
+        fuse_projections: bool = False,
+        linear: str = "torch",
+        fuse_lora: bool = False,
+    ):
         if linear not in DECODE_LINEARS:
             raise ValueError(f"linear must be one of {DECODE_LINEARS}, got {linear!r}")
         if linear != "torch" and not fuse_projections:
@@ -167,7 +260,9 @@ class StaticLlama:
         self.window = (
             getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         )
-        self.fused = [fuse_projections and _fusable(layer) for layer in self.layers]
+        self.fused = [fuse_projections and _fusable(layer, fuse_lora) for layer in self.layers]
+        # per generation (refresh_fused): whether a fused layer runs fused now (its LoRA state reproducible)
+        self.fused_now = list(self.fused)
         # with linear="triton", a fused layer's o / down projections go through it too where they are plain
         # linears; else (and with linear="torch") their module calls: a LoRA o_proj keeps its adapter
         self._out_linear = [
@@ -176,23 +271,46 @@ class StaticLlama:
         ]
         self._qkv_w: list[torch.Tensor | None] = [None] * len(self.layers)  # [(Hq + 2 KV) D, H]
         self._gu_w: list[torch.Tensor | None] = [None] * len(self.layers)  # [2 I, H]
+        # LoRA factors of a fused group: (A stacked [R, H], B * scaling block-diagonal [out, R]) or None
+        self._qkv_lora: list[tuple | None] = [None] * len(self.layers)
+        self._gu_lora: list[tuple | None] = [None] * len(self.layers)
 
     def refresh_fused(self) -> None:
-        """Copy the layers' current projection weights into the concatenated ones (allocated on first use or
-        when a weight's shape, dtype or device changed; in place otherwise, so recorded graphs stay valid)."""
+        """Copy the layers' current projection weights (and LoRA factors, as the adapters stand now) into the
+        concatenated ones (allocated on first use or when a weight's shape, dtype or device changed; in place
+        otherwise, so recorded graphs stay valid)."""
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
                 if not self.fused[i]:
                     continue
                 attn, mlp = layer.self_attn, layer.mlp
-                self._qkv_w[i] = _concat_into(
-                    self._qkv_w[i], (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+                qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+                terms = [_lora_term(m) for m in (*qkv, *gu)]
+                self.fused_now[i] = UNSUPPORTED not in terms
+                if not self.fused_now[i]:
+                    continue  # this generation runs the layer's module calls
+                self._qkv_w[i] = _concat_into(self._qkv_w[i], tuple(_base(m).weight for m in qkv))
+                self._gu_w[i] = _concat_into(self._gu_w[i], tuple(_base(m).weight for m in gu))
+                self._qkv_lora[i] = _lora_into(
+                    self._qkv_lora[i], terms[:3], [_base(m).weight.shape[0] for m in qkv]
                 )
-                self._gu_w[i] = _concat_into(self._gu_w[i], (mlp.gate_proj.weight, mlp.up_proj.weight))
+                self._gu_lora[i] = _lora_into(
+                    self._gu_lora[i], terms[3:], [_base(m).weight.shape[0] for m in gu]
+                )
 
     def fused_weights(self) -> tuple[torch.Tensor, ...]:
         """The concatenated weights in use (their addresses are part of what a recorded graph reads)."""
-        return tuple(w for w in (*self._qkv_w, *self._gu_w) if w is not None)
+        lora = [t for pair in (*self._qkv_lora, *self._gu_lora) if pair is not None for t in pair]
+        return tuple(w for w in (*self._qkv_w, *self._gu_w, *lora) if w is not None)
+
+    def _project(self, h: torch.Tensor, weight: torch.Tensor, lora: tuple | None) -> torch.Tensor:
+        """A fused group's projections of ``h``: the base matmul, plus its LoRA term in the factors' dtype
+        (the dtype flow of PEFT's forward: the sum in the wider dtype, then back to the base's)."""
+        out = self._linear(h, weight)
+        if lora is None:
+            return out
+        a, b = lora
+        return (out + F.linear(F.linear(h.to(a.dtype), a), b)).to(out.dtype)
 
     def fused_bytes(self) -> int:
         """Bytes of the concatenated weights allocated so far (0 before the first generation)."""
@@ -293,8 +411,9 @@ class StaticLlama:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            if self.fused[i]:
-                qkv = self._linear(h, self._qkv_w[i])
+            fused = self.fused[i] and self.fused_now[i]
+            if fused:
+                qkv = self._project(h, self._qkv_w[i], self._qkv_lora[i])
                 sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
                 q, k, v = (z.view(b, -1, self.head_dim) for z in qkv.split(sizes, dim=-1))
                 if self.qk_norm:
@@ -310,9 +429,11 @@ class StaticLlama:
             )
             out = self._out_linear[i]
             x = x + (out(o.reshape(b, -1), attn.o_proj.weight) if out else attn.o_proj(o.reshape(b, -1)))
-            if self.fused[i]:
+            if fused:
                 mlp = layer.mlp
-                gate, up = self._linear(layer.post_attention_layernorm(x), self._gu_w[i]).chunk(2, dim=-1)
+                gate, up = self._project(
+                    layer.post_attention_layernorm(x), self._gu_w[i], self._gu_lora[i]
+                ).chunk(2, dim=-1)
                 act = mlp.act_fn(gate) * up
                 x = x + (out(act, mlp.down_proj.weight) if out else mlp.down_proj(act))
             else:

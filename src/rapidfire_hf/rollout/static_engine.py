@@ -108,6 +108,8 @@ class StaticEngine:
             compilation, not yet measured.
         linear: the fused decode projections' matmul, ``"torch"`` or ``"triton"`` (the skinny matmul;
             ``StaticLlama``; needs ``fuse_projections``; opt-in, not yet measured on a GPU).
+        fuse_lora: with ``fuse_projections``, PEFT LoRA layers fused too (``StaticLlama``; opt-in, not yet
+            measured on a GPU).
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class StaticEngine:
         fuse_projections: bool = False,
         compile_mode: str | None = None,
         linear: str = "torch",
+        fuse_lora: bool = False,
     ):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
@@ -138,7 +141,9 @@ class StaticEngine:
                 raise ValueError(
                     f"attention={attention!r} / sampler={sampler!r} / linear={linear!r} cannot run here: {reason}"
                 )
-        self.net = StaticLlama(model, attention, fuse_projections=fuse_projections, linear=linear)
+        self.net = StaticLlama(
+            model, attention, fuse_projections=fuse_projections, linear=linear, fuse_lora=fuse_lora
+        )
         if prefill_rows is not None:
             chunk_prefill(self.net, prefill_rows)
         self.model = model
