@@ -120,6 +120,8 @@ def test_off_by_default_and_counted_by_the_planner(tokenizer):
     model = _lora_model(tokenizer)
     assert not any(_engine(model, False)._static.net.fused)
     assert fused_projection_bytes(model) == 0 < fused_projection_bytes(model, lora=True)
+    with pytest.raises(ValueError, match="set fuse_projections=True"):
+        _engine(model, True, fuse=False)
     with pytest.raises(ConfigError, match="rollout_decode_fuse_lora=True"):
         PPOConfig(output_dir="x", rollout_decode_fuse_lora=True, rollout_decode_fuse_projections=False)
 

@@ -234,6 +234,11 @@ class StaticLlama:
                 f"linear={linear!r} runs the fused decode projections only: set fuse_projections=True "
                 "(decode_fuse_projections=True on the rollout engine)"
             )
+        if fuse_lora and not fuse_projections:
+            raise ValueError(
+                "fuse_lora=True fuses LoRA layers into the fused decode projections: set fuse_projections=True "
+                "too (decode_fuse_projections=True on the rollout engine)"
+            )
         self._linear = F.linear
         if linear == "triton":
             from rapidfire_hf.kernels.triton_skinny_matmul import skinny_linear
