@@ -171,10 +171,10 @@ def test_ppo_config_switch_reaches_the_engine_with_a_lora_policy(tokenizer, tmp_
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
 
     def rollout_of(name, **kw):
+        kw.setdefault("rollout_decode_fuse_projections", True)
         trainer = tiny_trainer(
-            tmp_path / name, tokenizer, rollout_backend="static", rollout_decode_fuse_projections=True,
-            trainer_kwargs={"peft_config": lora}, **kw,
-        )  # fmt: skip
+            tmp_path / name, tokenizer, rollout_backend="static", trainer_kwargs={"peft_config": lora}, **kw
+        )
         with torch.no_grad():  # the same non-zero adapter in both runs
             for pname, p in trainer.model.named_parameters():
                 if "lora_B" in pname:
@@ -183,6 +183,9 @@ def test_ppo_config_switch_reaches_the_engine_with_a_lora_policy(tokenizer, tmp_
 
     plain_trainer, plain = rollout_of("plain")
     trainer, fused = rollout_of("fused", rollout_decode_fuse_lora=True)
+    # with "auto" projections, which do not fuse on the CPU, the switch waits for them instead of refusing
+    auto, _ = rollout_of("auto", rollout_decode_fuse_lora=True, rollout_decode_fuse_projections="auto")
+    assert not any(auto.roller.engine._static.net.fused)
     assert all(trainer.roller.engine._static.net.fused_now)
     assert not any(plain_trainer.roller.engine._static.net.fused)
     assert torch.equal(fused.responses, plain.responses)

@@ -99,7 +99,8 @@ class Roller:
                 decode_sampler=args.rollout_decode_sampler,
                 decode_fuse_projections=fuse_projections,
                 decode_linear=args.rollout_decode_linear,
-                decode_fuse_lora=args.rollout_decode_fuse_lora,
+                # LoRA layers join the fused projections only where the plan fuses at all
+                decode_fuse_lora=bool(fuse_projections) and args.rollout_decode_fuse_lora,
             )
         params = sampling_params(args, sampling)
         # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
