@@ -83,6 +83,7 @@ ENTRIES=(
   "presets_lora7b_fuselora|presets/results/h200/lora7b_fuselora|7B LoRA batch 256: aggressive with and without rollout_decode_fuse_lora, one call (not run yet)"
   "presets_b8_8updates|presets/results/h200/b8_8updates|1.1B batch 8: no config and every preset, 7 timed updates a row, no stock"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
+  "rollout_lora|rollout/results/h200/lora|decode step with a rank-16 LoRA adapter on q/k/v/o: compiled, fused projections (LoRA layers unfused), fused with LoRA (decode_fuse_lora), batch 8 and 64 (not run yet)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
   "kernels_call5|kernels/results/h200/call5|GPU kernel tests, attention mid-response with the kv_end bound, the compiled decode step (default SDPA vs Triton attention) at the response's mean cache length"
   "kernels_call6|kernels/results/h200/call6|PPO 1.1B batch 8 / 32: stock TRL 1.12, ours with SDPA, with the Triton attention, with fused projections + Triton attention, one call"
@@ -257,6 +258,8 @@ entry() {  # the commands of one entry, writing into $1
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;
     rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
+    rollout_lora) $PY benchmarks/rollout/run.py --out "$o" --batches 8,64 --lora-rank 16 \
+        --systems ours_compile,ours_compile+fuse,ours_compile+fuse_lora --budget-s 280 ;;
     kernels) bash benchmarks/kernels/h200.sh "$o" ;;
     kernels_call5) PARTS="tests kernels profile" KERNELS=attention TOTAL_S=545 PROFILE_VARIANTS=sdpa,tattn \
         PROFILE_FIRST_STEP=184 PROFILE_BATCHES=8,256,64 bash benchmarks/kernels/h200.sh "$o" ;;

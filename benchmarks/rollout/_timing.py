@@ -82,6 +82,8 @@ class _StepHook(LogitsProcessor):
 # no variant = the defaults
 VARIANTS = {  # attention, sampler, fused projections, compile mode, projections' matmul
     "": ("auto", "torch", False, None, "torch"),  # the engine's defaults (auto: Triton attention on a GPU)
+    # with --lora-rank: the projections fused, LoRA layers included (decode_fuse_lora); "fuse" leaves them
+    "fuse_lora": ("auto", "torch", True, None, "torch"),
     "sdpa": ("sdpa", "torch", False, None, "torch"),  # SDPA attention (the default before 2026-12-04)
     "matmul": ("matmul", "torch", False, None, "torch"),
     "triton": ("triton", "triton-philox", False, None, "torch"),  # the attention and sampling kernels
@@ -108,12 +110,14 @@ def _runner(model, system: str, ids, mask):
             decode_fuse_projections=VARIANTS[variant][2],
             decode_compile_mode=VARIANTS[variant][3],
             decode_linear=VARIANTS[variant][4],
+            decode_fuse_lora=variant == "fuse_lora",
         )
 
         def run(n, hook):
             engine._static.step_callback = hook
             engine.generate(ids, mask, SamplingParams(n, temperature=1.0))
 
+        run.engine = engine  # what the system built (tests/benchmarks/test_rollout_smoke.py reads it)
         return run
     extra = {"cache_implementation": "static"} if system == "hf_static" else {}
 

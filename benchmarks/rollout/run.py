@@ -39,7 +39,7 @@ SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke"
 OPT_IN = ("ours_compile+triton", "ours_cuda_graph+triton", "ours_compile+tattn", "ours_cuda_graph+tattn",
           "ours_compile+fuse", "ours_cuda_graph+fuse", "ours_eager+fuse", "ours_compile+autotune",
           "ours_compile+fuse_autotune", "ours_compile+fuse_skinny", "ours_eager+fuse_skinny",
-          "ours_compile+sdpa", "ours_cuda_graph+sdpa")  # fmt: skip
+          "ours_compile+sdpa", "ours_cuda_graph+sdpa", "ours_compile+fuse_lora")  # fmt: skip
 SYSTEMS = (
     "ours_cuda_graph",
     "hf_dynamic",
@@ -70,6 +70,22 @@ def build_model(shape: str, device: str, dtype: torch.dtype, max_positions: int)
     return model.to(dtype).eval()
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def with_lora(model, rank: int):
+    """``model`` under a PEFT LoRA adapter of ``rank`` on q/k/v/o, its B factors drawn (seeded) non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS)))
+    with torch.no_grad():
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen).mul_(0.01).to(p.device, p.dtype))
+    return model.eval()
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for results.json / results.csv / results.png")
@@ -78,6 +94,13 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="generated tokens per run (default 384)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS + OPT_IN)}")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="wrap the model in a PEFT LoRA adapter of this rank on q/k/v/o (0: none), as the 7B LoRA PPO "
+        "rows; its B factors drawn non-zero so the adapter shows in the output",
+    )
     p.add_argument(
         "--no-correctness",
         action="store_true",
@@ -143,6 +166,12 @@ def main(argv=None) -> int:
     }
     max_pos = max(2048, prompt_len + new_tokens)
     model = build_model(shape, device, torch.float32, max_pos)
+    if args.lora_rank < 0:
+        print(f"--lora-rank {args.lora_rank}: give a rank >= 1, or 0 for no adapter", file=sys.stderr)
+        return 2
+    if args.lora_rank:
+        model = with_lora(model, args.lora_rank)
+        meta["lora"] = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank, "targets": list(LORA_TARGETS)}
     skipped = "skipped (--no-correctness)"
     meta["correctness_fp32"] = (
         skipped if args.no_correctness else correctness(model, prompt_len, min(64, new_tokens), device)

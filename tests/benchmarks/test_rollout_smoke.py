@@ -39,3 +39,27 @@ def test_smoke_run_writes_results(tmp_path, monkeypatch):
     assert by_system["ours_eager"]["status"] == "ok" and by_system["ours_eager"]["ms_per_step"] > 0
     assert by_system["ours_cuda_graph"]["status"] == "skipped: needs CUDA"
     assert (tmp_path / "results.csv").stat().st_size > 0 and (tmp_path / "results.png").stat().st_size > 0
+
+
+def test_lora_rank_wraps_the_model_and_the_fused_lora_system_builds_its_engine():
+    """--lora-rank puts a non-zero PEFT adapter on q/k/v/o; the system "+fuse_lora" runs the engine with the
+    LoRA layers fused, "+fuse" without them (those layers keep their modules)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import _timing
+        from run import build_model, with_lora
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    import torch
+
+    model = with_lora(build_model("smoke", "cpu", torch.float32, 64), 2)
+    ids = torch.randint(3, 100, (2, 4))
+    b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert len(b) == 4 * 2 and all(p.abs().sum() > 0 for p in b)  # q/k/v/o of each of the 2 layers
+    engines = {}
+    for variant in ("fuse", "fuse_lora"):
+        run = _timing._runner(model, f"ours_eager+{variant}", ids, torch.ones_like(ids))
+        run(3, None)
+        engines[variant] = run.engine
+    assert not any(engines["fuse"]._static.net.fused)
+    assert all(engines["fuse_lora"]._static.net.fused_now)
