@@ -82,6 +82,9 @@ def test_readme_row_1_is_the_stored_same_call_run():
         before["status"] == "ok" and rows["none"]["batch"] == before["batch"] == rows["trl"]["batch"] == "8"
     )
     assert f"same call: {float(before['tokens_per_s']):,.0f}" in cells[1]
+    speedup = float(before["s_per_update"]) / float(rows["none"]["s_per_update"])
+    text = " ".join((ROOT / "README.md").read_text().split())  # the prose, line breaks as spaces
+    assert f"in row 1's call that made an update {speedup:.2f}x faster" in text
 
 
 # benchmarks/presets/README.md's release tables: stored folder -> {row: the table's label}
