@@ -337,6 +337,11 @@ DECODE_KERNELS = {
 MEMORY_RELEASE = {"alwaysrelease": "always", "pressurerelease": "pressure"}
 
 
+def decode_options(cfg: dict) -> list[str]:
+    """The row's "+"-separated options (``DECODE_KERNELS`` and ``MEMORY_RELEASE`` names)."""
+    return [o for o in (cfg.get("decode_kernels") or "").split("+") if o]
+
+
 def speedup_args(cfg: dict) -> dict:
     """PPOConfig switches of a speed-up variant (run.py --ours-*); none for a row without them, so the
     baseline runs exactly as before."""
@@ -345,7 +350,7 @@ def speedup_args(cfg: dict) -> dict:
         out["rollout_decode_mode"] = cfg["rollout_decode_mode"]
     if cfg.get("rollout_generation_batch_size"):
         out["rollout_generation_batch_size"] = cfg["rollout_generation_batch_size"]
-    for kernel in filter(None, (cfg.get("decode_kernels") or "").split("+")):
+    for kernel in decode_options(cfg):
         if kernel not in MEMORY_RELEASE:
             out.update(DECODE_KERNELS[kernel])
     if cfg.get("liger"):
@@ -403,7 +408,7 @@ def build_ours(cfg: dict, device: str):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     trainer.remove_progress_callbacks()
-    for option in filter(None, (cfg.get("decode_kernels") or "").split("+")):
+    for option in decode_options(cfg):
         if option in MEMORY_RELEASE:
             trainer.memory_callback.release_after_rollout = MEMORY_RELEASE[option]
     trainer.build_s = build_s

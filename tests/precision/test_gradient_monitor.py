@@ -61,6 +61,12 @@ def test_non_finite_gradients_are_counted_in_their_own_layer():
     assert got["layer:b.nonfinite_grads"] == 2.0 and math.isnan(got["layer:b.grad_norm"])
     assert got["layer:a.nonfinite_grads"] == 0.0 and math.isfinite(got["layer:a.grad_norm"])
     assert got["nonfinite_grads"] == 2.0
+    # the last layer alone (not the middle one, which a reversed layer order would leave in place)
+    layers = _layers()
+    layers["c"].weight.grad[0, 0] = float("inf")
+    got = _host(GradientMonitor(layers).collect())
+    assert got["layer:c.nonfinite_grads"] == 1.0 and math.isinf(got["layer:c.grad_norm"])
+    assert got["layer:a.nonfinite_grads"] == got["layer:b.nonfinite_grads"] == 0.0
 
 
 def test_bf16_gradients_are_normed_in_fp32_and_a_changed_set_of_gradients_is_followed():

@@ -157,13 +157,15 @@ class GradientMonitor:
         padded = torch.cat(
             [torch.stack([norms.pow(2), (~torch.isfinite(norms)).float()], 1), norms.new_zeros(1, 2)]
         )
-        per_layer = padded[index].sum(1)  # [layers, 2]: squared norm, non-finite count
+        # [layers, 2]: squared norm, non-finite count (a gather and a sum in a fixed order: index_add_'s
+        # atomics on CUDA would make the sums differ from run to run)
+        per_layer = padded[index].sum(1)
         layer_norms = per_layer[:, 0].sqrt() * inv_scale
         bad = per_layer[:, 1]
         out: dict[str, torch.Tensor] = {}
-        for i, name in enumerate(names):
-            out[f"layer:{name}.grad_norm"] = layer_norms[i]
-            out[f"layer:{name}.nonfinite_grads"] = bad[i]
+        for name, norm, count in zip(names, layer_norms.unbind(), bad.unbind()):  # two ops, not 2 x layers
+            out[f"layer:{name}.grad_norm"] = norm
+            out[f"layer:{name}.nonfinite_grads"] = count
         out["nonfinite_grads"] = bad.sum()
         return out
 

@@ -64,13 +64,10 @@ def _fusable(layer, lora: bool = False) -> bool:
 
 def _lora_linear(module) -> bool:
     """A PEFT LoRA ``Linear`` over a plain bias-free ``nn.Linear`` (any adapter state: see :func:`_lora_term`)."""
-    base = getattr(module, "base_layer", None)
-    return (
-        type(module).__name__ == "Linear"
-        and type(module).__module__.startswith("peft.")
-        and hasattr(module, "lora_A")
-        and _plain(base)
-    )
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    # exactly PEFT's dense LoRA Linear: its quantized subclasses and siblings compute their base otherwise
+    return type(module) is LoraLinear and _plain(module.base_layer)
 
 
 def _base(module) -> nn.Linear:
@@ -82,7 +79,7 @@ UNSUPPORTED = "unsupported"
 
 
 def _lora_term(module):
-    """The low-rank term a projection adds to its base output now, as ``(A, B * scaling)``; None when it adds
+    """The low-rank term a projection adds to its base output now, as ``(A, B, scaling)``; None when it adds
     none (a plain linear; adapters disabled and not merged; merged, so the base weight holds the term); or
     :data:`UNSUPPORTED` where its forward does more than one vanilla adapter's ``B(A(x)) * scaling`` (several
     active adapters, a variant such as DoRA, a bias on A or B, dropout that acts, disabled while merged)."""
@@ -110,7 +107,7 @@ def _lora_term(module):
         or not getattr(module, "cast_input_dtype_enabled", True)
     ):
         return UNSUPPORTED
-    return a.weight, b.weight * module.scaling[name]
+    return a.weight, b.weight, module.scaling[name]
 
 
 def _lora_into(out, terms: list, sizes: list[int]):
@@ -133,7 +130,7 @@ def _lora_into(out, terms: list, sizes: list[int]):
     for term, size in zip(terms, sizes):
         if term is not None:
             r = term[0].shape[0]
-            b_blk[row : row + size, col : col + r].copy_(term[1])
+            b_blk[row : row + size, col : col + r].copy_(term[1]).mul_(term[2])  # B * scaling, in place
             col += r
         row += size
     return a_cat, b_blk
