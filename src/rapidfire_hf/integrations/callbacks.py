@@ -23,11 +23,6 @@ _RULE_METRICS = {
 }
 
 
-def trainer_precision(trainer) -> str:
-    """The precision the trainer's own autocast runs in: ``"bf16"``, ``"fp16"`` or ``"fp32"``."""
-    return {"bf16": "bf16", "fp16": "fp16"}.get(str(trainer.accelerator.mixed_precision), "fp32")
-
-
 # Rows of a micro-batch the sensitivity pass runs on: its fp32 reference forward materialises [B, T, V]
 # logits, and a few rows measure a layer's error as well as a whole GRPO batch of 64 x 384 tokens would.
 CALIBRATION_ROWS = 4

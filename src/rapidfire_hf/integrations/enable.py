@@ -232,13 +232,14 @@ def _install_memory_options(trainer, state: RapidFireState) -> None:
 
 
 def _install_precision(trainer, state: RapidFireState) -> None:
-    from rapidfire_hf.integrations.callbacks import PrecisionPluginCallback, trainer_precision
+    from rapidfire_hf.integrations.callbacks import PrecisionPluginCallback
     from rapidfire_hf.precision import AdaptivePrecisionPlugin
+    from rapidfire_hf.precision.schedule import accelerator_precision
 
     # The trainer's own autocast (args.bf16 / args.fp16) is the base precision the model computes in;
     # the plugin cannot change it from outside, so its `initial` follows the trainer.
     prec = state.config.precision
-    initial = trainer_precision(trainer)
+    initial = accelerator_precision(trainer.accelerator)
     if initial != prec.initial.value:
         logger.info(
             "rapidfire: precision.initial=%s but the trainer runs in %s (its bf16/fp16 arguments); using %s",

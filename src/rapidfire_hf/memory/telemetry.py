@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from rapidfire_hf.utils.cache import cache_dir
+
 _BUFFER_LIMIT = 10_000  # records kept while no stream is open (older ones are dropped first)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -83,11 +85,6 @@ def _check_private_file(fd: int, path: Path) -> None:
         raise _unsafe(path, "it is not a regular file of this user with a single link")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.fchmod(fd, 0o600)  # ours, from an earlier run with looser permissions
-
-
-def cache_dir() -> Path:
-    """``$RAPIDFIRE_CACHE_DIR`` or ``~/.cache/rapidfire``."""
-    return Path(os.environ.get("RAPIDFIRE_CACHE_DIR") or Path.home() / ".cache" / "rapidfire")
 
 
 def registry_path(pid: int) -> Path:

@@ -232,13 +232,13 @@ class PPOTrainer:
         cfg = self.rf_config
         if cfg is None or str(getattr(cfg.precision.mode, "value", cfg.precision.mode)) != "adaptive":
             return None
-        from rapidfire_hf.integrations.callbacks import trainer_precision
         from rapidfire_hf.precision import AdaptivePrecisionPlugin
+        from rapidfire_hf.precision.schedule import accelerator_precision
 
         # The trainer's forward runs under accelerator.autocast(), i.e. in the precision of PPOConfig's
         # bf16/fp16: that is the base precision, and precision.initial cannot change it from here (as in
         # enable_rapidfire). Starting the plugin elsewhere would only warn a user who can do nothing about it.
-        initial = trainer_precision(self)
+        initial = accelerator_precision(self.accelerator)
         if initial != cfg.precision.initial.value:
             logger.info(
                 "rapidfire: precision.initial=%s but PPOConfig runs in %s (its bf16/fp16 arguments); using %s",

@@ -35,6 +35,13 @@ class Precision(str, Enum):
         return {"fp16": 0, "bf16": 1, "fp32": 2}[self.value]
 
 
+def accelerator_precision(accelerator) -> str:
+    """The precision an ``Accelerator``'s own autocast runs in: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (the
+    base precision of a trainer driven by it; ``PPOTrainer`` and ``enable_rapidfire`` both start the
+    precision plugin in it)."""
+    return {"bf16": "bf16", "fp16": "fp16"}.get(str(accelerator.mixed_precision), "fp32")
+
+
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 

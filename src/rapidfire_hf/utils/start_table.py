@@ -3,6 +3,8 @@ telemetry and the process registry are. ``enable_rapidfire`` and ``PPOTrainer`` 
 
 from __future__ import annotations
 
+from rapidfire_hf.utils.cache import cache_dir
+
 
 def start_table(title: str, on: list[str], skipped: list[str], watched: bool = True) -> str:
     """The lines of the start table.
@@ -13,8 +15,6 @@ def start_table(title: str, on: list[str], skipped: list[str], watched: bool = T
         skipped: what is off or not installed, each with its reason.
         watched: add where the process registry and the telemetry are (when something writes them).
     """
-    from rapidfire_hf.memory.telemetry import cache_dir
-
     lines = [title]
     lines += [f"  on       {item}" for item in on]
     lines += [f"  skipped  {item}" for item in skipped]

@@ -1,0 +1,332 @@
+"""The import contract of ``rapidfire_hf``, read from the source with ``ast`` (nothing is imported).
+
+1. Layers point one way: a package imports only packages of a lower layer (``LAYERS``); nothing but the
+   ``python -m`` entry point imports ``cli``. ``kernels`` and ``optim`` need only torch (and triton).
+2. ``sweep/`` (the many-trial recipe) uses PPO components, not ``PPOTrainer``'s recipe modules
+   (``PPO_RECIPE``).
+3. No private name (``_x``) crosses packages, neither imported (``from m import _x``) nor read from an
+   imported module (``m._x``).
+
+Where the code breaks a rule today, the break is listed in an allowlist below. **An allowlist may only
+shrink**: the test fails when a break is added, and also when a listed break has gone from the code but
+not from the list, so the lists always say exactly what is left to fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "rapidfire_hf"
+
+# The layers, lowest first (DESIGN.md's parts, STYLE.md: "imports point one way (kernels, optim need only
+# torch; integrations may import everything; nothing imports cli)"). A package may import a package of a
+# strictly lower layer; packages of one layer do not import each other.
+LAYERS = {
+    "utils": 0,  # small shared helpers: depend on nothing else in the package
+    "kernels": 1,
+    "optim": 1,
+    "config": 1,
+    "distributed": 1,
+    "demo": 1,  # the demo task's data shapes (sweep and cli build on them)
+    "models": 2,  # Hugging Face model plumbing
+    "memory": 3,
+    "precision": 3,
+    "rollout": 3,
+    "ppo": 4,
+    "sweep": 5,
+    "integrations": 6,
+    "rapidfire_hf": 7,  # the package's own __init__: the public names
+    "cli": 8,
+    "__main__": 9,  # ``python -m rapidfire_hf``: the only importer of cli
+}
+
+# third-party imports at module level allowed in the torch-only layers (optional ones are imported
+# inside the function that needs them, which this rule leaves alone)
+TORCH_ONLY = {"kernels": {"torch", "triton"}, "optim": {"torch"}}
+
+# PPOTrainer's recipe (issue 44): the modules that put the trainer together. Importing the package
+# ``rapidfire_hf.ppo`` itself counts too: its __init__ imports the trainer.
+PPO_RECIPE = {
+    "rapidfire_hf.ppo",
+    "rapidfire_hf.ppo.trainer",
+    "rapidfire_hf.ppo.setup",
+    "rapidfire_hf.ppo.planning",
+    "rapidfire_hf.ppo.stepper",
+    "rapidfire_hf.ppo.checkpoint",
+    "rapidfire_hf.ppo.start_report",
+    "rapidfire_hf.ppo.memory_options",
+    "rapidfire_hf.ppo.export",
+    "rapidfire_hf.ppo.compat",
+}
+
+# Allowlists of today's breaks as (importing file, what it imports). They may only shrink.
+UPWARD_ALLOWED: set[tuple[str, str]] = set()
+SWEEP_RECIPE_ALLOWED = {
+    ("sweep/checkpoint.py", "rapidfire_hf.ppo.checkpoint"),  # the shared checkpoint writer/reader
+    ("sweep/spec.py", "rapidfire_hf.ppo"),  # PPOConfig through the package
+    ("sweep/sweep.py", "rapidfire_hf.ppo.setup"),  # load_rapidfire_config
+    ("sweep/trial.py", "rapidfire_hf.ppo.setup"),  # default_adamw, default_adamw_kernel, default_scheduler
+}
+PRIVATE_ALLOWED: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import of a ``rapidfire_hf`` module, as written in ``file``."""
+
+    file: str  # relative to src/rapidfire_hf
+    line: int
+    module: str  # the imported module, e.g. ``rapidfire_hf.ppo.setup``
+    names: tuple[str, ...]  # the names taken from it (``from m import a, b``), empty for ``import m``
+    top_level: bool  # at module level (runs at import), not inside a function
+
+    @property
+    def source(self) -> str:
+        return package_of(self.file)
+
+    @property
+    def target(self) -> str:
+        parts = self.module.split(".")
+        return parts[1] if len(parts) > 1 else "rapidfire_hf"
+
+
+def package_of(file: str) -> str:
+    """``ppo/setup.py`` -> ``ppo``; the package's own ``__init__.py`` -> ``rapidfire_hf``."""
+    parts = Path(file).parts
+    if len(parts) > 1:
+        return parts[0]
+    return "__main__" if parts[0] == "__main__.py" else "rapidfire_hf"
+
+
+def is_module(dotted: str, src: Path) -> bool:
+    """Whether ``rapidfire_hf.a.b`` names a module or package of the source tree."""
+    rel = Path(*dotted.split(".")[1:]) if "." in dotted else Path()
+    return (src / rel).with_suffix(".py").is_file() or (src / rel / "__init__.py").is_file()
+
+
+def _resolve(node: ast.ImportFrom, file: str) -> str | None:
+    if node.level == 0:
+        return node.module
+    base = ["rapidfire_hf", *Path(file).parts[:-1]]  # a relative import, from the file's package
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def scan(src: Path = SRC) -> tuple[list[Import], list[tuple[str, int, str]]]:
+    """Every ``rapidfire_hf`` import under ``src``, and every ``module._name`` read of a module imported
+    from another package, as ``(file, line, "module._name")``."""
+    imports, private_reads = [], []
+    for path in sorted(src.rglob("*.py")):
+        file = path.relative_to(src).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        top = {id(n) for n in tree.body}
+        for n in tree.body:  # imports under a module-level `if`/`try` run at import too
+            if isinstance(n, (ast.If, ast.Try)):
+                top |= {id(c) for c in ast.walk(n)}
+        aliases: dict[str, str] = {}  # local name -> module of another package bound to it
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == "rapidfire_hf" or a.name.startswith("rapidfire_hf."):
+                        imports.append(Import(file, node.lineno, a.name, (), id(node) in top))
+                        if a.asname:
+                            aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                module = _resolve(node, file)
+                if module is None or not (module == "rapidfire_hf" or module.startswith("rapidfire_hf.")):
+                    continue
+                names = tuple(a.name for a in node.names)
+                imports.append(Import(file, node.lineno, module, names, id(node) in top))
+                for a in node.names:  # `from package import module`: that module is imported too
+                    if is_module(f"{module}.{a.name}", src):
+                        aliases[a.asname or a.name] = f"{module}.{a.name}"
+                        imports.append(Import(file, node.lineno, f"{module}.{a.name}", (), id(node) in top))
+        own = package_of(file)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and is_private(node.attr)
+                and Import(file, 0, aliases[node.value.id], (), False).target != own
+            ):
+                private_reads.append((file, node.lineno, f"{aliases[node.value.id]}.{node.attr}"))
+    return imports, private_reads
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def upward_imports(imports: list[Import]) -> set[tuple[str, str]]:
+    """Imports of a package that is not in a lower layer (``KeyError`` names a package missing from LAYERS)."""
+    return {
+        (i.file, i.module) for i in imports if i.source != i.target and LAYERS[i.target] >= LAYERS[i.source]
+    }
+
+
+def sweep_recipe_imports(imports: list[Import]) -> set[tuple[str, str]]:
+    return {(i.file, i.module) for i in imports if i.source == "sweep" and i.module in PPO_RECIPE}
+
+
+def private_crossings(imports: list[Import], reads: list[tuple[str, int, str]]) -> set[tuple[str, str]]:
+    found = {
+        (i.file, f"{i.module}.{name}")
+        for i in imports
+        if i.source != i.target
+        for name in i.names
+        if is_private(name)
+    }
+    return found | {(file, name) for file, _, name in reads}
+
+
+def third_party_in_torch_only(src: Path = SRC) -> set[tuple[str, str]]:
+    """Module-level imports of anything but the stdlib, torch (and triton) in ``kernels/`` and ``optim/``."""
+    found = set()
+    for package, allowed in TORCH_ONLY.items():
+        for path in sorted((src / package).rglob("*.py")):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    root = name.split(".")[0]
+                    if root not in allowed and root != "rapidfire_hf" and root not in sys.stdlib_module_names:
+                        found.add((path.relative_to(src).as_posix(), name))
+    return found
+
+
+def check_against(found: set[tuple[str, str]], allowed: set[tuple[str, str]], what: str, fix: str) -> None:
+    """Fail on a break not in ``allowed`` and on an allowed break that is no longer in the code."""
+    new = sorted(found - allowed)
+    gone = sorted(allowed - found)
+    message = []
+    if new:
+        message.append(f"{what} ({fix}):\n" + "\n".join(f"  {f} imports {m}" for f, m in new))
+    if gone:
+        message.append(
+            f"fixed, so remove from the allowlist in tests/test_import_contract.py ({what}):\n"
+            + "\n".join(f"  {f} -> {m}" for f, m in gone)
+        )
+    assert not message, "\n".join(message)
+
+
+@pytest.fixture(scope="module")
+def scanned():
+    return scan()
+
+
+def test_every_package_has_a_layer(scanned):
+    imports, _ = scanned
+    packages = {package_of(p.relative_to(SRC).as_posix()) for p in SRC.rglob("*.py")}
+    packages |= {i.target for i in imports}
+    missing = sorted(packages - set(LAYERS))
+    assert not missing, f"packages without a layer: {missing}; add each to LAYERS in {__file__}"
+
+
+def test_layers_point_one_way(scanned):
+    imports, _ = scanned
+    check_against(
+        upward_imports(imports),
+        UPWARD_ALLOWED,
+        "imports of a package in the same or a higher layer",
+        "move the shared piece down to the layer both can import",
+    )
+
+
+def test_nothing_imports_cli(scanned):
+    imports, _ = scanned
+    importers = sorted({i.file for i in imports if i.target == "cli" and i.source not in ("cli", "__main__")})
+    assert not importers, f"cli is the top: nothing imports it, but {importers} do"
+
+
+def test_kernels_and_optim_need_only_torch():
+    found = third_party_in_torch_only()
+    assert not found, (
+        f"module-level imports beyond torch in a torch-only package (import inside the function): {sorted(found)}"
+    )
+
+
+def test_sweep_imports_no_ppo_trainer_recipe(scanned):
+    imports, _ = scanned
+    check_against(
+        sweep_recipe_imports(imports),
+        SWEEP_RECIPE_ALLOWED,
+        "sweep/ imports PPOTrainer's recipe modules",
+        "import the component from the module that defines it",
+    )
+
+
+def test_no_private_name_crosses_packages(scanned):
+    imports, reads = scanned
+    check_against(
+        private_crossings(imports, reads),
+        PRIVATE_ALLOWED,
+        "private names used by another package",
+        "make the name public in its own module, or move the user next to it",
+    )
+
+
+# ---- the checks themselves, on a scratch tree (a contract that cannot fail protects nothing) -------------
+def _scratch(tmp_path: Path, files: dict[str, str]) -> Path:
+    src = tmp_path / "rapidfire_hf"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = src / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for package in {Path(rel).parts[0] for rel in files if len(Path(rel).parts) > 1}:
+        (src / package / "__init__.py").touch()
+    return src
+
+
+def test_the_checks_find_each_kind_of_break(tmp_path):
+    src = _scratch(
+        tmp_path,
+        {
+            "utils/start_table.py": "def f():\n    from rapidfire_hf.memory.telemetry import cache_dir\n",
+            "memory/telemetry.py": "def _private(): ...\ndef cache_dir(): ...\n",
+            "optim/verification.py": "import transformers\n\ndef f():\n    import bitsandbytes\n",
+            "ppo/setup.py": "from rapidfire_hf.memory.telemetry import _private\n",
+            "ppo/core.py": "",
+            "ppo/trainer.py": "",
+            "sweep/trial.py": (
+                "from rapidfire_hf.ppo.setup import x\nfrom rapidfire_hf.ppo.core import y\n"
+                "from rapidfire_hf.memory import telemetry\ntelemetry._private()\n"
+            ),
+            "sweep/phases.py": "from ..ppo import trainer\n",  # relative, to the package
+            "cli/main.py": "",
+            "rollout/engine.py": "from rapidfire_hf.cli.main import main\n",
+        },
+    )
+    imports, reads = scan(src)
+    assert upward_imports(imports) == {
+        ("utils/start_table.py", "rapidfire_hf.memory.telemetry"),  # lazy imports count too
+        ("rollout/engine.py", "rapidfire_hf.cli.main"),
+    }
+    assert sweep_recipe_imports(imports) == {
+        ("sweep/trial.py", "rapidfire_hf.ppo.setup"),
+        ("sweep/phases.py", "rapidfire_hf.ppo"),  # the package's __init__ imports the trainer
+        ("sweep/phases.py", "rapidfire_hf.ppo.trainer"),
+    }
+    assert private_crossings(imports, reads) == {
+        ("ppo/setup.py", "rapidfire_hf.memory.telemetry._private"),
+        ("sweep/trial.py", "rapidfire_hf.memory.telemetry._private"),
+    }
+    assert third_party_in_torch_only(src) == {("optim/verification.py", "transformers")}
+
+
+def test_an_allowlist_fails_on_a_new_break_and_on_a_stale_entry():
+    allowed = {("sweep/trial.py", "rapidfire_hf.ppo.setup")}
+    check_against({("sweep/trial.py", "rapidfire_hf.ppo.setup")}, allowed, "x", "y")  # as listed: passes
+    with pytest.raises(AssertionError, match="sweep/sweep.py imports rapidfire_hf.ppo.trainer"):
+        check_against(allowed | {("sweep/sweep.py", "rapidfire_hf.ppo.trainer")}, allowed, "x", "y")
+    with pytest.raises(AssertionError, match="remove from the allowlist"):
+        check_against(set(), allowed, "x", "y")
