@@ -135,12 +135,11 @@ def test_the_plan_is_printed_logged_and_made_again_when_the_rows_change(tokenize
 
 @pytest.mark.usefixtures("single_thread")
 def test_the_reserve_counts_what_the_first_step_still_allocates(tokenizer, tmp_path):
-    sweep = make_sweep(tokenizer, tmp_path, TRIALS)
+    sweep = make_sweep(tokenizer, tmp_path, TRIALS, max_steps=1)  # (a PPOConfig changed after: refused)
     trials = _active(sweep)
     param_bytes = sum(p.numel() * p.element_size() for t in trials for p in t.params)
     assert param_bytes > 0
     assert reserve_bytes(trials) == 3 * param_bytes  # gradients and AdamW's two moments, none there yet
-    sweep.args.max_steps = 1
     sweep.train()  # every optimizer now has its state; gradients are freed after each step
     assert reserve_bytes(trials) == param_bytes
 

@@ -320,3 +320,46 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, dict[st
             raise err.with_source(source) from None
         overrides.setdefault(section, {})[key] = to_plain(value)
     return overrides
+
+
+def explicit_settings(src: Any = None, *, env: bool = True) -> dict[str, tuple[Any, str | None]]:
+    """The settings a config source gives by name, as ``{"section.field": (value, source)}``.
+
+    What a preset fills in is not given by name (choosing ``aggressive`` chooses a memory level, not each
+    of its values); keys written in the document's sections, the short-form keys and ``RAPIDFIRE_*``
+    variables are. A ``RapidFireConfig`` object counts the fields that differ from the defaults.
+    ``source`` names the environment variable, else None. The settings contract
+    (``rapidfire_hf.config.contract``) refuses those an entry point does not apply.
+
+    Raises:
+        ConfigError: as :func:`load_config` does for a source it cannot read.
+    """
+    out: dict[str, tuple[Any, str | None]] = {}
+    if isinstance(src, RapidFireConfig):
+        given, default = src.to_dict(), RapidFireConfig().to_dict()
+        for section, values in given.items():
+            for key, value in values.items():
+                if value != default[section][key]:
+                    out[f"{section}.{key}"] = (value, None)
+    elif src is not None:
+        data, _ = _read_source(src)
+        resolved = resolve(data)  # checks the keys
+        for name in SECTIONS:
+            value = data.get(name)
+            if isinstance(value, Mapping):
+                for key in value:
+                    out[f"{name}.{key}"] = (resolved[name][key], None)
+        if "gradient_pipeline" in data:
+            out["gradient.pipeline"] = (resolved["gradient"]["pipeline"], None)
+        if "memory_optimization" in data:
+            out["memory.optimization"] = (resolved["memory"]["optimization"], None)
+        if isinstance(data.get("precision"), str):
+            out["precision.mode"] = (resolved["precision"]["mode"], None)
+            if data["precision"] in {d.value for d in DType}:
+                out["precision.initial"] = (resolved["precision"]["initial"], None)
+    if env:
+        names = {v: k for k, v in env_variables().items()}
+        for section, values in env_overrides().items():
+            for key, value in values.items():
+                out[f"{section}.{key}"] = (value, f"environment variable {names[(section, key)]}")
+    return {k: (to_plain(v), s) for k, (v, s) in out.items()}

@@ -106,9 +106,7 @@ def enable_rapidfire(
     from rapidfire_hf.ppo import PPOTrainer
     from rapidfire_hf.utils.logs import set_log_level
 
-    if rollout not in ROLLOUT_CHOICES:  # checked first: a typo must not become "on" because it is truthy
-        allowed = ", ".join(repr(c) for c in ROLLOUT_CHOICES)
-        raise ValueError(f"enable_rapidfire(rollout={rollout!r}): expected one of {allowed}")
+    check_call_arguments(rollout, peak_flops)
     if isinstance(trainer, PPOTrainer):
         from rapidfire_hf.integrations.ppo_trainer import enable_on_ppo_trainer
 
@@ -120,6 +118,9 @@ def enable_rapidfire(
         return enable_on_ppo_trainer(trainer, config)
     _check_fresh(trainer)
     cfg = load_config(config)
+    from rapidfire_hf.ppo.settings_check import check_enable_settings
+
+    check_enable_settings(config, optimizer_kwargs)  # the settings contract, before any change
     set_log_level(cfg.logging.level)
     lowmem = cfg.memory.lowmem.value
     if lowmem != "off":
@@ -139,6 +140,10 @@ def enable_rapidfire(
         _install_lowmem(trainer, state, lowmem, lowmem_options)
     _install_skips(trainer, state)
     _install_metrics(trainer, state, peak_flops)
+    from rapidfire_hf.distributed import attach_sync_debug
+
+    if attach_sync_debug(trainer) is not None:  # RAPIDFIRE_SYNC_DEBUG=1, as PPOTrainer reads it
+        state.installed.append("SyncDebugCallback (RAPIDFIRE_SYNC_DEBUG)")
     trainer.disable_pipeline = functools.partial(_set_pipeline, trainer, False)
     trainer.enable_pipeline = functools.partial(_set_pipeline, trainer, True)
     logger.info(
@@ -155,6 +160,30 @@ def enable_rapidfire(
 
 # what `rollout=` accepts: on/off, or a RolloutEngine backend by name
 ROLLOUT_CHOICES = (True, False, "auto", "static", "hf")
+
+
+def check_call_arguments(rollout, peak_flops) -> None:
+    """Refuse a ``rollout`` that is not one of ``ROLLOUT_CHOICES`` by type and value (``1`` equals ``True``
+    but is not a choice) and a ``peak_flops`` that is not a finite number > 0, naming the argument.
+
+    Raises:
+        ValueError: naming the argument and what it accepts.
+    """
+    import math
+
+    if not any(rollout is c or (isinstance(rollout, str) and rollout == c) for c in ROLLOUT_CHOICES):
+        allowed = ", ".join(repr(c) for c in ROLLOUT_CHOICES)  # a typo must not become "on" by being truthy
+        raise ValueError(f"enable_rapidfire(rollout={rollout!r}): expected one of {allowed}")
+    if peak_flops is not None and (
+        isinstance(peak_flops, bool)
+        or not isinstance(peak_flops, (int, float))
+        or not math.isfinite(peak_flops)
+        or peak_flops <= 0
+    ):
+        raise ValueError(
+            f"enable_rapidfire(peak_flops={peak_flops!r}): expected a finite number of FLOP/s > 0 per device "
+            "(e.g. 989e12), or None to look it up for known GPUs"
+        )
 
 
 def _check_lowmem(trainer, mode: str, rollout, optimizer_kwargs, options, cfg) -> dict[str, Any]:
@@ -240,12 +269,10 @@ def _install_precision(trainer, state: RapidFireState) -> None:
     # the plugin cannot change it from outside, so its `initial` follows the trainer.
     prec = state.config.precision
     initial = accelerator_precision(trainer.accelerator)
-    if initial != prec.initial.value:
-        logger.info(
-            "rapidfire: precision.initial=%s but the trainer runs in %s (its bf16/fp16 arguments); using %s",
-            prec.initial.value,
-            initial,
-            initial,
+    if initial != prec.initial.value:  # said once, in the start table
+        state.skipped.append(
+            f"precision.initial={prec.initial.value} (the trainer computes in {initial}: its bf16/fp16 "
+            "arguments own autocast)"
         )
     callback = PrecisionPluginCallback(AdaptivePrecisionPlugin.from_config(prec, initial=initial), trainer)
     trainer.add_callback(callback)

@@ -35,6 +35,11 @@ def enable_on_ppo_trainer(trainer, config: Any = None):
             "enable_rapidfire before trainer.train(), or pass PPOConfig(rapidfire_config=...)"
         )
     cfg = load_config(config)
+    from rapidfire_hf.config.contract import TRAINER, raise_refusals
+    from rapidfire_hf.ppo.settings_check import check_trainer_config
+
+    own = None if trainer._optimizer_is_default else getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    raise_refusals(check_trainer_config(trainer.args, {} if config is None else config, own), TRAINER)
     trainer.rf_config = cfg
     trainer.args.rapidfire_config = cfg
     _replace_memory_callback(trainer)

@@ -6,7 +6,7 @@ import functools
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
@@ -461,6 +461,44 @@ class PPOConfig(TrainingArguments):
             )
         return errors
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        changed = self.__dict__.get("_changed_fields")
+        if changed is not None and name in _FIELD_NAMES:  # after construction: re-checked by validate()
+            changed.add(name)
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """The fields passed by name to the constructor or set after it (the settings contract refuses a
+        value an entry point does not apply when it was asked for, even if it equals the default)."""
+        return frozenset(self.__dict__.get("_given_fields", ())) | frozenset(
+            self.__dict__.get("_changed_fields", ())
+        )
+
+    def asked_value(self, name: str) -> Any:
+        """The value field ``name`` was given (to the constructor, or set since), before ``__post_init__``
+        derived anything from it (``use_cpu`` turns ``dataloader_pin_memory`` off, for one)."""
+        if name in self.__dict__.get("_changed_fields", ()):
+            return getattr(self, name)
+        return self.__dict__.get("_given_fields", {}).get(name, getattr(self, name))
+
+    def validate(self) -> None:
+        """Check every field again, alone and together (a field set after construction is checked here;
+        ``PPOTrainer`` and ``PPOSweep`` call this when built and when ``train()`` starts).
+
+        Raises:
+            ConfigErrors: naming each bad field.
+        """
+        errors = check_fields(self, FIELD_CHECKS)
+        if not errors:
+            errors = self._cross_field_errors()
+        if errors:
+            raise ConfigErrors("Invalid PPOConfig:", errors)
+
+    def snapshot(self) -> dict[str, str]:
+        """Every field's value as text: what an entry point was built with (see :func:`changed_fields`)."""
+        return {name: repr(getattr(self, name, None)) for name in sorted(_FIELD_NAMES)}
+
     @property
     def local_batch_size(self) -> int:
         """Prompts per rollout batch on one device."""
@@ -478,13 +516,27 @@ class PPOConfig(TrainingArguments):
 
 
 _dataclass_init = PPOConfig.__init__
+_FIELD_NAMES = frozenset(f.name for f in fields(PPOConfig))
 
 
 @functools.wraps(_dataclass_init)
 def _init_with_old_names(self, *args, **kwargs):
     from rapidfire_hf.ppo.compat import translate_legacy_config
 
-    _dataclass_init(self, *args, **translate_legacy_config(kwargs))
+    self.__dict__.pop("_changed_fields", None)  # dataclasses.replace builds a new object: nothing to keep
+    kwargs = translate_legacy_config(kwargs)
+    _dataclass_init(self, *args, **kwargs)
+    given = {k: v for k, v in kwargs.items() if k in _FIELD_NAMES}
+    if args:
+        given["output_dir"] = args[0]
+    self.__dict__["_given_fields"] = given  # as asked, before __post_init__ derived anything from them
+    self.__dict__["_changed_fields"] = set()
+
+
+def changed_fields(snapshot: dict[str, str], args: PPOConfig) -> list[str]:
+    """The fields of ``args`` whose value differs from ``snapshot`` (``PPOConfig.snapshot``)."""
+    now = args.snapshot()
+    return [name for name in snapshot if now.get(name) != snapshot[name]]
 
 
 PPOConfig.__init__ = _init_with_old_names  # the pre-1.0 TRL names, mapped with a warning (ppo/compat.py)

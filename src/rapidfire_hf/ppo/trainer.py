@@ -42,6 +42,7 @@ from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.reporting import Reporter
 from rapidfire_hf.ppo.rollout_phase import Roller, rollout_backend
 from rapidfire_hf.ppo.scoring import Scorer
+from rapidfire_hf.ppo.settings_check import check_trainer_settings, check_unchanged, start_notes
 from rapidfire_hf.ppo.seeds import permutation_generator, sampling_generator
 from rapidfire_hf.ppo.setup import (
     _split_value_head_model,
@@ -125,7 +126,10 @@ class PPOTrainer:
         args, processing_class = legacy_trainer_arguments(args, processing_class, model, legacy)
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a rapidfire_hf.PPOConfig, got {type(args).__name__}")
+        # the settings contract: every field applied or refused by name before any model moves
+        check_trainer_settings(args, model, optimizer if optimizer is not None else optimizers[0])
         self.args = args
+        self._args_snapshot = args.snapshot()  # train() refuses a field changed after construction
         self.processing_class = tok = processing_class
         check_inputs(
             args, tok, model, ref_model, reward_model, reward_funcs, optimizer, optimizers, value_model
@@ -404,6 +408,7 @@ class PPOTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None):
         """Run PPO for ``num_updates`` updates (``max_steps`` or ``total_episodes`` worth of prompts)."""
         args, acc = self.args, self.accelerator
+        check_unchanged(self._args_snapshot, args, "PPOTrainer")
         start_update = 0
         if resume_from_checkpoint:
             start_update = ckpt.load(self, resume_from_checkpoint)
@@ -459,6 +464,7 @@ class PPOTrainer:
             rollout_backend(self.args, self.engine_support), self.accelerator.device,
         )  # fmt: skip
         on, skipped, watched = start_lines(facts)
+        on += start_notes(self.args, cfg, self.rapidfire_optimizer, str(self.accelerator.mixed_precision))
         print(start_table("rapidfire PPOTrainer:", on, skipped, watched), flush=True)
 
     def _one_update(self, update: int) -> dict:

@@ -15,6 +15,7 @@ from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
+from rapidfire_hf.ppo.settings_check import check_sweep_settings, check_unchanged
 from rapidfire_hf.ppo.setup import load_rapidfire_config
 from rapidfire_hf.ppo.types import PPOStats, sync_time
 from rapidfire_hf.sweep import checkpoint as ckpt
@@ -70,7 +71,9 @@ class PPOSweep:
     prompt order and random streams: a trial's results equal that trial trained alone.
 
     Args:
-        args: the shared :class:`PPOConfig` (``value_mode`` is always fused: a value head per trial).
+        args: the shared :class:`PPOConfig` (``value_mode`` is fused, a value head per trial: ``"separate"``
+            given by name is refused). Every field is applied or refused by name before any work (the
+            settings contract, ``rapidfire_hf.config.contract``).
         trials: ``{name: {field: value}}`` per-trial overrides.
         model: the base causal LM (not PEFT-wrapped); its target linears are wrapped in place.
         processing_class: the tokenizer (a pad token distinct from the stop token).
@@ -92,7 +95,8 @@ class PPOSweep:
     the sweep may plan to use; default ``balanced``) and ``memory.planner: false`` turns the plan off (the
     fixed 16,384-token packing and TRL's scoring chunk). The plan is printed before the first update and
     logged to the trackers as ``rapidfire/plan/*``. The rest of a rapidfire config does not apply to a
-    sweep (each trial trains with torch AdamW, no memory callback or precision plugin).
+    sweep (each trial trains with torch AdamW, no memory callback or precision plugin): a field given by name
+    is refused, naming it.
 
     ``args.report_to`` may name ``"tensorboard"`` (one sub-folder per trial under ``output_dir/runs``) and
     ``"wandb"`` (one run per trial, grouped by the sweep's folder name).
@@ -131,6 +135,8 @@ class PPOSweep:
     ):
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a rapidfire_hf.PPOConfig, got {type(args).__name__}")
+        check_sweep_settings(args, model)  # the settings contract: applied or refused by name, before any work
+        self._args_snapshot = args.snapshot()  # train() refuses a field changed after construction
         if train_rows_per_forward is not None and (
             isinstance(train_rows_per_forward, bool)
             or not isinstance(train_rows_per_forward, int)
@@ -157,12 +163,6 @@ class PPOSweep:
         for name, overrides in trials.items():  # every trial checked before the model moves or changes
             check_trial_name(name)
             trial_args(args, overrides or {}, name)
-        adapters = [k for k in ("model_adapter_name", "ref_adapter_name") if getattr(args, k) is not None]
-        if adapters:
-            raise ValueError(
-                f"PPOSweep gives each trial its own adapter on the shared base, whose reference is the base "
-                f"itself: {', '.join(adapters)} do not apply; drop them from the PPOConfig."
-            )
         funcs = (
             []
             if reward_funcs is None
@@ -189,9 +189,6 @@ class PPOSweep:
         level, planner = sweep_memory(load_rapidfire_config(args.rapidfire_config))  # checked before the model
         self.planner = SweepPlanner(level, planner, train_rows_per_forward)
         self._plan_logs: dict = {}  # a new plan's rapidfire/plan/* values, logged with the next update
-        unused = _unused_settings(args)
-        if unused:
-            logger.warning("PPOSweep does not use these PPOConfig settings: %s", "; ".join(unused))
         self.args, self.tok, self.callbacks = args, tok, list(callbacks or [])
         self.rules, self.show_progress = rules, progress
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
@@ -248,7 +245,9 @@ class PPOSweep:
             self.model,
             self.tok.pad_token_id,
             [stop] if stop is not None else [],
-            backend="static" if reason is None else "hf",
+            # rollout_backend: "hf" is model.generate per trial; "static" for a model it cannot run was
+            # refused at construction (ppo/settings_check.py); "auto" takes the batched decode where it runs
+            backend="hf" if reason is not None or self.args.rollout_backend == "hf" else "static",
             decode_mode=self.args.rollout_decode_mode,
             decode_attention=sweep_decode_attention(self.args.rollout_decode_attention),
             decode_sampler=self.args.rollout_decode_sampler,
@@ -372,6 +371,7 @@ class PPOSweep:
             SweepCheckpointError: ``resume_from_checkpoint`` names a damaged checkpoint or index (named);
                 nothing was restored.
         """
+        check_unchanged(self._args_snapshot, self.args, "PPOSweep")
         if resume_from_checkpoint:
             ckpt.load_sweep(self, resume_from_checkpoint)
         elif (Path(self.args.output_dir) / ckpt.INDEX).exists():
@@ -649,35 +649,6 @@ def _params_problem(trial: Trial) -> str | None:
     n = len(trial.params) - len(list(trial.value_head.parameters()))
     bad = _first_bad(list(trial.params), ["adapter"] * n + ["value head"] * (len(trial.params) - n))
     return None if bad is None else f"non-finite {bad} weights"
-
-
-def _unused_settings(args: PPOConfig) -> list[str]:
-    """The shared settings a user may set that a sweep does not implement (each said, never ignored silently)."""
-    out = []
-    optim = str(getattr(args.optim, "value", args.optim))
-    if not optim.startswith("adamw_torch"):
-        out.append(f"optim={optim} (every trial trains with torch AdamW)")
-    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if strategy not in ("no", "steps"):
-        out.append(f"save_strategy={strategy} (a sweep saves every save_steps with 'steps', and at the end)")
-    for key, why in (
-        ("push_to_hub", "a sweep writes its trials to output_dir only"),
-        ("gradient_checkpointing", "the sweep's forwards do not recompute activations"),
-        ("torch_compile", "the sweep's forwards are not compiled"),
-    ):
-        if getattr(args, key, False):
-            out.append(f"{key}=True ({why})")
-    if isinstance(args.rollout_generation_batch_size, int):
-        out.append(
-            f"rollout_generation_batch_size={args.rollout_generation_batch_size} (the sweep decodes every "
-            "trial's prompts in one call of the rollout engine)"
-        )
-    if args.rapidfire_config is not None:
-        out.append(
-            "rapidfire_config beyond memory.optimization and memory.planner (the sweep's trials train with "
-            "torch AdamW, no memory callback, recompute or precision plugin)"
-        )
-    return out
 
 
 def _full_mask(model) -> bool:

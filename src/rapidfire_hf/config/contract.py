@@ -1,0 +1,545 @@
+"""The settings contract: what ``PPOTrainer``, ``PPOSweep`` and ``enable_rapidfire`` do with every setting.
+
+One row per ``PPOConfig`` field (``PPO_ROWS``), per rapidfire config field (``CONFIG_ROWS``, keyed
+``section.field``) and per ``RAPIDFIRE_*`` environment variable (``ENV_ROWS``). Each row says, for each
+entry point, one of:
+
+- ``applied``: the entry point acts on the value (``how`` says where, or what it caps or rewrites; a cap or
+  rewrite is said once in the start table);
+- ``refused``: a value the entry point does not act on raises a ``ConfigError`` naming the setting before
+  any model moves (``why`` is the message; ``accepts`` lists values that are what the entry point does
+  anyway, accepted without a word);
+- ``n/a``: the entry point never receives the setting (``why`` says where it goes instead).
+
+tests/config/test_contract.py walks every dataclass field and every variable the code reads: a setting
+without a row fails CI. The refusals below are the only place a "does not apply" decision is made; the
+entry points call :func:`ppo_refusals`, :func:`config_refusals` and :func:`env_refusals` and raise what
+they return.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any
+
+from rapidfire_hf.config.errors import ConfigError, ConfigErrors
+
+TRAINER, SWEEP, ENABLE = "PPOTrainer", "PPOSweep", "enable_rapidfire"
+ENTRY_POINTS = (TRAINER, SWEEP, ENABLE)
+
+
+@dataclass(frozen=True)
+class Use:
+    """What one entry point does with one setting."""
+
+    verdict: str  # "applied" | "refused" | "n/a"
+    why: str = ""
+    accepts: tuple = ()  # refused only: values that are what the entry point does anyway
+
+
+def applied(how: str = "") -> Use:
+    return Use("applied", how)
+
+
+def refused(why: str, accepts: tuple = ()) -> Use:
+    return Use("refused", why, accepts)
+
+
+def na(why: str) -> Use:
+    return Use("n/a", why)
+
+
+# PPOConfig reaches enable_rapidfire only inside a PPOTrainer (other trainers take their own config class)
+_VIA_TRAINER = na("reaches enable_rapidfire only inside a PPOTrainer, which applied or refused it when built")
+_NO_EVAL = "PPOTrainer has no evaluation loop (eval_dataset serves the num_sample_generations tables)"
+_NO_LOADER = "prompts are indexed, not loaded by a DataLoader (memory.prefetch_window prefetches them)"
+_NO_DIST_ARGS = "the accelerator is built from `accelerate launch`'s configuration, not from these arguments"
+_SWEEP_ONE = "a sweep trains every trial in one process on one device"
+_ADAMW = ("adamw_torch", "adamw_torch_fused")
+
+
+def _row(trainer: Use, sweep: Use, enable: Use = _VIA_TRAINER) -> dict[str, Use]:
+    return {TRAINER: trainer, SWEEP: sweep, ENABLE: enable}
+
+
+def _both(use: Use) -> dict[str, Use]:
+    return _row(use, use)
+
+
+A = applied()
+
+PPO_ROWS: dict[str, dict[str, Use]] = {
+    # ------------------------------------------------------------ transformers.TrainingArguments
+    "output_dir": _both(A),
+    "per_device_train_batch_size": _both(A),
+    "num_train_epochs": _both(A),
+    "max_steps": _both(A),
+    "learning_rate": _both(A),
+    "lr_scheduler_type": _both(A),
+    "lr_scheduler_kwargs": _both(A),
+    "warmup_steps": _both(A),
+    "optim": _row(
+        refused("PPOTrainer trains with torch AdamW: pass optimizer=... for another one", _ADAMW),
+        refused("every sweep trial trains with torch AdamW", _ADAMW),
+    ),
+    "optim_args": _both(refused("only transformers' Trainer reads it; pass optimizer=... instead")),
+    "optim_target_modules": _both(refused("only transformers' Trainer reads it (GaLore / APOLLO)")),
+    "weight_decay": _both(A),
+    "adam_beta1": _both(A),
+    "adam_beta2": _both(A),
+    "adam_epsilon": _both(A),
+    "gradient_accumulation_steps": _both(A),
+    "average_tokens_across_devices": _both(refused("the PPO losses are averaged per mini-batch, as in TRL")),
+    "max_grad_norm": _both(A),
+    "label_smoothing_factor": _both(refused("the PPO loss has no labels to smooth")),
+    "bf16": _row(applied("accelerate's mixed precision"), applied("autocast on CUDA; refused on the CPU")),
+    "fp16": _row(applied("accelerate's mixed precision"), applied("autocast on CUDA; refused on the CPU")),
+    "bf16_full_eval": _both(refused(_NO_EVAL)),
+    "fp16_full_eval": _both(refused(_NO_EVAL)),
+    "tf32": _both(applied("transformers sets torch's TF32 switches when the PPOConfig is built")),
+    "activation_checkpointing": _row(
+        applied("transformers copies it to gradient_checkpointing"),
+        refused("the sweep's forwards do not recompute activations"),
+    ),
+    "activation_checkpointing_kwargs": _row(
+        applied("transformers copies it to gradient_checkpointing_kwargs"),
+        refused("the sweep's forwards do not recompute activations"),
+    ),
+    "gradient_checkpointing": _row(A, refused("the sweep's forwards do not recompute activations")),
+    "gradient_checkpointing_kwargs": _row(A, refused("the sweep's forwards do not recompute activations")),
+    "torch_compile": _row(A, refused("the sweep's forwards are not compiled")),
+    "torch_compile_backend": _row(A, refused("the sweep's forwards are not compiled")),
+    "torch_compile_mode": _row(A, refused("the sweep's forwards are not compiled")),
+    "use_liger_kernel": _row(A, refused("the sweep's forwards run the model's own kernels")),
+    "liger_kernel_config": _row(A, refused("the sweep's forwards run the model's own kernels")),
+    "use_cache": _both(refused("the rollout engine keeps its own KV cache; training forwards use none")),
+    "neftune_noise_alpha": _both(refused("no noise is added to the embeddings of a PPO run")),
+    "torch_empty_cache_steps": _both(
+        refused("a rapidfire config's memory section decides when the allocator cache is released")
+    ),
+    "auto_find_batch_size": _both(refused("max_oom_splits halves a micro-batch that runs out of memory")),
+    "logging_strategy": _row(
+        applied("transformers' flow callback"), refused("a sweep logs every logging_steps", ("steps",))
+    ),
+    "logging_steps": _both(A),
+    "logging_first_step": _row(applied("transformers' flow callback"), refused("a sweep logs every logging_steps")),
+    "log_on_each_node": _both(refused("metrics are logged from the main process")),
+    "logging_nan_inf_filter": _both(refused("PPO metrics are logged as they are")),
+    "include_num_input_tokens_seen": _both(refused("not counted by PPO")),
+    "log_level": _both(refused("logging.level of a rapidfire config sets rapidfire's logger")),
+    "log_level_replica": _both(refused("logging.level of a rapidfire config sets rapidfire's logger")),
+    "disable_tqdm": _row(A, na("PPOSweep(progress=...) decides whether the sweep's live table is drawn")),
+    "report_to": _both(A),
+    "run_name": _row(A, refused("each trial's tracker run is named after the trial")),
+    "project": _row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
+    "trackio_space_id": _row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
+    "trackio_bucket_id": _row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
+    "trackio_static_space_id": _row(
+        applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")
+    ),
+    "eval_strategy": _both(refused(_NO_EVAL)),
+    "eval_steps": _both(refused(_NO_EVAL)),
+    "eval_delay": _both(refused(_NO_EVAL)),
+    "per_device_eval_batch_size": _row(
+        applied("prompts per sample-table generation"), refused("a sweep writes no sample tables")
+    ),
+    "prediction_loss_only": _both(refused(_NO_EVAL)),
+    "eval_on_start": _both(refused(_NO_EVAL)),
+    "eval_do_concat_batches": _both(refused(_NO_EVAL)),
+    "eval_use_gather_object": _both(refused(_NO_EVAL)),
+    "eval_accumulation_steps": _both(refused(_NO_EVAL)),
+    "include_for_metrics": _both(refused(_NO_EVAL)),
+    "batch_eval_metrics": _both(refused(_NO_EVAL)),
+    "save_only_model": _both(refused("a checkpoint holds what a resume needs, optimizer included")),
+    "save_strategy": _row(
+        refused("PPOTrainer saves every save_steps updates ('steps') or not at all ('no')", ("no", "steps")),
+        refused("a sweep saves every save_steps updates ('steps') and at the end", ("no", "steps")),
+    ),
+    "save_steps": _both(A),
+    "save_on_each_node": _both(refused("checkpoints are written by the main process")),
+    "save_total_limit": _both(A),
+    "enable_jit_checkpoint": _both(refused("checkpoints are written every save_steps updates")),
+    "push_to_hub": _row(
+        refused("nothing is pushed during training: call trainer.push_to_hub() after train()"),
+        refused("a sweep writes its trials to output_dir only"),
+    ),
+    "hub_token": _row(applied("trainer.push_to_hub()"), refused("a sweep writes its trials to output_dir only")),
+    "hub_private_repo": _row(
+        applied("trainer.push_to_hub()"), refused("a sweep writes its trials to output_dir only")
+    ),
+    "hub_model_id": _row(applied("trainer.push_to_hub()"), refused("a sweep writes its trials to output_dir only")),
+    "hub_strategy": _both(refused("trainer.push_to_hub() uploads output_dir once, when called")),
+    "hub_always_push": _both(refused("trainer.push_to_hub() uploads output_dir once, when called")),
+    "hub_revision": _both(refused("trainer.push_to_hub() uploads to the main branch")),
+    "load_best_model_at_end": _both(refused(_NO_EVAL)),
+    "metric_for_best_model": _both(refused(_NO_EVAL)),
+    "greater_is_better": _both(refused(_NO_EVAL)),
+    "ignore_data_skip": _both(refused("a resume continues the prompt order where it stopped")),
+    "restore_callback_states_from_checkpoint": _both(refused("callback states are not saved")),
+    "full_determinism": _both(refused("runs are seeded from seed (rapidfire_hf.ppo.seeds); not applied")),
+    "seed": _both(A),
+    "data_seed": _both(refused("the prompt order is drawn from seed")),
+    "use_cpu": _both(A),
+    "accelerator_config": _both(refused(_NO_DIST_ARGS)),
+    "parallelism_config": _both(refused(_NO_DIST_ARGS)),
+    "dataloader_drop_last": _both(refused(_NO_LOADER)),
+    "dataloader_num_workers": _both(refused(_NO_LOADER)),
+    "dataloader_pin_memory": _both(refused(_NO_LOADER)),
+    "dataloader_persistent_workers": _both(refused(_NO_LOADER)),
+    "dataloader_prefetch_factor": _both(refused(_NO_LOADER)),
+    "dataloader_multiprocessing_context": _both(refused(_NO_LOADER)),
+    "dataloader_in_order": _both(refused(_NO_LOADER)),
+    "remove_unused_columns": _both(refused("dataset columns are kept for the reward functions")),
+    "label_names": _both(refused("the PPO loss has no labels")),
+    "train_sampling_strategy": _both(refused("the prompt order is a seeded permutation per pass")),
+    "length_column_name": _both(refused("the prompt order is a seeded permutation per pass")),
+    "ddp_find_unused_parameters": _both(refused(_NO_DIST_ARGS)),
+    "ddp_bucket_cap_mb": _both(refused(_NO_DIST_ARGS)),
+    "ddp_broadcast_buffers": _both(refused(_NO_DIST_ARGS)),
+    "ddp_static_graph": _both(refused(_NO_DIST_ARGS)),
+    "ddp_backend": _both(refused(_NO_DIST_ARGS)),
+    "ddp_timeout": _both(refused(_NO_DIST_ARGS)),
+    "fsdp": _both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
+    "fsdp_config": _both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
+    "deepspeed": _both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
+    "debug": _both(refused("transformers' debug options are not run")),
+    "skip_memory_metrics": _both(refused("memory is reported by the memory callback (rapidfire/memory/*)")),
+    "do_train": _both(na("a flag for your script; transformers' trainers do not read it either")),
+    "do_eval": _both(na("a flag for your script; transformers' trainers do not read it either")),
+    "do_predict": _both(na("a flag for your script; transformers' trainers do not read it either")),
+    "resume_from_checkpoint": _both(na("a flag for your script: pass train(resume_from_checkpoint=...)")),
+    "local_rank": _both(na("set by the launcher")),
+    # ------------------------------------------------------------ PPO (TRL 1.12)
+    "num_mini_batches": _both(A),
+    "total_episodes": _both(A),
+    "local_rollout_forward_batch_size": _both(A),
+    "response_length": _both(A),
+    "stop_token": _both(A),
+    "stop_token_id": _both(A),
+    "temperature": _both(A),
+    "top_k": _both(A),
+    "top_p": _both(A),
+    "missing_eos_penalty": _both(A),
+    "num_ppo_epochs": _both(A),
+    "whiten_rewards": _both(A),
+    "kl_coef": _both(A),
+    "kl_estimator": _both(A),
+    "cliprange": _both(A),
+    "vf_coef": _both(A),
+    "cliprange_value": _both(A),
+    "gamma": _both(A),
+    "lam": _both(A),
+    "reward_weights": _both(A),
+    "max_prompt_length": _both(A),
+    "dataset_text_field": _both(A),
+    "num_sample_generations": _row(A, refused("a sweep writes no sample tables", (0, 10))),
+    "dataset_num_proc": _row(A, refused("a sweep tokenizes its prompts in this process")),
+    "sft_model_path": _both(na("read by scripts such as examples/ppo.py; the entry points take the model")),
+    "reward_model_path": _both(na("read by scripts such as examples/ppo.py; the entry points take the model")),
+    "model_adapter_name": _row(
+        A, refused("each trial trains its own adapter on the shared base, whose reference is the base")
+    ),
+    "ref_adapter_name": _row(
+        A, refused("each trial trains its own adapter on the shared base, whose reference is the base")
+    ),
+    "ds3_gather_for_generation": _row(A, refused(_SWEEP_ONE)),
+    "exp_name": _row(applied("names run_name"), na("names run_name only, which a sweep replaces by trial names")),
+    # ------------------------------------------------------------ rapidfire_hf
+    "memory_management": _row(A, na("a sweep attaches no memory callback either way")),
+    "max_oom_splits": _both(A),
+    "approx_kl_limit": _row(
+        applied("a RapidFireOptimizer rule; refused by name with another optimizer"),
+        refused("sweep trials train with torch AdamW, which cannot roll a step back"),
+    ),
+    "max_consecutive_skips": _both(A),
+    "value_mode": _row(
+        A,
+        refused(
+            "every sweep trial trains a fused value head on the shared base (a separate value model per trial "
+            "is not implemented): set value_mode='fused' or leave it out",
+            ("fused",),
+        ),
+    ),
+    "ref_model_quantization": _row(
+        applied("refused by name with LoRA (the reference is the adapter-disabled policy)"),
+        refused("the sweep's reference is the shared base with adapters off; quantize the base when loading it"),
+    ),
+    "reward_model_quantization": _row(A, refused("a sweep scores with the reward model as given")),
+    "rollout_backend": _both(applied("'static' is refused by name for a model the static engine cannot run")),
+    "rollout_decode_mode": _both(A),
+    "rollout_decode_attention": _row(A, applied("'auto' runs SDPA in a sweep (said in the sweep's start line)")),
+    "rollout_decode_sampler": _both(A),
+    "rollout_decode_fuse_projections": _row(A, applied("'auto' is off in a sweep; True fuses")),
+    "rollout_decode_linear": _both(A),
+    "rollout_decode_fuse_lora": _row(
+        A, refused("the trials' adapters sit on the projections the sweep's decode would fuse; not implemented")
+    ),
+    "rollout_cache": _row(A, refused("a sweep keeps its engine's cache between updates", ("auto",))),
+    "rollout_generation_batch_size": _row(
+        A, refused("the sweep decodes every trial's prompts in one call of the rollout engine", ("auto", None))
+    ),
+    "rapidfire_config": _row(
+        A, applied("memory.optimization, memory.planner and logging.level; other fields refused by name"),
+        applied("its config replaces the PPOTrainer's rapidfire_config"),
+    ),
+}
+
+_SWEEP_RF = "a sweep applies memory.optimization, memory.planner and logging.level of a rapidfire config only"
+_NO_REPLAY = "enable_rapidfire's trainers cannot replay a rolled-back window"
+
+CONFIG_ROWS: dict[str, dict[str, Use]] = {
+    "gradient.pipeline": _row(A, refused(_SWEEP_RF), A),
+    "gradient.pipeline_depth": _row(A, refused(_SWEEP_RF), A),
+    "gradient.overlap_factor": _row(A, refused(_SWEEP_RF), A),
+    "gradient.sync_interval": _row(
+        applied("capped at one update's optimizer steps (num_ppo_epochs x num_mini_batches), said at start"),
+        refused(_SWEEP_RF),
+        refused(_NO_REPLAY + ", so they verify every step", (1,)),
+    ),
+    "gradient.bucket_mb": _row(A, refused(_SWEEP_RF), A),
+    "gradient.clip_prediction": _row(
+        applied("'scale' runs as 'exact' without max_grad_norm, said at start"),
+        refused(_SWEEP_RF),
+        refused(_NO_REPLAY + ": pass optimizer_kwargs={'clip_prediction': 'scale'} to ask for it", ("exact",)),
+    ),
+    "gradient.clip_tolerance": _row(A, refused(_SWEEP_RF), A),
+    "memory.optimization": _both(A) | {ENABLE: A},
+    "memory.checkpointing": _row(A, refused(_SWEEP_RF), A),
+    "memory.planner": _row(
+        A, A, refused("the throughput planner plans PPOTrainer's and PPOSweep's batches only", (True,))
+    ),
+    "memory.compaction_threshold": _row(A, refused(_SWEEP_RF), A),
+    "memory.release_after_rollout": _row(A, refused(_SWEEP_RF), A),
+    "memory.prefetch_window": _row(A, refused(_SWEEP_RF), A),
+    "memory.lowmem": _row(
+        refused("the low-memory stack is for TRL's GRPOTrainer/RLOOTrainer through enable_rapidfire", ("off",)),
+        refused(_SWEEP_RF, ("off",)),
+        A,
+    ),
+    "precision.mode": _row(A, refused(_SWEEP_RF), A),
+    "precision.initial": _row(
+        applied("the trainer computes in PPOConfig's bf16/fp16; a different initial is refused by name"),
+        refused(_SWEEP_RF),
+        applied("the trainer computes in its own bf16/fp16 (it owns autocast); a different initial is said in "
+                "the start table"),
+    ),
+    "precision.fallback": _row(A, refused(_SWEEP_RF), A),
+    "logging.level": _both(A) | {ENABLE: A},
+    "logging.log_every": _row(A, refused(_SWEEP_RF), A),
+    "logging.report_to": _row(
+        refused("PPOTrainer logs to PPOConfig's report_to: set it there", ([],)), refused(_SWEEP_RF), A
+    ),
+    "logging.wandb_project": _row(
+        refused("PPOTrainer logs to PPOConfig's report_to (W&B reads WANDB_PROJECT)", (None,)),
+        refused(_SWEEP_RF),
+        A,
+    ),
+    "logging.telemetry_dir": _row(applied("the memory callback's telemetry stream"), refused(_SWEEP_RF), A),
+}
+
+_NO_CONFIG = "is read only together with a rapidfire config"
+_PLUGIN_ONLY = refused(
+    "read only by an AdaptivePrecisionPlugin built directly; the config loader refuses it as unknown"
+)
+_SWEEP_NO_TELEMETRY = na("a sweep writes no telemetry and registers no process")
+
+# RAPIDFIRE_* variables other than RAPIDFIRE_<SECTION>_<FIELD> (those follow CONFIG_ROWS: see env_row)
+OTHER_ENV_ROWS: dict[str, dict[str, Use]] = {
+    "RAPIDFIRE_CACHE_DIR": _row(applied("the memory callback's process registry"), _SWEEP_NO_TELEMETRY, A),
+    "RAPIDFIRE_TELEMETRY_DIR": _row(applied("the memory callback's telemetry stream"), _SWEEP_NO_TELEMETRY, A),
+    "RAPIDFIRE_SYNC_DEBUG": _row(
+        applied("SyncDebugCallback"), na(_SWEEP_ONE + ": there are no ranks to compare"), applied("SyncDebugCallback")
+    ),
+    "RAPIDFIRE_SYNC_INTERVAL": _row(
+        applied("with RAPIDFIRE_SYNC_DEBUG, without a rapidfire config (gradient.sync_interval wins)"),
+        na(_SWEEP_ONE + ": there are no ranks to compare"),
+        applied("with RAPIDFIRE_SYNC_DEBUG"),
+    ),
+    "RAPIDFIRE_SYNC_THRESHOLD": _row(
+        applied("with RAPIDFIRE_SYNC_DEBUG"), na(_SWEEP_ONE + ": there are no ranks to compare"),
+        applied("with RAPIDFIRE_SYNC_DEBUG"),
+    ),  # fmt: skip
+}
+
+
+def plugin_env_names() -> list[str]:
+    """``RAPIDFIRE_PRECISION_<FIELD>`` names only ``AdaptivePrecisionPlugin`` reads (not config fields)."""
+    from rapidfire_hf.config.loader import env_variables
+    from rapidfire_hf.precision.options import DEFAULTS, ENV_PREFIX
+
+    known = env_variables()
+    return [f"{ENV_PREFIX}{name.upper()}" for name in DEFAULTS if f"{ENV_PREFIX}{name.upper()}" not in known]
+
+
+def env_rows() -> dict[str, dict[str, Use]]:
+    """Every ``RAPIDFIRE_*`` variable's row: the config variables follow their field's row (and are refused
+    by name without a rapidfire config), the plugin-only ones are refused, the others are listed above."""
+    from rapidfire_hf.config.loader import env_variables
+
+    rows = dict(OTHER_ENV_ROWS)
+    for name, (section, key) in env_variables().items():
+        field_row = CONFIG_ROWS[f"{section}.{key}"]
+        rows[name] = {
+            TRAINER: field_row[TRAINER]
+            if field_row[TRAINER].verdict != "applied"
+            else applied(f"with a rapidfire config; refused by name without one ({field_row[TRAINER].why})"),
+            SWEEP: field_row[SWEEP],
+            ENABLE: field_row[ENABLE],
+        }
+    for name in plugin_env_names():
+        rows[name] = {entry: _PLUGIN_ONLY for entry in ENTRY_POINTS}
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- the checks
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _declared_default(cls: type, name: str) -> Any:
+    import dataclasses
+
+    f = next(f for f in fields(cls) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+_EMPTY = (None, False, "", [], {})
+_REFERENCE: dict[tuple, Any] = {}
+
+
+def _derived_default(args: Any, name: str) -> Any:
+    """The value ``name`` takes in a PPOConfig of ``args``' class given nothing but ``use_cpu``: what
+    ``__post_init__`` derives by itself (``dataloader_pin_memory`` off on the CPU, ``debug`` as a list), which
+    ``dataclasses.replace`` then passes back as if asked for."""
+    key = (type(args), bool(args.use_cpu))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = type(args)(output_dir="rapidfire_contract_reference", report_to=[], use_cpu=key[1])
+    return getattr(_REFERENCE[key], name)
+
+
+def _refused_value(use: Use, value: Any, defaults: tuple = (None,)) -> bool:
+    """Whether ``use`` refuses ``value``: its ``accepts``, else the defaults, are what the entry point does."""
+    if use.verdict != "refused":
+        return False
+    accepts = [_plain(v) for v in (use.accepts or defaults)]
+    value = _plain(value)
+    if not use.accepts and any(v in _EMPTY for v in accepts) and value in _EMPTY:
+        return False  # None, False, "" and [] all say "not used"
+    return value not in accepts
+
+
+def ppo_refusals(args: Any, entry: str) -> list[ConfigError]:
+    """The PPOConfig fields ``entry`` refuses in ``args``, each as an error naming the field."""
+    errors = []
+    explicit = getattr(args, "explicit_fields", frozenset())
+    for name, row in PPO_ROWS.items():
+        use = row[entry]
+        if use.verdict != "refused" or name not in explicit:  # asked for: given by name, or set since
+            continue
+        value = args.asked_value(name)
+        if name == "run_name" and str(value).startswith(f"{args.exp_name}__{args.seed}__"):
+            continue  # the name PPOConfig makes up, passed back by dataclasses.replace
+        defaults = (_declared_default(type(args), name), _derived_default(args, name))
+        if _refused_value(use, value, defaults):
+            errors.append(ConfigError(f"{entry} does not apply it: {use.why}", key=name, value=_plain(value)))
+    return errors
+
+
+def _config_default(section: str, name: str) -> Any:
+    from rapidfire_hf.config.schema import RapidFireConfig
+
+    return RapidFireConfig().to_dict()[section][name]
+
+
+def config_refusals(explicit: Mapping[str, tuple[Any, str | None]], entry: str) -> list[ConfigError]:
+    """The rapidfire config settings given explicitly (``loader.explicit_settings``) that ``entry`` refuses.
+
+    Args:
+        explicit: ``{"section.field": (value, source)}``; ``source`` names an environment variable or None.
+        entry: one of ``ENTRY_POINTS``.
+    """
+    errors = []
+    for key, (value, source) in explicit.items():
+        use = CONFIG_ROWS[key][entry]
+        section, name = key.split(".")
+        if _refused_value(use, value, (_config_default(section, name),)):
+            errors.append(
+                ConfigError(f"{entry} does not apply it: {use.why}", key=key, value=_plain(value), source=source)
+            )
+    return errors
+
+
+def env_refusals(entry: str, has_config: bool, environ: Mapping[str, str] | None = None) -> list[ConfigError]:
+    """``RAPIDFIRE_*`` variables ``entry`` would not read, or whose values are invalid, as errors naming them.
+
+    Without a rapidfire config (``has_config`` False) PPOTrainer and PPOSweep read no config variable, so
+    each one set is refused. With one, the config loader checks them (and ``config_refusals`` the fields).
+    """
+    from rapidfire_hf.config.loader import env_variables
+
+    environ = os.environ if environ is None else environ
+    errors = []
+    config_vars = set(env_variables()) | set(plugin_env_names())
+    for name in sorted(environ):
+        if name in config_vars and not has_config and entry in (TRAINER, SWEEP):
+            errors.append(
+                ConfigError(
+                    f"{_NO_CONFIG}, and this {entry} has none: pass rapidfire_config=... (the variable then "
+                    "overrides it) or unset the variable",
+                    value=environ[name],
+                    source=f"environment variable {name}",
+                )
+            )
+    errors += _sync_env_errors(environ)
+    return errors
+
+
+def _sync_env_errors(environ: Mapping[str, str]) -> list[ConfigError]:
+    """Values of the RAPIDFIRE_SYNC_* variables that their reader would fail on (or misread) later."""
+    errors = []
+    flag = environ.get("RAPIDFIRE_SYNC_DEBUG")
+    if flag is not None and flag.strip().lower() not in {"", "0", "1", "true", "false", "yes", "no", "on", "off"}:
+        errors.append(
+            ConfigError("must be a boolean", value=flag, allowed="1/0, true/false, yes/no, on/off",
+                        source="environment variable RAPIDFIRE_SYNC_DEBUG")
+        )  # fmt: skip
+    for name, kind in (("RAPIDFIRE_SYNC_INTERVAL", int), ("RAPIDFIRE_SYNC_THRESHOLD", float)):
+        text = environ.get(name)
+        if text is None:
+            continue
+        try:
+            value = kind(text)
+            ok = value >= 1 if kind is int else (math.isfinite(value) and value >= 0)
+        except ValueError:
+            ok = False
+        if not ok:
+            allowed = "an integer >= 1" if kind is int else "a finite number >= 0"
+            errors.append(ConfigError("invalid value", value=text, allowed=allowed, source=f"environment variable {name}"))
+    return errors
+
+
+def raise_refusals(errors: list[ConfigError], entry: str) -> None:
+    """Raise ``errors`` together (one names the setting; several are listed), or nothing."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(f"{entry} refuses these settings:", errors)
+
+
+def field_names(cls: type) -> list[str]:
+    """The dataclass fields of ``cls`` (a PPOConfig class) that the contract must cover."""
+    return [f.name for f in fields(cls)]

@@ -1,0 +1,201 @@
+"""The settings contract (``rapidfire_hf.config.contract``) checked where each entry point starts.
+
+Each function raises a ``ConfigError`` naming every setting the entry point would not apply, before any
+model is moved or copied; ``start_notes`` gives the caps and rewrites the start table says once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rapidfire_hf.config.contract import (
+    ENABLE,
+    SWEEP,
+    TRAINER,
+    config_refusals,
+    env_refusals,
+    ppo_refusals,
+    raise_refusals,
+)
+from rapidfire_hf.config.errors import ConfigError
+
+
+def explicit_config(src: Any) -> dict:
+    """``{"section.field": (value, source)}`` a rapidfire config source gives by name ({} for None)."""
+    from rapidfire_hf.config.loader import explicit_settings
+
+    return {} if src is None else explicit_settings(src)
+
+
+def trainer_precision_name(args, optimizer=None) -> str:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"``: what PPOTrainer computes in (PPOConfig, or the optimizer's)."""
+    from rapidfire_hf.ppo.compat import optimizer_precision
+
+    return {"bf16": "bf16", "fp16": "fp16"}.get(optimizer_precision(args, optimizer), "fp32")
+
+
+def precision_refusal(explicit: dict, runs_in: str, entry: str, fix: str) -> list[ConfigError]:
+    """``precision.initial`` given by name but the trainer's autocast computes in another precision."""
+    given = explicit.get("precision.initial")
+    if given is None or given[0] == runs_in:
+        return []
+    return [
+        ConfigError(
+            f"{entry} computes in {runs_in} ({fix}), and the precision plugin cannot change the trainer's "
+            "autocast: make the two agree or drop precision.initial",
+            key="precision.initial",
+            value=given[0],
+            source=given[1],
+        )
+    ]
+
+
+def static_engine_refusal(args, model) -> list[ConfigError]:
+    """``rollout_backend="static"`` for a model the static engine cannot run (asked before any work)."""
+    if args.rollout_backend != "static" or model is None:
+        return []
+    from rapidfire_hf.rollout.llama_forward import unsupported_reason
+
+    lm = getattr(model, "pretrained_model", model)  # a value-head wrapper generates with its LM
+    reason = unsupported_reason(lm)
+    if reason is None:
+        return []
+    return [
+        ConfigError(
+            f"the static engine cannot run this model ({reason})",
+            key="rollout_backend",
+            value="static",
+            allowed="'hf' or 'auto' (model.generate for this model)",
+        )
+    ]
+
+
+def check_trainer_settings(args, model=None, optimizer=None) -> None:
+    """PPOTrainer: every PPOConfig field, rapidfire config field and variable applied or refused by name.
+
+    Args:
+        args: the PPOConfig (checked again: a field set after construction is caught here).
+        model: the policy as passed (for ``rollout_backend="static"``).
+        optimizer: the optimizer passed to the trainer, or None (it built its own).
+
+    Raises:
+        ConfigError: naming each refused setting.
+    """
+    args.validate()
+    errors = ppo_refusals(args, TRAINER)
+    errors += env_refusals(TRAINER, args.rapidfire_config is not None)
+    errors += static_engine_refusal(args, model)
+    raise_refusals(errors, TRAINER)
+    raise_refusals(check_trainer_config(args, args.rapidfire_config, optimizer), TRAINER)
+
+
+def check_trainer_config(args, src: Any, optimizer=None) -> list[ConfigError]:
+    """The rapidfire config settings a PPOTrainer would not apply (also for ``enable_rapidfire`` on one)."""
+    explicit = explicit_config(src)
+    errors = config_refusals(explicit, TRAINER)
+    runs_in = trainer_precision_name(args, optimizer)
+    errors += precision_refusal(explicit, runs_in, TRAINER, f"PPOConfig bf16={args.bf16}, fp16={args.fp16}")
+    if optimizer is not None and getattr(optimizer, "is_bound", True) is not False:
+        for key, (value, source) in explicit.items():
+            if key.startswith("gradient."):
+                errors.append(
+                    ConfigError(
+                        "PPOTrainer keeps the optimizer passed to it, which was built without the config: build "
+                        "RapidFireOptimizer(...) with this setting, or pass no optimizer",
+                        key=key,
+                        value=value,
+                        source=source,
+                    )
+                )
+    return errors
+
+
+def check_sweep_settings(args, model=None) -> None:
+    """PPOSweep: every shared PPOConfig field, rapidfire config field and variable applied or refused.
+
+    Raises:
+        ConfigError: naming each refused setting.
+    """
+    import torch
+
+    args.validate()
+    errors = ppo_refusals(args, SWEEP)
+    errors += env_refusals(SWEEP, args.rapidfire_config is not None)
+    errors += static_engine_refusal(args, model)
+    on_cuda = torch.cuda.is_available() and not args.use_cpu
+    for name in ("bf16", "fp16"):
+        if getattr(args, name) and not on_cuda:
+            errors.append(
+                ConfigError(
+                    "a sweep autocasts on CUDA only, and this one runs on the CPU: drop it (the CPU sweep "
+                    "computes in the model's dtype)",
+                    key=name,
+                    value=True,
+                )
+            )
+    errors += config_refusals(explicit_config(args.rapidfire_config), SWEEP)
+    raise_refusals(errors, SWEEP)
+
+
+def check_enable_settings(cfg_src: Any, optimizer_kwargs: dict | None) -> None:
+    """enable_rapidfire on a transformers/TRL trainer: the config settings it would not apply.
+
+    Raises:
+        ConfigError: naming each refused setting.
+    """
+    explicit = explicit_config(cfg_src) if cfg_src is not None else explicit_config({})
+    kwargs = optimizer_kwargs or {}
+    for key, option in (("gradient.clip_prediction", "clip_prediction"), ("gradient.sync_interval", "sync_interval")):
+        if option in kwargs:  # asked for through optimizer_kwargs: applied there
+            explicit.pop(key, None)
+    errors = config_refusals(explicit, ENABLE)
+    errors += env_refusals(ENABLE, True)
+    raise_refusals(errors, ENABLE)
+
+
+def start_notes(args, rf_config, rapidfire_optimizer, mixed_precision: str) -> list[str]:
+    """What a setting capped or rewrote, said once in PPOTrainer's start table (``mixed_precision``: the
+    accelerator's, ``"no"``, ``"bf16"`` or ``"fp16"``)."""
+    runs_in = {"bf16": "bf16", "fp16": "fp16"}.get(mixed_precision, "fp32")
+    notes = []
+    if rf_config is None:
+        return notes
+    grad = rf_config.gradient
+    if rapidfire_optimizer is not None:
+        span = getattr(rapidfire_optimizer, "sync_interval", grad.sync_interval)
+        if span != grad.sync_interval:
+            notes.append(
+                f"gradient.sync_interval={grad.sync_interval} runs as {span} (one update's optimizer steps: "
+                f"num_ppo_epochs x num_mini_batches = {args.num_ppo_epochs * args.num_mini_batches})"
+            )
+        clip = getattr(rapidfire_optimizer, "clip_prediction", grad.clip_prediction.value)
+        if clip != grad.clip_prediction.value:
+            notes.append(
+                f"gradient.clip_prediction={grad.clip_prediction.value} runs as {clip} (max_grad_norm="
+                f"{args.max_grad_norm}: no clip to predict)"
+            )
+    if rf_config.precision.initial.value != runs_in:
+        notes.append(
+            f"precision: computes in {runs_in} (PPOConfig bf16/fp16); the config's precision.initial="
+            f"{rf_config.precision.initial.value} is its preset's, not applied"
+        )
+    return notes
+
+
+def check_unchanged(snapshot: dict[str, str], args, entry: str) -> None:
+    """Refuse a PPOConfig changed after ``entry`` was built from it (the parts built then would keep the
+    old values), naming each changed field; re-check every field too.
+
+    Raises:
+        ConfigError: naming the changed fields.
+    """
+    from rapidfire_hf.ppo.config import changed_fields
+
+    changed = [name for name in changed_fields(snapshot, args) if name != "rapidfire_config"]
+    if changed:
+        raise ConfigError(
+            f"changed after the {entry} was built from it, which keeps the values it was built with: build a "
+            f"new {entry} with the changed PPOConfig",
+            key=", ".join(changed),
+        )
+    args.validate()
