@@ -56,6 +56,13 @@ def test_every_rapidfire_variable_the_code_reads_has_a_row():
     assert sorted(names - set(rows)) == [], "RAPIDFIRE_* variables read by the code without a row"
 
 
+def test_the_plugin_only_options_are_the_plugins_options_that_are_not_config_fields():
+    from rapidfire_hf.config.contract import PLUGIN_ONLY_OPTIONS
+    from rapidfire_hf.precision.options import DEFAULTS
+
+    assert set(PLUGIN_ONLY_OPTIONS) == set(DEFAULTS) - {f.name for f in dataclasses.fields(SECTIONS["precision"])}
+
+
 @pytest.mark.parametrize("table", ["ppo", "config", "env"])
 def test_every_row_names_each_entry_point_with_a_reason_where_not_applied(table):
     rows = {"ppo": PPO_ROWS, "config": CONFIG_ROWS, "env": env_rows()}[table]

@@ -366,13 +366,22 @@ OTHER_ENV_ROWS: dict[str, dict[str, Use]] = {
 }
 
 
-def plugin_env_names() -> list[str]:
-    """``RAPIDFIRE_PRECISION_<FIELD>`` names only ``AdaptivePrecisionPlugin`` reads (not config fields)."""
-    from rapidfire_hf.config.loader import env_variables
-    from rapidfire_hf.precision.options import DEFAULTS, ENV_PREFIX
+# AdaptivePrecisionPlugin's options that are not config fields (precision/options.py DEFAULTS; the config
+# layer cannot import it: tests/config/test_contract.py keeps the two equal)
+PLUGIN_ONLY_OPTIONS = (
+    "sensitive_precision",
+    "sensitivity_threshold",
+    "sensitivity_batches",
+    "auto_switch_layers",
+    "rule_cooldown_steps",
+    "init_scale",
+    "growth_interval",
+)
 
-    known = env_variables()
-    return [f"{ENV_PREFIX}{name.upper()}" for name in DEFAULTS if f"{ENV_PREFIX}{name.upper()}" not in known]
+
+def plugin_env_names() -> list[str]:
+    """``RAPIDFIRE_PRECISION_<OPTION>`` names only ``AdaptivePrecisionPlugin`` reads (not config fields)."""
+    return [f"RAPIDFIRE_PRECISION_{name.upper()}" for name in PLUGIN_ONLY_OPTIONS]
 
 
 def env_rows() -> dict[str, dict[str, Use]]:
