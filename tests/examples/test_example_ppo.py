@@ -107,5 +107,5 @@ def test_two_cpu_processes_with_use_cpu_form_one_ddp_job(tmp_path):
     proc = _torchrun(tmp_path / "out", "--use_cpu")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     ckpt = tmp_path / "out" / "checkpoint-1"
-    assert json.loads((ckpt / "checkpoint_complete.json").read_text())["num_processes"] == 2
+    assert json.loads((ckpt / "checkpoint_manifest.json").read_text())["num_processes"] == 2
     assert (ckpt / "rng_state_0.pt").is_file() and (ckpt / "rng_state_1.pt").is_file()

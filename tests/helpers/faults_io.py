@@ -11,8 +11,6 @@ import os
 import signal
 from pathlib import Path
 
-MARKER = "checkpoint_complete.json"
-
 
 class _Reduce:
     """Pickles as a call of ``func(*args)``: what a hostile checkpoint file carries."""
@@ -27,24 +25,49 @@ class _Reduce:
 def write_hostile_pickle(path: Path, witness: Path) -> None:
     """Replace ``path`` by a torch file whose unpickling runs ``touch witness`` through ``os.system``.
 
-    The checkpoint's completeness marker (if any) is updated to the new size, as an attacker who forges a
-    whole checkpoint would, so that only the loader's refusal to unpickle code stands in the way.
+    The checkpoint's manifest (if any) is rewritten with the new hashes, as an attacker who forges a whole
+    checkpoint would, so that only the loader's refusal to unpickle code stands in the way.
     """
     import torch
 
     torch.save({"state": _Reduce(os.system, f"touch {witness}")}, path)
-    refresh_marker(path)
+    reseal(path)
 
 
-def refresh_marker(path: Path) -> None:
-    """Record the current size of ``path`` in the completeness marker of the checkpoint that holds it."""
-    for folder in Path(path).parents:
-        marker = folder / MARKER
-        if marker.is_file():
-            info = json.loads(marker.read_text())
-            info["files"][Path(path).relative_to(folder).as_posix()] = Path(path).stat().st_size
-            marker.write_text(json.dumps(info))
+def reseal(path: Path, **changes) -> None:
+    """Rewrite the manifest of the checkpoint holding ``path`` so that it vouches for the files as they are
+    now (a forger's manifest: valid form, checksum and hashes); ``changes`` replace top-level entries
+    (``identity=...``, ``settings=...``)."""
+    from rapidfire_hf.checkpoint.manifest import MANIFEST, write_manifest
+
+    for folder in [Path(path), *Path(path).parents]:
+        manifest = folder / MANIFEST
+        if manifest.is_file():
+            info = {**json.loads(manifest.read_text()), **changes}
+            manifest.unlink()
+            write_manifest(
+                folder, info["global_step"], info["num_processes"], info["identity"], info["settings"]
+            )
             return
+    raise FileNotFoundError(f"no checkpoint manifest above {path}")
+
+
+def forge_manifest(folder: Path, mutate) -> None:
+    """Apply ``mutate(info)`` to the manifest of ``folder`` and write it back with a valid checksum, in the
+    canonical form: a forger who knows the format (a path outside the folder, a changed setting)."""
+    import hashlib
+
+    from rapidfire_hf.checkpoint.manifest import MANIFEST
+
+    path = Path(folder) / MANIFEST
+    info = json.loads(path.read_text())
+    mutate(info)
+    body = {k: v for k, v in info.items() if k != "manifest_sha256"}
+
+    def canon(d):
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+    path.write_bytes(canon({**body, "manifest_sha256": hashlib.sha256(canon(body)).hexdigest()}))
 
 
 def truncate(path: Path, fraction: float = 0.5) -> None:

@@ -26,7 +26,9 @@ from rapidfire_hf.demo import (
     vowel_reward,
 )
 from rapidfire_hf.ppo import PPOTrainer
-from rapidfire_hf.ppo.checkpoint import MARKER, CheckpointError, latest_checkpoint
+from rapidfire_hf.checkpoint.errors import CheckpointError
+from rapidfire_hf.checkpoint.manifest import MANIFEST, file_sha256
+from rapidfire_hf.checkpoint.writer import latest_checkpoint
 from tests.helpers import faults_io
 from tests.ppo.helpers import ppo_args
 
@@ -112,12 +114,18 @@ def copy_of(checkpoint: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def test_layout_and_marker(saved):
+def test_layout_and_manifest(saved):
     path = saved["separate"]
-    info = json.loads((path / MARKER).read_text())
+    info = json.loads((path / MANIFEST).read_text())
     assert info["global_step"] == 1 and info["num_processes"] == 1
+    written = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    assert sorted(info["files"]) == sorted(set(written) - {MANIFEST})  # every file but the manifest itself
     for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pt", "trainer_state.json"):
-        assert info["files"][name] == (path / name).stat().st_size
+        assert info["files"][name] == {
+            "bytes": (path / name).stat().st_size,
+            "sha256": file_sha256(path / name),
+        }
+    assert info["settings"]["response_length"] == 6 and info["identity"]["tokenizer"]["size"] == 46
     assert "policy/model.safetensors" in info["files"] and "value_model/model.safetensors" in info["files"]
     assert not list(path.parent.glob("tmp-*"))
     for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pt"):
@@ -154,7 +162,7 @@ DAMAGE = [
     ("policy/model.safetensors", "scramble"),
     ("policy/model.safetensors", "truncate"),
     ("value_model/model.safetensors", "scramble"),
-    (MARKER, "scramble"),
+    (MANIFEST, "scramble"),
 ]
 
 
@@ -177,10 +185,12 @@ def test_incomplete_checkpoint_is_refused_and_skipped(saved, tmp_path, caplog):
     older = copy_of(saved["separate"], tmp_path)
     newer = root / "checkpoint-7"
     shutil.copytree(older, newer)
-    (newer / MARKER).unlink()  # a save killed before its marker (or an older layout)
+    (newer / MANIFEST).unlink()  # a save killed before its manifest
     shutil.copytree(older, root / "tmp-checkpoint-8")
-    assert "no checkpoint_complete.json" in refuse(newer, tmp_path, "separate")
-    with caplog.at_level(logging.WARNING, logger="rapidfire_hf.ppo.checkpoint"):
+    assert f"{MANIFEST} is missing, so the save of this folder did not finish" in refuse(
+        newer, tmp_path, "separate"
+    )
+    with caplog.at_level(logging.WARNING, logger="rapidfire_hf.checkpoint.writer"):
         assert latest_checkpoint(root) == older
     assert "checkpoint-7" in caplog.text and "tmp-checkpoint-8" in caplog.text
 
@@ -191,7 +201,7 @@ def test_save_total_limit_keeps_the_newest_complete(tmp_path, saved):
         "checkpoint-2",
         "checkpoint-3",
     ]
-    assert all((tmp_path / n / MARKER).is_file() for n in ("checkpoint-2", "checkpoint-3"))
+    assert all((tmp_path / n / MANIFEST).is_file() for n in ("checkpoint-2", "checkpoint-3"))
     # a later-numbered checkpoint of an earlier run never pushes out the one just saved
     shutil.copytree(saved["separate"], tmp_path / "checkpoint-9")
     (tmp_path / "checkpoint-8").mkdir()  # incomplete: not counted, not deleted

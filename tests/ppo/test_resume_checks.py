@@ -24,15 +24,14 @@ from rapidfire_hf.demo import (
     vowel_reward,
 )
 from rapidfire_hf.ppo import PPOTrainer
-from rapidfire_hf.ppo.checkpoint import (
-    MARKER,
-    RUN_SETTINGS,
+from rapidfire_hf.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
-    _check_marker,
-    latest_checkpoint,
+    OldCheckpointError,
 )
+from rapidfire_hf.checkpoint.manifest import MANIFEST, OLD_MARKER, verify
+from rapidfire_hf.checkpoint.writer import latest_checkpoint
 from tests.ppo.helpers import ppo_args
 
 LOGGER = "rapidfire_hf.ppo.checkpoint"
@@ -161,19 +160,23 @@ def test_changed_learning_rate_warns_and_uses_the_saved_one(saved, tmp_path, cap
     assert trainer.state.global_step == 2
 
 
-def test_old_checkpoint_without_settings_warns_once(saved, tmp_path, caplog):
+def test_old_checkpoint_without_manifest_is_refused_saying_why(saved, tmp_path):
+    """A checkpoint from before manifests (sizes only): refused, naming what is missing, nothing restored."""
     old = tmp_path / "run" / saved.name
     shutil.copytree(saved, old)
-    (old / RUN_SETTINGS).unlink()  # as an older rapidfire_hf wrote it
-    marker = json.loads((old / MARKER).read_text())
-    del marker["files"][RUN_SETTINGS]
-    (old / MARKER).write_text(json.dumps(marker))
+    (old / MANIFEST).unlink()
+    (old / OLD_MARKER).write_text(
+        json.dumps({"format": 1, "global_step": 1, "num_processes": 1, "files": {}})
+    )
+    assert latest_checkpoint(old.parent) == old  # found (not skipped for an even older one), then refused
     trainer = build(old.parent, max_steps=2)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
+    before = snapshot(trainer)
+    with pytest.raises(OldCheckpointError) as info:
         trainer.train(resume_from_checkpoint=True)
-    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert len(warnings) == 1 and "cannot be checked" in warnings[0] and RUN_SETTINGS in warnings[0], warnings
-    assert trainer.state.global_step == 2
+    message = str(info.value)
+    assert f"it has {OLD_MARKER} (file sizes only) and no {MANIFEST}" in message and str(old) in message
+    assert "older rapidfire_hf" in message and "start a new run" in message
+    assert_same(before, snapshot(trainer))
 
 
 # ------------------------------------------------------------------------------------------ failed saves
@@ -186,7 +189,7 @@ def _run_until_second_save_fails(out: Path) -> CheckpointSaveError:
 
 def _previous_checkpoint_intact(out: Path) -> None:
     assert latest_checkpoint(out) == out / "checkpoint-1"
-    _check_marker(out / "checkpoint-1", 1)  # every file there, at its saved size
+    verify(out / "checkpoint-1")  # every file there, with its saved hash
     assert not (out / "checkpoint-2").exists() and not list(out.glob("tmp-*"))
     resumed = build(out / "again", max_steps=2)  # and it still resumes
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))

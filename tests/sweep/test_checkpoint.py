@@ -1,4 +1,4 @@
-"""A sweep's checkpoints are written by PPOTrainer's atomic writer (``ppo/checkpoint.write_checkpoint``,
+"""A sweep's checkpoints are written by the shared atomic writer (``checkpoint/writer.write_checkpoint``,
 issue 28 item 4): a failed write (a full disk) raises ``CheckpointSaveError`` with the file, the errno and
 the complete checkpoints left untouched, the unfinished ``tmp-`` folder removed, and the trial's earlier
 checkpoint still the one a resume finds."""
@@ -10,7 +10,9 @@ import errno
 import pytest
 import torch
 
-from rapidfire_hf.ppo.checkpoint import MARKER, CheckpointSaveError, latest_checkpoint
+from rapidfire_hf.checkpoint.errors import CheckpointSaveError
+from rapidfire_hf.checkpoint.manifest import MANIFEST
+from rapidfire_hf.checkpoint.writer import latest_checkpoint
 from rapidfire_hf.sweep.checkpoint import save_trial
 
 from .helpers import TRIALS, make_sweep
@@ -44,5 +46,5 @@ def test_a_full_disk_leaves_the_earlier_checkpoint_and_names_the_file(tokenizer,
     assert "while writing optimizer.pt" in message
     assert "Complete checkpoints on disk, untouched: checkpoint-1." in message
     assert not (folder / "tmp-checkpoint-2").exists() and not (folder / "checkpoint-2").exists()
-    assert sorted(p.name for p in (folder / "checkpoint-1").iterdir()) == files and MARKER in files
+    assert sorted(p.name for p in (folder / "checkpoint-1").iterdir()) == files and MANIFEST in files
     assert latest_checkpoint(folder) == folder / "checkpoint-1"

@@ -101,7 +101,7 @@ def test_a_shared_failure_saves_everything_then_raises_naming_the_update(tokeniz
     assert summary["status"] == "failed" and summary["trials"][A]["updates"] == 2
     for name in TWO:  # every trial's state at the last boundary, its history and its checkpoint
         assert len(json.loads((tmp_path / "trials" / name / "log_history.json").read_text())) == 2
-        assert (tmp_path / "trials" / name / "checkpoint-2" / "checkpoint_complete.json").is_file()
+        assert (tmp_path / "trials" / name / "checkpoint-2" / "checkpoint_manifest.json").is_file()
     # and the saved state resumes into the run that never failed
     whole = make_sweep(tokenizer, tmp_path / "whole", TWO)
     whole.train()
@@ -291,4 +291,4 @@ def test_ctrl_c_saves_then_stops(tokenizer, tmp_path):
         sweep.train()
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
     for name in TWO:
-        assert (tmp_path / "trials" / name / "checkpoint-2" / "checkpoint_complete.json").is_file()
+        assert (tmp_path / "trials" / name / "checkpoint-2" / "checkpoint_manifest.json").is_file()

@@ -1,7 +1,11 @@
 """Resuming a sweep: after a SIGKILL at any point of a save or of an update, a resumed sweep equals the
 uninterrupted one (CPU fp32, bit-exact) and really starts from the checkpoints (it runs only the missing
 updates); a clone comes back from its own checkpoint; a damaged or hostile checkpoint or index is refused
-with the file named, before any trial changes; a finished sweep extends with more updates."""
+with the file named; a finished sweep extends with more updates.
+
+A damaged checkpoint of one trial never blocks the others: that trial resumes from its newest checkpoint that
+verifies (said), or is marked ``damaged`` when none does. A damaged index, or a checkpoint of another run or
+with other settings, refuses the whole resume before any trial changes."""
 
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidfire_hf.ppo.checkpoint import MARKER
+from rapidfire_hf.checkpoint.manifest import MANIFEST
 from rapidfire_hf.sweep.checkpoint import INDEX, SweepCheckpointError
+from tests.helpers.faults_io import reseal
 
 from .crash import CLONE, A, B, CountUpdates, crash_sweep
 from .helpers import TRIALS, curves, make_sweep, max_abs_diff
@@ -104,17 +109,13 @@ def test_finished_sweep_extends_from_its_checkpoints(tokenizer, tmp_path):
     assert max_abs_diff(longer.adapter_state_dict(A), straight.adapter_state_dict(A)) == 0.0
 
 
-def _set_marker_size(folder: Path, name: str) -> None:
-    marker = json.loads((folder / MARKER).read_text())
-    marker["files"][name] = (folder / name).stat().st_size
-    (folder / MARKER).write_text(json.dumps(marker))
-
-
 class _Evil:
     def __reduce__(self):
         return (os.system, ("echo pwned > /dev/null",))
 
 
+# Damage to one file of trial B's newest checkpoint (checkpoint-4). Forged files come with a forged manifest
+# (``reseal``: valid hashes), so the checks behind the hashes are reached too. (damage, words of the refusal)
 def _truncate(folder):
     f = folder / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:100])
@@ -124,21 +125,21 @@ def _truncate(folder):
 def _garbage_safetensors(folder):
     f = folder / "adapter_model.safetensors"
     f.write_bytes(b"\x00" * f.stat().st_size)
+    return f, "does not match its SHA-256"
+
+
+def _garbage_safetensors_resealed(folder):
+    f = folder / "adapter_model.safetensors"
+    f.write_bytes(b"\x00" * f.stat().st_size)
+    reseal(folder)
     return f, "cannot be read as safetensors"
 
 
 def _hostile_pickle(folder):
     f = folder / "optimizer.pt"
     f.write_bytes(pickle.dumps(_Evil()))
-    _set_marker_size(folder, f.name)
+    reseal(folder)
     return f, "optimizer.pt cannot be read"
-
-
-def _wrong_value_head(folder):
-    f = folder / "value_head.pt"
-    torch.save({"summary.weight": torch.zeros(1, 3)}, f)
-    _set_marker_size(folder, f.name)
-    return f, "does not fit this run's value head"
 
 
 def _nan_adapter(folder):
@@ -146,29 +147,39 @@ def _nan_adapter(folder):
 
     f = folder / "adapter_model.safetensors"
     state = load_file(str(f))
-    next(iter(state.values())).fill_(float("nan"))
+    name = sorted(state)[1]
+    state[name][0, 0] = float("nan")
     save_file(state, str(f))
-    _set_marker_size(folder, f.name)
-    return f, "non-finite"
+    reseal(folder)
+    return f, f"NaN or infinite values in the LoRA adapter: tensor {name}"
+
+
+def _nan_optimizer_moment(folder):
+    f = folder / "optimizer.pt"
+    state = torch.load(f, weights_only=True)
+    state["state"][2]["exp_avg_sq"].view(-1)[0] = float("inf")
+    torch.save(state, f)
+    reseal(folder)
+    return f, "NaN or infinite values in the optimizer state: tensor state/2/exp_avg_sq"
 
 
 def _bad_state(folder):
     f = folder / "trainer_state.json"
     f.write_text("{" + " " * (f.stat().st_size - 1))
-    return f, "cannot be read as a trainer state"
+    return f, "does not match its SHA-256"
 
 
 def _wrong_step(folder):
     f = folder / "trainer_state.json"
     f.write_text(f.read_text().replace('"global_step": 4', '"global_step": 7'))
-    _set_marker_size(folder, f.name)
+    reseal(folder)
     return f, "global_step 7 is not the update checkpoint-4 was saved at"
 
 
 def _trial_json_of_another_trial(folder):
     f = folder / "trial.json"
     f.write_text(f.read_text().replace(B, A))
-    _set_marker_size(folder, f.name)
+    reseal(folder)
     return f, "cannot be read as the trial's description"
 
 
@@ -178,44 +189,21 @@ def _missing_file(folder):
     return f, "is missing"
 
 
-def _bad_marker(folder):
-    f = folder / MARKER
+def _manifest_garbage(folder):
+    f = folder / MANIFEST
     f.write_text("[]")
-    return f, "not a valid completeness marker"
+    return f, "is not a checkpoint manifest"
 
 
-def _misspelt_status(folder):
-    f = folder.parents[2] / INDEX
-    index = json.loads(f.read_text())
-    index["trials"][B]["status"] = "runing"
-    f.write_text(json.dumps(index))
-    return f, "status 'runing' is none of"
+def _manifest_deleted(folder):
+    f = folder / MANIFEST
+    f.unlink()
+    return None, None  # an unfinished save: skipped (with a warning), checkpoint-3 used
 
 
-def _index_not_json(folder):
-    f = folder.parents[2] / INDEX
-    f.write_bytes(b"\xff{")
-    return f, INDEX
-
-
-def _index_bad_name(folder):
-    f = folder.parents[2] / INDEX
-    index = json.loads(f.read_text())
-    index["trials"]["../../etc"] = index["trials"][B]
-    f.write_text(json.dumps(index))
-    return f, "is not allowed"
-
-
-def _clone_checkpoint_gone(folder):
-    import shutil
-
-    f = folder.parents[1] / CLONE
-    shutil.rmtree(f)
-    return f, "holds no complete checkpoint"
-
-
-DAMAGE = [_truncate, _garbage_safetensors, _hostile_pickle, _wrong_value_head, _nan_adapter, _bad_state,
-          _wrong_step, _trial_json_of_another_trial, _missing_file, _bad_marker, _misspelt_status, _index_not_json, _index_bad_name, _clone_checkpoint_gone]  # fmt: skip
+TRIAL_DAMAGE = [_truncate, _garbage_safetensors, _garbage_safetensors_resealed, _hostile_pickle, _nan_adapter,
+                _nan_optimizer_moment, _bad_state, _wrong_step, _trial_json_of_another_trial, _missing_file,
+                _manifest_garbage, _manifest_deleted]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -227,13 +215,112 @@ def saved_sweep(tokenizer, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("damage", DAMAGE, ids=[d.__name__.strip("_") for d in DAMAGE])
-def test_damaged_checkpoint_is_refused_naming_the_file(tokenizer, tmp_path, saved_sweep, damage):
+def _copy(saved_sweep, tmp_path) -> Path:
     import shutil
 
     out = tmp_path / "copy"
     shutil.copytree(saved_sweep, out)
+    return out
+
+
+@pytest.mark.parametrize("damage", TRIAL_DAMAGE, ids=[d.__name__.strip("_") for d in TRIAL_DAMAGE])
+@pytest.mark.usefixtures("single_thread")
+def test_a_damaged_checkpoint_falls_back_to_the_trials_previous_one(
+    tokenizer, tmp_path, saved_sweep, damage, caplog
+):
+    """B's checkpoint-4 is refused by name; B redoes update 4 from checkpoint-3 and ends bit-exactly where
+    the undamaged sweep ended; A and the clone (finished) run nothing."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    out = _copy(saved_sweep, tmp_path)
     path, message = damage(out / "trials" / B / "checkpoint-4")
+    sweep = crash_sweep(tokenizer, out)
+    with caplog.at_level(logging.WARNING):
+        sweep.train(resume_from_checkpoint=True)
+    if path is not None:
+        lines = [r.getMessage() for r in caplog.records if "resumes from checkpoint-3" in r.getMessage()]
+        assert len(lines) == 1 and str(path) in lines[0] and message in lines[0], caplog.text
+    assert _updates(sweep) == 1  # B's update 4, nothing else
+    expected = load_file(str(saved_sweep / "trials" / B / "checkpoint-4" / "adapter_model.safetensors"))
+    assert max_abs_diff(sweep.adapter_state_dict(B), expected) == 0.0
+    assert all(t.status == "finished" for t in sweep.trials.values())
+
+
+def test_a_trial_without_a_good_checkpoint_is_marked_and_the_others_resume(
+    tokenizer, tmp_path, saved_sweep, caplog
+):
+    """Every checkpoint of B damaged (NaN in its newest, the older ones gone): B is marked ``damaged`` with
+    the file and the tensor named, in the index and summary.json; A and the clone resume."""
+    import logging
+    import shutil
+
+    out = _copy(saved_sweep, tmp_path)
+    for n in (1, 2, 3):
+        shutil.rmtree(out / "trials" / B / f"checkpoint-{n}")
+    path, message = _nan_adapter(out / "trials" / B / "checkpoint-4")
+    sweep = crash_sweep(tokenizer, out, max_steps=5)
+    with caplog.at_level(logging.WARNING):
+        results = sweep.train(resume_from_checkpoint=True)
+    assert results[B].status == "damaged" and str(path) in sweep.trials[B].reason
+    assert message in sweep.trials[B].reason
+    assert results[A].status == results[CLONE].status == "finished" and results[A].global_step == 5
+    assert _updates(sweep) == 2  # A's and the clone's update 5
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trials"][B]["state"] == "damaged" and str(path) in summary["trials"][B]["reason"]
+    assert json.loads((out / INDEX).read_text())["trials"][B]["status"] == "damaged"
+    assert f"trial {B} is marked damaged" in caplog.text
+
+
+def test_a_clone_whose_folder_vanished_is_marked_and_the_others_resume(tokenizer, tmp_path, saved_sweep):
+    import shutil
+
+    out = _copy(saved_sweep, tmp_path)
+    shutil.rmtree(out / "trials" / CLONE)
+    sweep = crash_sweep(tokenizer, out, max_steps=5)
+    results = sweep.train(resume_from_checkpoint=True)
+    assert results[CLONE].status == "damaged" and "holds no complete checkpoint" in sweep.trials[CLONE].reason
+    assert results[A].global_step == results[B].global_step == 5
+
+
+def _misspelt_status(out):
+    f = out / INDEX
+    index = json.loads(f.read_text())
+    index["trials"][B]["status"] = "runing"
+    f.write_text(json.dumps(index))
+    return f, "status 'runing' is none of"
+
+
+def _index_not_json(out):
+    f = out / INDEX
+    f.write_bytes(b"\xff{")
+    return f, INDEX
+
+
+def _index_bad_name(out):
+    f = out / INDEX
+    index = json.loads(f.read_text())
+    index["trials"]["../../etc"] = index["trials"][B]
+    f.write_text(json.dumps(index))
+    return f, "is not allowed"
+
+
+def _wrong_value_head(out):
+    folder = out / "trials" / B / "checkpoint-4"
+    f = folder / "value_head.pt"
+    torch.save({"summary.weight": torch.zeros(1, 3)}, f)
+    reseal(folder)
+    return f, "does not fit this run's value head"
+
+
+SWEEP_DAMAGE = [_misspelt_status, _index_not_json, _index_bad_name, _wrong_value_head]
+
+
+@pytest.mark.parametrize("damage", SWEEP_DAMAGE, ids=[d.__name__.strip("_") for d in SWEEP_DAMAGE])
+def test_a_damaged_index_or_a_forged_checkpoint_refuses_the_resume(tokenizer, tmp_path, saved_sweep, damage):
+    out = _copy(saved_sweep, tmp_path)
+    path, message = damage(out)
     sweep = crash_sweep(tokenizer, out, max_steps=5)
     before = _snapshot(sweep)
     with pytest.raises(SweepCheckpointError) as err:
@@ -245,10 +332,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tokenizer, tmp_path, save
 
 
 def test_changed_overrides_are_refused(tokenizer, tmp_path, saved_sweep):
-    import shutil
-
-    out = tmp_path / "copy"
-    shutil.copytree(saved_sweep, out)
+    out = _copy(saved_sweep, tmp_path)
     sweep = make_sweep(tokenizer, out, {A: {"kl_coef": 0.3}, B: TRIALS[B]}, max_steps=4)
     with pytest.raises(SweepCheckpointError, match=r"kl_coef: saved 0.01, this run 0.3"):
         sweep.train(resume_from_checkpoint=True)

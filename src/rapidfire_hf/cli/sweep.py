@@ -69,7 +69,7 @@ def run_sweep_command(args) -> int:
         print(f"rapidfire sweep {args.target}: loading the model, the data and the trials ...", flush=True)
     sweep = build(spec, progress=progress)
     start = time.perf_counter()
-    from rapidfire_hf.ppo.checkpoint import CheckpointError
+    from rapidfire_hf.checkpoint.errors import CheckpointError
 
     try:
         sweep.train(resume_from_checkpoint=True if resume else None)

@@ -1,70 +1,57 @@
-"""Saving and resuming PPO: models through ``save_pretrained``, optimizer/scheduler/RNG/trainer state beside.
+"""Saving and resuming PPOTrainer: models through ``save_pretrained``, optimizer/scheduler/RNG/trainer state beside.
 
 A checkpoint directory ``<output_dir>/checkpoint-<update>/`` holds:
 ``policy/`` (save_pretrained; the LoRA adapter alone under PEFT), ``value_model/`` or ``value_head.pt``,
-the tokenizer, ``optimizer.pt``, ``scheduler.pt``, ``rng_state_<rank>.pt``, ``trainer_state.json``,
-``run_settings.json`` (the settings a resume is checked against) and, written last,
-``checkpoint_complete.json`` (the size of every file). Resuming restores all of it, so a resumed CPU run
-continues bit-identically.
+the tokenizer, ``optimizer.pt``, ``scheduler.pt``, ``rng_state_<rank>.pt``, ``trainer_state.json`` and,
+written last, ``checkpoint_manifest.json`` (:mod:`rapidfire_hf.checkpoint.manifest`: the SHA-256 of every
+file, the run's identity and the settings a resume is checked against). Resuming restores all of it, so a
+resumed CPU run continues bit-identically.
 
-Safety and atomicity:
+Writing, the manifest and reading files are shared with ``PPOSweep`` (:mod:`rapidfire_hf.checkpoint`):
 
-- A checkpoint is written into ``tmp-checkpoint-<update>/``; every file and folder is fsynced, the
-  completeness marker is written, then the folder is renamed. A save killed at any point leaves either
-  the previous checkpoints untouched plus a ``tmp-`` folder (ignored, with a warning) or the new complete
-  checkpoint.
-- Every ``.pt`` file is read with ``torch.load(weights_only=True)``: tensors and plain values only, so a
-  checkpoint cannot run code. RNG states are stored as tensors and ints for that reason.
-- All files are read and checked before anything is restored; a missing, truncated or unreadable file
-  raises :class:`CheckpointError` naming the file, before any training step.
-- Before anything is restored, the checkpoint is also compared with the run (:func:`check_run`): the
-  model's parameter names and shapes, and the settings the prompt order and an update depend on (rollout
-  batch, ``num_mini_batches``, ``seed``, number of prompts) must match, else
-  :class:`CheckpointMismatchError`; a changed learning rate is warned about (the checkpoint's is used).
-- A failed write (disk full, I/O error) raises :class:`CheckpointSaveError` naming the checkpoint and the
-  file; the unfinished ``tmp-`` folder is removed and the earlier checkpoints are untouched.
+- the folder is written atomically (``tmp-`` folder, fsync, manifest last, rename); a failed write raises
+  :class:`CheckpointSaveError` naming the file, the earlier checkpoints untouched;
+- before anything is restored, every file is checked against the manifest (a flipped bit, a truncated,
+  extra, symlinked or missing file is refused by name), read safely (``torch.load(weights_only=True)``:
+  no pickled object ever runs), checked for NaN and infinities (named by tensor), and the checkpoint is
+  compared with the run (:func:`check_run`): parameter names and shapes, the frozen base/reference/reward
+  models, the tokenizer, the LoRA config, the value head, and the settings an update depends on. A
+  mismatch raises :class:`CheckpointMismatchError` naming each difference; a changed optimizer setting
+  (learning rate, weight decay, betas, epsilon) is said, and the checkpoint's value kept;
+- a checkpoint from before manifests is refused (:class:`OldCheckpointError`), saying so.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
 import os
 import random
-import re
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from rapidfire_hf.checkpoint.errors import (
+    CheckpointDamagedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    OldCheckpointError,
+)
+from rapidfire_hf.checkpoint.identity import (
+    adapter_identity,
+    compare_identity,
+    compare_settings,
+    model_fingerprint,
+    tokenizer_identity,
+    update_settings,
+    value_head_identity,
+)
+from rapidfire_hf.checkpoint.manifest import Manifest, verify
+from rapidfire_hf.checkpoint.readers import read_pt, read_safetensors, require_finite
+from rapidfire_hf.checkpoint.writer import fsync, latest_checkpoint, write_checkpoint
+
 logger = logging.getLogger(__name__)
-
-MARKER = "checkpoint_complete.json"
-RUN_SETTINGS = "run_settings.json"
-_FORMAT = 1
-_CKPT = re.compile(r"^checkpoint-(\d+)$")
-_TMP_PREFIX = "tmp-"
-_OLD_PREFIX = "old-"
-_UNSAFE = re.compile(r"\bGLOBAL\b|unsupported global|unsupported class", re.IGNORECASE)  # torch's refusals
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from: incomplete, damaged, unsafe or from another setup."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A complete checkpoint that does not fit this run (model shapes, rollout batch, seed, dataset)."""
-
-
-class CheckpointSaveError(CheckpointError, OSError):
-    """Writing a checkpoint failed (disk full, I/O error); ``errno`` is the original one when there was one.
-
-    Also an ``OSError``, so code that handled the bare ``OSError`` of a full disk still catches it.
-    """
 
 
 def save_models(trainer, output_dir: str | os.PathLike) -> None:
@@ -108,17 +95,17 @@ def save(trainer) -> Path:
                 torch.save(trainer.lr_scheduler.state_dict(), tmp / "scheduler.pt")
             with writing(tmp / "trainer_state.json"):
                 trainer.state.save_to_json(str(tmp / "trainer_state.json"))
-            with writing(tmp / RUN_SETTINGS):
-                (tmp / RUN_SETTINGS).write_text(json.dumps(run_settings(trainer), indent=2), encoding="utf-8")
         rng_file = tmp / f"rng_state_{acc.process_index}.pt"
         with writing(rng_file):
             torch.save(_rng_state(trainer), rng_file)
-            _fsync(rng_file)
+            fsync(rng_file)
 
     return write_checkpoint(
         Path(args.output_dir),
         trainer.state.global_step,
         write,
+        identity=run_identity(trainer),
+        settings=run_settings(trainer),
         save_total_limit=args.save_total_limit,
         num_processes=acc.num_processes,
         main=acc.is_main_process,
@@ -126,62 +113,11 @@ def save(trainer) -> Path:
     )
 
 
-def write_checkpoint(
-    root: Path,
-    step: int,
-    write: Callable[[Path, Callable[[Path], contextlib.AbstractContextManager]], None],
-    *,
-    save_total_limit: int | None = None,
-    num_processes: int = 1,
-    main: bool = True,
-    barrier: Callable[[], None] = lambda: None,
-) -> Path:
-    """The atomic checkpoint writer of PPOTrainer and of every PPOSweep trial: ``root/checkpoint-<step>``.
-
-    ``write(tmp, writing)`` writes the files into the temporary folder ``tmp``, each inside
-    ``with writing(path):`` so a failure names the file. Then every file and folder is fsynced, the
-    completeness marker (:data:`MARKER`: the size of every file) is written, the folder renamed to its final
-    name (replacing an earlier save of the same step) and, with ``save_total_limit``, the oldest complete
-    checkpoints beyond it deleted. A kill at any moment leaves the earlier checkpoints plus either a
-    ``tmp-`` folder (ignored on resume) or the new complete checkpoint.
-
-    Args:
-        main: whether this process prepares, seals and renames the folder (the main one); ``write`` runs on
-            every process, between ``barrier()`` calls.
-
-    Raises:
-        CheckpointSaveError: a write failed; the unfinished ``tmp-`` folder is removed, the earlier
-            checkpoints are untouched.
-    """
-    name = f"checkpoint-{step}"
-    final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
-    if main:
-        with _writing(tmp, final, tmp):
-            if tmp.exists():  # left by a save of this step that was killed
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-    barrier()
-    write(tmp, lambda target: _writing(tmp, final, target))
-    barrier()
-    if main:
-        with _writing(tmp, final, tmp):
-            _fsync_tree(tmp)
-        with _writing(tmp, final, tmp / MARKER):
-            _write_marker(tmp, step, num_processes)
-        with _writing(tmp, final, final, f"renaming {tmp.name} to"):
-            _publish(tmp, final)
-        if save_total_limit:
-            with _writing(tmp, final, root, "deleting checkpoints beyond save_total_limit"):
-                _rotate(root, int(save_total_limit), keep=final)
-    barrier()
-    return final
-
-
 def run_settings(trainer) -> dict:
-    """The settings a resume is checked against (:func:`check_run`), written as ``run_settings.json``."""
+    """The settings a resume is checked against (:func:`check_run`), written into the manifest."""
     args, acc = trainer.args, trainer.accelerator
     return {
-        "format": 1,
+        **update_settings(args),
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "rollout_batch_size": args.local_batch_size * acc.num_processes,
@@ -192,67 +128,34 @@ def run_settings(trainer) -> dict:
     }
 
 
-_PATH_LOCALS = ("filename", "f", "file", "path", "save_path", "output_file", "name")
-
-
-def _file_being_written(error: BaseException, folder: Path) -> Path | None:
-    """The file under ``folder`` a failed write was writing: the error's ``filename``, else a path-like
-    local of the innermost frame that holds one (``safetensors.torch.save_file(filename=...)``,
-    ``torch.save(f=...)``). None when neither names a file there."""
-    candidates = []
-    if isinstance(error, OSError) and error.filename:
-        candidates.append(error.filename)
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):  # innermost first
-        candidates += [frame.f_locals.get(k) for k in _PATH_LOCALS]
-    for value in candidates:
-        if not isinstance(value, (str, os.PathLike)):
-            continue
-        try:
-            path = Path(value).resolve()
-            path.relative_to(folder.resolve())
-        except (ValueError, OSError, TypeError):
-            continue
-        if path != folder.resolve() and not path.is_dir():
-            return path
-    return None
-
-
-@contextlib.contextmanager
-def _writing(tmp: Path, final: Path, target: Path, doing: str = "writing"):
-    """Turn a failed write into :class:`CheckpointSaveError` naming the checkpoint and the file, after
-    removing the unfinished ``tmp`` folder (it frees the space a full disk needs, and nothing can be
-    resumed from it). Complete checkpoints are never touched here."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as e:  # OSError, SafetensorError, torch's "PytorchStreamWriter failed writing file"
-        if target == tmp or target.is_dir():  # a folder-wide step: find the file in the traceback
-            target = _file_being_written(e, target) or target
-        shown = str(target.relative_to(tmp)) if target.is_relative_to(tmp) and target != tmp else str(target)
-        kept = ""
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-            kept = f" The unfinished {tmp.name} was removed."
-        complete = [p.name for _, p in _checkpoints(final.parent) if (p / MARKER).is_file()]
-        kept += (
-            f" Complete checkpoints on disk, untouched: {', '.join(complete[:3])}"
-            f"{', ...' if len(complete) > 3 else ''}."
-            if complete
-            else " There is no complete checkpoint on disk yet."
-        )
-        error = CheckpointSaveError(
-            f"saving checkpoint {final} failed while {doing} {shown} "
-            f"({type(e).__name__}: {str(e)[:300]}).{kept} Free disk space (or fix the I/O error) and "
-            "resume with resume_from_checkpoint=True."
-        )
-        error.errno = getattr(e, "errno", None)
-        raise error from e
+def run_identity(trainer) -> dict:
+    """The run a checkpoint belongs to (:mod:`rapidfire_hf.checkpoint.identity`), written into the manifest:
+    the frozen networks (the LoRA base, the reference, the reward model, a LoRA value model's base), the
+    tokenizer, the LoRA configs and the value head."""
+    module = trainer.accelerator.unwrap_model(trainer.model)
+    value = None if module.fused else module.value_model
+    frozen = {
+        "base model (the policy's frozen weights)": model_fingerprint(module.policy),
+        "reference model": model_fingerprint(trainer.ref_model),
+        "reward model": model_fingerprint(trainer.reward_model),
+        "value model's frozen weights": model_fingerprint(value),
+    }
+    adapters = {}
+    for role, m in (("policy", module.policy), ("value_model", value)):
+        configs = getattr(m, "peft_config", None)
+        if configs:  # {adapter name: config}; the name is left out when there is one
+            adapters[role] = adapter_identity(next(iter(configs.values())) if len(configs) == 1 else configs)
+    head = (
+        value_head_identity("fused", module.value_head.state_dict())
+        if module.fused
+        else value_head_identity(f"separate {type(value).__name__}", None)
+    )
+    return {
+        "frozen_models": {k: v for k, v in frozen.items() if v is not None},
+        "tokenizer": tokenizer_identity(trainer.processing_class),
+        "adapters": adapters or None,
+        "value_head": head,
+    }
 
 
 def _rng_state(trainer) -> dict:
@@ -287,172 +190,39 @@ def _set_rng_state(trainer, rng: dict) -> None:
     trainer._perm_generator.set_state(rng["permutation"])
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file (or, on POSIX, a folder's entries) to disk."""
-    if path.is_dir() and os.name != "posix":
-        return  # folders cannot be opened for fsync on Windows; renames there are durable on their own
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            _fsync(Path(dirpath) / f)
-        _fsync(Path(dirpath))
-
-
-def _write_marker(folder: Path, step: int, num_processes: int) -> None:
-    files = {
-        str(p.relative_to(folder).as_posix()): p.stat().st_size
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-    marker = folder / MARKER
-    with open(marker, "w", encoding="utf-8") as f:
-        json.dump({"format": _FORMAT, "global_step": step, "num_processes": num_processes, "files": files}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync(folder)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished ``tmp`` folder to ``final`` (replacing an earlier save of the same step)."""
-    old = final.with_name(_OLD_PREFIX + final.name)
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if old.exists() and not final.exists():  # put the earlier save of this step back
-            os.replace(old, final)
-        raise
-    _fsync(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _rotate(root: Path, limit: int, keep: Path) -> None:
-    """Delete complete checkpoints so that ``limit`` remain: ``keep`` (just saved) and the newest others.
-
-    Incomplete folders are left alone; each deleted folder is renamed first, so a kill during the deletion
-    never leaves a half checkpoint under its own name.
-    """
-    others = [p for _, p in _checkpoints(root) if p != keep and (p / MARKER).is_file()]
-    doomed = others[max(limit - 1, 0) :]
-    for path in doomed:
-        gone = path.with_name(_OLD_PREFIX + path.name)
-        os.replace(path, gone)
-        shutil.rmtree(gone)
-    if doomed:
-        _fsync(root)
-
-
-# -------------------------------------------------------------------------------------------- finding
-def _checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """``checkpoint-<n>`` folders of ``root``, newest first."""
-    found = [
-        (int(m.group(1)), p)
-        for p in Path(root).glob("checkpoint-*")
-        if (m := _CKPT.match(p.name)) and p.is_dir()
-    ]
-    return sorted(found, reverse=True)
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint of ``output_dir`` (``None`` if there is none).
-
-    Folders without the completeness marker (a save that did not finish) and ``tmp-checkpoint-*`` folders
-    are skipped with a warning.
-    """
-    root = Path(output_dir)
-    for tmp in sorted(root.glob(f"{_TMP_PREFIX}checkpoint-*")):
-        logger.warning("rapidfire: ignoring %s, left by a checkpoint save that did not finish", tmp)
-    for _, path in _checkpoints(root):
-        if (path / MARKER).is_file():
-            return path
-        logger.warning(
-            "rapidfire: skipping %s: it has no %s, so its save did not finish (or an older rapidfire_hf "
-            "wrote it); resuming from an older complete checkpoint",
-            path,
-            MARKER,
-        )
-    return None
-
-
 # -------------------------------------------------------------------------------------------- loading
-def _damaged(path: Path, what: str, error: BaseException | None = None) -> CheckpointError:
-    detail = f" ({type(error).__name__}: {str(error)[:300]})" if error is not None else ""
-    return CheckpointError(
-        f"cannot resume from this checkpoint: {path} {what}{detail}. The checkpoint is damaged or "
-        "incomplete: resume from another checkpoint-* folder, or delete this one "
-        "(resume_from_checkpoint=True picks the newest complete checkpoint)."
-    )
+_ADVICE = (
+    "The checkpoint is damaged or incomplete: resume from another checkpoint-* folder, or delete this one "
+    "(resume_from_checkpoint=True picks the newest complete checkpoint)."
+)
 
 
-def _check_marker(path: Path, num_processes: int) -> dict:
-    marker = path / MARKER
-    if not marker.is_file():
-        raise CheckpointError(
-            f"cannot resume from {path}: it has no {MARKER}, so its save did not finish (or an older "
-            "rapidfire_hf wrote it). Resume from another checkpoint-* folder "
-            "(resume_from_checkpoint=True picks the newest complete one)."
-        )
+def _verified(path: Path, num_processes: int) -> Manifest:
+    """The checkpoint's manifest, every file checked against it (:func:`rapidfire_hf.checkpoint.manifest.verify`)."""
     try:
-        info = json.loads(marker.read_text(encoding="utf-8"))
-        files = {str(k): int(v) for k, v in info["files"].items()}
-        saved_by = int(info["num_processes"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise _damaged(marker, "is not a valid completeness marker", e) from None
-    for rel, size in files.items():
-        f = path / rel
-        if not f.is_file():
-            raise _damaged(f, "is missing")
-        if f.stat().st_size != size:
-            raise _damaged(f, f"has {f.stat().st_size} bytes instead of the {size} that were saved")
-    if saved_by != num_processes:
+        manifest = verify(path)
+    except OldCheckpointError as err:
+        raise OldCheckpointError(f"cannot resume from {path}: {err}") from None
+    except CheckpointDamagedError as err:
+        raise CheckpointError(f"cannot resume from this checkpoint: {err}. {_ADVICE}") from None
+    if manifest.num_processes != num_processes:
         raise CheckpointError(
-            f"cannot resume from {path}: it was saved by {saved_by} processes and this run has {num_processes}; "
-            "resume with the same number of processes (each restores its own rng_state_<rank>.pt)"
+            f"cannot resume from {path}: it was saved by {manifest.num_processes} processes and this run has "
+            f"{num_processes}; resume with the same number of processes (each restores its own rng_state_<rank>.pt)"
         )
-    return files
+    return manifest
 
 
-def _read_pt(path: Path, what: str):
-    """``torch.load(weights_only=True)`` with errors that name the file."""
-    if not path.is_file():
-        raise _damaged(path, "is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (
-        Exception
-    ) as e:  # torch raises UnpicklingError, EOFError, RuntimeError, ... depending on the damage
-        if _UNSAFE.search(str(e)):
-            raise CheckpointError(
-                f"refusing to load {path}: it holds Python objects other than tensors and plain values "
-                f"(a {what} saved by rapidfire_hf never does), and unpickling them could run code. "
-                "Do not resume from a checkpoint you did not write; resume from another checkpoint-* folder."
-            ) from None
-        raise _damaged(path, f"cannot be read as a {what}", e) from None
-
-
-def _read_safetensors(folder: Path, adapter: bool) -> dict:
-    from safetensors.torch import load_file
-
+def _weights(folder: Path, adapter: bool, what: str) -> dict:
+    """What ``save_pretrained`` wrote into ``folder`` (the adapter alone under PEFT, else every shard),
+    each file checked for non-finite values: NaN weights would be restored and die raw in the first
+    rollout."""
     files = [folder / "adapter_model.safetensors"] if adapter else sorted(folder.glob("*.safetensors"))
-    if not files or not all(f.is_file() for f in files):
-        raise _damaged(folder / (files[0].name if files else "*.safetensors"), "is missing")
     state = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:  # SafetensorError, OSError
-            raise _damaged(f, "cannot be read as safetensors weights", e) from None
+    for f in files or [folder / "model.safetensors"]:
+        part = read_safetensors(f)
+        require_finite(f, part, what)
+        state.update(part)
     return state
 
 
@@ -495,20 +265,6 @@ def _resolve(output_dir, resume_from_checkpoint) -> Path:
 _NEW_RUN = "start a new run (without resume_from_checkpoint, best in a fresh output_dir)"
 
 
-def _read_settings(path: Path) -> dict | None:
-    """``run_settings.json`` of the checkpoint; None for a checkpoint written before it existed."""
-    f = path / RUN_SETTINGS
-    if not f.exists():
-        return None
-    try:
-        settings = json.loads(f.read_text(encoding="utf-8"))
-        if not isinstance(settings, dict):
-            raise TypeError(f"a JSON {type(settings).__name__}, not an object")
-    except (OSError, ValueError, TypeError) as e:
-        raise _damaged(f, "cannot be read as run settings", e) from None
-    return settings
-
-
 def _lr_text(lrs) -> str:
     values = [float(v) for v in lrs]
     return f"{values[0]:g}" if len(set(values)) == 1 else "[" + ", ".join(f"{v:g}" for v in values) + "]"
@@ -536,8 +292,8 @@ def _learning_rate_warning(trainer, path: Path, settings: dict | None, scheduler
     )
 
 
-def check_run(trainer, path: Path, settings: dict | None, scheduler_state=None) -> list[str]:
-    """Compare a checkpoint's ``run_settings.json`` with this run, before anything is restored.
+def check_run(trainer, manifest: Manifest, scheduler_state=None) -> list[str]:
+    """Compare a checkpoint's manifest (identity and settings) with this run, before anything is restored.
 
     Refused (:class:`CheckpointMismatchError`, naming each setting, both values and the fix), because the
     resumed run would not continue the saved one:
@@ -550,23 +306,19 @@ def check_run(trainer, path: Path, settings: dict | None, scheduler_state=None) 
       repeats some prompts and skips others. It cannot be "taken" by the resumed run either: the RNG
       states (sampling, dropout) are restored from the checkpoint. So it is refused, not warned about;
     - the number of prompts in ``train_dataset``: the permutation is over all rows and the batches per
-      epoch depend on it.
+      epoch depend on it;
+    - each setting of :data:`rapidfire_hf.checkpoint.identity.UPDATE_SETTINGS` (``response_length``,
+      ``temperature``, ``kl_coef``, ``cliprange``, ...): each changes what an update computes;
+    - the run's identity (:func:`rapidfire_hf.checkpoint.identity.compare_identity`): another base,
+      reference or reward model (even of the same shape), another tokenizer (even of the same size),
+      another LoRA config (``r``, ``lora_alpha``, targets, ...) or value head.
 
-    Warned about: a changed learning rate (the checkpoint's is used). A checkpoint without the file (an
-    older rapidfire_hf) gets one warning that these settings cannot be checked.
+    Warned about, the checkpoint's value kept (the restored optimizer and scheduler state carry it): a
+    changed learning rate, weight decay, Adam betas or epsilon.
 
     Returns the warnings to log once every check (the model shapes too) has passed.
     """
-    args = trainer.args
-    warnings = []
-    if settings is None:
-        warnings.append(
-            f"rapidfire: {path} has no {RUN_SETTINGS} (an older rapidfire_hf saved it), so this run's rollout "
-            "batch (per_device_train_batch_size x gradient_accumulation_steps), num_mini_batches, seed and "
-            "train_dataset size cannot be checked against it; resuming assumes they are unchanged (a change "
-            "alters the prompt order). The model's shapes are still checked."
-        )
-        settings = {}
+    args, path, settings = trainer.args, manifest.folder, manifest.settings
     now = run_settings(trainer)
     problems = []
     old_batch, new_batch = settings.get("rollout_batch_size"), now["rollout_batch_size"]
@@ -618,12 +370,23 @@ def check_run(trainer, path: Path, settings: dict | None, scheduler_state=None) 
             problems.append(
                 f"{key}: saved {old}, this run {new}; {why}. Resume with {key}={old}, or {_NEW_RUN}."
             )
+    refused, kept = compare_settings(settings, now)
+    problems += [f"{p}, or {_NEW_RUN}." for p in refused]
+    different = compare_identity(manifest.identity, run_identity(trainer))
+    problems += [
+        f"{p}. Resume with the models, tokenizer and peft_config it was saved with, or {_NEW_RUN}."
+        for p in different
+    ]
     if problems:
+        what = "another run (model, tokenizer or adapter)" if different else "a run with other settings"
         raise CheckpointMismatchError(
-            f"cannot resume from {path}: it was saved by a run with other settings; nothing was restored.\n- "
+            f"cannot resume from {path}: it was saved by {what}; nothing was restored.\n- "
             + "\n- ".join(problems)
         )
-    lr = _learning_rate_warning(trainer, path, settings or None, scheduler_state)
+    warnings = [
+        f"rapidfire: resuming from {path}: {k}." for k in kept if not k.startswith("learning_rate")
+    ]  # the learning rate is compared on the scheduler's base_lrs below
+    lr = _learning_rate_warning(trainer, path, settings, scheduler_state)
     return warnings + ([lr] if lr else [])
 
 
@@ -670,46 +433,53 @@ def check_shapes(what: str, folder: Path, model, saved: dict, adapter: bool = Fa
 def load(trainer, resume_from_checkpoint) -> int:
     """Restore a checkpoint into ``trainer``; returns the number of updates already done.
 
-    Every file is read and the checkpoint is compared with the run (:func:`check_shapes`,
-    :func:`check_run`) before anything of the trainer changes.
+    Every file is checked against the manifest, read, checked for non-finite values, and the checkpoint is
+    compared with the run (:func:`check_shapes`, :func:`check_run`) before anything of the trainer changes.
 
     Raises:
-        CheckpointError: the checkpoint is incomplete, damaged, holds unsafe objects, or was saved by a
-            different number of processes. Raised before anything is restored.
-        CheckpointMismatchError: the model's parameter names or shapes, the rollout batch,
-            ``num_mini_batches``, ``seed`` or the number of prompts differ from the checkpoint's. Raised
-            before anything is restored.
+        CheckpointError: the checkpoint is incomplete, damaged (a file changed since it was saved, named),
+            holds unsafe objects or non-finite weights or optimizer state (the tensor named), or was saved
+            by a different number of processes. Raised before anything is restored.
+        OldCheckpointError: written by a rapidfire_hf without manifests; refused.
+        CheckpointMismatchError: another model, tokenizer, adapter config or value head, or settings an
+            update depends on. Raised before anything is restored.
     """
-    args, acc = trainer.args, trainer.accelerator
-    path = _resolve(args.output_dir, resume_from_checkpoint)
-    _check_marker(path, acc.num_processes)
+    acc = trainer.accelerator
+    path = _resolve(trainer.args.output_dir, resume_from_checkpoint)
+    manifest = _verified(path, acc.num_processes)
     module = acc.unwrap_model(trainer.model)
     policy_adapter = hasattr(module.policy, "peft_config")
-    policy_state = _read_safetensors(path / "policy", adapter=policy_adapter)
     value_adapter = not module.fused and hasattr(module.value_model, "peft_config")
-    if module.fused:
-        value_state = _read_pt(path / "value_head.pt", "value head state dict")
-    else:
-        value_state = _read_safetensors(path / "value_model", adapter=value_adapter)
-    optimizer_state = _read_pt(path / "optimizer.pt", "optimizer state dict")
-    scheduler_state = _read_pt(path / "scheduler.pt", "scheduler state dict")
-    rng = _read_pt(path / f"rng_state_{acc.process_index}.pt", "RNG state")
     state_file = path / "trainer_state.json"
     try:
-        state = type(trainer.state).load_from_json(str(state_file))
-    except (OSError, ValueError, TypeError) as e:
-        raise _damaged(state_file, "cannot be read as a trainer state", e) from None
-    settings = _read_settings(path)
+        policy_state = _weights(path / "policy", policy_adapter, "the policy's weights:")
+        if module.fused:
+            value_state = read_pt(path / "value_head.pt", "value head state dict")
+            if not isinstance(value_state, dict):
+                raise CheckpointDamagedError(path / "value_head.pt", "does not hold a state dict")
+            require_finite(path / "value_head.pt", value_state, "the value weights:")
+        else:
+            value_state = _weights(path / "value_model", value_adapter, "the value weights:")
+        optimizer_state = read_pt(path / "optimizer.pt", "optimizer state dict")
+        scheduler_state = read_pt(path / "scheduler.pt", "scheduler state dict")
+        rng = read_pt(path / f"rng_state_{acc.process_index}.pt", "RNG state")
+        try:
+            state = type(trainer.state).load_from_json(str(state_file))
+        except (OSError, ValueError, TypeError) as e:
+            raise CheckpointDamagedError(state_file, "cannot be read as a trainer state", e) from None
+        require_finite(path / "optimizer.pt", optimizer_state, "the optimizer state:")  # NaN moments: every step
+    except OldCheckpointError:
+        raise
+    except CheckpointDamagedError as err:
+        raise CheckpointError(f"cannot resume from this checkpoint: {err}. {_ADVICE}") from None
 
     # Compare before restoring anything: a refused resume leaves the trainer exactly as it was.
     check_shapes("policy", path / "policy", module.policy, policy_state, policy_adapter)
     if module.fused:
-        if not isinstance(value_state, dict):
-            raise _damaged(path / "value_head.pt", "does not hold a state dict")
         check_shapes("value head", path / "value_head.pt", module.value_head, value_state)
     else:
         check_shapes("value model", path / "value_model", module.value_model, value_state, value_adapter)
-    for message in check_run(trainer, path, settings, scheduler_state):
+    for message in check_run(trainer, manifest, scheduler_state):
         logger.warning("%s", message)
 
     try:  # the optimizer first: it checks its groups before changing anything
@@ -728,6 +498,9 @@ def load(trainer, resume_from_checkpoint) -> int:
     try:
         _set_rng_state(trainer, rng)
     except (KeyError, ValueError, TypeError, RuntimeError, AttributeError) as e:
-        raise _damaged(path / f"rng_state_{acc.process_index}.pt", "does not hold an RNG state", e) from None
+        raise CheckpointError(
+            f"cannot resume from this checkpoint: {path / f'rng_state_{acc.process_index}.pt'} does not hold an "
+            f"RNG state ({type(e).__name__}: {str(e)[:300]}). {_ADVICE}"
+        ) from None
     trainer.state = state
     return state.global_step

@@ -3,41 +3,72 @@
 ``<output_dir>/trials/<name>/checkpoint-<update>/`` holds the trial's LoRA adapter as peft saves one
 (``adapter_model.safetensors`` + ``adapter_config.json``: loadable with ``PeftModel.from_pretrained``
 on the base model), ``value_head.pt``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pt`` (the epoch
-permutation generator), ``trainer_state.json``, ``run_settings.json`` and, written last,
-``checkpoint_complete.json`` (the size of every file; the marker ``PPOTrainer``'s checkpoints carry), and
-``trial.json`` (the trial's name, overrides, parent, branch point and the sweep's id).
-``<output_dir>/sweep_checkpoint.json`` lists the trials (clones included) with their overrides, parent,
-status and reason, and the sweep's id, so resuming rebuilds the same set.
+permutation generator), ``trainer_state.json``, ``trial.json`` (the trial's name, overrides, parent,
+branch point and the sweep's id) and, written last, ``checkpoint_manifest.json``
+(:mod:`rapidfire_hf.checkpoint.manifest`: every file's SHA-256, the sweep's identity and the trial's
+settings), the manifest ``PPOTrainer``'s checkpoints carry. ``<output_dir>/sweep_checkpoint.json`` lists
+the trials (clones included) with their overrides, parent, status and reason, and the sweep's id, so
+resuming rebuilds the same set.
 
 Safety:
 
-- A checkpoint is written by PPOTrainer's writer (:func:`rapidfire_hf.ppo.checkpoint.write_checkpoint`): into
-  ``tmp-checkpoint-<update>/``, every file fsynced, the marker written, then the folder renamed; the index
-  is written to a temporary file and renamed. A kill at any moment leaves every trial's earlier complete
-  checkpoints and the earlier index.
+- A checkpoint is written by the shared atomic writer (:func:`rapidfire_hf.checkpoint.writer.write_checkpoint`):
+  into ``tmp-checkpoint-<update>/``, every file fsynced, the manifest written last, then the folder renamed;
+  the index is written to a temporary file and renamed. A kill at any moment leaves every trial's earlier
+  complete checkpoints and the earlier index. Non-finite weights or optimizer state are never written:
+  cloning a trial whose weights turned NaN is refused, naming the tensor.
 - A clone is checkpointed the moment it is made, so a resume restores it from its own state, never from
   its seed; a clone whose checkpoint was written but not yet listed in the index (a kill in between) is
   found by its ``trial.json`` and resumed too.
 - Checkpoints left in the folder by an earlier sweep (another id) are skipped with a warning, never
   resumed as this sweep's.
-- Resuming reads every file of every trial and checks it against the run (adapter and value-head shapes,
-  optimizer state, rollout batch, seed, mini-batches, number of prompts) before any trial changes; a
-  damaged, truncated or hostile file raises :class:`SweepCheckpointError` naming the file. ``.pt`` files
-  are read with ``torch.load(weights_only=True)``: they cannot run code.
+- Resuming checks every file of every trial against its manifest, reads it safely (``.pt`` files with
+  ``torch.load(weights_only=True)``: they cannot run code) and refuses non-finite tensors by name. A trial
+  whose newest checkpoint fails resumes from its newest one that passes (said); a trial with none is
+  marked ``damaged`` (the reason names the file) and the other trials resume. Then every trial is compared
+  with the run before any changes: the sweep's identity (base model, tokenizer, LoRA config, reward
+  model), the adapter and value-head shapes, the optimizer state, and the settings an update depends on
+  (refused, naming each); a changed optimizer setting (learning rate, ...) is said and the checkpoint's
+  value kept.
+- A trial that is not running and whose folder vanished keeps its record in ``summary.json`` (from the
+  previous one), with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rapidfire_hf.checkpoint.errors import (
+    CheckpointDamagedError,
+    CheckpointError,
+    CheckpointSaveError,
+    OldCheckpointError,
+)
+from rapidfire_hf.checkpoint.identity import (
+    adapter_identity,
+    compare_identity,
+    compare_settings,
+    model_fingerprint,
+    tokenizer_identity,
+    update_settings,
+    value_head_identity,
+)
+from rapidfire_hf.checkpoint.manifest import Manifest, is_complete, verify
+from rapidfire_hf.checkpoint.readers import (
+    first_non_finite,
+    read_json_object,
+    read_pt,
+    read_safetensors,
+    require_finite,
+    require_tensors,
+)
+from rapidfire_hf.checkpoint.writer import checkpoints, write_checkpoint
 from rapidfire_hf.models.value_head import ValueHead
-from rapidfire_hf.ppo.checkpoint import MARKER, CheckpointError, CheckpointSaveError, write_checkpoint
 from rapidfire_hf.ppo.types import PPOTrainerState
 from rapidfire_hf.sweep.fields import LENGTH_FIELDS, STATES, check_trial_name
 from rapidfire_hf.sweep.files import SweepFileError, read_json, write_json
@@ -46,10 +77,9 @@ logger = logging.getLogger(__name__)
 
 INDEX = "sweep_checkpoint.json"
 INDEX_FORMAT = 1
-SETTINGS = "run_settings.json"
 TRIAL_FILE = "trial.json"
-_FILES = ("adapter_model.safetensors", "value_head.pt", "optimizer.pt", "scheduler.pt", "rng_state.pt")
-_CKPT = re.compile(r"^checkpoint-(\d+)$")
+SUMMARY = "summary.json"
+DAMAGED = "damaged"  # the status of a trial none of whose checkpoints can be resumed
 
 
 class SweepCheckpointError(CheckpointError):
@@ -59,9 +89,9 @@ class SweepCheckpointError(CheckpointError):
 # ---------------------------------------------------------------------------------------------- saving
 def run_settings(a, num_prompts: int) -> dict:
     """What a resume of a trial with PPOConfig ``a`` is checked against: its prompt order and updates
-    depend on these."""
+    depend on these (and on :func:`rapidfire_hf.checkpoint.identity.update_settings`)."""
     return {
-        "format": 1,
+        **update_settings(a),
         "rollout_batch_size": a.local_batch_size,
         "num_mini_batches": a.num_mini_batches,
         "seed": a.seed,
@@ -69,20 +99,52 @@ def run_settings(a, num_prompts: int) -> dict:
     }
 
 
+def sweep_identity(sweep) -> dict:
+    """The run every trial's checkpoint belongs to: the frozen base and reward model, the tokenizer, the
+    shared LoRA config and the value head."""
+    frozen = {
+        "base model": model_fingerprint(sweep.model),
+        "reward model": model_fingerprint(sweep.phases.reward_model),
+    }
+    return {
+        "frozen_models": {k: v for k, v in frozen.items() if v is not None},
+        "tokenizer": tokenizer_identity(sweep.tok),
+        "adapters": {"trials": adapter_identity(sweep.bank.peft_config)},
+        "value_head": value_head_identity("fused", ValueHead(sweep.hidden_size).state_dict()),
+    }
+
+
 def save_trial(sweep, trial) -> Path:
-    """Write a checkpoint of ``trial`` at its current update with PPOTrainer's atomic writer
-    (:func:`rapidfire_hf.ppo.checkpoint.write_checkpoint`); returns the folder.
+    """Write a checkpoint of ``trial`` at its current update with the shared atomic writer
+    (:func:`rapidfire_hf.checkpoint.writer.write_checkpoint`); returns the folder.
 
     Raises:
+        CheckpointError: the trial's weights or optimizer state hold NaN or infinities (named); nothing is
+            written: a checkpoint is a state to resume from. A clone of a diverged trial ends here.
         CheckpointSaveError: a write failed (disk full, a name the file system refuses); the unfinished
             ``tmp-`` folder is removed and the trial's earlier checkpoints are untouched.
     """
     step = trial.state.global_step
+    for what, state in (
+        ("LoRA adapter", sweep.bank.state_dict(trial.slot)),
+        ("value head", trial.value_head.state_dict()),
+        ("optimizer state", trial.optimizer.state_dict()["state"]),
+    ):
+        bad = first_non_finite(state)
+        if bad is not None:
+            source = f" (a clone of {trial.parent!r}, copied from it)" if trial.parent is not None else ""
+            raise CheckpointError(
+                f"trial {trial.name!r}{source}: its {what} tensor {bad} holds NaN or infinite values at update "
+                f"{step}; a checkpoint never holds them, so none was written. A diverged trial cannot be cloned: "
+                "clone a trial that is still finite, or restart this one from its last checkpoint."
+            )
     try:
         final = write_checkpoint(
             Path(trial.args.output_dir),
             step,
             lambda tmp, writing: _write_files(sweep, trial, tmp, writing),
+            identity=sweep_identity(sweep),
+            settings=run_settings(trial.args, len(sweep.train_dataset)),
             save_total_limit=trial.args.save_total_limit,
         )
     except CheckpointSaveError as err:
@@ -110,12 +172,10 @@ def _write_files(sweep, trial, folder: Path, writing) -> None:
             torch.save(state, folder / name)
     with writing(folder / "trainer_state.json"):
         trial.state.save_to_json(str(folder / "trainer_state.json"))
-    settings = run_settings(trial.args, len(sweep.train_dataset))
     meta = {"sweep_id": sweep.sweep_id, "name": trial.name, "overrides": trial.overrides,
             "parent": trial.parent, "branch_step": trial.branch_step}  # fmt: skip
-    for name, data in ((SETTINGS, settings), (TRIAL_FILE, meta)):
-        with writing(folder / name):
-            (folder / name).write_text(json.dumps(data, indent=1), encoding="utf-8")
+    with writing(folder / TRIAL_FILE):
+        (folder / TRIAL_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
 
 
 def write_index(sweep) -> None:
@@ -135,9 +195,10 @@ def write_index(sweep) -> None:
 
 
 def save_sweep(sweep) -> None:
-    """Checkpoint every trial not saved at its current update (never a diverged one), then the index."""
+    """Checkpoint every trial not saved at its current update (never a diverged or damaged one), then the
+    index."""
     for trial in sweep.trials.values():
-        if trial.status != "diverged" and trial.saved_step != trial.state.global_step:
+        if trial.status not in ("diverged", DAMAGED) and trial.saved_step != trial.state.global_step:
             if trial.state.global_step > 0 or trial.parent is not None:
                 save_trial(sweep, trial)
     write_index(sweep)
@@ -146,7 +207,7 @@ def save_sweep(sweep) -> None:
 # -------------------------------------------------------------------------------------------- reading
 @dataclass
 class SavedTrial:
-    """One trial's checkpoint, read into memory and checked."""
+    """One trial's checkpoint, verified against its manifest, read into memory and checked."""
 
     path: Path
     adapter: dict
@@ -155,78 +216,40 @@ class SavedTrial:
     scheduler: dict
     permutation: torch.Tensor
     state: PPOTrainerState
-    settings: dict
+    manifest: Manifest
     meta: dict
 
 
-def _damaged(path: Path, what: str, err: BaseException | None = None) -> SweepCheckpointError:
-    detail = f" ({type(err).__name__}: {' '.join(str(err).split())[:300]})" if err is not None else ""
-    return SweepCheckpointError(
-        f"cannot resume the sweep: {path} {what}{detail}; nothing was restored. Delete that checkpoint "
-        "folder to resume from the trial's previous one, or start a new sweep in a fresh output_dir."
-    )
-
-
-def _check_complete(path: Path) -> None:
-    marker = path / MARKER
-    try:
-        info = json.loads(marker.read_text(encoding="utf-8"))
-        files = {str(k): int(v) for k, v in info["files"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise _damaged(marker, "is not a valid completeness marker", err) from None
-    for name in (*_FILES, "trainer_state.json", SETTINGS, TRIAL_FILE):
-        if name not in files:
-            raise _damaged(path / name, f"is not listed in {MARKER}")
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            raise _damaged(f, "is missing")
-        if f.stat().st_size != size:
-            raise _damaged(f, f"has {f.stat().st_size} bytes instead of the {size} that were saved")
-
-
-def _read_pt(path: Path, what: str):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # UnpicklingError (a pickled object: refused unread), EOFError, RuntimeError
-        raise _damaged(
-            path, f"cannot be read as a {what} (it may hold objects other than tensors)", err
-        ) from None
-
-
-def _tensors(path: Path, value, what: str) -> dict:
-    if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
-        raise _damaged(path, f"does not hold a {what} (a mapping of tensors)")
-    if not all(bool(v.isfinite().all()) for v in value.values() if v.is_floating_point()):
-        raise _damaged(path, f"holds non-finite values in its {what}")
-    return value
-
-
 def read_trial(path: Path) -> SavedTrial:
-    """Every file of a checkpoint, read and checked for completeness and type; names the bad file."""
-    from safetensors.torch import load_file
+    """Every file of a checkpoint, verified against the manifest, read and checked for type and finiteness.
 
-    _check_complete(path)
+    Raises:
+        CheckpointDamagedError: naming the file (and the tensor for a non-finite value).
+        OldCheckpointError: a checkpoint from before manifests.
+    """
+    manifest = verify(path)
+    meta = read_meta(path)
     f = path / "adapter_model.safetensors"
-    try:
-        adapter = load_file(str(f))
-    except Exception as err:  # SafetensorError, OSError
-        raise _damaged(f, "cannot be read as safetensors weights", err) from None
-    _tensors(f, adapter, "LoRA adapter")
-    head = _tensors(path / "value_head.pt", _read_pt(path / "value_head.pt", "value head"), "value head")
-    optimizer = _read_pt(path / "optimizer.pt", "optimizer state")
+    adapter = require_tensors(f, read_safetensors(f), "LoRA adapter")
+    require_finite(f, adapter, "the LoRA adapter:")
+    f = path / "value_head.pt"
+    head = require_tensors(f, read_pt(f, "value head"), "value head")
+    require_finite(f, head, "the value head:")
+    f = path / "optimizer.pt"
+    optimizer = read_pt(f, "optimizer state")
     if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
             and isinstance(optimizer.get("param_groups"), list)):  # fmt: skip
-        raise _damaged(path / "optimizer.pt", "does not hold an optimizer state dict")
-    scheduler = _read_pt(path / "scheduler.pt", "scheduler state")
+        raise CheckpointDamagedError(f, "does not hold an optimizer state dict")
+    require_finite(f, optimizer, "the optimizer state:")
+    scheduler = read_pt(path / "scheduler.pt", "scheduler state")
     if not isinstance(scheduler, dict) or not isinstance(scheduler.get("last_epoch"), int):
-        raise _damaged(path / "scheduler.pt", "does not hold an LR scheduler state dict")
-    rng = _read_pt(path / "rng_state.pt", "random state")
+        raise CheckpointDamagedError(path / "scheduler.pt", "does not hold an LR scheduler state dict")
+    rng = read_pt(path / "rng_state.pt", "random state")
     perm = rng.get("permutation") if isinstance(rng, dict) else None
     try:
         torch.Generator().set_state(perm)
     except (TypeError, RuntimeError) as err:
-        raise _damaged(
+        raise CheckpointDamagedError(
             path / "rng_state.pt", "does not hold the permutation generator's state", err
         ) from None
     state_file = path / "trainer_state.json"
@@ -237,60 +260,79 @@ def read_trial(path: Path) -> SavedTrial:
         if state.global_step != int(path.name.rpartition("-")[2]):
             raise ValueError(f"global_step {state.global_step!r} is not the update {path.name} was saved at")
     except (OSError, ValueError, TypeError) as err:
-        raise _damaged(state_file, "cannot be read as a trainer state", err) from None
-    try:
-        settings = read_json(path / SETTINGS, "run settings")
-        if not isinstance(settings, dict):
-            raise TypeError(f"a JSON {type(settings).__name__}, not an object")
-    except (SweepFileError, TypeError) as err:
-        raise _damaged(path / SETTINGS, "cannot be read as run settings", err) from None
-    return SavedTrial(path, adapter, head, optimizer, scheduler, perm, state, settings, read_meta(path))
+        raise CheckpointDamagedError(state_file, "cannot be read as a trainer state", err) from None
+    return SavedTrial(path, adapter, head, optimizer, scheduler, perm, state, manifest, meta)
 
 
 def read_meta(path: Path) -> dict:
     """A checkpoint's ``trial.json``, checked: sweep id, name, overrides, parent, branch point."""
     f = path / TRIAL_FILE
-    try:
-        meta = read_json(f, "a trial's description")
-        ok = (
-            isinstance(meta, dict)
-            and isinstance(meta.get("sweep_id"), str)
-            and meta.get("name") == path.parent.name
-            and isinstance(meta.get("overrides"), dict)
-            and (meta.get("parent") is None or isinstance(meta.get("parent"), str))
-            and (meta.get("branch_step") is None or isinstance(meta.get("branch_step"), int))
+    meta = read_json_object(f, "the trial's description")
+    ok = (
+        isinstance(meta.get("sweep_id"), str)
+        and meta.get("name") == path.parent.name
+        and isinstance(meta.get("overrides"), dict)
+        and (meta.get("parent") is None or isinstance(meta.get("parent"), str))
+        and (meta.get("branch_step") is None or isinstance(meta.get("branch_step"), int))
+    )
+    if not ok:
+        raise CheckpointDamagedError(
+            f,
+            "cannot be read as the trial's description (needs sweep_id, name (the trial's folder), overrides, "
+            "parent and branch_step)",
         )
-        if not ok:
-            raise TypeError("needs sweep_id, name (the trial's folder), overrides, parent and branch_step")
-    except (SweepFileError, TypeError) as err:
-        raise _damaged(f, "cannot be read as the trial's description", err) from None
     return meta
 
 
-def latest_of(folder: Path, sweep_id: str) -> Path | None:
-    """The newest complete checkpoint of ``folder`` that this sweep wrote; incomplete ones and those of an
-    earlier sweep in the same output folder are skipped with a warning."""
-    found = sorted(
-        (
-            (int(m.group(1)), p)
-            for p in folder.glob("checkpoint-*")
-            if (m := _CKPT.match(p.name)) and p.is_dir()
-        ),
-        reverse=True,
-    )
-    for _, path in found:
-        if not (path / MARKER).is_file():
-            logger.warning("PPOSweep: skipping %s: its save did not finish (no %s)", path, MARKER)
+@dataclass
+class Found:
+    """What :func:`find_trial` found in a trial's folder: the newest checkpoint of this sweep that reads
+    back intact (or None), and one line per newer checkpoint that was refused."""
+
+    saved: SavedTrial | None
+    refused: list[str]
+
+
+def find_trial(folder: Path, sweep_id: str) -> Found:
+    """The newest complete checkpoint of ``folder`` that this sweep wrote and that verifies; incomplete
+    ones and those of an earlier sweep in the same output folder are skipped with a warning, damaged ones
+    (a file changed, unreadable, non-finite, from before manifests) are listed in ``refused``."""
+    refused = []
+    for _, path in checkpoints(folder):
+        if not is_complete(path):
+            logger.warning("PPOSweep: skipping %s: its save did not finish (no manifest)", path)
             continue
-        if read_meta(path)["sweep_id"] == sweep_id:
-            return path
+        try:
+            saved = read_trial(path)
+        except (CheckpointDamagedError, OldCheckpointError) as err:
+            refused.append(" ".join(str(err).split()))
+            continue
+        if saved.meta["sweep_id"] == sweep_id:
+            return Found(saved, refused)
         logger.warning("PPOSweep: skipping %s: an earlier sweep in this output folder wrote it", path)
-    return None
+    return Found(None, refused)
 
 
-def check_fits(sweep, args, saved: SavedTrial) -> None:
-    """Refuse a checkpoint that does not fit this run's trial ``args`` (before anything is restored)."""
+def latest_of(folder: Path, sweep_id: str) -> Path | None:
+    """The newest checkpoint of ``folder`` this sweep wrote that verifies (:func:`find_trial`)."""
+    found = find_trial(folder, sweep_id).saved
+    return None if found is None else found.path
+
+
+_NEW_SWEEP = "start a new sweep in a fresh output_dir"
+
+
+def check_fits(sweep, args, saved: SavedTrial, identity: dict) -> list[str]:
+    """Refuse a checkpoint that does not fit this run's trial ``args`` or the sweep's ``identity`` (before
+    anything is restored); returns the warnings for the optimizer settings whose saved value is kept."""
     path = saved.path
+    different = compare_identity(saved.manifest.identity, identity)
+    if different:
+        raise SweepCheckpointError(
+            f"cannot resume the sweep from {path}: it was saved by another run ({'; '.join(different)}); "
+            f"nothing was restored. Resume with the model, tokenizer and peft_config it was saved with, or "
+            f"{_NEW_SWEEP}."
+        )
     ref = sweep.bank.state_dict(sweep.bank.slots[0])
     _same_shapes(path / "adapter_model.safetensors", "LoRA adapter (LoraConfig r, target_modules)", ref,
                  saved.adapter)  # fmt: skip
@@ -299,29 +341,30 @@ def check_fits(sweep, args, saved: SavedTrial) -> None:
     shapes = [v.shape for v in ref.values()] + [v.shape for v in head.values()]
     groups = saved.optimizer["param_groups"]
     ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", [])]
+    where = f"cannot resume the sweep: {path / 'optimizer.pt'}"
     if len(groups) != 1 or ids != list(range(len(shapes))):
-        raise _damaged(
-            path / "optimizer.pt", f"does not hold one parameter group of {len(shapes)} parameters"
-        )
+        raise SweepCheckpointError(f"{where} does not hold one parameter group of {len(shapes)} parameters")
     for i, entry in saved.optimizer["state"].items():
         bad = not isinstance(entry, dict) or i not in ids
         bad = bad or any(
             not isinstance(v, torch.Tensor) or (v.ndim > 0 and v.shape != shapes[i]) for v in entry.values()
         )
         if bad:
-            raise _damaged(path / "optimizer.pt", f"holds an optimizer state that does not fit parameter {i}")
-    now = run_settings(args, len(sweep.train_dataset))
+            raise SweepCheckpointError(f"{where} holds an optimizer state that does not fit parameter {i}")
+    settings, now = saved.manifest.settings, run_settings(args, len(sweep.train_dataset))
     problems = [
-        f"{key} saved {saved.settings.get(key)!r}, this run {now[key]!r}"
+        f"{key} saved {settings.get(key)!r}, this run {now[key]!r}"
         for key in ("rollout_batch_size", "num_mini_batches", "seed", "num_train_prompts")
-        if saved.settings.get(key) != now[key]
+        if settings.get(key) != now[key]
     ]
-    if problems:
+    refused, kept = compare_settings(settings, now)
+    if problems or refused:
         raise SweepCheckpointError(
-            f"cannot resume the sweep from {path}: it was saved with other settings ({'; '.join(problems)}): "
-            "the prompt order and the updates depend on them; nothing was restored. Resume with the settings "
-            "it was saved with, or start a new sweep in a fresh output_dir."
+            f"cannot resume the sweep from {path}: it was saved with other settings ({'; '.join(problems + refused)}): "
+            f"the prompt order and the updates depend on them; nothing was restored. Resume with the settings "
+            f"it was saved with, or {_NEW_SWEEP}."
         )
+    return [f"PPOSweep: trial {path.parent.name}, resuming from {path}: {k}" for k in kept]
 
 
 def _same_shapes(path: Path, what: str, expected: dict, saved: dict) -> None:
@@ -383,15 +426,17 @@ def read_index(out: Path) -> dict[str, dict]:
 
 # -------------------------------------------------------------------------------------------- resuming
 def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
-    """Restore every trial from its latest complete checkpoint (``True``: under ``args.output_dir``, or a
-    folder); returns ``{trial: checkpoint folder}`` of those restored.
+    """Restore every trial from its latest checkpoint that verifies (``True``: under ``args.output_dir``,
+    or a folder); returns ``{trial: checkpoint folder}`` of those restored.
 
-    Everything is read and checked first; a problem raises before any trial changes.
+    A trial whose checkpoints are all damaged (a file changed since it was saved, unreadable, non-finite)
+    or, for a clone, missing, is marked ``damaged`` with the reason and never trained or saved; the others
+    resume. Everything else is read and checked first; a problem raises before any trial changes.
 
     Raises:
         FileNotFoundError: the folder holds no sweep.
-        SweepCheckpointError: a damaged or hostile file (named), a clone without a checkpoint, a trial
-            whose overrides changed, or a checkpoint saved with other settings.
+        SweepCheckpointError: a damaged index, a trial whose overrides changed, a checkpoint of another run
+            (base model, tokenizer, LoRA config) or saved with other settings.
     """
     from rapidfire_hf.sweep.trial import trial_args
 
@@ -399,7 +444,9 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
     data = read_index(out)
     index, sweep_id = data["trials"], data["sweep_id"]
     index.update(_unlisted_clones(out, index, sweep_id))
-    plan = []
+    identity = sweep_identity(sweep)
+    previous = _previous_summary(out)
+    plan, warnings = [], []
     for name, entry in index.items():
         trial = sweep.trials.get(name)
         if trial is not None:
@@ -418,19 +465,14 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
                 args = trial_args(sweep.args, entry["overrides"], name)
             except ValueError as err:
                 raise SweepCheckpointError(f"cannot resume the sweep: {out / INDEX}: {err}") from None
-        found = latest_of(out / "trials" / name, sweep_id)
-        if found is None and entry["parent"] is not None:
-            raise SweepCheckpointError(
-                f"cannot resume the sweep: trial {name!r} is a clone of {entry['parent']!r} and "
-                f"{out / 'trials' / name} holds no complete checkpoint of it; nothing was restored"
-            )
-        saved = read_trial(found) if found is not None else None
-        if saved is not None:
-            check_fits(sweep, args, saved)
-        plan.append((name, entry, saved))
+        found = find_trial(out / "trials" / name, sweep_id)
+        damage = _damage(out, name, entry, found)
+        if found.saved is not None:
+            warnings += check_fits(sweep, args, found.saved, identity)
+        plan.append((name, entry, found.saved, damage))
     sweep.sweep_id = sweep_id
     restored = {}
-    for name, entry, saved in plan:  # every check passed: now change the trials
+    for name, entry, saved, damage in plan:  # every check passed: now change the trials
         if name not in sweep.trials:
             sweep._add(name, entry["overrides"])
         trial = sweep.trials[name]
@@ -442,10 +484,69 @@ def load_sweep(sweep, resume_from_checkpoint) -> dict[str, Path]:
             entry["reason"],
             entry.get("branch_step"),
         )
-        trial.status = "running" if entry["status"] == "finished" and not trial.done else entry["status"]
+        status = entry["status"]
+        if status == DAMAGED and saved is not None:  # its folder was repaired since
+            status = "running"
+        trial.status = "running" if status == "finished" and not trial.done else status
+        if damage is not None:
+            trial.status, trial.reason = DAMAGED, damage
+            logger.warning("PPOSweep: trial %s is marked damaged and not resumed: %s", name, damage)
+        elif saved is None and trial.status != "running":
+            _keep_record(trial, out, previous.get(name))
+    for message in warnings:
+        logger.warning("%s", message)
     for name, path in restored.items():
         logger.info("PPOSweep: trial %s resumed from %s", name, path)
     return restored
+
+
+def _damage(out: Path, name: str, entry: dict, found: Found) -> str | None:
+    """Why trial ``name`` cannot be resumed (None: it can, maybe from an older checkpoint, said here)."""
+    folder = out / "trials" / name
+    if found.saved is not None:
+        for line in found.refused:
+            logger.warning(
+                "PPOSweep: trial %s resumes from %s, an older checkpoint: a newer one was refused: %s",
+                name,
+                found.saved.path.name,
+                line,
+            )
+        return None
+    if found.refused:
+        return f"no checkpoint of it can be resumed: {found.refused[0]}"
+    if entry["parent"] is not None:
+        return (
+            f"it is a clone of {entry['parent']!r} and {folder} holds no complete checkpoint of it (a clone is "
+            "checkpointed when it is made)"
+        )
+    return None
+
+
+def _previous_summary(out: Path) -> dict:
+    """The trials of the ``summary.json`` an earlier run of this sweep wrote (empty if none is readable)."""
+    try:
+        trials = json.loads((out / SUMMARY).read_text(encoding="utf-8")).get("trials")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return trials if isinstance(trials, dict) else {}
+
+
+def _keep_record(trial, out: Path, record) -> None:
+    """A stopped (or finished, early-stopped, diverged) trial without any checkpoint: its folder vanished,
+    or it never saved one. Its record in ``summary.json`` is kept from the previous one, said once."""
+    folder = out / "trials" / trial.name
+    if isinstance(record, dict) and record.get("updates"):
+        trial.kept_record = dict(record)
+        logger.warning(
+            "PPOSweep: trial %s is %s and %s holds no checkpoint of it (the folder vanished?): it stays %s, "
+            "and its record in %s (%s updates) is kept from the previous one",
+            trial.name, trial.status, folder, trial.status, SUMMARY, record.get("updates"),
+        )  # fmt: skip
+    else:
+        logger.warning(
+            "PPOSweep: trial %s is %s and %s holds no checkpoint of it; no earlier %s records it either",
+            trial.name, trial.status, folder, SUMMARY,
+        )  # fmt: skip
 
 
 def _unlisted_clones(out: Path, index: dict, sweep_id: str) -> dict[str, dict]:
@@ -456,10 +557,10 @@ def _unlisted_clones(out: Path, index: dict, sweep_id: str) -> dict[str, dict]:
     for folder in sorted(trials_dir.iterdir()) if trials_dir.is_dir() else []:
         if folder.name in index or not folder.is_dir() or not _valid_name(folder.name):
             continue
-        path = latest_of(folder, sweep_id)
-        if path is None:
+        saved = find_trial(folder, sweep_id).saved
+        if saved is None:
             continue
-        meta = read_meta(path)
+        meta, path = saved.meta, saved.path
         if meta["parent"] is None:  # a trial of this sweep is always in its first index
             logger.warning("PPOSweep: %s is not listed in %s: not resumed", folder, INDEX)
             continue

@@ -46,7 +46,8 @@ PER_TRIAL_FIELDS = frozenset(FIELD_KINDS)
 # the fields that only set how long a trial runs: a resumed trial may change them (to extend a sweep)
 LENGTH_FIELDS = frozenset({"max_steps", "total_episodes", "num_train_epochs"})
 
-STATES = ("running", "stopped", "finished", "early_stopped", "diverged")
+# "damaged": none of the trial's checkpoints could be resumed (sweep/checkpoint.py says which file)
+STATES = ("running", "stopped", "finished", "early_stopped", "diverged", "damaged")
 NAME_LIMIT = 128  # characters; a name is a folder name, and checkpoint paths add ~40 more
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 

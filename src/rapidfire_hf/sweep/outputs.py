@@ -34,7 +34,11 @@ def write_trial(trial) -> None:
 
 
 def trial_summary(trial) -> dict:
-    """overrides, reward_first, reward_last, kl_last, updates, state (and parent, why it stopped)."""
+    """overrides, reward_first, reward_last, kl_last, updates, state (and parent, why it stopped).
+
+    A stopped trial whose folder vanished keeps the record of the previous summary (``kept_record``)."""
+    if trial.kept_record is not None and trial.state.global_step == 0:
+        return {**trial.kept_record, "state": trial.status, "kept_from_previous_summary": True}
     hist = [h for h in trial.state.log_history if "objective/scores" in h]
     return {
         "overrides": trial.overrides,

@@ -88,6 +88,8 @@ class Trial:
     saved_step: int | None = None  # the update of the checkpoint this process last wrote or loaded
     pinned: bool = False  # resumed by hand: the stopping rules leave it alone
     step_error: str | None = None  # why an optimizer step of this trial failed (it then diverges)
+    # a stopped trial whose folder vanished: its summary.json record from before, kept (sweep/checkpoint.py)
+    kept_record: dict | None = None
 
     @property
     def done(self) -> bool:
