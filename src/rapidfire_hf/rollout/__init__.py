@@ -1,7 +1,7 @@
 """The fast rollout engine shared by PPO and ``enable_rapidfire`` (GRPO/RLOO).
 
 ``RolloutEngine(model, pad_token_id, stop_token_ids, backend)`` generates on the training weights with a
-static KV cache and a GQA-aware, graph-captured decode step (backend "static", Llama-family models) or
+static KV cache and a GQA-aware, graph-captured decode step (backend "static", the families of docs/models.md) or
 through ``model.generate`` (backend "hf"), returning responses, per-token log-probs and masks.
 """
 

@@ -55,7 +55,7 @@ class RolloutEngine:
         pad_token_id: written after a row's stop token (and used to left-pad prompts internally).
         stop_token_ids: token ids that end a response; None takes ``model.generation_config.eos_token_id``,
             ``[]`` means none.
-        backend: "auto" (the static engine on CUDA for Llama/Mistral/Qwen2/Qwen3, else "hf"), "static"
+        backend: "auto" (the static engine on CUDA for the families of docs/models.md, else "hf"), "static"
             (force the static engine; also runs on CPU) or "hf" (``model.generate``).
         decode_mode: static engine only: "auto", "eager", "cuda_graph" or "compile".
         decode_attention: static engine only: "auto" (default: "triton" on CUDA where Triton runs, else

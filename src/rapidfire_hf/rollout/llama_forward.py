@@ -1,8 +1,9 @@
-"""A Llama-family forward pass over a static KV cache, run on the HF modules' own weights.
+"""One decoder forward pass over a static KV cache for every supported family, run on the HF modules' own
+weights (the families' differences are the switches of rollout/families.py; docs/models.md lists them).
 
 Only attention is re-implemented (so no HF cache object or mask builder is in the loop); embeddings,
-norms, projections and MLPs are the model's modules, called directly, so PEFT LoRA layers wrapped
-around ``q_proj`` etc. keep working and generation always sees the current training weights.
+norms, projections, MLPs and MoE blocks are the model's modules, called directly, so PEFT LoRA layers
+wrapped around ``q_proj`` etc. keep working and generation always sees the current training weights.
 """
 
 from __future__ import annotations
@@ -14,43 +15,42 @@ from torch import nn
 from rapidfire_hf.kernels import gqa_decode_attention
 from rapidfire_hf.kernels.decode_attention import IMPLS
 from rapidfire_hf.models import unwrap_peft
+from rapidfire_hf.rollout.families import (
+    FAMILIES,
+    family_of,
+    family_reason,
+    layer_windows,
+    rope_kinds,
+    rotary_tables,
+)
 
 DECODE_LINEARS = ("torch", "triton")
 
-# model_type -> per-architecture switches; everything else about these models is shared
-SUPPORTED = {
-    "llama": {"qk_norm": False},
-    "mistral": {"qk_norm": False},
-    "qwen2": {"qk_norm": False},
-    "qwen3": {"qk_norm": True},
-}
+# model_type -> the family's switches (rollout/families.py); kept under this name for callers
+SUPPORTED = FAMILIES
 
 
 def unsupported_reason(model) -> str | None:
-    """Why the static engine cannot run ``model`` (None when it can)."""
+    """Why the static engine cannot run ``model`` (None when it can): the one place that decides whether the
+    native decode path runs (its family, layer types, rotary scaling) or ``rollout_backend="auto"`` falls back."""
     lm = unwrap_peft(model)
-    cfg = getattr(lm, "config", None)
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in SUPPORTED:
-        return f"model_type {model_type!r} is not one of {sorted(SUPPORTED)}"
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return "sliding-window layers are not supported"
+    reason = family_reason(lm)
+    if reason is not None:
+        return reason
     if any(hasattr(p, "ds_id") for p in lm.parameters()):
         return "DeepSpeed ZeRO-3 partitions the weights; generate through model.generate"
-    body = getattr(lm, "model", None)
-    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
-        return "the model has no `.model.layers` / `.model.rotary_emb`"
-    if getattr(body.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
-        return "length-dependent rotary scaling (dynamic/longrope) is not supported"
     return None
 
 
-def _fusable(layer, lora: bool = False) -> bool:
+def _fusable(layer, fam, lora: bool = False) -> bool:
     """Whether a decoder layer's q/k/v and gate/up projections are plain bias-free ``nn.Linear`` of one dtype
     (with ``lora``: or PEFT LoRA ``Linear`` layers over such a base; quantized linears and biased projections
-    keep their module calls)."""
-    attn, mlp = layer.self_attn, layer.mlp
+    keep their module calls). Only families with separate q/k/v and a gated MLP (``fam``, a
+    :class:`~rapidfire_hf.rollout.families.Family`): Phi-3 and GPT-NeoX already project in one matmul, MoE
+    layers route their MLP."""
+    if fam is None or fam.qkv != "split" or fam.moe:
+        return False
+    attn, mlp = getattr(layer, fam.attn), layer.mlp
     projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     projs += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
     ok = (lambda m: _plain(m) or _lora_linear(m)) if lora else _plain
@@ -141,10 +141,13 @@ def fused_projection_bytes(model, lora: bool = False) -> int:
     ``model`` at its first generation and keeps (the layers :class:`StaticLlama` fuses, with ``lora`` those
     with LoRA projections too; others take none). LoRA's stacked factors are left out (rank x width)."""
     lm = unwrap_peft(model)
+    fam = family_of(getattr(lm, "config", None))
+    if fam is None:
+        return 0
     total = 0
-    for layer in list(lm.model.layers[: lm.config.num_hidden_layers]):
-        if _fusable(layer, lora):
-            attn, mlp = layer.self_attn, layer.mlp
+    for layer in list(lm.base_model.layers[: lm.config.num_hidden_layers]):
+        if _fusable(layer, fam, lora):
+            attn, mlp = getattr(layer, fam.attn), layer.mlp
             for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
                 w = _base(m).weight
                 total += w.numel() * w.element_size()
@@ -155,9 +158,11 @@ def _plain(module) -> bool:
     return type(module) is nn.Linear and module.bias is None
 
 
-def _plain_outputs(layer) -> bool:
+def _plain_outputs(layer, fam) -> bool:
     """Whether a decoder layer's o and down projections are plain bias-free ``nn.Linear``."""
-    return _plain(getattr(layer.self_attn, "o_proj", None)) and _plain(getattr(layer.mlp, "down_proj", None))
+    return _plain(getattr(getattr(layer, fam.attn), fam.out_proj, None)) and _plain(
+        getattr(layer.mlp, "down_proj", None)
+    )
 
 
 def _concat_into(out: torch.Tensor | None, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -184,15 +189,54 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """Rotary embedding of the first ``cos.shape[-1]`` dims of ``x``; the rest pass through (partial rotary:
+    GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor)."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot = x[..., :d]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, x[..., d:]], dim=-1)
+
+
+def _capped_attention(q, k, v, allowed, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with tanh soft-capped logits (Gemma-2/3), in the order of HF's eager attention: logits in
+    the inputs' dtype, scaled, capped, masked, an fp32 softmax cast back. No fused kernel takes the cap.
+
+    Args:
+        q: ``[B, KV, G, D]`` (decode) or ``[B, H, P, D]`` (prefill, ``k``/``v`` expanded to ``H`` heads).
+        k: ``[B, KV, L, D]`` keys (``v`` likewise).
+        allowed: bool mask broadcastable to the ``[..., L]`` logits.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
+def _band(valid: torch.Tensor, query_slot, window: int | None, length: int) -> torch.Tensor:
+    """``valid`` (``[..., n]`` over key slots) restricted to the sliding window ``slot > query_slot - window``
+    (HF's sliding-window mask); unchanged when there is no window or it spans all ``length`` slots."""
+    if window is None or window >= length:
+        return valid
+    keys = torch.arange(valid.shape[-1], device=valid.device)
+    return valid & (keys > query_slot - window)
 
 
 class StaticLlama:
-    """Prefill and one-token decode for a Llama-family model, with the cache passed in explicitly.
+    """Prefill and one-token decode for the supported decoder families, with the cache passed in explicitly.
+
+    One forward for every family in :data:`rapidfire_hf.rollout.families.FAMILIES`: its differences from
+    Llama are the switches of its :class:`~rapidfire_hf.rollout.families.Family` (module names, norm
+    positions, q/k/v layout, q/k norms, parallel residual, MoE module calls, scaled embeddings, soft-capping,
+    Granite's multipliers, no-RoPE layers), plus the config's sliding windows and per-layer-type rotary
+    tables. Sliding-window layers keep the full-length cache and mask keys outside their window (a window
+    spanning prompt + response is plain full attention): simpler than a ring, at the cost of
+    ``(P + R - window)`` extra cache slots per local layer while the rollout is longer than the window.
 
     Args:
-        model: an HF ``LlamaForCausalLM`` (or Mistral/Qwen2/Qwen3), possibly wrapped by PEFT.
-        attention: decode attention implementation, see :func:`rapidfire_hf.kernels.gqa_decode_attention`.
+        model: an HF causal LM of a supported family, possibly wrapped by PEFT.
+        attention: decode attention implementation, see :func:`rapidfire_hf.kernels.gqa_decode_attention`
+            (layers with soft-capped logits use :func:`_capped_attention` whatever it says).
         fuse_projections: decode each layer's q/k/v projections as one matmul and its gate/up projections as
             another, from concatenated copies of their weights (:meth:`refresh_fused` copies the current
             weights in before each generation). At decode batch sizes every projection reads its whole
@@ -200,7 +244,8 @@ class StaticLlama:
             profile in benchmarks/kernels: the weight GEMMs are ~1.1 of 1.78 ms per step at 1.1B batch 8,
             against a 0.45 ms floor for the whole step). Costs a second copy of those weights (1.2 GB at
             1.1B). Layers whose projections are not plain bias-free ``nn.Linear`` (PEFT LoRA, quantized,
-            biased) keep the module calls. On one H200 (benchmarks/kernels, third call) the step is 1.21x faster at
+            biased) keep the module calls, as do families that already project in one matmul (Phi-3,
+            GPT-NeoX) and MoE layers. On one H200 (benchmarks/kernels, third call) the step is 1.21x faster at
             1.1B batch 8, 1.18x at batch 64 and 1.10x at 7B batch 8; PPO updates 1.09x at batch 8 and 1.00x at
             batch 32 against the module projections (eighth and ninth calls). ``PPOTrainer`` fuses where its plan
             has room for the copies (``rollout_decode_fuse_projections="auto"``).
@@ -249,26 +294,44 @@ class StaticLlama:
         self.attention = attention
         lm = unwrap_peft(model)
         cfg = lm.config
-        self.body = lm.model
+        fam = self.family = family_of(cfg)
+        self.body = lm.base_model
+        self.embed = self.body.get_input_embeddings()
+        self.final_norm = getattr(self.body, fam.final_norm)
         self.lm_head = lm.get_output_embeddings()
         self.layers = list(self.body.layers[: cfg.num_hidden_layers])
-        attn = self.layers[0].self_attn
+        self.attns = [getattr(layer, fam.attn) for layer in self.layers]
+        self.out_projs = [getattr(attn, fam.out_proj) for attn in self.attns]
+        self.norms = [tuple(getattr(layer, n) if n else None for n in fam.norms) for layer in self.layers]
+        attn = self.attns[0]
         self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
+        # GPT-NeoX's fused layout has every head's k and v (its config has no num_key_value_heads)
+        self.n_kv = (getattr(cfg, "num_key_value_heads", None) if fam.qkv != "neox" else None) or self.n_heads
         self.group = self.n_heads // self.n_kv
-        self.head_dim = attn.head_dim
+        self.head_dim = getattr(attn, "head_dim", None) or attn.head_size
         self.scale = attn.scaling
-        self.qk_norm = SUPPORTED[cfg.model_type]["qk_norm"]
-        self.window = (
-            getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-        )
-        self.fused = [fuse_projections and _fusable(layer, fuse_lora) for layer in self.layers]
+        self.hidden = cfg.hidden_size
+        self.qk_norm = fam.qk_norm
+        self.windows = layer_windows(cfg)
+        kinds = rope_kinds(cfg, self.body)
+        self.rope_kinds = kinds
+        self._tables = list(dict.fromkeys(k for k in kinds if k is not None))  # rotary tables, in this order
+        self._table_of = [None if k is None else self._tables.index(k) for k in kinds]
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if fam.softcap else None
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if fam.softcap else None
+        self.parallel = fam.parallel_residual and bool(getattr(cfg, "use_parallel_residual", True))
+        self.embed_mult = float(cfg.embedding_multiplier) if fam.multipliers else 1.0
+        self.residual_mult = float(cfg.residual_multiplier) if fam.multipliers else 1.0
+        self.logits_scaling = float(cfg.logits_scaling) if fam.multipliers else 1.0
+        self._embed_scale = None
+        self._qkv_sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
+        self.fused = [fuse_projections and _fusable(layer, fam, fuse_lora) for layer in self.layers]
         # per generation (refresh_fused): whether a fused layer runs fused now (its LoRA state reproducible)
         self.fused_now = list(self.fused)
         # with linear="triton", a fused layer's o / down projections go through it too where they are plain
         # linears; else (and with linear="torch") their module calls: a LoRA o_proj keeps its adapter
         self._out_linear = [
-            self._linear if linear != "torch" and fused and _plain_outputs(layer) else None
+            self._linear if linear != "torch" and fused and _plain_outputs(layer, fam) else None
             for layer, fused in zip(self.layers, self.fused)
         ]
         self._qkv_w: list[torch.Tensor | None] = [None] * len(self.layers)  # [(Hq + 2 KV) D, H]
@@ -276,16 +339,24 @@ class StaticLlama:
         # LoRA factors of a fused group: (A stacked [R, H], B * scaling block-diagonal [out, R]) or None
         self._qkv_lora: list[tuple | None] = [None] * len(self.layers)
         self._gu_lora: list[tuple | None] = [None] * len(self.layers)
+        self._refresh_embed_scale()
+
+    def _refresh_embed_scale(self) -> None:
+        """Gemma's sqrt(hidden), rounded to the embedding dtype as the model's own multiplication rounds it
+        (a Python float here, so a compiled step holds a constant)."""
+        if self.family.embed_scale:
+            self._embed_scale = float(torch.tensor(self.hidden**0.5, dtype=self.dtype))
 
     def refresh_fused(self) -> None:
         """Copy the layers' current projection weights (and LoRA factors, as the adapters stand now) into the
         concatenated ones (allocated on first use or when a weight's shape, dtype or device changed; in place
         otherwise, so recorded graphs stay valid)."""
+        self._refresh_embed_scale()
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
                 if not self.fused[i]:
                     continue
-                attn, mlp = layer.self_attn, layer.mlp
+                attn, mlp = self.attns[i], layer.mlp
                 qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
                 terms = [_lora_term(m) for m in (*qkv, *gu)]
                 self.fused_now[i] = UNSUPPORTED not in terms
@@ -320,16 +391,15 @@ class StaticLlama:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.body.embed_tokens.weight.dtype
+        return self.embed.weight.dtype
 
     def new_cache(self, batch: int, length: int, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zeroed ``(k, v)`` caches: one ``[B, KV, L, D]`` tensor per layer, in the model's dtype.
+        """Zeroed ``(k, v)`` caches: one ``[B, KV, L, D]`` tensor per layer, in the model's dtype (sliding-window
+        layers too: their window is a mask, see the class docstring).
 
         One tensor per layer rather than one stacked tensor: under ``torch.compile`` an in-place write into
         a view of a graph input can be functionalised into a scatter over the whole base tensor.
         """
-        if self.window is not None and length > self.window:
-            raise ValueError(f"sequence length {length} exceeds the sliding window {self.window}")
         shape = (batch, self.n_kv, length, self.head_dim)
 
         def make():
@@ -338,52 +408,136 @@ class StaticLlama:
         return make(), make()
 
     def rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` ``[B, L]`` -> ``(cos, sin)`` each ``[B, L, D]`` from the model's rotary module."""
+        """``positions`` ``[B, L]`` -> ``(cos, sin)`` each ``[T, B, L, Dr]`` from the model's rotary module(s):
+        one table per rotary kind the layers read (``T`` is 1 but for Gemma-3's per-layer-type bases; 0 when no
+        layer rotates), ``Dr`` the rotary width (below the head width with partial rotary)."""
         dummy = torch.empty(0, dtype=self.dtype, device=positions.device)
-        return self.body.rotary_emb(dummy, positions)
+        tables = rotary_tables(self.body, self.rope_kinds, dummy, positions)
+        if not tables:
+            empty = torch.zeros(0, *positions.shape, 1, dtype=self.dtype, device=positions.device)
+            return empty, empty
+        cos = torch.stack([tables[k][0] for k in self._tables])
+        sin = torch.stack([tables[k][1] for k in self._tables])
+        return cos, sin
 
-    def _qkv(self, attn, h: torch.Tensor, lead: tuple[int, ...]):
-        q = attn.q_proj(h).view(*lead, self.n_heads, self.head_dim)
-        k = attn.k_proj(h).view(*lead, self.n_kv, self.head_dim)
-        v = attn.v_proj(h).view(*lead, self.n_kv, self.head_dim)
-        if self.qk_norm:
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings, with the family's scale: Gemma's sqrt(hidden) (over a plain lookup, so an
+        embedding module that scales itself is not scaled twice) or Granite's embedding multiplier."""
+        e = self.embed
+        if self._embed_scale is not None and isinstance(e, nn.Embedding):
+            return nn.Embedding.forward(e, ids) * self._embed_scale
+        x = e(ids)
+        return x * self.embed_mult if self.embed_mult != 1.0 else x
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, H]`` -> ``[B, V]`` logits in the model's dtype, final soft-capping / logits scaling applied
+        (the order of the families' own ``forward``)."""
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        return logits
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, H]`` -> ``[B, V]`` float32 logits (one position per row only)."""
+        return self.head(hidden).float()
+
+    # ----- per-layer pieces ------------------------------------------------------------------------
+    def _heads(self, attn, q, k, v, lead: tuple[int, ...]):
+        """Flat projections -> per-head ``[*lead, heads, D]``, with the family's q/k norms."""
+        if self.qk_norm == "proj":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q.view(*lead, self.n_heads, self.head_dim)
+        k = k.view(*lead, self.n_kv, self.head_dim)
+        v = v.view(*lead, self.n_kv, self.head_dim)
+        if self.qk_norm == "head":
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q, k, v
 
+    def _qkv(self, i: int, h: torch.Tensor, lead: tuple[int, ...]):
+        """q, k, v ``[*lead, heads, D]`` of layer ``i`` through its own projection modules."""
+        attn, layout = self.attns[i], self.family.qkv
+        if layout == "neox":  # per head [q | k | v], all heads equal (no GQA)
+            qkv = attn.query_key_value(h).view(*lead, self.n_heads, 3 * self.head_dim)
+            return qkv.chunk(3, dim=-1)
+        if layout == "fused":
+            q, k, v = attn.qkv_proj(h).split(self._qkv_sizes, dim=-1)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        return self._heads(attn, q, k, v, lead)
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s MLP module on ``h``; a routed MoE block is given ``[B, 1, H]`` as in the model."""
+        mlp = self.layers[i].mlp
+        if self.family.moe and h.dim() == 2:
+            out = mlp(h[:, None, :])
+            return (out[0] if isinstance(out, tuple) else out).squeeze(1)
+        out = mlp(h)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        return x + branch * self.residual_mult if self.residual_mult != 1.0 else x + branch
+
+    def _layer(self, i: int, x: torch.Tensor, attention, mlp) -> torch.Tensor:
+        """One decoder layer around ``attention(h)`` and ``mlp(h)``, with the family's norm positions and
+        residual form (the order of additions of the family's own layer)."""
+        pre_a, post_a, pre_m, post_m = self.norms[i]
+        a = attention(pre_a(x) if pre_a is not None else x)
+        if post_a is not None:
+            a = post_a(a)
+        if self.parallel:  # GPT-NeoX: mlp_output + attn_output + hidden_states
+            return mlp(pre_m(x)) + a + x
+        x = self._residual(x, a)
+        m = mlp(pre_m(x) if pre_m is not None else x)
+        if post_m is not None:
+            m = post_m(m)
+        return self._residual(x, m)
+
+    # ----- prefill and decode ----------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask, cos, sin, k_cache, v_cache) -> torch.Tensor:
         """Run the prompt, fill cache slots ``[0, P)``, return the last position's normed hidden state.
 
         Args:
             input_ids: ``[B, P]`` left-padded prompts.
             attention_mask: ``[B, P]`` 1 for real tokens.
-            cos: ``[B, P, D]`` rotary cosines of the prompt positions (``sin`` likewise).
+            cos: ``[T, B, P, Dr]`` rotary cosines of the prompt positions, per table (``sin`` likewise).
             k_cache: per layer ``[B, KV, L, D]``, written in place (``v_cache`` likewise).
 
         Returns:
             ``[B, H]`` final-norm hidden state at position ``P - 1``.
         """
         b, p = input_ids.shape
+        device = input_ids.device
         key_ok = attention_mask.bool()
-        causal = torch.ones(p, p, dtype=torch.bool, device=input_ids.device).tril()
+        causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()
+        eye = torch.eye(p, dtype=torch.bool, device=device)
+        rows = torch.arange(p, device=device)[:, None]
         # a pad query sees itself, so its (unused) output is finite and never NaN-poisons the cache
-        mask = (causal[None] & key_ok[:, None, :]) | torch.eye(p, dtype=torch.bool, device=input_ids.device)
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        x = self.body.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(x), (b, p))
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
-            k_cache[i][:, :, :p] = k
-            v_cache[i][:, :, :p] = v
-            # the prompt is attended once per rollout, so expanding K/V here costs little
-            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=self.scale
-            )
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, p, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.body.norm(x[:, -1])
+        masks = {w: (_band(causal, rows, w, p)[None] & key_ok[:, None, :]) | eye for w in set(self.windows)}
+        cos, sin = cos[:, :, :, None, :], sin[:, :, :, None, :]
+        x = self.embed_tokens(input_ids)
+        for i in range(len(self.layers)):
+
+            def attention(h, i=i):
+                q, k, v = self._qkv(i, h, (b, p))
+                t = self._table_of[i]
+                if t is not None:
+                    q, k = _rope(q, cos[t], sin[t]), _rope(k, cos[t], sin[t])
+                k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
+                k_cache[i][:, :, :p] = k
+                v_cache[i][:, :, :p] = v
+                # the prompt is attended once per rollout, so expanding K/V here costs little
+                k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+                q, mask = q.transpose(1, 2), masks[self.windows[i]][:, None]
+                if self.attn_softcap is not None:
+                    o = _capped_attention(q, k, v, mask, self.scale, self.attn_softcap)
+                else:
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+                return self.out_projs[i](o.transpose(1, 2).reshape(b, p, -1))
+
+            x = self._layer(i, x, attention, lambda h, i=i: self._mlp(i, h))
+        return self.final_norm(x[:, -1])
 
     def decode(
         self, tokens, slot, cos, sin, key_valid, k_cache, v_cache, kv_len: int | None = None
@@ -393,7 +547,7 @@ class StaticLlama:
         Args:
             tokens: ``[B]`` the tokens to feed.
             slot: ``[1]`` int64 cache slot of these tokens (a tensor, so the step can be graph-captured).
-            cos: ``[B, D]`` rotary cosines at the tokens' positions (``sin`` likewise).
+            cos: ``[T, B, Dr]`` rotary cosines at the tokens' positions, per table (``sin`` likewise).
             key_valid: ``[B, L]`` bool, True for slots the tokens may attend to (including ``slot``).
             k_cache: per layer ``[B, KV, L, D]``, written in place (``v_cache`` likewise).
             kv_len: attend over slots ``[0, kv_len)`` only (must include ``slot``); None = all ``L``.
@@ -402,46 +556,47 @@ class StaticLlama:
             ``[B, H]`` final-norm hidden states.
         """
         b = tokens.shape[0]
-        cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]
-        cos_k, sin_k = cos[:, None, :], sin[:, None, :]
-        n = k_cache[0].shape[2] if kv_len is None else kv_len
+        length = k_cache[0].shape[2]
+        n = length if kv_len is None else kv_len
         valid = key_valid[:, :n]
+        masks = {w: _band(valid, slot, w, length) for w in set(self.windows)}
         # no slot past this step's is valid: the Triton kernel stops there at run time (one shape for the
         # whole response: a compiled step's ``n`` is the whole cache)
         kv_end = slot + 1 if self.attention == "triton" else None
-        x = self.body.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
+        x = self.embed_tokens(tokens)
+        for i in range(len(self.layers)):
             fused = self.fused[i] and self.fused_now[i]
-            if fused:
-                qkv = self._project(h, self._qkv_w[i], self._qkv_lora[i])
-                sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
-                q, k, v = (z.view(b, -1, self.head_dim) for z in qkv.split(sizes, dim=-1))
-                if self.qk_norm:
-                    q, k = attn.q_norm(q), attn.k_norm(k)
-            else:
-                q, k, v = self._qkv(attn, h, (b,))
-            q = _rope(q.view(b, self.n_kv, self.group, self.head_dim), cos_q, sin_q)
-            k = _rope(k, cos_k, sin_k)
-            k_cache[i].index_copy_(2, slot, k[:, :, None, :])
-            v_cache[i].index_copy_(2, slot, v[:, :, None, :])
-            o = gqa_decode_attention(
-                q, k_cache[i][:, :, :n], v_cache[i][:, :, :n], valid, self.scale, self.attention, kv_end
-            )
-            out = self._out_linear[i]
-            x = x + (out(o.reshape(b, -1), attn.o_proj.weight) if out else attn.o_proj(o.reshape(b, -1)))
-            if fused:
-                mlp = layer.mlp
-                gate, up = self._project(
-                    layer.post_attention_layernorm(x), self._gu_w[i], self._gu_lora[i]
-                ).chunk(2, dim=-1)
-                act = mlp.act_fn(gate) * up
-                x = x + (out(act, mlp.down_proj.weight) if out else mlp.down_proj(act))
-            else:
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.body.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[B, H]`` -> ``[B, V]`` float32 logits (one position per row only)."""
-        return self.lm_head(hidden).float()
+            def attention(h, i=i, fused=fused):
+                if fused:
+                    qkv = self._project(h, self._qkv_w[i], self._qkv_lora[i])
+                    q, k, v = self._heads(self.attns[i], *qkv.split(self._qkv_sizes, dim=-1), (b,))
+                else:
+                    q, k, v = self._qkv(i, h, (b,))
+                q = q.view(b, self.n_kv, self.group, self.head_dim)
+                t = self._table_of[i]
+                if t is not None:
+                    q = _rope(q, cos[t][:, None, None, :], sin[t][:, None, None, :])
+                    k = _rope(k, cos[t][:, None, :], sin[t][:, None, :])
+                k_cache[i].index_copy_(2, slot, k[:, :, None, :])
+                v_cache[i].index_copy_(2, slot, v[:, :, None, :])
+                kc, vc, mask = k_cache[i][:, :, :n], v_cache[i][:, :, :n], masks[self.windows[i]]
+                if self.attn_softcap is not None:
+                    o = _capped_attention(q, kc, vc, mask[:, None, None, :], self.scale, self.attn_softcap)
+                else:
+                    o = gqa_decode_attention(q, kc, vc, mask, self.scale, self.attention, kv_end)
+                out = self._out_linear[i]
+                o = o.reshape(b, -1)
+                return out(o, self.out_projs[i].weight) if out else self.out_projs[i](o)
+
+            def mlp(h, i=i, fused=fused):
+                if not fused:
+                    return self._mlp(i, h)
+                down = self.layers[i].mlp.down_proj
+                gate, up = self._project(h, self._gu_w[i], self._gu_lora[i]).chunk(2, dim=-1)
+                act = self.layers[i].mlp.act_fn(gate) * up
+                out = self._out_linear[i]
+                return out(act, down.weight) if out else down(act)
+
+            x = self._layer(i, x, attention, mlp)
+        return self.final_norm(x)

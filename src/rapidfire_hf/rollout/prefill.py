@@ -39,8 +39,8 @@ def chunk_prefill(net, rows: int) -> None:
                 original(
                     input_ids[sl],
                     attention_mask[sl],
-                    cos[sl],
-                    sin[sl],
+                    cos[:, sl],  # [T, B, P, Dr]: rows are dim 1
+                    sin[:, sl],
                     [k[sl] for k in k_cache],  # views: the chunk writes its rows of the cache in place
                     [v[sl] for v in v_cache],
                 )

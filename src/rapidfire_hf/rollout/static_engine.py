@@ -65,7 +65,7 @@ class _Buffers:
         self.shape = (b, p, r)
         self.k, self.v = net.new_cache(b, p + r, device)
         self.key_valid = torch.zeros(b, p + r, dtype=torch.bool, device=device)
-        self.cos = self.sin = None  # [B, L, D], set per batch
+        self.cos = self.sin = None  # [T, B, L, Dr] per rotary table, set per batch
         self.tokens = torch.zeros(b, r, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(b, r, dtype=torch.float32, device=device)
         self.step = torch.ones(1, dtype=torch.long, device=device)
@@ -83,10 +83,10 @@ def _peft_layers(model) -> list:
 
 
 class StaticEngine:
-    """Generation for Llama-family models over a static cache (see module docstring).
+    """Generation for the supported decoder families (docs/models.md) over a static cache (see module docstring).
 
     Args:
-        model: HF Llama-family causal LM (optionally PEFT-wrapped); its modules are used as they are.
+        model: HF causal LM of a supported family (optionally PEFT-wrapped); its modules are used as they are.
         pad_token_id: written after a row has stopped.
         stop_token_ids: token ids that end a row.
         decode_mode: "eager", "cuda_graph" (record the step once, replay it), "compile" (``torch.compile``
@@ -202,8 +202,8 @@ class StaticEngine:
         slot = t + (p - 1)
         prev = buf.tokens.index_select(1, t - 1).squeeze(1)
         buf.key_valid.index_fill_(1, slot, True)
-        cos = buf.cos.index_select(1, slot).squeeze(1)
-        sin = buf.sin.index_select(1, slot).squeeze(1)
+        cos = buf.cos.index_select(2, slot).squeeze(2)
+        sin = buf.sin.index_select(2, slot).squeeze(2)
         hidden = self.net.decode(prev, slot, cos, sin, buf.key_valid, buf.k, buf.v, kv_len)
         tok, lp = self._sample(hidden, params)
         # a row is done when a stop token sits among its tokens 0..t-1 (recomputed, so the step is idempotent)
@@ -223,7 +223,7 @@ class StaticEngine:
 
         philox = self.sampler == "triton-philox"
         return fused_sample(
-            self.net.lm_head(hidden),  # the model's dtype: the kernel reads it and computes in fp32
+            self.net.head(hidden),  # the model's dtype: the kernel reads it and computes in fp32
             params.temperature,
             params.do_sample,
             noise_uniform=buf.noise if params.do_sample and not philox else None,
@@ -347,7 +347,7 @@ class StaticEngine:
         if params.do_sample and not host_noise:
             _fill_seeds(buf.seeds, generator)
 
-        hidden = self.net.prefill(input_ids, attention_mask, buf.cos[:, :p], buf.sin[:, :p], buf.k, buf.v)
+        hidden = self.net.prefill(input_ids, attention_mask, buf.cos[:, :, :p], buf.sin[:, :, :p], buf.k, buf.v)
         if host_noise:
             _fill_noise(buf.noise, generator)
         buf.step.fill_(0)

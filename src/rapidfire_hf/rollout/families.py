@@ -1,0 +1,168 @@
+"""How each supported decoder family differs from Llama: a table of small declared switches.
+
+``StaticLlama`` (rollout/llama_forward.py) is one forward over a static KV cache; everything a family does
+differently is one field of :class:`Family` (module names, where the norms sit, how q/k/v are laid out) or
+a number read from the model's config where the family declares it (soft-capping, Granite's multipliers,
+sliding windows, no-RoPE layers). Norms, projections, MLPs and MoE blocks stay the model's own modules.
+The arithmetic of each switch follows the family's modeling file in ``transformers`` (5.x).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+# the four norm positions of a decoder layer: before / after attention, before / after the MLP
+PRE_NORM = ("input_layernorm", None, "post_attention_layernorm", None)
+SANDWICH = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+POST_NORM = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+
+QKV_LAYOUTS = ("split", "fused", "neox")
+QK_NORMS = (None, "head", "proj")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model_type's decoder, as switches on the shared forward.
+
+    Attributes:
+        final_norm: the body's final norm module.
+        attn: a layer's attention module.
+        out_proj: the attention's output projection.
+        norms: module names at (before attention, after attention, before MLP, after MLP), None where absent.
+        qkv: ``"split"`` (q_proj / k_proj / v_proj), ``"fused"`` (one ``qkv_proj``: all q heads, then k,
+            then v; Phi-3) or ``"neox"`` (one ``query_key_value`` laid out per head as [q | k | v]; GPT-NeoX).
+        qk_norm: None, ``"head"`` (q_norm / k_norm per head after the view: Qwen3, Gemma-3) or ``"proj"``
+            (over the whole projection before the view: OLMo-2).
+        parallel_residual: attention and MLP both read the layer input (GPT-NeoX's use_parallel_residual).
+        moe: the MLP is a routed mixture of experts, called as the model's own module on ``[B, 1, H]``.
+        embed_scale: embeddings times sqrt(hidden), the factor rounded to the embedding dtype (Gemma).
+        softcap: attention-logit and final-logit soft-capping from the config (Gemma-2/3).
+        multipliers: Granite's embedding / residual multipliers and logits scaling from the config.
+        nope_layers: the config's ``no_rope_layers`` marks layers without rotary embeddings (SmolLM3).
+    """
+
+    final_norm: str = "norm"
+    attn: str = "self_attn"
+    out_proj: str = "o_proj"
+    norms: tuple = PRE_NORM
+    qkv: str = "split"
+    qk_norm: str | None = None
+    parallel_residual: bool = False
+    moe: bool = False
+    embed_scale: bool = False
+    softcap: bool = False
+    multipliers: bool = False
+    nope_layers: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(qk_norm="head"),
+    "gemma": Family(embed_scale=True),
+    "gemma2": Family(embed_scale=True, norms=SANDWICH, softcap=True),
+    "gemma3_text": Family(embed_scale=True, norms=SANDWICH, qk_norm="head", softcap=True),
+    "olmo2": Family(norms=POST_NORM, qk_norm="proj"),
+    "phi3": Family(qkv="fused"),
+    "gpt_neox": Family(
+        final_norm="final_layer_norm", attn="attention", out_proj="dense", qkv="neox", parallel_residual=True
+    ),  # fmt: skip
+    "granite": Family(multipliers=True),
+    "smollm3": Family(nope_layers=True),
+    "qwen3_moe": Family(qk_norm="head", moe=True),
+    "mixtral": Family(moe=True),
+}
+
+
+def family_of(config) -> Family | None:
+    """The :class:`Family` of an HF config (None when its model_type is not in :data:`FAMILIES`)."""
+    return FAMILIES.get(getattr(config, "model_type", None))
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per layer: the sliding window (keys with ``slot > query_slot - window`` are seen) or None for full
+    attention, as the model's own mask builder decides it: per ``layer_types`` where the config has them,
+    else ``sliding_window`` for every layer (Mistral, Phi-3, Mixtral, Qwen3-MoE)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types[:n]]
+    return [window] * n
+
+
+def rope_kinds(config, body) -> list[str | None]:
+    """Per layer: which rotary table it reads (None: no rotary embedding at all, SmolLM3's NoPE layers).
+
+    A rotary module whose ``forward`` takes a ``layer_type`` (Gemma-3: a RoPE base per layer type) gives one
+    table per layer type; a separate ``rotary_emb_local`` (older Gemma-3 code) serves the sliding layers;
+    otherwise every layer reads the one ``"default"`` table.
+    """
+    n = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)[:n]
+    if "layer_type" in inspect.signature(body.rotary_emb.forward).parameters:
+        kinds = list(types)
+    elif hasattr(body, "rotary_emb_local"):
+        kinds = ["local" if t == "sliding_attention" else "default" for t in types]
+    else:
+        kinds = ["default"] * n
+    fam = family_of(config)
+    if fam is not None and fam.nope_layers:
+        use_rope = getattr(config, "no_rope_layers", None) or [1] * n
+        kinds = [k if use_rope[i] else None for i, k in enumerate(kinds)]
+    return kinds
+
+
+def rotary_tables(body, kinds: list[str | None], x, positions):
+    """``(cos, sin)`` per distinct kind in first-use order, each ``[B, L, Dr]`` from the model's rotary module(s)."""
+    out = {}
+    for kind in kinds:
+        if kind is None or kind in out:
+            continue
+        if kind == "local" and hasattr(body, "rotary_emb_local"):
+            out[kind] = body.rotary_emb_local(x, positions)
+        elif kind == "default":
+            out[kind] = body.rotary_emb(x, positions)
+        else:
+            out[kind] = body.rotary_emb(x, positions, layer_type=kind)
+    return out
+
+
+def rope_types(body) -> list[str]:
+    """The rotary module's rope type(s) (Gemma-3 keeps one per layer type)."""
+    kinds = getattr(body.rotary_emb, "rope_type", "default")
+    found = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
+    local = getattr(body, "rotary_emb_local", None)
+    if local is not None:
+        found.append(getattr(local, "rope_type", "default"))
+    return found
+
+
+def family_reason(lm) -> str | None:
+    """Why the static forward cannot run ``lm`` (an unwrapped HF causal LM) by its family (None when it can)."""
+    cfg = getattr(lm, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    fam = family_of(cfg)
+    if fam is None:
+        return f"model_type {model_type!r} is not one of {sorted(FAMILIES)}"
+    unknown = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if t not in LAYER_TYPES})
+    if unknown:
+        return f"layer types {unknown} are not supported (only {list(LAYER_TYPES)})"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention=True) is not a causal decoder"
+    body = getattr(lm, "base_model", None)
+    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
+        return "the model has no decoder `.layers` / `.rotary_emb`"
+    if not hasattr(body, fam.final_norm):
+        return f"the decoder has no final norm `{fam.final_norm}`"
+    if any(t in ("dynamic", "longrope") for t in rope_types(body)):
+        return "length-dependent rotary scaling (dynamic/longrope) is not supported"
+    return None

@@ -1,0 +1,180 @@
+"""The decoder families the static engine runs, as tiny random-init models: one table that the family tests
+(tests/rollout/test_families.py) check and that renders docs/models.md (a test fails when the file drifts).
+
+Each case is a small config of a real family whose switches matter at this size: sliding windows shorter than
+the rollout, soft-caps small enough that ``tanh`` bends, partial rotary, multipliers far from 1, a larger
+init so greedy decoding is not decided by near-ties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GREEDY_TOKENS = 100  # greedy tokens compared with model.generate per case (CPU, fp32)
+LOGPROB_ATOL = 1e-5  # sampled log-probs against a fresh forward of the model
+DROP = object()  # a case value that removes a common config key
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One tiny model of a family: its transformers classes, config overrides and what it exercises."""
+
+    name: str
+    config: str
+    model: str
+    kwargs: dict = field(default_factory=dict)
+    exercises: str = ""
+
+
+CASES = [
+    Case("llama", "LlamaConfig", "LlamaForCausalLM", {}, "GQA, RMSNorm, SwiGLU"),
+    Case("mistral", "MistralConfig", "MistralForCausalLM", {"sliding_window": 24},
+         "sliding window 24 on every layer"),
+    Case("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}, "q/k/v biases"),
+    Case("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {}, "per-head q/k RMSNorm"),
+    Case("gemma", "GemmaConfig", "GemmaForCausalLM", {}, "embeddings x sqrt(hidden), (1+w) RMSNorm, GeGLU"),
+    Case("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
+         {"sliding_window": 24, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+          "final_logit_softcapping": 3.0},
+         "sandwich norms, attention and final soft-capping, window 24 on alternate layers, query_pre_attn_scalar"),
+    Case("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM",
+         {"sliding_window": 24, "query_pre_attn_scalar": 24,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
+         "q/k norms, window 24 with its own RoPE base (1e4 local, 1e6 global)"),
+    Case("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {}, "post-norm, q/k RMSNorm over the whole projection"),
+    Case("phi3", "Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "sliding_window": 24},
+         "fused qkv_proj and gate_up_proj, partial rotary 0.5, window 24"),
+    Case("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+         {"rotary_pct": 0.25, "use_parallel_residual": True, "num_key_value_heads": DROP, "head_dim": DROP},
+         "parallel residual, rotary on 25% of each head, LayerNorm with bias, per-head fused q/k/v"),
+    Case("gpt_neox (sequential)", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+         {"rotary_pct": 0.25, "use_parallel_residual": False, "num_key_value_heads": DROP, "head_dim": DROP},
+         "use_parallel_residual=False"),
+    Case("granite", "GraniteConfig", "GraniteForCausalLM",
+         {"embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+          "logits_scaling": 2.0},
+         "embedding / residual / attention multipliers, logits scaling"),
+    Case("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2},
+         "no RoPE on every second layer"),
+    Case("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [3]},
+         "8 experts top-2 (the model's MoE block), one dense layer, q/k norms"),
+    Case("mixtral", "MixtralConfig", "MixtralForCausalLM",
+         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, "4 experts top-2"),
+]  # fmt: skip
+
+
+def case(name: str) -> Case:
+    return next(c for c in CASES if c.name == name)
+
+
+def build(c: Case, vocab_size: int, seed: int = 0, **overrides):
+    """A random-init model of case ``c`` (fp32, eval mode), its generation config stopping at 2."""
+    import torch
+    import transformers
+
+    kwargs = {**COMMON, **c.kwargs, **overrides, "vocab_size": vocab_size}
+    config = getattr(transformers, c.config)(**{k: v for k, v in kwargs.items() if v is not DROP})
+    torch.manual_seed(seed)
+    model = getattr(transformers, c.model)(config).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    return model
+
+
+CHECKS = [
+    f"greedy tokens equal `model.generate` for {GREEDY_TOKENS} tokens (5 left-padded prompts; CPU, fp32)",
+    f"sampled log-probs (temperature 0.8, 40 tokens, past every window) within {LOGPROB_ATOL:g} of a forward "
+    "of the model itself",
+    'one PPO update (`PPOTrainer`, `rollout_backend="static"`) runs with it as the policy and changes it',
+]
+# what the engine does with models outside the table (rows rendered from unsupported_reason)
+OUTSIDE = [
+    ("gpt2", "GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}),
+    ("phi3 with longrope", "Phi3Config", "Phi3ForCausalLM",
+     {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                          "long_factor": [2.0] * 8, "original_max_position_embeddings": 256}}),
+]  # fmt: skip
+
+
+def _outside_model(name: str, config: str, model: str, kwargs: dict, vocab_size: int):
+    import transformers
+
+    base = {} if name == "gpt2" else {**COMMON}
+    return getattr(transformers, model)(
+        getattr(transformers, config)(**base, **kwargs, vocab_size=vocab_size)
+    )
+
+
+def render_models_md(vocab_size: int) -> str:
+    """docs/models.md from :data:`CASES` and the engine's own verdicts (``unsupported_reason``)."""
+    from rapidfire_hf.rollout.families import FAMILIES
+    from rapidfire_hf.rollout.llama_forward import unsupported_reason
+
+    lines = [
+        "# Supported models",
+        "",
+        "<!-- generated by `python tests/rollout/family_cases.py` from tests/rollout/family_cases.py; "
+        "tests/rollout/test_families.py fails when this file differs -->",
+        "",
+        "The rollout engine runs a model on its **native** path (the static-cache decode step of",
+        "`rapidfire_hf/rollout/llama_forward.py`, one forward with per-family switches from",
+        '`rollout/families.py`) when `unsupported_reason(model)` is None; `rollout_backend="auto"` then picks it',
+        "on CUDA, and the start table says `rollout: static engine`. Any other model falls back, and the start",
+        "table names the reason.",
+        "",
+        "| case | model_type | path (`auto`, CUDA) | what the tiny model exercises |",
+        "| --- | --- | --- | --- |",
+    ]
+    for c in CASES:
+        model = build(c, vocab_size)
+        path = "native" if unsupported_reason(model) is None else f"fallback: {unsupported_reason(model)}"
+        lines.append(f"| {c.name} | `{model.config.model_type}` | {path} | {c.exercises} |")
+    for name, config, model_cls, kwargs in OUTSIDE:
+        model = _outside_model(name, config, model_cls, kwargs, vocab_size)
+        reason = unsupported_reason(model)
+        path = "native" if reason is None else f"fallback: {reason}"
+        lines.append(f"| {name} | `{model.config.model_type}` | {path} | (outside the table) |")
+    lines += [
+        "",
+        f"Model types with a native decode: {', '.join(f'`{t}`' for t in FAMILIES)}.",
+        "",
+        "Each case above is checked by `tests/rollout/test_families.py` on a tiny random-init model of the",
+        "family (4 layers, hidden 64; init 0.1 so greedy decoding is not decided by near-ties):",
+        "",
+        *[f"- {check}" for check in CHECKS],
+        "",
+        "`tests/rollout/test_families_gpu.py` repeats the greedy check on one GPU in bf16 and fp32 with the",
+        "compiled, graph-recorded decode step (run by hand on a GPU machine; skipped in CI).",
+        "",
+        "Sliding-window layers keep the full-length KV cache and mask the keys outside their window (a window",
+        "that spans prompt + response is plain full attention); the cost is `P + R - window` extra cache slots",
+        "per local layer while a rollout is longer than the window.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    from rapidfire_hf.demo import build_char_tokenizer
+
+    out = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+    out.write_text(render_models_md(len(build_char_tokenizer())))
+    print(f"wrote {out}")

@@ -1,0 +1,91 @@
+"""Every decoder family of the static engine against its own transformers model (CPU, fp32): greedy tokens
+equal ``model.generate``, sampled log-probs equal a fresh forward, a PPO update runs with it as the policy;
+and docs/models.md is the rendering of this table (family_cases.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _rollout_helpers import fresh_logits, hf_greedy
+from family_cases import CASES, GREEDY_TOKENS, LOGPROB_ATOL, build, case, render_models_md
+
+from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+from rapidfire_hf.rollout.families import FAMILIES
+from rapidfire_hf.rollout.llama_forward import unsupported_reason
+
+NAMES = [c.name for c in CASES]
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_generate(tokenizer, prompts, name):
+    model = build(case(name), len(tokenizer))
+    ids, mask = prompts
+    ref = hf_greedy(model, ids, mask, GREEDY_TOKENS, stop=None)
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False))
+    assert torch.equal(out.responses, ref)
+    # a meaningful comparison: the rows are not one repeated token
+    assert len(set(ref.flatten().tolist())) >= 8
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sampled_logprobs_equal_forward(tokenizer, prompts, name):
+    model = build(case(name), len(tokenizer), seed=1)
+    ids, mask = prompts
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    params = SamplingParams(max_new_tokens=40, temperature=0.8)  # prompt + 40 passes every window of 24
+    out = engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(0))
+    logits = fresh_logits(model, out.sequences, mask)[:, out.prompt_length - 1 : -1]
+    ref = torch.log_softmax(logits / 0.8, -1).gather(-1, out.responses[..., None]).squeeze(-1)
+    assert (out.logprobs - ref).abs().max() <= LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ppo_update_runs_with_the_family_as_policy(tmp_path, tokenizer, name):
+    from rapidfire_hf.demo import build_tiny_value_model, make_prompt_dataset, vowel_reward
+    from rapidfire_hf.ppo import PPOConfig, PPOTrainer
+
+    policy = build(case(name), len(tokenizer))
+    before = [p.detach().clone() for p in policy.parameters()]
+    trainer = PPOTrainer(
+        args=PPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            num_mini_batches=2,
+            num_ppo_epochs=1,
+            response_length=8,
+            stop_token="eos",
+            learning_rate=1e-3,
+            max_steps=1,
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=3,
+            num_sample_generations=0,
+            rollout_backend="static",
+        ),
+        processing_class=tokenizer,
+        model=policy,
+        value_model=build_tiny_value_model(tokenizer),
+        reward_funcs=vowel_reward,
+        train_dataset=make_prompt_dataset(8),
+    )
+    trainer.train()
+    assert trainer._rollout_engine.backend == "static"
+    assert trainer.state.global_step == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+
+
+def test_every_family_has_a_case_and_runs_natively(tokenizer):
+    assert {build(c, len(tokenizer)).config.model_type for c in CASES} == set(FAMILIES)
+    for c in CASES:
+        assert unsupported_reason(build(c, len(tokenizer))) is None, c.name
+
+
+def test_models_doc_is_rendered_from_the_cases(tokenizer):
+    expected = render_models_md(len(tokenizer))
+    assert DOC.read_text() == expected, "docs/models.md drifted: run `python tests/rollout/family_cases.py`"
