@@ -82,6 +82,7 @@ ENTRIES=(
   "presets_release_b8_stock|presets/results/h200/release_b8_stock|1.1B batch 8: no config, balanced with the release at every update (the default then) and under pressure, stock, one call"
   "presets_lora7b_fuselora|presets/results/h200/lora7b_fuselora|7B LoRA batch 256: aggressive with and without rollout_decode_fuse_lora, one call (not run yet)"
   "presets_b8_8updates|presets/results/h200/b8_8updates|1.1B batch 8: no config and every preset, 7 timed updates a row, no stock"
+  "ppo_families_b8|ppo_vs_trl/results/h100/families_b8|PPO batch 8, separate value model, Gemma-3-1B and OLMo-2-1B shapes (random init): stock TRL 1.12 and ours, one call per family (not run yet)"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
   "rollout_lora|rollout/results/h200/lora|decode step with a rank-16 LoRA adapter on q/k/v/o: compiled, fused projections (LoRA layers unfused), fused with LoRA (decode_fuse_lora), batch 8 and 64 (not run yet)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
@@ -132,6 +133,11 @@ entry() {  # the commands of one entry, writing into $1
       for c in c1o:call1_ours_b160 c1t:call1_trl_b8 c2t:call2_trl_b16 c2o:call2_ours_b256 c3t:call3_trl_b32 \
           c4t:call4_trl_b64 c4o:call4_ours_b512; do cp "$o/${c%%:*}/results.json" "$o/${c##*:}.json"; done
       $PY benchmarks/ppo_vs_trl/summarize.py --size7b "$o" ;;
+    ppo_families_b8)  # the policy's family at its published size; the value model is that family's classifier
+      for f in gemma3-1b olmo2-1b; do
+        $PPO --out "$o/$f" --part throughput --shape "$f" --updates 4 --timeout 200 --trl-batches 8 --our-batches 8 \
+          --fused-batches "" --learn-updates 0
+      done ;;
     ppo_b8) $PPO --out "$o" --part throughput --updates 4 --timeout 120 --trl-batches 8 --our-batches 8 --fused-batches "" ;;
     ppo_table_1b)  # stock and ours one after another in each call, 1 warm-up + 3 timed updates per row (~17 min)
       $PPO --out "$o/a" --part throughput --updates 4 --timeout 150 --trl-batches 8,32,64,256 --our-batches 8,32,64 \

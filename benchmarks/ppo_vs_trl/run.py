@@ -41,7 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_shape
+from rapidfire_hf.demo.shapes import FAMILY_SHAPES, LLAMA_SHAPES, llama_shape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 
@@ -56,8 +56,16 @@ SHAPES = {
     **LLAMA_SHAPES,
     "learn-tiny": llama_shape("smoke", vocab_size=64),  # hidden 64, 2 layers: the CPU run
     "learn-small": llama_shape("llama-tiny", vocab_size=64),  # hidden 256, 4 layers: the GPU default
+    # other decoder families at their published size (the worker builds them from FAMILY_SHAPES)
+    **{name: {"family": name, "vocab_size": kw["vocab_size"]} for name, (_, kw) in FAMILY_SHAPES.items()},
 }
 
+
+# a family shape's config overrides under --smoke: the family's classes at a CPU size
+FAMILY_SMOKE = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+)
 
 PARTS = ("throughput", "learning", "size7b", "sweep")
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -683,7 +691,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown --part {sorted(unknown)}; choose from {', '.join(PARTS)}")
     if args.smoke:
-        args.shape, args.learn_shape = "smoke", "learn-tiny"
+        # a family shape stays that family, shrunk (FAMILY_SMOKE): its classes and switches run on the CPU
+        args.shape = args.shape if args.shape in FAMILY_SHAPES else "smoke"
+        args.learn_shape = "learn-tiny"
         args.prompt_len, args.response_len, args.updates, args.micro = 8, 8, 2, 4
         args.trl_batches, args.our_batches, args.fused_batches = [8], [8], [8]
         args.learn_updates, args.learn_batch, args.learn_prompt_len, args.learn_response_len = 3, 8, 8, 8
@@ -705,7 +715,9 @@ def main() -> None:
     for cfg in configs(args):
         if args.only and not cfg["name"].startswith(args.only):
             continue
-        cfg["shape_kwargs"] = SHAPES[cfg["shape"]]
+        cfg["shape_kwargs"] = dict(SHAPES[cfg["shape"]])
+        if args.smoke and cfg["shape"] in FAMILY_SHAPES:
+            cfg["shape_kwargs"].update(overrides=FAMILY_SMOKE, vocab_size=FAMILY_SMOKE["vocab_size"])
         cfg["rollout_backend"] = args.rollout_backend
         row = run_one(cfg, out, cfg.pop("timeout", args.timeout))
         rows.append(row)

@@ -104,6 +104,8 @@ def build_models(cfg: dict, device: str):
     from rapidfire_hf.demo.shapes import llama_config
 
     dtype = model_dtype(cfg, device)
+    if "family" in cfg["shape_kwargs"]:
+        return build_family_models(cfg, device, dtype)
     conf = llama_config(cfg["shape_kwargs"], cfg["prompt_len"] + cfg["response_len"] + 8)
     # the model init; the learning part runs several seeds; a sweep's trials all start from one base
     torch.manual_seed(0 if cfg["part"] == "sweep" else cfg.get("seed", 0))
@@ -132,6 +134,26 @@ def build_models(cfg: dict, device: str):
         value = LlamaForSequenceClassification(conf).to(dtype)
     reward = RuleReward(cfg["prompt_len"], cfg["response_len"], cfg.get("target_mod", TARGET_MOD)).to(device)
     reward.model.record = cfg["part"] == "learning"
+    return policy, ref, value, reward
+
+
+def build_family_models(cfg: dict, device: str, dtype: torch.dtype):
+    """policy, ref, value, reward of another decoder family (``--shape`` one of
+    ``rapidfire_hf.demo.shapes.FAMILY_SHAPES``): the family's causal LM as policy and reference, its
+    sequence-classification model (one label) as the value model, the rule reward; random init on the device."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rapidfire_hf.demo.shapes import family_config
+
+    shape = cfg["shape_kwargs"]
+    conf = family_config(shape["family"], cfg["prompt_len"] + cfg["response_len"] + 8, **shape.get("overrides", {}))
+    torch.manual_seed(cfg.get("seed", 0))
+    with torch.device(device):
+        policy = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+        ref = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+        ref.load_state_dict(policy.state_dict())
+        value = AutoModelForSequenceClassification.from_config(conf, dtype=dtype)
+    reward = RuleReward(cfg["prompt_len"], cfg["response_len"], cfg.get("target_mod", TARGET_MOD)).to(device)
     return policy, ref, value, reward
 
 

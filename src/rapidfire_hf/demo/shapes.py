@@ -68,3 +68,95 @@ def llama_config(shape: dict, max_position_embeddings: int, **extra):
         num_labels=1,
         **extra,
     )
+
+
+# Published hyper-parameters of other decoder families (random init; nothing is downloaded), for the benchmarks
+# that compare families at a real size: ``family -> (transformers config class, its keyword arguments)``.
+# ``vocab_size`` is each model's own; the benchmarks' tokenizers are built in code to match.
+FAMILY_SHAPES: dict[str, tuple[str, dict]] = {
+    # google/gemma-3-1b-pt: 5 local (window 512, RoPE base 1e4) : 1 global layer (RoPE base 1e6)
+    "gemma3-1b": (
+        "Gemma3TextConfig",
+        dict(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            rms_norm_eps=1e-6,
+        ),
+    ),
+    # allenai/OLMo-2-0425-1B
+    "olmo2-1b": (
+        "Olmo2Config",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=100352,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-6,
+        ),
+    ),
+    # microsoft/Phi-3-mini-4k-instruct
+    "phi3-mini": (
+        "Phi3Config",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32064,
+            sliding_window=2047,
+        ),
+    ),
+    # EleutherAI/pythia-1b
+    "pythia-1b": (
+        "GPTNeoXConfig",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=8,
+            vocab_size=50304,
+            rotary_pct=0.25,
+            use_parallel_residual=True,
+        ),
+    ),
+    # Qwen/Qwen3-30B-A3B's layer (128 experts, 8 routed per token), 12 of its 48 layers to fit one card
+    "qwen3moe-12l": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_hidden_layers=12,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+        ),
+    ),
+}
+
+
+def family_config(name: str, max_position_embeddings: int, **extra):
+    """The transformers config of :data:`FAMILY_SHAPES` ``[name]`` with the demos' special tokens (pad 0, bos 1,
+    eos 2) and one label, as :func:`llama_config` (so one config builds the causal LM and the
+    sequence-classification value/reward model of that family); ``extra`` overrides any of it."""
+    import transformers
+
+    if name not in FAMILY_SHAPES:
+        raise KeyError(f"unknown family shape {name!r}; known: {', '.join(FAMILY_SHAPES)}")
+    cls_name, kwargs = FAMILY_SHAPES[name]
+    settings = dict(kwargs, max_position_embeddings=max_position_embeddings, pad_token_id=0, bos_token_id=1)
+    return getattr(transformers, cls_name)(**{**settings, "eos_token_id": 2, "num_labels": 1, **extra})
