@@ -89,3 +89,74 @@ def test_every_family_has_a_case_and_runs_natively(tokenizer):
 def test_models_doc_is_rendered_from_the_cases(tokenizer):
     expected = render_models_md(len(tokenizer))
     assert DOC.read_text() == expected, "docs/models.md drifted: run `python tests/rollout/family_cases.py`"
+
+
+def test_a_window_spanning_the_rollout_is_full_attention(tokenizer, prompts):
+    from rapidfire_hf.rollout.llama_forward import _band
+
+    model = build(case("gemma3_text"), len(tokenizer), sliding_window=512)
+    ids, mask = prompts
+    out = RolloutEngine(model, 0, [], backend="static").generate(
+        ids, mask, SamplingParams(max_new_tokens=30, do_sample=False)
+    )
+    assert torch.equal(out.responses, hf_greedy(model, ids, mask, 30, stop=None))
+    valid = torch.ones(2, 64, dtype=torch.bool)
+    assert _band(valid, torch.tensor([63]), 64, 64) is valid  # no mask op at all
+    assert _band(valid, torch.tensor([63]), 8, 64).sum(-1).tolist() == [8, 8]  # slots 56..63
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "says"),
+    [
+        ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
+        ("qwen3", {"layer_types": ["chunked_attention"] * 4}, "layer types ['chunked_attention']"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "dynamic"),
+    ],
+)
+def test_what_the_native_path_cannot_run_is_refused_by_name(tokenizer, name, overrides, says):
+    model = build(case(name), len(tokenizer), **overrides)
+    assert says in unsupported_reason(model)
+    with pytest.raises(ValueError, match="backend='static' cannot run this model"):
+        RolloutEngine(model, 0, [], backend="static")
+    assert RolloutEngine(model, 0, [], backend="auto").backend == "hf"
+
+
+def test_a_model_type_that_lies_about_its_layers_is_refused(tokenizer):
+    model = build(case("llama"), len(tokenizer))
+    model.config.model_type = "gemma2"  # Llama layers have no pre/post feed-forward norms
+    assert "pre_feedforward_layernorm" in unsupported_reason(model)
+    model = build(case("llama"), len(tokenizer))
+    model.config.model_type = "gpt_neox"
+    assert "final_layer_norm" in unsupported_reason(model)
+
+
+@pytest.mark.parametrize(("name", "native"), [("gemma3_text", True), ("gpt2", False)])
+def test_start_table_names_the_path_auto_takes_on_cuda(tokenizer, name, native):
+    from types import SimpleNamespace
+
+    from family_cases import OUTSIDE, _outside_model
+
+    from rapidfire_hf.ppo.start_report import start_facts
+
+    if native:
+        policy = build(case(name), len(tokenizer))
+    else:
+        policy = _outside_model(*next(o for o in OUTSIDE if o[0] == name), len(tokenizer))
+    args = SimpleNamespace(
+        rollout_decode_mode="auto",
+        rollout_decode_attention="auto",
+        rollout_decode_sampler="torch",
+        rollout_decode_fuse_projections="auto",
+        rollout_decode_linear="torch",
+        rollout_decode_fuse_lora=False,
+    )
+    patches = SimpleNamespace(summary=lambda: {"compiled_layers": {}, "liger": False})
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    facts = start_facts(
+        args, None, policy, False, opt, None, None, None, patches, "auto", torch.device("cuda")
+    )
+    if native:
+        assert facts.rollout.startswith("rollout: static engine")
+    else:
+        assert facts.rollout == "rollout: model.generate"
+        assert any("fast rollout engine (model_type 'gpt2' is not one of" in s for s in facts.skipped)

@@ -163,6 +163,13 @@ def family_reason(lm) -> str | None:
         return "the model has no decoder `.layers` / `.rotary_emb`"
     if not hasattr(body, fam.final_norm):
         return f"the decoder has no final norm `{fam.final_norm}`"
+    layer = body.layers[0] if len(body.layers) else None
+    attn = getattr(layer, fam.attn, None)
+    needed = [n for n in fam.norms if n] + ["mlp"]
+    missing = [n for n in needed if not hasattr(layer, n)] + ([fam.attn] if attn is None else [])
+    missing += [n for n in (fam.out_proj, "scaling") if attn is not None and not hasattr(attn, n)]
+    if missing:
+        return f"its layers lack {missing}, which model_type {model_type!r} has"
     if any(t in ("dynamic", "longrope") for t in rope_types(body)):
         return "length-dependent rotary scaling (dynamic/longrope) is not supported"
     return None

@@ -1,0 +1,49 @@
+"""benchmarks/rollout/families.py: --smoke builds every family's CPU-sized stand-in, checks greedy agreement
+and times the engine against model.generate; the row plan puts the cheap comparisons first."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "rollout"
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _families():
+    sys.path.insert(0, str(SCRIPT_DIR))
+    try:
+        import families
+    finally:
+        sys.path.remove(str(SCRIPT_DIR))
+    return families
+
+
+@pytest.mark.slow  # six models built and run twice each on the CPU
+def test_smoke_run_covers_every_family(tmp_path):
+    fam = _families()
+    assert fam.main(["--out", str(tmp_path), "--smoke"]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["complete"] is True
+    assert set(result["greedy_agreement"]) == set(fam.SHAPES)
+    for name, agree in result["greedy_agreement"].items():
+        assert agree["greedy_token_match_rate"] == 1.0, name  # fp32 on the CPU: exact
+    assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in result["results"])
+    summary = {e["family"]: e for e in result["summary"]}
+    assert set(summary) == set(fam.SHAPES)
+    assert all(e["per_byte_vs_llama"] > 0 and e["hf_dynamic_ms"] > 0 for e in summary.values())
+    assert (tmp_path / "results.csv").read_text().count("\n") == 1 + 2 * len(fam.SHAPES)
+
+
+def test_plan_runs_cheap_rows_first_and_unknown_names_are_refused(tmp_path, capsys):
+    fam = _families()
+    rows = fam.plan(["a", "b"], list(fam.SYSTEMS), [8, 64])
+    assert len(rows) == 2 * 4 * 2 and len(set(rows)) == len(rows)
+    costly = [i for i, (_, s, _) in enumerate(rows) if s in ("ours_compile", "hf_static")]
+    assert min(costly) == 8  # every family's recorded step and dynamic generate come first
+    assert [b for _, s, b in rows if s == "ours_compile"] == [8, 8, 64, 64]
+    assert fam.main(["--out", str(tmp_path), "--smoke", "--families", "gpt2"]) == 2
+    assert "unknown family/system gpt2" in capsys.readouterr().err
