@@ -32,39 +32,11 @@ from _timing import _prompts, time_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 from benchmarks.common import write_json  # noqa: E402
-from rapidfire_hf.demo.shapes import LLAMA_SHAPES  # noqa: E402
+from rapidfire_hf.demo.shapes import FAMILY_SHAPES, LLAMA_SHAPES  # noqa: E402
 
-_llama = LLAMA_SHAPES["llama-1.1b"]
-# name -> (config class, model class, config kwargs): the published hyper-parameters of each model
-SHAPES = {
-    "llama-1.1b": ("LlamaConfig", "LlamaForCausalLM", {
-        "hidden_size": _llama["hidden_size"], "intermediate_size": _llama["intermediate_size"],
-        "num_hidden_layers": _llama["num_hidden_layers"], "num_attention_heads": _llama["num_attention_heads"],
-        "num_key_value_heads": _llama["num_key_value_heads"], "vocab_size": _llama["vocab_size"]}),
-    # google/gemma-3-1b-pt: 5 sliding (window 512, RoPE base 1e4) : 1 global (base 1e6) layers
-    "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
-        "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "sliding_window": 512,
-        "query_pre_attn_scalar": 256}),
-    # allenai/OLMo-2-0425-1B
-    "olmo2-1b": ("Olmo2Config", "Olmo2ForCausalLM", {
-        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16,
-        "num_key_value_heads": 16, "vocab_size": 100352,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
-    # microsoft/Phi-3-mini-4k-instruct
-    "phi3-mini": ("Phi3Config", "Phi3ForCausalLM", {
-        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 32, "vocab_size": 32064, "sliding_window": 2047}),
-    # EleutherAI/pythia-1b
-    "pythia-1b": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {
-        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 8,
-        "vocab_size": 50304, "rotary_pct": 0.25, "use_parallel_residual": True}),
-    # Qwen/Qwen3-30B-A3B's layer (128 experts, top 8, expert width 768), 12 of its 48 layers to fit one GPU
-    "qwen3-moe-a3b-12l": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 12,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-        "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 151936}),
-}  # fmt: skip
+# name -> (config class, config kwargs): the Llama 1.1B of the project's numbers as the per-byte reference,
+# then the published hyper-parameters of the other families (one home: rapidfire_hf.demo.shapes)
+SHAPES = {"llama-1.1b": ("LlamaConfig", LLAMA_SHAPES["llama-1.1b"]), **FAMILY_SHAPES}
 # the tiny stand-ins of --smoke: every family's switches, a CPU-sized model
 SMOKE = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -77,7 +49,7 @@ BASELINE = "llama-1.1b"
 
 def config_kwargs(name: str, smoke: bool) -> dict:
     """``SHAPES[name]``'s config kwargs, with the smoke sizes over those it has (smoke)."""
-    _, _, kwargs = SHAPES[name]
+    _, kwargs = SHAPES[name]
     if not smoke:
         return dict(kwargs)
     out = {
@@ -95,8 +67,7 @@ def build_model(name: str, device: str, dtype: torch.dtype, smoke: bool, max_pos
     """Random-init model ``name`` built on ``device`` directly in ``dtype`` (eval mode, no stop token)."""
     import transformers
 
-    config_cls, model_cls, _ = SHAPES[name]
-    config = getattr(transformers, config_cls)(
+    config = getattr(transformers, SHAPES[name][0])(
         **config_kwargs(name, smoke),
         max_position_embeddings=max_positions,
         pad_token_id=0,
@@ -109,7 +80,7 @@ def build_model(name: str, device: str, dtype: torch.dtype, smoke: bool, max_pos
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = getattr(transformers, model_cls)(config)
+            model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(before)
     model.generation_config.eos_token_id = None  # every row runs every step
