@@ -122,10 +122,10 @@ def test_recompute_cost_per_byte():
 
 
 def test_choose_level_takes_least_recompute_that_fits():
-    per_row = {"conservative": 300, "balanced": 200, "aggressive": 100}  # x 4 rows x TRAIN_PEAK_FACTOR 1.3
-    assert choose_level(per_row, rows=4, budget=1560) == "conservative"
-    assert choose_level(per_row, rows=4, budget=1559) == "balanced"
-    assert choose_level(per_row, rows=4, budget=520) == "aggressive"
+    per_row = {"conservative": 300, "balanced": 200, "aggressive": 100}  # x 4 rows x TRAIN_PEAK_FACTOR 1.1
+    assert choose_level(per_row, rows=4, budget=1320) == "conservative"
+    assert choose_level(per_row, rows=4, budget=1319) == "balanced"
+    assert choose_level(per_row, rows=4, budget=440) == "aggressive"
     assert choose_level(per_row, rows=4, budget=10) == "aggressive"  # nothing fits: the most recompute
     assert choose_level(per_row, rows=4, budget=10, allowed=("conservative",)) == "conservative"
 

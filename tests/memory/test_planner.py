@@ -6,7 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from rapidfire_hf.memory.planner import GIB, MAX_TRAIN_TOKENS, Asked, Budget, Probe, Workload, make_plan
+from rapidfire_hf.memory.planner import (
+    GIB,
+    MAX_TRAIN_TOKENS,
+    TRAIN_PEAK_FACTOR,
+    Asked,
+    Budget,
+    Probe,
+    Workload,
+    make_plan,
+)
 
 # the 1.1B Llama shape at 128 + 384 tokens, rollout batch 256, the user's micro-batch 8
 WORK = Workload(
@@ -74,9 +83,13 @@ def test_forced_checkpointing_is_applied_and_not_spent_on_batch():
     assert p.checkpointing == "elementwise" and p.merge == 1
 
 
-def test_a_level_without_recompute_never_recomputes():
+def test_a_level_without_recompute_never_recomputes_it_splits_the_micro_batch():
     p = make_plan(WORK, Asked(), Probe({"none": 400 * 2**20}), Budget(1 * GIB), "conservative")
-    assert p.checkpointing == "none" and not p.fits
+    # 8 x 400 MiB x 1.1 = 3.4 GiB does not fit 1 GiB; pieces of 2 rows (0.86 GiB) do
+    assert (p.checkpointing, p.train_rows, p.splits, p.forward_rows) == ("none", 8, 2, 2) and p.fits
+    assert "4 pieces of 2" in p.table()
+    p = make_plan(WORK, Asked(), Probe({"none": 400 * 2**20}), Budget(GIB // 4), "conservative")
+    assert p.checkpointing == "none" and not p.fits and p.splits == 0  # not even one row fits
 
 
 def test_merge_divides_the_micro_batches_of_a_mini_batch():
@@ -91,9 +104,9 @@ def test_deepspeed_keeps_the_micro_batch():
 
 def test_held_memory_and_reserve_count_against_the_target():
     free = make_plan(WORK, Asked(), PROBE, Budget(20 * GIB))
-    held = make_plan(WORK, Asked(), PROBE, Budget(20 * GIB, held_bytes=12 * GIB, reserve_bytes=4 * GIB))
-    assert (free.checkpointing, free.train_rows) == ("none", 32)  # 32 x 400 MiB x 1.3 = 16.3 GiB
-    assert (held.checkpointing, held.train_rows) == ("elementwise", 8)  # 4 GiB left: 8 x 250 x 1.3
+    held = make_plan(WORK, Asked(), PROBE, Budget(20 * GIB, held_bytes=13 * GIB, reserve_bytes=4 * GIB))
+    assert (free.checkpointing, free.train_rows) == ("none", 32)  # 32 x 400 MiB x 1.1 = 13.8 GiB
+    assert (held.checkpointing, held.train_rows) == ("elementwise", 8)  # 3 GiB left: 8 x 250 x 1.1
 
 
 def test_unknown_level_is_refused():
@@ -159,10 +172,14 @@ def test_a_kept_generation_cache_is_held_while_training_and_scoring_are_planned(
     assert cache == 64 * GIB
     forgetful = make_plan(replace(WORK_7B, cache_persists=False), Asked(), PROBE_7B, BUDGET_7B, "aggressive")
     kept = make_plan(WORK_7B, Asked(), PROBE_7B, BUDGET_7B, "aggressive")
-    # without the cache the plan merges two micro-batches; beside it only the user's micro-batch fits
-    assert forgetful.train_rows == 16 and kept.train_rows == 8
+    # without the cache the plan merges four micro-batches; beside it only the user's micro-batch fits
+    assert forgetful.train_rows == 32 and kept.train_rows == 8
     assert kept.generation_rows == 256 and kept.checkpointing == "none" and kept.fits
-    train = BUDGET_7B.held_bytes + BUDGET_7B.reserve_bytes + int(1.3 * PROBE_7B.activation_bytes["none"] * 8)
+    train = (
+        BUDGET_7B.held_bytes
+        + BUDGET_7B.reserve_bytes
+        + int(TRAIN_PEAK_FACTOR * PROBE_7B.activation_bytes["none"] * 8)
+    )
     assert kept.phase_peak_bytes["training"] == train + cache
     # the same scoring chunk fits beside the cache; its phase peak now counts the cache
     assert kept.scoring_rows == forgetful.scoring_rows == 256
@@ -177,7 +194,7 @@ def test_the_generation_chunk_shrinks_before_training_recomputes_beside_its_cach
     p = make_plan(WORK_7B, Asked(), PROBE_7B, tight, "aggressive")
     # the whole batch's 64 GiB cache leaves no room for 8 rows without recompute; half of it does
     assert p.checkpointing == "none" and p.train_rows == 8
-    assert p.generation_rows == 128 and "no recompute" in p.reasons["generation_rows"]
+    assert p.generation_rows == 128 and "no more recompute" in p.reasons["generation_rows"]
     assert p.planned_peak_bytes <= p.target_bytes and p.fits
     # a generation chunk the user set is kept: then training recomputes to fit beside its cache
     q = make_plan(WORK_7B, Asked(generation_rows=256), PROBE_7B, tight, "aggressive")
@@ -214,7 +231,7 @@ def test_without_a_kept_cache_nothing_is_held_across_phases():
     assert p.phase_peak_bytes["training"] == (
         BUDGET_7B.held_bytes
         + BUDGET_7B.reserve_bytes
-        + int(1.3 * PROBE_7B.activation_bytes["none"] * p.train_rows)
+        + int(TRAIN_PEAK_FACTOR * PROBE_7B.activation_bytes["none"] * p.train_rows)
     )
 
 
@@ -223,14 +240,14 @@ def test_auto_fused_copies_are_held_only_where_the_plan_stays_the_same():
     the plan with them held fits and chooses the same split and chunks; never at the plan's expense."""
     from rapidfire_hf.memory.planner import decide_fused_copies
 
-    plain = make_plan(WORK_7B, Asked(), PROBE_7B, BUDGET_7B, "aggressive")  # peak 116.3 of 128.6 GiB
+    plain = make_plan(WORK_7B, Asked(), PROBE_7B, BUDGET_7B, "aggressive")  # peak 112.1 of 128.6 GiB
 
     def decided(copies_gib, want="auto"):
         copies = int(copies_gib * GIB)
         held = make_plan(WORK_7B, Asked(), PROBE_7B, BUDGET_7B.holding(copies), "aggressive")
         return held, decide_fused_copies(plain, held, want, copies)
 
-    held, room = decided(9)  # 9 GiB (the 7B shape's copies) fit in the 12.3 GiB left: the same plan
+    held, room = decided(9)  # 9 GiB (the 7B shape's copies) fit in the 16.5 GiB left: the same plan
     assert room.fuse_projections is True and room.fits
     assert (room.train_rows, room.scoring_rows, room.generation_rows, room.checkpointing) == (
         8,
@@ -240,7 +257,7 @@ def test_auto_fused_copies_are_held_only_where_the_plan_stays_the_same():
     )
     assert room.planned_peak_bytes == plain.planned_peak_bytes + 9 * GIB  # the plan counts what it holds
     assert "fit beside the plan unchanged" in room.reasons["fuse_projections"]
-    held, costly = decided(14)  # held, the plan would halve the generation chunk: not worth it
+    held, costly = decided(18)  # held, the plan would halve the generation chunk: not worth it
     assert held.generation_rows == 128 and held.fits
     assert costly.fuse_projections is False and costly.planned_peak_bytes == plain.planned_peak_bytes
     assert costly.generation_rows == 256
@@ -249,7 +266,7 @@ def test_auto_fused_copies_are_held_only_where_the_plan_stays_the_same():
     _, tight = decided(110)  # nothing fits beside 135 GiB held
     assert tight.fuse_projections is False and "would not fit" in tight.reasons["fuse_projections"]
     # asked explicitly: True holds them whatever it costs, False never does
-    held, forced = decided(14, want=True)
+    held, forced = decided(18, want=True)
     assert forced.fuse_projections is True and forced.generation_rows == 128 and forced is not held
     _, never = decided(1, want=False)
     assert never.fuse_projections is False and never.planned_peak_bytes == plain.planned_peak_bytes
@@ -272,3 +289,38 @@ def test_without_a_plan_auto_holds_only_small_fused_copies():
     assert big.fuse_projections is False and f"{UNPLANNED_COPY_SHARE:.0%}" in big.reasons["fuse_projections"]
     assert unplanned_fused_copies(plain, True, 9 * GIB, h200).fuse_projections is True
     assert unplanned_fused_copies(plain, "auto", int(1.2 * GIB), 0).fuse_projections is False  # no device
+
+
+def test_a_micro_batch_that_cannot_fit_even_with_recompute_is_split_in_the_plan():
+    """The fewest halvings whose pieces fit, with the least recompute for them; the plan fits by
+    construction instead of counting on out-of-memory recovery."""
+    p = plan(0.5)  # 8 rows x 80 MiB x 1.1 = 0.69 GiB (matmuls) does not fit 0.5 GiB; 4 rows do
+    assert (p.train_rows, p.splits, p.forward_rows, p.merge) == (8, 1, 4, 1) and p.fits
+    assert p.checkpointing == "matmuls" and p.planned_peak_bytes <= p.target_bytes
+    assert "same mini-batch and optimizer steps" in p.reasons["train_rows"]
+    assert "8 in 2 pieces of 4" in p.table()
+    assert p.metrics()["rapidfire/plan/splits"] == 1 and p.metrics()["rapidfire/plan/forward_rows"] == 4
+    # the training phase's peak is the piece's: 4 rows
+    assert p.phase_peak_bytes["training"] == int(1.1 * 80 * 2**20 * 4)
+    # where the whole micro-batch fits with recompute, recompute is the trade (no pieces)
+    assert plan(1).splits == 0
+    # no pieces where the user fixed the rows per forward, under DeepSpeed, or where splitting is refused
+    for asked in ({"train_rows": 8}, {"merge": False}, {"split": False}, {"planner": False}):
+        q = plan(0.5, **asked)
+        assert q.splits == 0 and not q.fits, asked
+
+
+def test_gradients_count_in_training_only_and_beside_activations_only_when_a_step_has_several_forwards():
+    budget = Budget(target_bytes=100 * GIB, held_bytes=10 * GIB, reserve_bytes=6 * GIB, grad_bytes=2 * GIB)
+    p = make_plan(WORK, Asked(scoring_rows=8, generation_rows=8), PROBE, budget, "balanced")
+    state = 4 * GIB  # the reserve less the gradients: held in every phase
+    assert p.phase_peak_bytes["generation"] == 10 * GIB + state + 8 * WORK.generation_row_bytes()
+    assert p.phase_peak_bytes["scoring"] == 10 * GIB + state + 8 * WORK.scoring_row_bytes()
+    act = int(TRAIN_PEAK_FACTOR * PROBE.activation_bytes["none"] * p.train_rows)
+    assert p.merge < WORK.micro_batches  # several forwards a step: gradients and activations both held
+    assert p.phase_peak_bytes["training"] == 10 * GIB + state + 2 * GIB + act
+    # one forward a step: backward frees activations as it makes gradients, the larger of the two counts
+    one = replace(WORK, mini_rows=8, rollout_rows=8)
+    q = make_plan(one, Asked(scoring_rows=8, generation_rows=8), PROBE, budget, "balanced")
+    act = int(TRAIN_PEAK_FACTOR * PROBE.activation_bytes["none"] * 8)
+    assert q.phase_peak_bytes["training"] == 10 * GIB + state + max(act, 2 * GIB)

@@ -3,13 +3,14 @@ tolerance), explicit settings are kept, the probe is cached and a damaged cache 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
 import pytest
 import torch
 
-from rapidfire_hf.ppo.planning import PROBE_CACHE
+from rapidfire_hf.ppo.probe_cache import PROBE_CACHE
 from tests.ppo.helpers import tiny_trainer
 
 
@@ -146,27 +147,32 @@ def test_probe_is_cached_and_a_damaged_cache_is_measured_again(tmp_path, tokeniz
         planning.measure = measure
     assert not probes[-1].cached and "ignoring the plan's probe cache" in caplog.text
     assert third.plan.train_rows == first.plan.train_rows
-    assert '"version": 1' in cache.read_text()  # rewritten whole
+    assert '"version": 2' in cache.read_text()  # rewritten whole
 
 
 def test_probe_cache_survives_hostile_folders_and_entries(tmp_path, caplog):
     """A folder name over the system's limit, a folder that cannot be created, negative or NaN entries:
     nothing raises, nothing bad is trusted, the probe is measured again."""
-    from rapidfire_hf.ppo.planning import ProbeCache
+    from rapidfire_hf.ppo.probe_cache import PROBE_CACHE_VERSION, ProbeCache, identity_key
 
+    me = {"policy": "P", "torch": "1", "transformers": "1", "rapidfire_hf": "1"}
     with caplog.at_level(logging.WARNING):
         long = ProbeCache(tmp_path / ("x" * 300))
-        long.put("k", {"none": 5})
-        assert long.get("k", ("none",)) is None
+        long.put(me, {"none": 5})
+        assert long.get(me, ("none",)) is None
         blocked = tmp_path / "file"
         blocked.write_text("")
         under_a_file = ProbeCache(blocked)  # a folder where a file is
-        under_a_file.put("k", {"none": 5})
-        assert under_a_file.get("k", ("none",)) is None
+        under_a_file.put(me, {"none": 5})
+        assert under_a_file.get(me, ("none",)) is None
     assert "could not write the plan's probe cache" in caplog.text
-    for entry in ('{"none": -3}', '{"none": NaN}', '{"none": true}', '{"other": 4}'):
-        (tmp_path / PROBE_CACHE).write_text('{"version": 1, "entries": {"k": ' + entry + "}}")
-        assert ProbeCache(tmp_path).get("k", ("none",)) is None, entry
+    key = identity_key(me)
+    for entry in ('{"none": -3}', '{"none": NaN}', '{"none": true}', '{"other": 4}', "5", "[]"):
+        body = '{"identity": ' + json.dumps(me) + ', "bytes": ' + entry + "}"
+        (tmp_path / PROBE_CACHE).write_text(
+            '{"version": ' + str(PROBE_CACHE_VERSION) + ', "entries": {"' + key + '": ' + body + "}}"
+        )
+        assert ProbeCache(tmp_path).get(me, ("none",)) is None, entry
 
 
 @pytest.mark.parametrize("backend,kept", [("static", True), ("hf", False), ("auto", False)])

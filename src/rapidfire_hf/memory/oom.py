@@ -179,13 +179,21 @@ class OOMRecovery:
         self.optimizer = optimizer
         self.advice = advice
         self.splits = 0  # halvings applied up front to every micro-batch
+        # halvings a plan asked for (the micro-batch does not fit whole): applied up front from the start and
+        # after every reset, never counted as OOM events; max_splits counts the OOM halvings beyond them
+        self.planned_splits = 0
         self.events: list[dict] = []
         self.step: int | None = None  # set by the trainer, for the telemetry record
         self._held = 0  # depth of hold() contexts the current attempt runs in
 
     def reset(self) -> None:
-        """Stop splitting micro-batches up front (e.g. after a phase that freed memory)."""
-        self.splits = 0
+        """Split micro-batches up front only as planned (e.g. after a phase that freed memory)."""
+        self.splits = self.planned_splits
+
+    def plan_splits(self, halvings: int) -> None:
+        """Halve every micro-batch ``halvings`` times up front from now on (a plan's split; not an OOM)."""
+        self.planned_splits = halvings
+        self.splits = max(self.splits, halvings)
 
     def __call__(self, step_fn: Callable[[Any, float], Any], batch: Any):
         """Run ``step_fn`` on ``batch``, splitting on OOM; return the combined result of the chunks."""
@@ -208,7 +216,7 @@ class OOMRecovery:
         self._restore_or_raise(before, message)
         returned = self.release()
         size = self.size_fn(chunk)
-        if depth >= self.max_splits or size < 2:
+        if depth >= self.max_splits + self.planned_splits or size < 2:
             raise OOMRecoveryError(
                 f"out of memory on a chunk of {size} sample(s) after splitting the micro-batch {depth} time(s) "
                 f"(max_splits={self.max_splits}): {message}. {self.advice}"

@@ -56,8 +56,11 @@ LEVEL_POLICY = {"conservative": "none", "balanced": "elementwise", "aggressive":
 # Tokens per training forward above which the planner stops merging micro-batches.
 MAX_TRAIN_TOKENS = 16384
 # Measured activation bytes cover what autograd keeps; backward adds the gradients of the largest
-# activations and the loss temporaries on top of them.
-TRAIN_PEAK_FACTOR = 1.3
+# activations and the loss temporaries on top of them. Calibrated on the H200 runs of
+# benchmarks/presets/results/h200 (training peak less weights, state, gradients and kept cache, over the
+# probe's bytes times the rows): 7B full fine-tuning 1.05 (micro-batches of 4 and 8), 1.1B 1.00 (batch 8)
+# and 1.11 (Liger, 32 rows), 7B with `matmuls` recompute 1.03 (32 rows, one forward per step).
+TRAIN_PEAK_FACTOR = 1.1
 # Scoring chunks: a no-grad forward never needs more rows than this to fill an H200 at 512 tokens.
 MAX_SCORING_ROWS = 256
 
@@ -94,6 +97,7 @@ class Workload:
         hidden, layers, vocab: the policy's shape.
         kv_bytes_per_token: K and V of every layer for one token of one row, in the cache's dtype.
         itemsize: bytes per activation element (2 for bf16/fp16, 4 for fp32).
+        intermediate: the MLP's width (None: 8/3 of ``hidden``, Llama's ratio).
         cache_persists: the rollout engine keeps its KV cache between generations (the static engine
             reuses it, and its recorded or compiled decode step, every update), so the cache of a generation
             chunk is held through scoring and training too.
@@ -110,6 +114,7 @@ class Workload:
     kv_bytes_per_token: int
     itemsize: int = 2
     cache_persists: bool = False
+    intermediate: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -120,11 +125,17 @@ class Workload:
         """Micro-batches of the user's split in one mini-batch (the last may be smaller, as in TRL)."""
         return max(1, -(-self.mini_rows // self.micro_rows))
 
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate or (8 * self.hidden) // 3
+
     def scoring_row_bytes(self) -> int:
-        """Transient bytes of one row in a no-grad scoring forward: a layer's working set (attention and
-        MLP intermediates, about 16 hidden-sized tensors) and the response's last hidden states in fp32
-        (log-probs are computed from them in chunks of a few hundred tokens, so full logits never exist)."""
-        working = self.tokens * 16 * self.hidden * self.itemsize
+        """Transient bytes of one row in a no-grad scoring forward: a layer's working set (three hidden-sized
+        tensors and the MLP's gate, up and their product) and the response's last hidden states in fp32
+        (log-probs are computed from them in chunks of a few hundred tokens, so full logits never exist).
+        Measured on the H200 (scoring peak less what is held, per row): 7B 48-50 MiB (here 50.2), 1.1B
+        23.6 MiB (here 25.5)."""
+        working = self.tokens * 3 * (self.hidden + self.mlp_width) * self.itemsize
         return working + self.response_tokens * self.hidden * 4
 
     def held_cache_bytes(self, generation_rows: int) -> int:
@@ -166,6 +177,9 @@ class Asked:
         merge_any: merge any number of micro-batches, not only a divisor of a mini-batch's (``PPOSweep``
             packs its trials' micro-batches in order, the last pack smaller; one run's windows need equal
             forwards).
+        split: the planner may split the user's micro-batch into pieces run one after another in the same
+            accumulation window when it cannot fit whole even with the level's recompute (not under
+            DeepSpeed, nor with a gradient pipeline that counts backwards itself, nor in a sweep's packs).
         free_cache: where the engine keeps its KV cache between generations, it may instead free it after
             each generation when keeping it would split generation into more chunks (``PPOConfig``'s
             ``rollout_cache="auto"``, its default). The cache and the recorded decode graphs are then rebuilt
@@ -181,6 +195,7 @@ class Asked:
     train_rows: int | None = None
     merge_any: bool = False
     free_cache: bool = False
+    split: bool = True
 
 
 # what "auto" means with the planner off (TRL's defaults)
@@ -189,11 +204,13 @@ UNPLANNED_SCORING_ROWS = 64
 
 @dataclass(frozen=True)
 class Probe:
-    """Activation bytes one training row keeps for backward (measured), for each checkpointing policy the
-    run may apply, least recompute first (a forced policy, or HF's own checkpointing: one entry)."""
+    """Activation bytes one training row keeps for backward (measured, or computed from the model's shape),
+    for each checkpointing policy the run may apply, least recompute first (a forced policy, or HF's own
+    checkpointing: one entry)."""
 
     activation_bytes: dict[str, int]
     cached: bool = False  # read from the probe cache instead of measured in this run
+    source: str = "measured"  # "measured", "cached" (and where) or "analytic" (memory.estimate)
 
 
 @dataclass(frozen=True)
@@ -204,15 +221,25 @@ class Budget:
         target_bytes: what the level lets the whole run hold (``device_share`` of the device).
         held_bytes: what the run holds now (weights, optimizer state, buffers).
         reserve_bytes: what the first optimizer step still adds (gradients, optimizer state).
+        grad_bytes: the part of ``reserve_bytes`` that is gradients: they exist in training only (freed by
+            each step's ``zero_grad``), so generation and scoring do not hold them. 0 (the default) counts
+            the whole reserve in every phase.
     """
 
     target_bytes: int
     held_bytes: int = 0
     reserve_bytes: int = 0
+    grad_bytes: int = 0
 
     @property
     def train_bytes(self) -> int:
+        """Room for activations beside the weights, the optimizer state and every gradient."""
         return self.target_bytes - self.held_bytes - self.reserve_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """What every phase holds once the first step ran, beyond ``held_bytes``: the optimizer state."""
+        return max(0, self.reserve_bytes - self.grad_bytes)
 
     def holding(self, extra: int) -> Budget:
         """This budget with ``extra`` bytes more held (a kept generation cache, the engine's weight copies)."""
@@ -220,9 +247,9 @@ class Budget:
 
     @property
     def no_grad_bytes(self) -> int:
-        """Generation and scoring run after the first step: gradients are freed, the optimizer state is
-        held (counted in the reserve, conservatively)."""
-        return self.target_bytes - self.held_bytes - self.reserve_bytes
+        """Room of generation and scoring: they run after the first step, with the optimizer state held and
+        the gradients freed."""
+        return self.target_bytes - self.held_bytes - self.state_bytes
 
 
 @dataclass
@@ -250,14 +277,29 @@ class Plan:
     # the rollout engine decodes with fused q/k/v and gate/up projections, holding copies of those weights
     # (:func:`decide_fused_copies`); None: the run did not consider them (not the static engine on CUDA)
     fuse_projections: bool | None = None
+    # halvings of each micro-batch the plan runs up front (its pieces share the accumulation window: same
+    # mini-batch and optimizer steps), where the whole micro-batch cannot fit even with the level's recompute
+    splits: int = 0
+    probe: str = ""  # where the activation bytes came from (Probe.source)
     title: str = "rapidfire plan"  # the table's first words (PPOSweep: "PPOSweep plan")
     train_label: str = "training micro-batch (rows)"  # (PPOSweep: rows of all trials per training forward)
 
+    @property
+    def forward_rows(self) -> int:
+        """Rows of the largest training forward: the micro-batch, or its first piece after the plan's
+        halvings (the first piece of a halving gets the odd row)."""
+        rows = self.train_rows
+        for _ in range(self.splits):
+            rows = (rows + 1) // 2
+        return rows
+
     def rows(self) -> list[tuple[str, str, str, str]]:
         """``(setting, asked, chosen, why)`` for the table."""
+        chosen = str(self.train_rows)
+        if self.splits:
+            chosen += f" in {2**self.splits} pieces of {self.forward_rows}"
         return [
-            (self.train_label, str(self.asked.get("train_rows")), str(self.train_rows),
-             self.reasons.get("train_rows", "")),
+            (self.train_label, str(self.asked.get("train_rows")), chosen, self.reasons.get("train_rows", "")),
             ("activation checkpointing", str(self.asked.get("checkpointing")), self.checkpointing,
              self.reasons.get("checkpointing", "")),
             ("scoring chunk (rows)", str(self.asked.get("scoring_rows")), str(self.scoring_rows),
@@ -278,7 +320,7 @@ class Plan:
         head = (
             f"{self.title} (memory.optimization={self.level}; planned peak "
             f"{self.planned_peak_bytes / GIB:.1f} GiB of the {self.target_bytes / GIB:.1f} GiB target"
-            + ("" if self.fits else "; DOES NOT FIT: out-of-memory recovery will split micro-batches")
+            + ("" if self.fits else "; DOES NOT FIT even in pieces of one row: expect out of memory")
             + ("" if self.planned else "; memory.planner off: your split kept")
             + ")"
         )
@@ -288,6 +330,8 @@ class Plan:
         if self.phase_peak_bytes:
             phases = ", ".join(f"{phase} {peak / GIB:.1f}" for phase, peak in self.phase_peak_bytes.items())
             lines.append(f"  planned peak by phase (GiB): {phases}")
+        if self.probe:
+            lines.append(f"  activation bytes per training row: {self.probe}")
         for r in rows:
             lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
         return "\n".join(lines)
@@ -299,6 +343,8 @@ class Plan:
         return {
             "rapidfire/plan/train_rows": self.train_rows,
             "rapidfire/plan/merge": self.merge,
+            "rapidfire/plan/splits": self.splits,
+            "rapidfire/plan/forward_rows": self.forward_rows,
             "rapidfire/plan/recompute": recompute,
             "rapidfire/plan/scoring_rows": self.scoring_rows,
             "rapidfire/plan/generation_rows": self.generation_rows,
@@ -460,22 +506,62 @@ def choose_optimizer_state(
     return True, f"8 bits: {full / GIB:.0f} GiB with 32-bit state would leave no room to train"
 
 
-def _train_peak(probe: Probe, policy: str, rows: int) -> int:
+def _activations(probe: Probe, policy: str, rows: int) -> int:
     return int(TRAIN_PEAK_FACTOR * probe.activation_bytes[policy] * rows)
+
+
+def train_need(probe: Probe, policy: str, rows: int, forwards: int, grad_bytes: int) -> int:
+    """Bytes a training forward/backward of ``rows`` rows needs beyond the weights, the optimizer state and
+    a kept cache, when ``forwards`` forwards share one optimizer step.
+
+    With several forwards per step, the gradients of the earlier ones are held while the next one keeps its
+    activations: both count. With one, backward frees each layer's activations as it makes that layer's
+    gradients, so the larger of the two is the peak (7B, `matmuls`, 32 rows in one forward on the H200:
+    48.8 GiB above what was held, for 52.4 GiB of activations and 12.6 GiB of gradients)."""
+    act = _activations(probe, policy, rows)
+    return act + grad_bytes if forwards > 1 else max(act, grad_bytes)
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget):
-    """``(rows, policy, fits, why_rows, why_policy)``: the least recompute that fits the user's
-    micro-batch (or the rows per forward the user fixed) and (planner on, no recompute needed) as many of
-    the user's micro-batches per forward as fit."""
-    room = budget.train_bytes
+def _halved(rows: int, times: int) -> int:
+    for _ in range(times):
+        rows = (rows + 1) // 2
+    return rows
+
+
+@dataclass(frozen=True)
+class _Training:
+    rows: int  # rows per training chunk handed to the stepper (the user's micro-batch, or merged ones)
+    policy: str
+    fits: bool
+    splits: int  # halvings of each chunk up front
+    why_rows: str
+    why_policy: str
+
+
+def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget) -> _Training:
+    """The least recompute that fits the user's micro-batch (or the rows per forward the user fixed);
+    where none does, the fewest halvings of the micro-batch whose pieces fit with the least recompute
+    (``asked.split``); and (planner on, no recompute needed) as many of the user's micro-batches per
+    forward as fit."""
+    room, grads = budget.target_bytes - budget.held_bytes - budget.state_bytes, budget.grad_bytes
     policies = list(probe.activation_bytes)
     first = asked.train_rows or work.micro_rows
-    policy = next((p for p in policies if _train_peak(probe, p, first) <= room), None)
+    forwards = work.micro_batches
+
+    def fitting(rows: int, count: int) -> str | None:
+        return next((p for p in policies if train_need(probe, p, rows, count, grads) <= room), None)
+
+    policy, splits = fitting(first, forwards), 0
+    can_split = asked.split and asked.planner and not asked.train_rows and asked.merge
+    while policy is None and can_split and _halved(first, splits) > 1:
+        splits += 1
+        policy = fitting(_halved(first, splits), forwards * 2**splits)
+    if policy is None:
+        splits = 0
     fits = policy is not None
     forced = asked.checkpointing != "auto"
     if forced:
@@ -487,13 +573,20 @@ def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget)
     elif policy == "none":
         why_policy = "fits without recompute"
     elif fits:
-        why_policy = "the least recompute that fits"
+        why_policy = "the least recompute that fits" + (" the pieces" if splits else "")
     else:
         why_policy = "nothing fits: the most recompute this level allows"
     policy = policy or policies[-1]
     merge, why_rows = 1, "your per_device_train_batch_size"
     if asked.train_rows:
-        return asked.train_rows, policy, fits, "your train_rows_per_forward", why_policy
+        return _Training(asked.train_rows, policy, fits, 0, "your train_rows_per_forward", why_policy)
+    if splits:
+        piece = _halved(first, splits)
+        why_rows = (
+            f"whole it does not fit even with {policies[-1]} recompute: {2**splits} pieces of {piece} rows in "
+            "one accumulation window (same mini-batch and optimizer steps)"
+        )
+        return _Training(first, policy, fits, splits, why_rows, why_policy)
     if not asked.planner:
         why_rows = "memory.planner off"
     elif not asked.merge:
@@ -504,11 +597,11 @@ def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget)
             rows = k * work.micro_rows
             if rows * work.tokens > max(MAX_TRAIN_TOKENS, work.micro_rows * work.tokens):
                 break
-            if _train_peak(probe, policy, rows) <= room:
+            if train_need(probe, policy, rows, -(-work.micro_batches // k), grads) <= room:
                 merge = k
         if merge > 1:
             why_rows = f"{merge} of your micro-batches per forward (same mini-batch and optimizer steps)"
-    return merge * work.micro_rows, policy, fits, why_rows, why_policy
+    return _Training(merge * work.micro_rows, policy, fits, 0, why_rows, why_policy)
 
 
 def _largest_chunk(total: int, row_bytes: int, room: int, cap: int, equal: bool = True) -> tuple[int, bool]:
@@ -539,21 +632,20 @@ def _generation_chunk(
     why = "the whole rollout batch fits" if rows == work.rollout_rows else "KV cache bounded to fit"
     if not (ok and work.cache_persists):
         return rows, ok, why, False
-    _, needed, fits_alone, _, _ = _choose_training(work, asked, probe, budget)
-    if not fits_alone:
+    alone = _choose_training(work, asked, probe, budget)
+    if not alone.fits:
         return rows, ok, why, False
     # each chunk size once, largest first (the rollout batch in 1, 2, 3, ... equal chunks)
     sizes = sorted({-(-work.rollout_rows // k) for k in range(1, work.rollout_rows + 1)}, reverse=True)
     for candidate in (n for n in sizes if n <= rows):
-        beside = budget.holding(work.held_cache_bytes(candidate))
-        _, policy, fits, _, _ = _choose_training(work, asked, probe, beside)
-        if fits and policy == needed:
+        beside = _choose_training(work, asked, probe, budget.holding(work.held_cache_bytes(candidate)))
+        if beside.fits and (beside.policy, beside.splits) == (alone.policy, alone.splits):
             kept, freed = -(-work.rollout_rows // candidate), -(-work.rollout_rows // rows)
             if candidate < rows and asked.free_cache and freed < kept:
                 why += f"; its KV cache freed after generation (kept, generation would take {kept} chunks)"
                 return rows, True, why, True
             if candidate < rows:
-                why = "KV cache bounded so training needs no recompute beside it"
+                why = "KV cache bounded so training needs no more recompute or pieces beside it"
             return candidate, True, why, False
     return rows, ok, why, False
 
@@ -595,11 +687,12 @@ def make_plan(
         reasons["free_cache"] = "kept beside training, it would cost generation chunks (rollout_cache='auto')"
     cache = 0 if free_cache else work.held_cache_bytes(generation_rows)
     beside = budget.holding(cache)
-    train_rows, policy, fits_training, reasons["train_rows"], reasons["checkpointing"] = _choose_training(
-        work, asked, probe, beside
-    )
-    fits = fits and fits_training
+    training = _choose_training(work, asked, probe, beside)
+    train_rows, policy = training.rows, training.policy
+    reasons["train_rows"], reasons["checkpointing"] = training.why_rows, training.why_policy
+    fits = fits and training.fits
     merge = max(1, train_rows // work.micro_rows)
+    forwards = -(-work.micro_batches // merge) * 2**training.splits
     if asked.scoring_rows is not None:
         scoring_rows, reasons["scoring_rows"] = asked.scoring_rows, "your local_rollout_forward_batch_size"
     elif not asked.planner:
@@ -610,10 +703,14 @@ def make_plan(
         )
         fits = fits and ok
         reasons["scoring_rows"] = "the largest chunk that fits" if ok else "one row does not fit"
+    state = budget.state_bytes  # held from the first step on; gradients only in training (train_need)
+    piece = _halved(train_rows, training.splits)
+    # a chunk larger than the rollout batch (a setting, or TRL's 64 rows) holds only the batch's rows
+    scored, generated = min(scoring_rows, work.rollout_rows), min(generation_rows, work.rollout_rows)
     peaks = (
-        _train_peak(probe, policy, train_rows) + budget.reserve_bytes + cache,
-        scoring_rows * work.scoring_row_bytes() + budget.reserve_bytes + cache,
-        generation_rows * work.generation_row_bytes() + budget.reserve_bytes,
+        train_need(probe, policy, piece, forwards, budget.grad_bytes) + state + cache,
+        scored * work.scoring_row_bytes() + state + cache,
+        generated * work.generation_row_bytes() + state,
     )
     asked_view = {
         "train_rows": asked.train_rows or work.micro_rows,
@@ -643,4 +740,6 @@ def make_plan(
         reasons=reasons,
         planned=asked.planner,
         free_cache=free_cache,
+        splits=training.splits,
+        probe=probe.source if probe.source != "measured" else "",
     )

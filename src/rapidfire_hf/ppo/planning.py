@@ -13,10 +13,8 @@ no recompute, TRL's chunk defaults.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 from accelerate.utils import DistributedType
@@ -28,6 +26,8 @@ from rapidfire_hf.memory.checkpointing import (
     level_budget,
     user_checkpointing,
 )
+from rapidfire_hf.memory.estimate import DecoderShape, analytic_probe
+from rapidfire_hf.memory.oom import pipeline_state
 from rapidfire_hf.memory.planner import (
     LEVEL_POLICY,
     POLICY_LEVEL,
@@ -41,14 +41,12 @@ from rapidfire_hf.memory.planner import (
     unplanned,
     unplanned_fused_copies,
 )
+from rapidfire_hf.ppo.probe_cache import ProbeCache
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
 from rapidfire_hf.rollout.engine import resolved_backend
 from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")
-
-PROBE_CACHE = "rapidfire_plan_probe.json"
-PROBE_CACHE_VERSION = 1
 
 
 def workload(
@@ -68,6 +66,7 @@ def workload(
         kv_bytes_per_token=kv_bytes_per_token(policy_config, itemsize),
         itemsize=itemsize,
         cache_persists=cache_persists,
+        intermediate=getattr(policy_config, "intermediate_size", None),
     )
 
 
@@ -103,80 +102,59 @@ def _apply(models, policy: str) -> None:
         apply_selective_checkpointing(m, POLICY_LEVEL[policy])
 
 
-class ProbeCache:
-    """Measured activation bytes per row, by probe key, in one JSON file written atomically.
+def probe_identity(trainer, tokens: int, wanted: tuple[str, ...]) -> dict[str, str]:
+    """What the measured bytes depend on: the models' shapes and kinds, the trained part, dtype, kernels,
+    device, row length, policies, and the versions that measured them (``ppo.probe_cache``)."""
+    import transformers
 
-    A file that cannot be read (damaged, another format) is ignored with a warning and measured again;
-    nothing in it is trusted beyond a dict of non-negative integers.
-    """
+    import rapidfire_hf
 
-    def __init__(self, folder):
-        self.path = Path(folder) / PROBE_CACHE
-
-    def _read(self) -> dict:
-        try:
-            if not self.path.is_file():  # inside: a name over the system's limit raises here too
-                return {}
-            data = json.loads(self.path.read_text())
-            if not isinstance(data, dict) or data.get("version") != PROBE_CACHE_VERSION:
-                raise ValueError("not a probe cache of this version")
-            return data["entries"] if isinstance(data.get("entries"), dict) else {}
-        except (OSError, ValueError, UnicodeDecodeError) as err:
-            logger.warning(
-                "rapidfire: ignoring the plan's probe cache %s (%s); measuring again", self.path, err
-            )
-            return {}
-
-    def get(self, key: str, wanted: tuple[str, ...]) -> dict[str, int] | None:
-        entry = self._read().get(key)
-        if not isinstance(entry, dict) or set(entry) != set(wanted):
-            return None
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry.values()):
-            return None
-        return {p: entry[p] for p in wanted}
-
-    def put(self, key: str, measured: dict[str, int]) -> None:
-        try:
-            entries = self._read()
-            entries[key] = measured
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"version": PROBE_CACHE_VERSION, "entries": entries}, indent=1))
-            os.replace(tmp, self.path)
-        except OSError as err:  # a read-only or full disk: the plan stands, only the cache is lost
-            logger.warning("rapidfire: could not write the plan's probe cache %s (%s)", self.path, err)
-
-
-def probe_key(trainer, tokens: int, wanted: tuple[str, ...]) -> str:
-    """What the measured bytes depend on: the models' shapes and kinds, dtype, kernels, device, length."""
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    parts = [
-        type(unwrapped.policy).__name__,
-        unwrapped.policy.config.to_json_string(use_diff=False),
-        type(unwrapped.value_model).__name__ if unwrapped.value_model is not None else "fused",
-        str(trainer.is_peft),
-        str(next(unwrapped.parameters()).dtype),
-        str(trainer.accelerator.mixed_precision),
-        str(trainer._use_liger),
-        str(trainer.args.torch_compile),
-        torch.cuda.get_device_name(trainer.accelerator.device)
-        if trainer.accelerator.device.type == "cuda"
-        else "cpu",
-        str(tokens),
-        ",".join(wanted),
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    config = unwrapped.policy.config.to_json_string(use_diff=False)
+    device = trainer.accelerator.device
+    return {
+        "policy": type(unwrapped.policy).__name__,
+        "config": hashlib.sha256(config.encode()).hexdigest()[:24],
+        "value": type(unwrapped.value_model).__name__ if unwrapped.value_model is not None else "fused",
+        "peft": str(trainer.is_peft),
+        "dtype": str(next(unwrapped.parameters()).dtype),
+        "mixed_precision": str(trainer.accelerator.mixed_precision),
+        "liger": str(trainer._use_liger),
+        "compile": str(trainer.args.torch_compile),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "tokens": str(tokens),
+        "policies": ",".join(wanted),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "rapidfire_hf": rapidfire_hf.__version__,
+    }
+
+
+def shape_estimate(trainer, tokens: int, ctx: int, itemsize: int, wanted) -> dict[str, int] | None:
+    """The activation bytes of one row from the policy's shape (:mod:`rapidfire_hf.memory.estimate`), for
+    the policies it knows; None where the policy is not a Llama-like decoder it can read."""
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    try:
+        shape = DecoderShape.from_config(unwrapped.policy.config)
+    except (AttributeError, TypeError):
+        return None
+    known = tuple(p for p in wanted if p in ("none", "elementwise", "matmuls"))
+    separate = unwrapped.value_model is not None
+    return analytic_probe(shape, tokens, tokens - ctx, itemsize, known, separate_value=separate)
 
 
 def measure(trainer, models, tokens: int, ctx: int, wanted: tuple[str, ...]) -> Probe:
     """Activation bytes of one training row of ``tokens`` tokens under each of ``wanted`` (cached)."""
     cache = ProbeCache(trainer.args.output_dir) if trainer.accelerator.is_local_main_process else None
-    key = probe_key(trainer, tokens, wanted)
-    hit = cache.get(key, wanted) if cache is not None else None
-    if hit is not None:
-        return Probe(hit, cached=True)
+    identity = probe_identity(trainer, tokens, wanted)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     device = trainer.accelerator.device
+    if cache is not None:
+        mixed = trainer.accelerator.mixed_precision in ("bf16", "fp16")
+        itemsize = 2 if mixed else next(unwrapped.parameters()).element_size()
+        hit = cache.get(identity, wanted, shape_estimate(trainer, tokens, ctx, itemsize, wanted))
+        if hit is not None:
+            return Probe(hit, cached=True, source=f"cached in {cache.path} (verified)")
     vocab = unwrapped.policy.config.vocab_size
     row = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
     row[row == trainer.pad_token_id] = (trainer.pad_token_id + 1) % vocab  # no padding in the probe row
@@ -202,7 +180,7 @@ def measure(trainer, models, tokens: int, ctx: int, wanted: tuple[str, ...]) -> 
         for p in unwrapped.parameters():
             p.grad = None
     if cache is not None:
-        cache.put(key, measured)
+        cache.put(identity, measured)
     return Probe(measured)
 
 
@@ -245,12 +223,19 @@ def first_step_reserve(trainer) -> int:
     AdamW's two moments while the optimizer holds no state (in the parameters' dtype; 1 byte each for an
     8-bit optimizer)."""
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    grads = sum(p.numel() * p.element_size() for p in params if p.grad is None)
+    grads = first_step_gradients(trainer)
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     if getattr(inner, "state", None):
         return grads
     eight_bit = "8bit" in type(getattr(inner, "_inner", inner)).__name__.lower()
     return grads + sum(p.numel() * (2 if eight_bit else 2 * p.element_size()) for p in params)
+
+
+def first_step_gradients(trainer) -> int:
+    """Bytes of the gradients the first backward still allocates (trained parameters without ``.grad``):
+    the part of :func:`first_step_reserve` that training alone holds (each step's ``zero_grad`` frees them)."""
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in params if p.grad is None)
 
 
 def _agreed(acc, plan: Plan) -> Plan:
@@ -288,6 +273,10 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
     static = resolved_backend(unwrapped.policy, rollout_backend(args, trainer.engine_support)) == "static"
     work = workload(args, unwrapped.policy.config, ctx, itemsize, cache_persists=static)
     want = asked(args, memory, acc.distributed_type == DistributedType.DEEPSPEED)
+    if pipeline_state(trainer.optimizer)[
+        1
+    ]:  # it counts backwards itself: pieces would count as micro-batches
+        want = replace(want, split=False)
     fuse, copies, built = decode_copies(trainer, unwrapped.policy, static)
     if memory is None:
         plan = unplanned(work, want, "gradient_checkpointing" if user_checkpointing(args) else "none")
@@ -313,6 +302,7 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             )
         else:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
+            budget = replace(budget, grad_bytes=min(budget.reserve_bytes, first_step_gradients(trainer)))
             plan = make_plan(work, want, probe, budget, memory.optimization)
             if fuse is not None:  # the same plan with the copies held: kept only where it changes nothing
                 held = (
@@ -335,6 +325,8 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             print(plan.table(), flush=True)
     if plan.merge > 1:  # accelerate closes a window after this many (merged) micro-batches
         acc.gradient_accumulation_steps = args.micro_batches_per_step // plan.merge
+    # the pieces of a split micro-batch run in its window (OOM recovery's split, planned up front)
+    trainer.stepper.planned_splits = plan.splits
     trainer.plan = plan
     trainer.checkpointing = None if plan.checkpointing == "none" else plan.checkpointing
     return plan

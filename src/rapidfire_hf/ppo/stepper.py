@@ -80,6 +80,7 @@ class Stepper:
         self.health: StepHealth = step_health(None, guard=False)
         self.clips_itself = False
         self._recovery: OOMRecovery | None = None  # built at the first micro-batch
+        self.planned_splits = 0  # halvings of every micro-batch the plan asked for (plan.splits)
 
     @property
     def optimizer(self):
@@ -121,6 +122,8 @@ class Stepper:
                     hold=lambda: accelerate_hold(self.accelerator, self.model),
                     release=self.release,
                 )
+            if self._recovery.planned_splits != self.planned_splits:
+                self._recovery.plan_splits(self.planned_splits)
             out, entropy = self._recovery(forward_backward, chunk)
             self.health.observe_loss(out.loss)  # device tensors only: verified at the end of the window
             self.health.record("approx_kl", out.approx_kl, reduce="max")

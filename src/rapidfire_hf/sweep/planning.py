@@ -107,6 +107,7 @@ class SweepPlanner:
             kv_bytes_per_token=kv_bytes_per_token(cfg, cache_itemsize),
             itemsize=itemsize,
             cache_persists=static,
+            intermediate=getattr(cfg, "intermediate_size", None),
         )
 
     def update(self, phases, trials, shared, prompt_tokens: int) -> Plan | None:
@@ -129,6 +130,7 @@ class SweepPlanner:
             planner=self.planner,
             train_rows=self.train_rows,
             merge_any=True,  # packs of any number of trials (pack_in_order): 5 trials may pack 4 + 1
+            split=False,  # packs are split by the sweep's OOM recovery, not planned in pieces
         )
         probe = self._measure(phases, trials[0], work.tokens, prompt_tokens) if self.planner else None
         if probe is None:

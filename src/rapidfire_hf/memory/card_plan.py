@@ -1,0 +1,196 @@
+"""PPOTrainer's throughput plan for a card you do not have, from the model's shape alone.
+
+:func:`card_plan` asks the same planner as a training run (:func:`rapidfire_hf.memory.planner.make_plan`),
+with every number the run would measure computed instead (:mod:`rapidfire_hf.memory.estimate`): the weights,
+gradients and optimizer state of every model, the activation bytes of one training row under each
+checkpointing policy the level allows, the KV cache and working sets of generation and scoring. Nothing is
+allocated: a 7B plan runs in a few MiB of host memory. ``rapidfire plan --gpu-memory`` prints it; the
+benchmarks print it next to what a GPU run measured.
+
+The run it plans is PPOTrainer's default on a CUDA GPU in bf16: the static rollout engine (its KV cache kept
+between updates, or freed where keeping it would cost generation chunks), fused decode projections held
+only where they change nothing (``rollout_decode_fuse_projections="auto"``), AdamW (8-bit state where the
+level allows it and full-precision state leaves no room to train).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rapidfire_hf.memory.estimate import (
+    DecoderShape,
+    RunMemory,
+    analytic_probe,
+    lora_params,
+    run_memory,
+)
+from rapidfire_hf.memory.planner import (
+    GIB,
+    LEVEL_POLICY,
+    Asked,
+    Budget,
+    Plan,
+    Probe,
+    Workload,
+    choose_optimizer_state,
+    decide_fused_copies,
+    level_target,
+    make_plan,
+)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a PPO run is, for the planner, without its models.
+
+    Args:
+        shape: the policy's shape (a separate value model and a reward model take the same shape).
+        rollout_rows: prompts per rollout batch (per device).
+        micro_rows: ``per_device_train_batch_size``.
+        mini_batches: ``num_mini_batches``.
+        prompt_tokens, response_tokens: tokens per row.
+        value_mode: ``"fused"`` (a value head on the policy) or ``"separate"`` (a value model).
+        peft: LoRA of ``lora_rank`` on ``lora_targets`` (the reference is the base with the adapter off).
+        reward_model: a reward model of the policy's shape (False: a rule reward).
+        itemsize: bytes per weight and activation element (2: bf16).
+        static_engine: the static rollout engine runs (the CUDA default for Llama): it keeps its KV cache
+            between updates unless ``cache_kept`` is False (the plan may still free it, ``Asked.free_cache``).
+    """
+
+    shape: DecoderShape
+    rollout_rows: int
+    micro_rows: int
+    prompt_tokens: int
+    response_tokens: int
+    mini_batches: int = 1
+    value_mode: str = "fused"
+    peft: bool = False
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    reward_model: bool = False
+    itemsize: int = 2
+    static_engine: bool = True
+    cache_kept: bool = True
+
+    def workload(self) -> Workload:
+        s = self.shape
+        return Workload(
+            rollout_rows=self.rollout_rows,
+            mini_rows=max(1, self.rollout_rows // self.mini_batches),
+            micro_rows=self.micro_rows,
+            prompt_tokens=self.prompt_tokens,
+            response_tokens=self.response_tokens,
+            hidden=s.hidden,
+            layers=s.layers,
+            vocab=s.vocab,
+            kv_bytes_per_token=s.kv_bytes_per_token(self.itemsize),
+            itemsize=self.itemsize,
+            cache_persists=self.static_engine and self.cache_kept,
+            intermediate=s.intermediate,
+        )
+
+    def memory(self, eight_bit_state: bool = False) -> RunMemory:
+        lora = lora_params(self.shape, self.lora_rank, self.lora_targets) if self.peft else 0
+        return run_memory(
+            self.shape,
+            value_mode=self.value_mode,
+            peft=self.peft,
+            lora_params=lora,
+            reward_model=self.reward_model,
+            itemsize=self.itemsize,
+            eight_bit_state=eight_bit_state,
+        )
+
+    def fused_copy_bytes(self) -> int:
+        """The fused decode projections' weight copies (q/k/v and gate/up of every layer): none with LoRA
+        (its layers keep their modules unless ``rollout_decode_fuse_lora``)."""
+        if self.peft or not self.static_engine:
+            return 0
+        s = self.shape
+        return s.layers * s.hidden * (s.q + 2 * s.kv + 2 * s.intermediate) * self.itemsize
+
+
+def level_policies(level) -> tuple[str, ...]:
+    """The checkpointing policies ``memory.optimization=level`` may apply, least recompute first."""
+    if level_target(level).recompute:
+        return tuple(LEVEL_POLICY[lv] for lv in ("conservative", "balanced", "aggressive"))
+    return ("none",)
+
+
+def card_plan(
+    run: RunShape,
+    device_bytes: int,
+    level="balanced",
+    asked: Asked | None = None,
+    eight_bit_available: bool = True,
+    fuse_projections="auto",
+    label: str = "",
+) -> Plan:
+    """The plan of ``run`` on a card of ``device_bytes`` at ``memory.optimization=level`` (module docstring).
+
+    Args:
+        asked: the settings the user fixed (default: everything ``auto``, the KV cache freed where that
+            saves generation chunks, as PPOTrainer's ``rollout_cache="auto"``).
+        eight_bit_available: bitsandbytes on a CUDA GPU (8-bit AdamW state may be chosen).
+        fuse_projections: ``rollout_decode_fuse_projections`` (``"auto"``, True, False).
+        label: named in the plan as where the activation bytes came from.
+    """
+    asked = asked or Asked(free_cache=True)
+    target = int(level_target(level).device_share * device_bytes)
+    full = run.memory()
+    eight, why_state = choose_optimizer_state(
+        level, full.weights, full.gradients, full.state_full, full.state_8bit, target, eight_bit_available
+    )
+    mem = run.memory(eight_bit_state=eight)
+    work = run.workload()
+    policies = level_policies(level) if asked.checkpointing == "auto" else (asked.checkpointing,)
+    separate = run.value_mode == "separate"
+    probe = Probe(
+        analytic_probe(
+            run.shape,
+            work.tokens,
+            run.response_tokens,
+            run.itemsize,
+            policies,
+            separate_value=separate,
+            lora_targets=run.lora_targets if run.peft else None,
+        ),
+        source=f"analytic ({label or 'the model shape'}; memory.estimate)",
+    )
+    budget = Budget(
+        target_bytes=target,
+        held_bytes=mem.weights,
+        reserve_bytes=mem.gradients + mem.state,
+        grad_bytes=mem.gradients,
+    )
+    plan = make_plan(work, asked, probe, budget, level)
+    copies = run.fused_copy_bytes() if fuse_projections is not False else 0
+    if run.static_engine:
+        held = make_plan(work, asked, probe, budget.holding(copies), level) if copies else plan
+        plan = decide_fused_copies(plan, held, fuse_projections, copies)
+    plan = replace(plan, reasons=dict(plan.reasons))
+    plan.optimizer_state = "8-bit" if eight else "as built"
+    plan.reasons["optimizer_state"] = why_state
+    if not eight and why_state != "fits":
+        plan.fits = False
+    return plan
+
+
+def fit_hint(run: RunShape, device_bytes: int, level, plan: Plan, **kwargs) -> str:
+    """One sentence saying what would make a plan that does not fit fit: a smaller micro-batch is already
+    tried by the plan (pieces of one row), so the card, the level, the batch or the response length."""
+    need = plan.planned_peak_bytes / level_target(level).device_share
+    hints = [f"a card of at least {need / GIB:.0f} GiB (--gpu-memory)"]
+    if getattr(level, "value", level) != "aggressive":
+        stronger = card_plan(run, device_bytes, "aggressive", **kwargs)
+        if stronger.fits:
+            hints.append("--config aggressive")
+    if not run.peft and card_plan(replace(run, peft=True), device_bytes, level, **kwargs).fits:
+        hints.append("LoRA (--peft)")
+    if run.response_tokens > 64:
+        shorter = replace(run, response_tokens=run.response_tokens // 2)
+        if card_plan(shorter, device_bytes, level, **kwargs).fits:
+            hints.append(f"--response-length {shorter.response_tokens}")
+    return "fits with " + ", or ".join(hints)
