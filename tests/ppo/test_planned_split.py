@@ -18,7 +18,7 @@ from tests.helpers.faults_train import oom_above_rows
 from tests.ppo.helpers import ppo_args
 
 ATOL = 1e-6  # fp32 on CPU with SGD: only the summation order of the accumulated gradient differs
-CFG = {"memory": {"prefetch_window": 0, "checkpointing": "off"}, "gradient": {"pipeline": False},
+CFG = {"memory": {"prefetch_window": 0, "checkpointing": "off"},
        "precision": {"mode": "static"}}  # fmt: skip
 
 
