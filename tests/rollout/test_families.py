@@ -160,3 +160,34 @@ def test_start_table_names_the_path_auto_takes_on_cuda(tokenizer, name, native):
     else:
         assert facts.rollout == "rollout: model.generate"
         assert any("fast rollout engine (model_type 'gpt2' is not one of" in s for s in facts.skipped)
+
+
+def test_a_step_that_cannot_be_compiled_or_recorded_falls_back_mode_by_mode(tokenizer, prompts, monkeypatch):
+    """The MoE families call the model's own routed block in the step; where a transformers version routes
+    with a data-dependent loop, compiling and recording fail: the engine warns and runs one mode down."""
+    from rapidfire_hf.rollout.static_engine import StaticEngine
+
+    model = build(case("qwen3_moe"), len(tokenizer))
+    ids, mask = prompts
+    params = SamplingParams(max_new_tokens=20, do_sample=False)
+    engine = RolloutEngine(model, 0, [], backend="static", decode_mode="compile")
+    tried = []
+    real = StaticEngine._run_step
+
+    def run_step(self, params, mode, t):
+        tried.append(mode)
+        if mode != "eager":
+            raise RuntimeError(f"{mode} unsupported here")
+        return real(self, params, mode, t)
+
+    monkeypatch.setattr(StaticEngine, "_mode", lambda self, device: self.decode_mode)
+    monkeypatch.setattr(StaticEngine, "_run_step", run_step)
+    with pytest.warns(UserWarning) as caught:
+        out = engine.generate(ids, mask, params)
+    assert [str(w.message).split(" (")[0] for w in caught][:2] == [
+        "torch.compile of the decode step failed",
+        "recording the decode step failed",
+    ]
+    assert tried[:3] == ["compile", "cuda_graph", "eager"] and set(tried[3:]) == {"eager"}
+    assert engine._static.decode_mode == "eager"
+    assert torch.equal(out.responses, hf_greedy(model, ids, mask, 20, stop=None))

@@ -347,7 +347,9 @@ class StaticEngine:
         if params.do_sample and not host_noise:
             _fill_seeds(buf.seeds, generator)
 
-        hidden = self.net.prefill(input_ids, attention_mask, buf.cos[:, :, :p], buf.sin[:, :, :p], buf.k, buf.v)
+        hidden = self.net.prefill(
+            input_ids, attention_mask, buf.cos[:, :, :p], buf.sin[:, :, :p], buf.k, buf.v
+        )
         if host_noise:
             _fill_noise(buf.noise, generator)
         buf.step.fill_(0)
@@ -362,21 +364,30 @@ class StaticEngine:
             buf.step.fill_(t)
             if host_noise:
                 _fill_noise(buf.noise, generator)
-            try:
-                self._run_step(params, mode, t)
-            except Exception as exc:
-                if mode != "compile":
-                    raise
-                # any compiler failure: warn once, continue with the recorded uncompiled step
-                warnings.warn(
-                    f"torch.compile of the decode step failed ({exc!r}); using CUDA graphs without it",
-                    stacklevel=2,
-                )
-                self.decode_mode = mode = "cuda_graph"
-                self._run_step(params, mode, t)
+            mode = self._run_step_or_fall_back(params, mode, t)
             if self.step_callback is not None:
                 self.step_callback(t)
         return buf.tokens.clone(), buf.logprobs.clone()
+
+    def _run_step_or_fall_back(self, params: SamplingParams, mode: str, t: int) -> str:
+        """Run step ``t`` in ``mode``; where that fails, warn once and run it (and every later step of this
+        engine) one mode down: compiled -> recorded -> eager. A compiler failure, or a module the decode step
+        calls that cannot be recorded (a data-dependent MoE routing loop in some transformers versions), costs
+        speed, never the rollout; the step is idempotent, so re-running it is exact. Returns the mode used."""
+        while True:
+            try:
+                self._run_step(params, mode, t)
+                return mode
+            except Exception as exc:
+                lower = {"compile": "cuda_graph", "cuda_graph": "eager"}.get(mode)
+                if lower is None:
+                    raise
+                what = (
+                    "torch.compile of the decode step" if mode == "compile" else "recording the decode step"
+                )
+                warnings.warn(f"{what} failed ({exc!r}); running it as decode_mode={lower!r}", stacklevel=3)
+                self._reset_graphs()
+                self.decode_mode = mode = lower
 
     def _structure_id(self) -> tuple:
         """What a recorded graph bakes in: weight addresses and PEFT adapter switches (disabled, merged, active)."""
