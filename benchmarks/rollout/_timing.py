@@ -32,10 +32,11 @@ def _first_divergence(a: torch.Tensor, b: torch.Tensor) -> list[int]:
     return [int(d.argmax()) if d.any() else a.shape[1] for d in diff]
 
 
-def correctness(model, prompt_len: int, new_tokens: int, device: str) -> dict:
-    """Greedy tokens of the static engine vs ``model.generate``; sampled log-probs vs a fresh forward."""
+def correctness(model, prompt_len: int, new_tokens: int, device: str, path: str = "auto") -> dict:
+    """Greedy tokens of the static engine (its ``decode_path``) vs ``model.generate``; sampled log-probs vs a
+    fresh forward."""
     ids, mask = _prompts(4, prompt_len, model.config.vocab_size, device, mixed=True)
-    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path=path)
     ours = engine.generate(ids, mask, SamplingParams(new_tokens, do_sample=False)).responses
     with torch.no_grad():
         ref = model.generate(
@@ -58,6 +59,7 @@ def correctness(model, prompt_len: int, new_tokens: int, device: str) -> dict:
     diff = (fresh - sampled.logprobs).abs()
     return {
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "decode_path": engine.path,
         "greedy_rows_identical": f"{int((ours == ref).all(-1).sum())}/{ids.shape[0]}",
         "greedy_token_match_rate": round(float((ours == ref).float().mean()), 4),
         "greedy_first_divergence": _first_divergence(ours, ref),
@@ -119,6 +121,23 @@ def _runner(model, system: str, ids, mask):
 
         run.engine = engine  # what the system built (tests/benchmarks/test_rollout_smoke.py reads it)
         return run
+    if system.startswith("generic_"):
+        # the generic path (the model's own forward over the engine's cache), even where a native one exists
+        engine = RolloutEngine(
+            model,
+            pad_token_id=0,
+            stop_token_ids=[],
+            backend="static",
+            decode_mode=system.removeprefix("generic_"),
+            decode_path="generic",
+        )
+
+        def run(n, hook):
+            engine._static.step_callback = hook
+            engine.generate(ids, mask, SamplingParams(n, temperature=1.0))
+
+        run.engine = engine
+        return run
     extra = {"cache_implementation": "static"} if system == "hf_static" else {}
 
     def run(n, hook):
@@ -144,7 +163,9 @@ def _runner(model, system: str, ids, mask):
 
 def time_config(model, system: str, batch: int, prompt_len: int, new_tokens: int, device: str) -> dict:
     """One warm-up and one timed generate call of ``system`` at ``batch``; see run.py's "timing" note."""
-    if device != "cuda" and system.startswith(("ours_cuda_graph", "ours_compile")):
+    if device != "cuda" and system.startswith(
+        ("ours_cuda_graph", "ours_compile", "generic_cuda_graph", "generic_compile")
+    ):
         return {"status": "skipped: needs CUDA"}
     ids, mask = _prompts(batch, prompt_len, model.config.vocab_size, device, mixed=False)
     marks: dict[int, float] = {}

@@ -39,7 +39,11 @@ SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "smoke": llama_shape("smoke"
 OPT_IN = ("ours_compile+triton", "ours_cuda_graph+triton", "ours_compile+tattn", "ours_cuda_graph+tattn",
           "ours_compile+fuse", "ours_cuda_graph+fuse", "ours_eager+fuse", "ours_compile+autotune",
           "ours_compile+fuse_autotune", "ours_compile+fuse_skinny", "ours_eager+fuse_skinny",
-          "ours_compile+sdpa", "ours_cuda_graph+sdpa", "ours_compile+fuse_lora")  # fmt: skip
+          "ours_compile+sdpa", "ours_cuda_graph+sdpa", "ours_compile+fuse_lora",
+          "generic_compile", "generic_cuda_graph", "generic_eager")  # fmt: skip
+# "generic_<mode>": the static engine running the model's own forward over its cache (decode_path="generic",
+# rollout/generic_forward.py), the path of every decoder-only family without a native forward; on the Llama
+# shape it compares directly with the native "ours_<mode>" and with model.generate
 SYSTEMS = (
     "ours_cuda_graph",
     "hf_dynamic",
@@ -180,6 +184,11 @@ def main(argv=None) -> int:
     if cuda:
         meta["correctness_bf16"] = (
             skipped if args.no_correctness else correctness(model, prompt_len, min(64, new_tokens), device)
+        )
+    if any(s.startswith("generic_") for s in systems) and not args.no_correctness:
+        # the generic path's own check, at the timed dtype (fp32 must match model.generate exactly)
+        meta[f"correctness_generic_{'bf16' if cuda else 'fp32'}"] = correctness(
+            model, prompt_len, min(64, new_tokens), device, path="generic"
         )
     print(json.dumps({k: v for k, v in meta.items() if k.startswith("correctness")}, indent=1), flush=True)
 

@@ -98,9 +98,13 @@ def test_other_llama_family_greedy_matches_generate(prompts, model_type):
 
 
 def test_unsupported_model_uses_hf_and_static_is_refused(prompts):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=46, n_embd=32, n_layer=1, n_head=2, n_positions=128))
+    # GPT-Neo: neither the native forward nor the generic path (no static-cache support in Transformers)
+    config = GPTNeoConfig(
+        vocab_size=46, hidden_size=32, num_layers=1, num_heads=2, attention_types=[[["global"], 1]]
+    )
+    model = GPTNeoForCausalLM(config)
     with pytest.raises(ValueError, match="backend='static' cannot run"):
         RolloutEngine(model, pad_token_id=0, backend="static")
     engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="auto")

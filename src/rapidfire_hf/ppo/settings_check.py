@@ -54,11 +54,11 @@ def static_engine_refusal(args, model) -> list[ConfigError]:
     """``rollout_backend="static"`` for a model the static engine cannot run (asked before any work)."""
     if args.rollout_backend != "static" or model is None:
         return []
-    from rapidfire_hf.rollout.llama_forward import unsupported_reason
+    from rapidfire_hf.rollout.engine import choose_decode_path
 
     lm = getattr(model, "pretrained_model", model)  # a value-head wrapper generates with its LM
-    reason = unsupported_reason(lm)
-    if reason is None:
+    path, reason = choose_decode_path(lm)  # native, or the generic path (the model's own forward)
+    if path is not None:
         return []
     return [
         ConfigError(

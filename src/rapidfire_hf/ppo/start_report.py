@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rapidfire_hf.rollout.llama_forward import unsupported_reason
+from rapidfire_hf.rollout.engine import choose_decode_path
 
 
 @dataclass
@@ -27,11 +27,13 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
                 memory_callback, kernel_patches, backend: str, device) -> StartFacts:  # fmt: skip
     """Collect the table's facts from the trainer's parts (no side effects)."""
     skipped = []
-    reason = unsupported_reason(policy)
+    path, reason = choose_decode_path(policy)
     if backend == "hf":
         rollout = "rollout: model.generate (rollout_backend='hf' or sharded weights)"
-    elif backend == "auto" and (device.type != "cuda" or reason is not None):
-        why = reason or f"the static engine records CUDA graphs; this run is on {device.type}"
+    elif backend == "auto" and (device.type != "cuda" or path is None):
+        why = (
+            reason if path is None else f"the static engine records CUDA graphs; this run is on {device.type}"
+        )
         rollout = "rollout: model.generate"
         skipped.append(f"fast rollout engine ({why})")
     else:
@@ -47,7 +49,9 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
             if value != default
         ]
         extra = f", {', '.join(kernels)}" if kernels else ""
-        rollout = f"rollout: static engine, decode_mode={args.rollout_decode_mode}{extra}"
+        # which forward the engine runs, and why not the native one (rollout.engine.choose_decode_path)
+        forward = "native forward" if path == "native" else f"generic path: the model's own forward, {reason}"
+        rollout = f"rollout: static engine ({forward}), decode_mode={args.rollout_decode_mode}{extra}"
     value = "value: fused head on the policy" if fused_value else "value: separate value model"
     if rapidfire_optimizer is not None:
         rf = rapidfire_optimizer

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from rapidfire_hf.rollout.generic_forward import generic_unsupported_reason
 from rapidfire_hf.rollout.hf_backend import hf_generate
 from rapidfire_hf.rollout.llama_forward import unsupported_reason
 from rapidfire_hf.rollout.prefill import check_prefill_rows, chunk_prefill, prefill_rows
@@ -38,13 +39,34 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+# which forward the static engine runs: the hand-written Llama-family one, or the model's own
+DECODE_PATHS = ("native", "generic")
+
+
+def choose_decode_path(model) -> tuple[str | None, str | None]:
+    """``(path, why)``: the static engine's forward for ``model``. ``("native", None)`` where the hand-written
+    Llama-family forward runs it (``llama_forward.unsupported_reason`` is None); else ``("generic", why not
+    native)`` where the model's own forward can run over the engine's cache (``rollout/generic_forward.py``);
+    else ``(None, why neither)``: only ``model.generate`` runs it."""
+    native = unsupported_reason(model)
+    if native is None:
+        return "native", None
+    generic = generic_unsupported_reason(model)
+    if generic is None:
+        return "generic", native
+    return None, f"native: {native}; generic: {generic}"
+
+
 def resolved_backend(model, backend: str = "auto") -> str:
     """The backend a :class:`RolloutEngine` built on ``model`` with ``backend`` runs: ``"auto"`` is the
-    static engine for a supported model on CUDA, else ``"hf"``. The static engine keeps its KV cache
-    between generations (the throughput planner counts it as held through scoring and training)."""
+    static engine on CUDA for a model it can run (natively or generically, :func:`choose_decode_path`), else
+    ``"hf"``. The static engine keeps its KV cache between generations (the throughput planner counts it
+    as held through scoring and training)."""
     if backend != "auto":
         return backend
-    return "static" if _model_device(model).type == "cuda" and unsupported_reason(model) is None else "hf"
+    return (
+        "static" if _model_device(model).type == "cuda" and choose_decode_path(model)[0] is not None else "hf"
+    )
 
 
 class RolloutEngine:
@@ -55,8 +77,11 @@ class RolloutEngine:
         pad_token_id: written after a row's stop token (and used to left-pad prompts internally).
         stop_token_ids: token ids that end a response; None takes ``model.generation_config.eos_token_id``,
             ``[]`` means none.
-        backend: "auto" (the static engine on CUDA for the families of docs/models.md, else "hf"), "static"
-            (force the static engine; also runs on CPU) or "hf" (``model.generate``).
+        backend: "auto" (the static engine on CUDA for a model it can run, else "hf"), "static" (force the
+            static engine; also runs on CPU) or "hf" (``model.generate``). The static engine runs the families
+            of docs/models.md by its own forward ("native") and other decoder-only causal LMs by the model's own
+            forward over its cache ("generic", ``rollout/generic_forward.py``); ``path`` and ``path_reason``
+            say which and why (:func:`choose_decode_path`).
         decode_mode: static engine only: "auto", "eager", "cuda_graph" or "compile".
         decode_attention: static engine only: "auto" (default: "triton" on CUDA where Triton runs, else
             "sdpa"; ``kernels.decode_attention.resolve_impl``), "sdpa" (fused GQA attention on CUDA),
@@ -80,6 +105,10 @@ class RolloutEngine:
         decode_linear: static engine only: the fused projections' matmul in the decode step, ``"torch"`` or
             ``"triton"`` (``kernels/triton_skinny_matmul.py``; needs ``decode_fuse_projections``). Opt-in: it
             lost to cuBLAS in the compiled step (1.646 vs 1.492 ms at 1.1B batch 8, 2.139 vs 1.819 at 64).
+        decode_path: static engine only: its forward, "auto" (native where the model's family has one, else
+            generic: :func:`choose_decode_path`), "native" or "generic" (the model's own forward over the engine's
+            cache, ``rollout/generic_forward.py``; e.g. to compare the two on a Llama). A path that cannot run
+            the model raises, naming why.
         decode_fuse_lora: static engine only, with ``decode_fuse_projections``: layers whose projections are
             PEFT LoRA layers are fused too (base weights concatenated; the LoRA factors stacked, one matmul by
             all ``A`` and one by the block-diagonal ``B`` per group). Opt-in: not yet measured on a GPU.
@@ -114,6 +143,7 @@ class RolloutEngine:
         decode_compile_mode: str | None = None,
         decode_linear: str = "torch",
         decode_fuse_lora: bool = False,
+        decode_path: str = "auto",
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -125,13 +155,27 @@ class RolloutEngine:
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.stop_token_ids = self._resolve_stops(model, stop_token_ids)
-        reason = unsupported_reason(model)
-        if backend == "static" and reason is not None:
+        if decode_path not in ("auto", *DECODE_PATHS):
+            raise ValueError(f"decode_path must be one of {('auto', *DECODE_PATHS)}, got {decode_path!r}")
+        forced = decode_path
+        path, reason = choose_decode_path(model)
+        if forced != "auto" and forced != path:
+            why_not = unsupported_reason(model) if forced == "native" else generic_unsupported_reason(model)
+            if why_not is not None:
+                raise ValueError(f"decode_path={forced!r} cannot run this model ({why_not})")
+            path, reason = forced, f"decode_path={forced!r}"
+        if backend == "static" and path is None:
             raise ValueError(f"backend='static' cannot run this model ({reason}); use backend='hf'")
-        if backend == "auto" and _model_device(model).type == "cuda" and reason is not None:
-            logger.info("rapidfire rollout: using model.generate (%s)", reason)
+        if backend == "auto" and _model_device(model).type == "cuda":
+            if path is None:
+                logger.info("rapidfire rollout: using model.generate (%s)", reason)
+            elif path == "generic":
+                logger.info("rapidfire rollout: the model's own forward over the static cache (%s)", reason)
         backend = resolved_backend(model, backend)
         self.backend = backend
+        # "native" / "generic" (the static engine's forward) or "model.generate"; why not native in path_reason
+        self.path = path if backend == "static" else "model.generate"
+        self.path_reason = reason if backend == "static" else (reason or "backend='hf'")
         static_only = {
             "decode_attention": (decode_attention, "auto"),
             "decode_sampler": (decode_sampler, "torch"),
@@ -139,8 +183,21 @@ class RolloutEngine:
             "decode_compile_mode": (decode_compile_mode, None),
             "decode_linear": (decode_linear, "torch"),
             "decode_fuse_lora": (decode_fuse_lora, False),
+            "decode_path": (forced, "auto"),
         }
         ignored = [f"{k}={v!r}" for k, (v, default) in static_only.items() if v != default]
+        native_only = [
+            f"{k}={v!r}"
+            for k, (v, default) in static_only.items()
+            if v != default and k not in ("decode_sampler", "decode_fuse_projections", "decode_path")
+        ]
+        if self.path == "generic" and native_only:
+            # the generic step is the model's own forward: no attention kernel, projections or LoRA of ours in it
+            warnings.warn(
+                f"{', '.join(native_only)} apply to the native decode path only; this model runs the generic "
+                f"path ({reason}), so they are not used",
+                stacklevel=2,
+            )
         if backend == "hf" and ignored:
             # said once per engine: the hf backend has no decode step of its own to put them in
             warnings.warn(
@@ -164,6 +221,7 @@ class RolloutEngine:
                 compile_mode=decode_compile_mode,
                 linear=decode_linear,
                 fuse_lora=decode_fuse_lora,
+                path=path,
             )
 
     def compiles_decode(self, device: torch.device) -> bool:

@@ -140,6 +140,8 @@ def fused_projection_bytes(model, lora: bool = False) -> int:
     """Bytes of the concatenated q/k/v and gate/up copies that ``fuse_projections=True`` allocates for
     ``model`` at its first generation and keeps (the layers :class:`StaticLlama` fuses, with ``lora`` those
     with LoRA projections too; others take none). LoRA's stacked factors are left out (rank x width)."""
+    if unsupported_reason(model) is not None:
+        return 0  # the generic path (rollout/generic_forward.py) fuses nothing
     lm = unwrap_peft(model)
     fam = family_of(getattr(lm, "config", None))
     if fam is None:

@@ -14,7 +14,8 @@ import warnings
 import torch
 
 from rapidfire_hf.kernels.decode_attention import resolve_impl, triton_unavailable_reason
-from rapidfire_hf.rollout.llama_forward import StaticLlama
+from rapidfire_hf.rollout.generic_forward import GenericNet
+from rapidfire_hf.rollout.llama_forward import StaticLlama, unsupported_reason
 from rapidfire_hf.rollout.prefill import chunk_prefill
 from rapidfire_hf.rollout.sampling import philox_seeds, sample_tokens
 from rapidfire_hf.rollout.types import SamplingParams
@@ -61,7 +62,7 @@ def warmup_stream(device: int | None = None) -> torch.cuda.Stream:
 class _Buffers:
     """The tensors one decode step reads and writes, for one ``(B, P, R)`` shape."""
 
-    def __init__(self, net: StaticLlama, b: int, p: int, r: int, vocab: int, device):
+    def __init__(self, net: StaticLlama | GenericNet, b: int, p: int, r: int, vocab: int, device):
         self.shape = (b, p, r)
         self.k, self.v = net.new_cache(b, p + r, device)
         self.key_valid = torch.zeros(b, p + r, dtype=torch.bool, device=device)
@@ -83,10 +84,10 @@ def _peft_layers(model) -> list:
 
 
 class StaticEngine:
-    """Generation for the supported decoder families (docs/models.md) over a static cache (see module docstring).
+    """Generation over a static cache (see module docstring), by the native or the generic forward.
 
     Args:
-        model: HF causal LM of a supported family (optionally PEFT-wrapped); its modules are used as they are.
+        model: HF causal LM (optionally PEFT-wrapped); its modules are used as they are.
         pad_token_id: written after a row has stopped.
         stop_token_ids: token ids that end a row.
         decode_mode: "eager", "cuda_graph" (record the step once, replay it), "compile" (``torch.compile``
@@ -110,6 +111,10 @@ class StaticEngine:
             ``StaticLlama``; needs ``fuse_projections``; opt-in, not yet measured on a GPU).
         fuse_lora: with ``fuse_projections``, PEFT LoRA layers fused too (``StaticLlama``; opt-in, not yet
             measured on a GPU).
+        path: the forward of the step: "native" (``StaticLlama``, the families of docs/models.md), "generic" (the
+            model's own forward over this engine's cache, ``GenericNet``; any decoder-only causal LM it can run)
+            or "auto": native where ``llama_forward.unsupported_reason`` is None, else generic. The generic
+            path ignores ``attention``, ``fuse_projections``, ``linear`` and ``fuse_lora``.
     """
 
     def __init__(
@@ -126,7 +131,10 @@ class StaticEngine:
         compile_mode: str | None = None,
         linear: str = "torch",
         fuse_lora: bool = False,
+        path: str = "auto",
     ):
+        if path not in ("auto", "native", "generic"):
+            raise ValueError(f"path must be 'auto', 'native' or 'generic', got {path!r}")
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
@@ -141,9 +149,12 @@ class StaticEngine:
                 raise ValueError(
                     f"attention={attention!r} / sampler={sampler!r} / linear={linear!r} cannot run here: {reason}"
                 )
-        self.net = StaticLlama(
-            model, attention, fuse_projections=fuse_projections, linear=linear, fuse_lora=fuse_lora
-        )
+        if path == "native" or (path == "auto" and unsupported_reason(model) is None):
+            self.net = StaticLlama(
+                model, attention, fuse_projections=fuse_projections, linear=linear, fuse_lora=fuse_lora
+            )
+        else:  # the model's own forward over this engine's cache (rollout/generic_forward.py)
+            self.net = GenericNet(model)
         if prefill_rows is not None:
             chunk_prefill(self.net, prefill_rows)
         self.model = model
