@@ -36,3 +36,35 @@ def test_skip_bitsandbytes_sync_keeps_other_streams_and_cpu_syncing():
             assert seen == ["cpu", "cuda"]
     finally:
         bnb_optimizer.sync_gpu = original
+
+
+class Fake8bitAdamW(torch.optim.AdamW):
+    """A 32-bit optimizer whose class name says 8bit: a name probe would get it wrong."""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_eight_bit_state_is_read_from_the_setting_not_the_class_name():
+    """8-bit state is bitsandbytes' ``optim_bits=8``, whatever the class is called, wrapped or not; the
+    snapshot estimate counts 1 byte per moment for it."""
+    import types
+
+    import bitsandbytes as bnb
+
+    from rapidfire_hf.optim import RapidFireOptimizer
+    from rapidfire_hf.optim.bnb import eight_bit_state
+    from rapidfire_hf.optim.step_health import eight_bit_optimizer
+    from rapidfire_hf.optim.verification import snapshot_bytes
+
+    params = [torch.nn.Parameter(torch.zeros(64))]
+    assert eight_bit_state(bnb.optim.Adam(params, lr=0.1, optim_bits=8))  # no "8bit" in the name
+    assert not eight_bit_state(bnb.optim.AdamW(params, lr=0.1))  # bitsandbytes' 32-bit AdamW
+    assert not eight_bit_state(Fake8bitAdamW(params, lr=0.1))
+    assert eight_bit_state(bnb.optim.AdamW8bit(params, lr=0.1))
+    rf = RapidFireOptimizer(params, optimizer="adamw8bit", lr=0.1)
+    assert rf.eight_bit_state and eight_bit_optimizer(rf)
+    assert eight_bit_optimizer(types.SimpleNamespace(optimizer=rf))  # behind accelerate's wrapper
+    assert not eight_bit_optimizer(types.SimpleNamespace(optimizer=Fake8bitAdamW(params, lr=0.1)))
+    assert not RapidFireOptimizer(optimizer="adamw8bit", lr=0.1).eight_bit_state  # unbound: no state yet
+    pbytes = 64 * 4
+    assert snapshot_bytes(params, bnb.optim.Adam(params, lr=0.1, optim_bits=8)) == pbytes + 2 * 2 * 64
+    assert snapshot_bytes(params, Fake8bitAdamW(params, lr=0.1)) == pbytes + 2 * 2 * pbytes

@@ -158,3 +158,19 @@ def test_snapshot_bytes_estimate_matches_the_snapshot():
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     assert snapshot_bytes(params, sgd) == pbytes + 2 * pbytes
     assert snapshot_bytes(params, torch.optim.SGD(params, lr=0.1)) == pbytes
+
+
+def test_interval_counts_the_steps_lost_from_the_restored_snapshot():
+    """After a rollback the weights are the snapshot's again: a second failure two steps later undoes only
+    the one good step applied since, and says so (snapshots every 3 steps: at steps 0, 3, 6, 9)."""
+    model = make_model()
+    opt = RapidFireOptimizer(
+        model.parameters(), lr=1e-2, gradient_pipeline=True, rollback="auto", snapshot_interval=3
+    )
+    bad = (K + 1, K + 3)
+    train(model, opt, list(range(STEPS)), inject=lambda s, loss, m: loss * float("nan") if s in bad else loss)
+    assert [(e.step, e.details["steps_lost"]) for e in opt.events] == [(K + 1, 1), (K + 3, 1)]
+    kept = [i for i in range(STEPS) if not (K <= i <= K + 3)]  # 9 and 11 undone, 10 and 12 skipped
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True), kept)
+    assert_same_params(model, ref)

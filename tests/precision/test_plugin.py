@@ -234,3 +234,43 @@ def test_calibrate_through_accelerate_autocast_wrapped_forward():
     schedule = plugin.calibrate(_batch())
     assert schedule == {"model.layers.0": "bf16", "model.layers.1": "bf16", "lm_head": "bf16"}
     assert all(0 < r.error < plugin.sensitivity_threshold for r in plugin.sensitivity.values())
+
+
+def test_pipeline_rules_read_and_switch_the_rapidfire_optimizer_by_type(caplog):
+    """Without a handler, pipeline rules act on the RapidFireOptimizer (also behind accelerate's wrapper)
+    and read its state, so a rule whose state already holds is not an action; another optimizer with a
+    method of the same name is not called (no duck typing), and its rules say nothing handles them."""
+    import logging
+    import types
+
+    from rapidfire_hf.optim import RapidFireOptimizer
+
+    rules = [
+        {"condition": "throughput < 100", "action": "disable_pipeline"},
+        {"condition": "throughput > 1000", "action": "enable_pipeline"},
+    ]
+    model = build_tiny_llama(None, hidden=32, layers=2, heads=2, kv_heads=1)
+    opt = RapidFireOptimizer(model.parameters(), lr=0.1, gradient_pipeline=True)
+    wrapped = types.SimpleNamespace(optimizer=opt, scaler=None)  # what accelerate.prepare returns
+    plugin = AdaptivePrecisionPlugin(initial="bf16", fallback=rules, rule_cooldown_steps=0)
+    plugin.attach(model=model, optimizer=wrapped)
+    assert plugin.on_step_end(1, {"throughput": 2000.0}) == []  # already on: no action
+    assert [a.verb for a in plugin.on_step_end(2, {"throughput": 50.0})] == ["disable_pipeline"]
+    assert not opt.pipeline_enabled
+    opt.enable_pipeline()  # switched back by someone else: the rule reads the optimizer, not its memory
+    assert [a.verb for a in plugin.on_step_end(3, {"throughput": 50.0})] == ["disable_pipeline"]
+    assert [a.verb for a in plugin.on_step_end(4, {"throughput": 5000.0})] == ["enable_pipeline"]
+    assert opt.pipeline_enabled
+    state = plugin.state_dict()
+    assert state["rule_last_fired"] == {0: 3, 1: 4} and state["pipeline_enabled"] is True
+
+    class DuckOptimizer(torch.optim.SGD):
+        def disable_pipeline(self):
+            raise AssertionError("a method found by name was called")
+
+    duck = AdaptivePrecisionPlugin(initial="bf16", fallback=rules[:1]).attach(
+        model=model, optimizer=DuckOptimizer(model.parameters(), lr=0.1)
+    )
+    with caplog.at_level(logging.WARNING, logger="rapidfire_hf"):
+        assert duck.on_step_end(1, {"throughput": 50.0}) == []
+    assert "nothing handles 'disable_pipeline'" in caplog.text

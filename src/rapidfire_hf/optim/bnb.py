@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import torch
 
@@ -73,3 +74,13 @@ def use_8bit_embedding_state(trainer) -> dict:
     kwargs = {k: v for k, v in kwargs.items() if k in accepted and k != "optim_bits"}
     trainer.optimizer_cls_and_kwargs = (AdamW8bit, kwargs)
     return {"optimizer_cls": "bitsandbytes.optim.AdamW8bit", "kwargs": repr(kwargs)}
+
+
+def eight_bit_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps its state in 8 bits: a bitsandbytes optimizer built with ``optim_bits=8``
+    (``AdamW8bit``, ``PagedAdamW8bit``, ...). Read by type and setting, never by class name: bitsandbytes'
+    32-bit ``AdamW`` shares the base class. Without bitsandbytes imported no optimizer can be one."""
+    bnb = sys.modules.get("bitsandbytes.optim.optimizer")
+    if bnb is None or not isinstance(optimizer, (bnb.Optimizer1State, bnb.Optimizer2State)):
+        return False
+    return optimizer.args.optim_bits == 8

@@ -59,6 +59,16 @@ def accelerate_flag(name: str, state_class: str = "GradientState"):
     return shared.get(name) if shared else None
 
 
+# GradientPipeline.stats() of an optimizer without a pipeline
+NO_PIPELINE_STATS = {
+    "hook_seconds": 0.0,
+    "pipeline_buckets": 0,
+    "early_buckets": 0,
+    "hook_bucket_steps": 0,
+    "bucket_steps": 0,
+}
+
+
 def check_bucket_mb(value) -> float:
     """``pipeline_bucket_mb`` as a float, or a ValueError that says what is allowed."""
     if (
@@ -375,6 +385,25 @@ class GradientPipeline:
 
     def ordered_norms(self) -> list[torch.Tensor]:
         return [self.norms[i] for i in sorted(self.norms)]
+
+    def window_norm(self, params: list[torch.Tensor], record: bool) -> torch.Tensor | None:
+        """The closing window's global gradient norm (a device tensor; None without gradients): the
+        norms the hooks recorded and, when ``record``, those of the :meth:`leftovers` of ``params``."""
+        self.join()
+        if record:
+            self.record_norms(self.leftovers(params))
+        norms = self.ordered_norms()
+        return torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+
+    def stats(self) -> dict[str, float | int]:
+        """Hook time and bucket counts, for the optimizer's ``stats()``."""
+        return {
+            "hook_seconds": self.hook_seconds,
+            "pipeline_buckets": len(self.buckets),
+            "early_buckets": sum(b.early for b in self.buckets),
+            "hook_bucket_steps": self.hook_bucket_steps,
+            "bucket_steps": self.bucket_steps,
+        }
 
     def reset_window(self) -> None:
         self.grad_scale = 1.0

@@ -146,3 +146,77 @@ class Snapshot:
                         current.copy_(value, non_blocking=True)
                     else:
                         live[key] = value.to(self._devices[(id(p), key)], copy=True)
+
+
+class RollbackPoint:
+    """The verified state a rollback returns to: a :class:`Snapshot`, which parameters it holds and how
+    many updates were applied since it was taken.
+
+    Args:
+        where: ``"device"``, ``"host"`` or ``"auto"`` (device, unless the optimizer decides otherwise at the
+            first snapshot: :meth:`take_auto_decision`).
+        interval: verified steps between snapshots; above 1 a rollback also undoes the good steps since.
+    """
+
+    def __init__(self, where: str, interval: int):
+        self.auto = where == "auto"  # the placement is still to be decided
+        self.snapshot = Snapshot("device" if self.auto else where)
+        self.interval = interval
+        self.params: list[torch.Tensor] = []  # what the snapshot holds (the early buckets' parameters)
+        self.applied = 0  # updates applied since the snapshot was taken
+        self.span_valid = False  # the snapshot is the start of the current span
+
+    def take_auto_decision(self) -> bool:
+        """True once, at the first snapshot, when ``where="auto"`` still has to be decided."""
+        auto, self.auto = self.auto, False
+        return auto
+
+    def ready(self, params: list[torch.Tensor]) -> bool:
+        """Whether the snapshot holds ``params`` at a verified state recent enough to restore."""
+        held = self.params
+        return (
+            self.snapshot.taken
+            and self.applied < self.interval
+            and len(held) == len(params)
+            and all(a is b for a, b in zip(held, params))
+        )
+
+    def ensure(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Before the hooks apply anything in a window: snapshot ``params`` (the early buckets) and their
+        state, unless a recent enough snapshot holds them."""
+        if not self.ready(params):
+            self.snapshot.capture(params, optimizer, step)
+            self.params = params
+            self.applied = 0
+
+    def ensure_span(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Before the first update of a span: snapshot every parameter and its state (a verified state)."""
+        if not self.span_valid:
+            self.snapshot.capture(params, optimizer, step)
+            self.params = params
+            self.span_valid = True
+        self.snapshot.wait()
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the snapshot back (a span's start: the span's verdict says what to replay)."""
+        self.snapshot.restore(self.params, optimizer)
+
+    def rewind(self, optimizer: torch.optim.Optimizer) -> int:
+        """Put the snapshot back for a failed pipelined window; returns the good updates lost with it
+        (applied since it was taken, ``snapshot_interval > 1``); the next window snapshots afresh."""
+        self.snapshot.restore(self.params, optimizer)
+        lost, self.applied = self.applied, 0
+        return lost
+
+    def count_applied(self) -> None:
+        """A verified update was applied on top of the snapshot."""
+        self.applied += 1
+
+    def span_verified(self) -> None:
+        """The span was verified healthy: the next span snapshots its own start."""
+        self.span_valid = False
+
+    def invalidate(self) -> None:
+        """The parameters or their state changed outside a step: the next window snapshots afresh."""
+        self.applied = self.interval
+        self.span_valid = False

@@ -14,19 +14,22 @@ the caller with the same data, in order, so the run equals one that verified eve
 only the bad batch. When the verdict arrives during the next window, that window's gradients came from
 weights now undone: the window is discarded and listed for replay too. :meth:`verify_now` closes the
 span early (call it before saving or at the end of training; PPOTrainer does so after each update).
+
+:class:`Span` owns the unverified steps and the verdict on its way; the optimizer applies the steps and
+acts on what :meth:`Span.read` returns.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from rapidfire_hf.optim.health import OptimizerEvent
-from rapidfire_hf.optim.verification import CLIP_EPS
-
-CLIP_ONLY = ["clip_prediction"]
+if TYPE_CHECKING:  # the verifier imports Rollback from here
+    from rapidfire_hf.optim.pipeline import GradientPipeline
+    from rapidfire_hf.optim.verification import Verifier
 
 
 @dataclass
@@ -74,79 +77,124 @@ class _Verdict:
         return self.host.tolist()
 
 
-class SpanMixin:
-    """``sync_interval`` spans: apply unverified, verify N steps with one read, undo a failed span."""
+@dataclass
+class SpanVerdict:
+    """A span's verdict on the host.
 
-    @property
-    def _span_mode(self) -> bool:
-        """Spans of ``sync_interval`` steps; with ``sync_interval=1`` only when ``async_verify=True``
-        (each step then applied before its verdict, which arrives at the next window)."""
-        return self.rollback == "auto" and (self.sync_interval > 1 or self.async_verify is True)
+    Attributes:
+        results: per step of the span, in order: its record, the rules it failed, its host gradient norm.
+        first_bad: index in ``results`` of the first step that failed a rule, or None (all healthy).
+    """
 
-    def _span_snapshot(self) -> None:
-        """Before the first update of a span: snapshot every parameter and its state (a verified state)."""
-        if not self._span_snapshot_valid:
-            self._snapshot.capture(self._params, self._inner, self._counters["steps"])
-            self._snapshot_params = self._params
-            self._span_snapshot_valid = True
-        self._snapshot.wait()
+    results: list[tuple[_Record, list[str], float | None]]
+    first_bad: int | None
 
-    def _span_step(self, inner: torch.optim.Optimizer) -> None:
+
+class Span:
+    """``sync_interval`` steps applied unverified and verified with one read.
+
+    Args:
+        interval: steps per span (``sync_interval``).
+        async_verify: read the verdict with a non-blocking copy consumed at the next window (None: on
+            CUDA, for ``interval > 1``).
+        checks: health rules are checked at all (``rollback="auto"``); without them there are no spans.
+        verifier: what turns a span's flags into skips, events and the rollback report; its clip predictor
+            and rollback point are the ones the span's steps use.
+    """
+
+    def __init__(self, interval: int, async_verify: bool | None, checks: bool, verifier: Verifier):
+        self.interval = interval
+        self.async_verify = async_verify
+        self.active = checks and (interval > 1 or async_verify is True)
+        self.verifier = verifier
+        self.records: list[_Record] = []  # unverified steps of the current span
+        self.verdict: _Verdict | None = None  # a closed span's flags on their way to the host
+        self.discard = False  # the current window's gradients came from weights the verdict undid
+
+    def step(self, inner: torch.optim.Optimizer, pipeline: GradientPipeline | None, params: list) -> None:
         """``step()`` in span mode: apply this window's update unverified and record its flags."""
-        if self._verdict is not None:  # the last span's verdict, before anything of this window is applied
-            self._resolve(mid_window=True)
-        step = self._counters["steps"]
-        if self._discard:  # this window's gradients came from weights the verdict undid
-            self._discard = False
-            self._snapshot.restore(self._snapshot_params, self._inner)  # not during backward: here
-            self._report.steps.append(step)
-            self._report.replay.append(step)
-            self.last_step_skipped = True
-            self._counters["discarded"] += 1
+        verifier, clip, point = self.verifier, self.verifier.clip, self.verifier.point
+        if self.verdict is not None:  # the last span's verdict, before anything of this window is applied
+            self.resolve(mid_window=True, inner=inner)
+        if self.discard:  # this window's gradients came from weights the verdict undid
+            self.discard = False
+            point.restore(inner)  # not during backward: here
+            verifier.discarded()
             return
-        pipeline = self._pipeline
         pipelined = pipeline is not None and pipeline.window_pipelined
-        params = self._params
         flags, true = {}, None
         if pipelined:
-            pipeline.join()
-            pipeline.record_norms(pipeline.leftovers(params))
-            norms = pipeline.ordered_norms()
-            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+            total = pipeline.window_norm(params, record=True)
         else:
             grads = [p.grad for p in params if p.grad is not None]
             total = get_total_norm(grads) if grads else None
-        if self.max_grad_norm is not None and total is not None:
-            true = torch.clamp(self.max_grad_norm / (total + CLIP_EPS), max=1.0)
+        if clip.max_norm is not None and total is not None:
+            true = clip.true_coef(total)
             if pipelined:
-                if self.clip_prediction == "scale":
-                    ok = (self._coef_pred - true).abs() <= self.clip_tolerance * true
-                else:
-                    ok = total + CLIP_EPS <= self.max_grad_norm
-                flags["clip_prediction"] = ok
-                self._counters["clip_checks"] += 1
-        metrics = self._health.metrics(total)
-        flags = {**self._health.flags(metrics), **flags}
+                flags["clip_prediction"] = clip.check(total, true)
+        metrics, health = verifier.flags(total)
+        flags = {**health, **flags}
         if pipelined:
             pipeline.step_leftovers(params, true)
         else:
-            self._span_snapshot()
+            point.ensure_span(params, inner, verifier.step)
             if true is not None:
-                clip_grads_with_norm_(params, self.max_grad_norm, total)
+                clip_grads_with_norm_(params, clip.max_norm, total)
             inner.step()
-        names = list(flags)
-        self._span.append(_Record(step, names, [flags[n].float().reshape(()) for n in names], total, metrics))
-        if len(self._span) >= self.sync_interval:
-            self._close_span(non_blocking=self._async_verify())
+        if self.add(verifier.step, flags, total, metrics):
+            self.close(self.non_blocking(params), inner)
 
-    def _async_verify(self) -> bool:
+    def verify_now(self, inner: torch.optim.Optimizer | None) -> Rollback | None:
+        """Verify the steps applied since the last verified boundary (one host read), undo them if one
+        failed; what was undone (also the verifier's ``last_rollback``), or None."""
+        self.close(non_blocking=False, inner=inner)
+        if self.verdict is not None:
+            self.resolve(mid_window=False, inner=inner)
+        return self.verifier.take_report()
+
+    def resolve(self, mid_window: bool, inner: torch.optim.Optimizer) -> None:
+        """Read the pending verdict; keep the span, or restore its snapshot and record what to replay.
+
+        ``mid_window``: the verdict arrives after the current window's forward (in its first closing
+        hook, or in its ``step()``): that window is discarded, and the snapshot is restored in its
+        ``step()``, after backward (autograd still needs the weights it saved)."""
+        verifier, clip, point = self.verifier, self.verifier.clip, self.verifier.point
+        verdict = self.read()
+        if verdict.first_bad is None:
+            for r, _, norm in verdict.results:
+                verifier.healthy(r.metrics, [norm] if norm is not None else [])
+            point.span_verified()  # the state moved on: the next span snapshots afresh
+            return
+        if not mid_window:
+            point.restore(inner)
+        bad, failed, norm = verdict.results[verdict.first_bad]
+        if "clip_prediction" in failed:
+            clip.missed()
+        if norm is not None:
+            clip.remember(norm)
+        verifier.span_failed([r.step for r, _, _ in verdict.results], bad.step, failed, bad.metrics, norm)
+        self.discard = mid_window
+
+    def non_blocking(self, params: list[torch.Tensor]) -> bool:
+        """Whether a closed span is read without waiting (``async_verify``, else: on CUDA)."""
         if self.async_verify is not None:
             return self.async_verify
-        return any(p.is_cuda for p in self._params[:1])
+        return any(p.is_cuda for p in params[:1])
 
-    def _close_span(self, non_blocking: bool) -> None:
-        """Pack the span's flags and norms into one tensor and start reading it (one read per span)."""
-        records, self._span = self._span, []
+    def add(
+        self, step: int, flags: dict[str, torch.Tensor], norm: torch.Tensor | None, metrics: dict
+    ) -> bool:
+        """Record an applied, unverified step; True when the span is full (close it)."""
+        names = list(flags)
+        self.records.append(
+            _Record(step, names, [flags[n].float().reshape(()) for n in names], norm, metrics)
+        )
+        return len(self.records) >= self.interval
+
+    def close(self, non_blocking: bool, inner: torch.optim.Optimizer | None) -> None:
+        """Pack the span's flags and norms into one tensor and start reading it (one read per span); read
+        at once unless ``non_blocking``."""
+        records, self.records = self.records, []
         if not records:
             return
         parts = []
@@ -160,28 +208,13 @@ class SpanMixin:
             verdict = torch.where(mask, packed, torch.ones_like(packed))
             torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN)
             packed = torch.where(mask, verdict, packed)
-        self._verdict = _Verdict(records, packed, non_blocking)
+        self.verdict = _Verdict(records, packed, non_blocking)
         if not non_blocking:
-            self._resolve(mid_window=False)
+            self.resolve(mid_window=False, inner=inner)
 
-    def verify_now(self) -> Rollback | None:
-        """Verify the steps applied since the last verified boundary now (one host read) and undo them if
-        one failed. Returns (and sets ``last_rollback`` to) what was undone, or None."""
-        self._join()
-        self._close_span(non_blocking=False)
-        if self._verdict is not None:
-            self._resolve(mid_window=False)
-        report, self._report = (self._report if self._report.steps else None), Rollback([])
-        self.last_rollback = report
-        return report
-
-    def _resolve(self, mid_window: bool) -> None:
-        """Read the pending verdict; keep the span, or restore its snapshot and record what to replay.
-
-        ``mid_window``: the verdict arrives after the current window's forward (in its first closing
-        hook, or in its ``step()``): that window is discarded, and the snapshot is restored in its
-        ``step()``, after backward (autograd still needs the weights it saved)."""
-        verdict, self._verdict = self._verdict, None
+    def read(self) -> SpanVerdict:
+        """Take the pending verdict off the device (waits for it if it has not arrived)."""
+        verdict, self.verdict = self.verdict, None
         values = verdict.values()
         at, first_bad, results = 0, None, []
         for r in verdict.records:
@@ -191,31 +224,8 @@ class SpanMixin:
             results.append((r, failed, row[-1] if r.norm is not None else None))
             if failed and first_bad is None:
                 first_bad = len(results) - 1
-        if first_bad is None:
-            for r, _, norm in results:
-                self._after_healthy(r.metrics, [norm] if norm is not None else [])
-            self._span_snapshot_valid = False  # the state moved on: the next span snapshots afresh
-            return
-        if not mid_window:
-            self._snapshot.restore(self._snapshot_params, self._inner)
-        self._counters["rollbacks"] += 1
-        bad, failed, norm = results[first_bad]
-        report = self._report
-        report.steps.extend(r.step for r, _, _ in results)
-        report.failed[bad.step] = failed
-        clip_only = failed == CLIP_ONLY
-        report.replay.extend(r.step for i, (r, _, _) in enumerate(results) if i != first_bad or clip_only)
-        if "clip_prediction" in failed:
-            self._counters["clip_misses"] += 1
-        if norm is not None:
-            self._remember_norm(norm)
-        self._counters["skipped"] += 1
-        details = {"grad_norm": norm, "steps_lost": len(results) - 1}
-        if "loss" in bad.metrics:
-            details["loss"] = float(bad.metrics["loss"])
-        self.events.append(OptimizerEvent(bad.step, "rollback", failed, details))
-        self._health.update_stats(bad.metrics, failed)
-        if not clip_only:
-            self._streak.skipped(bad.step, failed, details)
-        self.last_step_skipped = True
-        self._discard = mid_window
+        return SpanVerdict(results, first_bad)
+
+    def clear(self) -> None:
+        """Forget unverified steps (the optimizer's state was replaced)."""
+        self.records, self.verdict, self.discard = [], None, False

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rapidfire_hf.optim.bnb import eight_bit_state
 from rapidfire_hf.optim.guard import NonFiniteGuard
 from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.optim.spans import Rollback
@@ -164,6 +165,17 @@ def rapidfire_optimizer(optimizer) -> RapidFireOptimizer | None:
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
     return None
+
+
+def eight_bit_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` (a RapidFireOptimizer, a plain torch optimizer, either behind accelerate's
+    wrapper) keeps its state in 8 bits: read from the optimizer's type and setting, never its class name."""
+    rapidfire = rapidfire_optimizer(optimizer)
+    if rapidfire is not None:
+        return rapidfire.eight_bit_state
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer
+    return eight_bit_state(optimizer)
 
 
 def step_health(

@@ -1,7 +1,10 @@
-"""The verification half of RapidFireOptimizer: verdicts, skips, snapshots and the window plan.
+"""The verifier of RapidFireOptimizer: a window's verdict, and the record of what was skipped or undone.
 
-A mixin so that ``optimizer.py`` holds the public surface and the step, and this file the decisions
-behind it. It reads the attributes that ``RapidFireOptimizer.__init__`` sets.
+:class:`Verifier` owns the health rules (:class:`~rapidfire_hf.optim.health.HealthMonitor`), the skip
+streak, the step counters, the events and the rollback report of the current step, and is told the
+clip predictor and the rollback point that a verified window moves on; the optimizer (and a
+:class:`~rapidfire_hf.optim.spans.Span`) ask it for a verdict and tell it the outcome, through the
+methods below. :func:`device_snapshot_fits` and :func:`snapshot_bytes` decide where a snapshot may live.
 """
 
 from __future__ import annotations
@@ -9,230 +12,224 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Any
+from collections import Counter
 
 import torch
 
-from rapidfire_hf.optim.health import OptimizerEvent, read_verdict
-from rapidfire_hf.optim.pipeline import accelerate_flag
+from rapidfire_hf.optim.bnb import eight_bit_state
+from rapidfire_hf.optim.clip import ClipPredictor
+from rapidfire_hf.optim.health import HealthMonitor, OptimizerEvent, read_verdict
+from rapidfire_hf.optim.skips import SkipStreak
+from rapidfire_hf.optim.snapshot import RollbackPoint
+from rapidfire_hf.optim.spans import Rollback
 from rapidfire_hf.utils.units import GIB
 
-CLIP_HISTORY = 8  # windows of gradient norms the clip prediction looks at
-CLIP_BACKOFF_MAX = 16  # most windows stepped exactly after a missed clip prediction (optimizer.py)
-CLIP_EPS = 1e-6  # the epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
 # snapshot="auto": a device snapshot (plus optimizer state not allocated yet) may take at most this share
 # of the GPU memory free when the decision is made (at the first snapshot, before the first update)
 SNAPSHOT_DEVICE_SHARE = 0.6
+COUNTS = ("steps", "skipped", "rollbacks", "discarded")  # the counters this component keeps
 
 logger = logging.getLogger(__name__)
 
 
-def _multi_process() -> bool:
-    return (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    )
+class Verifier:
+    """Verdicts of windows, and what the optimizer skipped or undid because of them.
 
+    Args:
+        checks: run the health rules (``rollback="auto"``); otherwise only a clip check is read.
+        health: the rules and their statistics.
+        streak: skipped steps in a row, raising past its limit.
+        clip: the clip predictor, which keeps the true norm of each verified window.
+        point: the rollback point, which counts the updates applied on top of it.
+    """
 
-class VerificationMixin:
-    """Verification, rollback bookkeeping and the pipelined-or-deferred decision of each window."""
+    def __init__(
+        self,
+        checks: bool,
+        health: HealthMonitor,
+        streak: SkipStreak,
+        clip: ClipPredictor,
+        point: RollbackPoint,
+    ):
+        self.checks = checks
+        self.health = health
+        self.streak = streak
+        self.clip = clip
+        self.point = point
+        self.counts: Counter = Counter()
+        self.seconds: Counter = Counter()  # time spent verifying and rolling back
+        self.events: list[OptimizerEvent] = []
+        self.report = Rollback([])  # what the current step undid, published as last_rollback
+        self.last_rollback: Rollback | None = None
+        self.last_step_skipped = False
+        # set by a trainer that replays the windows a missed clip prediction skipped (PPOTrainer); a plain
+        # loop gets one warning at the first miss instead
+        self.replays_missed_windows = False
+        self.warned_unreplayed = False
 
-    def _verify(self, total: torch.Tensor | None, flags: dict[str, torch.Tensor], read: bool):
-        """Health flags (plus ``flags``) -> (metrics, failed rule names, [host grad norm] or [])."""
+    @property
+    def step(self) -> int:
+        """The index of the step in progress (as in ``OptimizerEvent.step``)."""
+        return self.counts["steps"]
+
+    def verify(self, total: torch.Tensor | None, flags: dict[str, torch.Tensor], read: bool, pipelined: bool):
+        """Health flags (plus ``flags``) -> (metrics, failed rule names, [host grad norm] or []).
+
+        ``read`` False: nothing to decide (no rules and no clip check): no host read at all.
+        ``pipelined``: the hooks stepped part of the window (with the clip predictor's coefficient)."""
         if not read:
             return {}, [], []
         start = time.perf_counter()
-        metrics = self._health.metrics(total) if self.rollback == "auto" else {}
-        if self.rollback == "auto":
-            flags = {**self._health.flags(metrics), **flags}
+        metrics = self.health.metrics(total) if self.checks else {}
+        if self.checks:
+            flags = {**self.health.flags(metrics), **flags}
         failed, host = read_verdict(flags, [total] if total is not None else [])
-        self._seconds["verify"] += time.perf_counter() - start
-        if host and self.max_grad_norm is not None:
-            pipelined = self._pipeline is not None and self._pipeline.window_pipelined
-            predicted = self._coef_pred if pipelined else None
-            self._last_coef = (predicted, min(1.0, self.max_grad_norm / (host[0] + CLIP_EPS)))
+        self.seconds["verify"] += time.perf_counter() - start
+        if host and self.clip.max_norm is not None:
+            self.clip.note_read(host[0], pipelined)
         return metrics, failed, host
 
-    def _skip(
+    def flags(self, total: torch.Tensor | None) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The metrics and health flags of the window (device tensors, no read: a span reads them later)."""
+        metrics = self.health.metrics(total)
+        return metrics, self.health.flags(metrics)
+
+    def healthy(self, metrics: dict, host: list[float]) -> None:
+        """A verified window was applied (``host``: its true gradient norm, when read)."""
+        self.health.update_stats(metrics)
+        self.streak.healthy()
+        if host:
+            self.clip.remember(host[0])
+        self.point.count_applied()
+
+    def skip(
         self, kind: str, failed: list[str], metrics: dict, host: list[float], steps_lost: int = 0
     ) -> None:
+        """The window failed ``failed`` and was not applied (``kind``: ``"skip"``, or ``"rollback"`` when
+        the pipeline had applied part of it)."""
         self.last_step_skipped = True
-        self._counters["skipped"] += 1
+        self.counts["skipped"] += 1
         details = {"grad_norm": host[0] if host else None, "steps_lost": steps_lost}
         if "loss" in metrics:
             details["loss"] = float(metrics["loss"])  # already off the hot path: this step failed
-        step = self._counters["steps"]
+        step = self.step
         self.events.append(OptimizerEvent(step, kind, failed, details))
-        self._report.steps.append(step)
-        self._report.failed[step] = failed
+        self.report.steps.append(step)
+        self.report.failed[step] = failed
         if failed == ["clip_prediction"]:
-            self._report.replay.append(step)
-            if not self.replays_missed_windows and not self._warned_unreplayed:
-                self._warned_unreplayed = True
+            self.report.replay.append(step)
+            if not self.replays_missed_windows and not self.warned_unreplayed:
+                self.warned_unreplayed = True
                 warnings.warn(
                     f"RapidFireOptimizer: step {step}'s predicted clip coefficient missed; the step was rolled "
                     "back and skipped. Nothing replays it in a plain loop: run the batch again (opt.last_rollback"
                     ".replay lists the skipped steps) or use clip_prediction='exact' (the default).",
                     stacklevel=4,
                 )
-        self._health.update_stats(metrics, failed)  # clipped, or nothing for non-finite values
+        self.health.update_stats(metrics, failed)  # clipped, or nothing for non-finite values
         if failed != ["clip_prediction"]:  # a missed prediction is replayed, not lost
-            self._streak.skipped(step, failed, details)
+            self.streak.skipped(step, failed, details)
 
-    def _remember_norm(self, norm: float) -> None:
-        self._norm_history = (self._norm_history + [norm])[-CLIP_HISTORY:]
+    def span_failed(
+        self, steps: list[int], bad: int, failed: list[str], metrics: dict, norm: float | None
+    ) -> None:
+        """A span's verdict failed at step ``bad``: every step of ``steps`` was undone; the bad one is
+        skipped (replayed when only its clip prediction missed), the others replayed."""
+        self.counts["rollbacks"] += 1
+        clip_only = failed == ["clip_prediction"]
+        self.report.steps.extend(steps)
+        self.report.failed[bad] = failed
+        self.report.replay.extend(s for s in steps if s != bad or clip_only)
+        self.counts["skipped"] += 1
+        details = {"grad_norm": norm, "steps_lost": len(steps) - 1}
+        if "loss" in metrics:
+            details["loss"] = float(metrics["loss"])
+        self.events.append(OptimizerEvent(bad, "rollback", failed, details))
+        self.health.update_stats(metrics, failed)
+        if not clip_only:
+            self.streak.skipped(bad, failed, details)
+        self.last_step_skipped = True
 
-    def _after_healthy(self, metrics: dict, host: list[float]) -> None:
-        self._health.update_stats(metrics)
-        self._streak.healthy()
-        if host:
-            self._remember_norm(host[0])
-        self._applied_since_snapshot += 1
+    def discarded(self) -> None:
+        """The current window's gradients came from weights a verdict undid: not applied, replayed."""
+        step = self.step
+        self.report.steps.append(step)
+        self.report.replay.append(step)
+        self.last_step_skipped = True
+        self.counts["discarded"] += 1
 
-    def _snapshot_ready(self, params: list[torch.Tensor]) -> bool:
-        """Whether the snapshot holds ``params`` at a verified state recent enough to restore."""
-        held = self._snapshot_params
-        return (
-            self._snapshot.taken
-            and self._applied_since_snapshot < self.snapshot_interval
-            and len(held) == len(params)
-            and all(a is b for a, b in zip(held, params))
-        )
+    def rolled_back(self, seconds: float) -> None:
+        """A pipelined window's early buckets were restored (``seconds`` it took)."""
+        self.seconds["rollback"] += seconds
+        self.counts["rollbacks"] += 1
 
-    def _ensure_snapshot(self) -> bool:
-        """Before the hooks apply anything in a window: snapshot the parameters they may step (the early
-        buckets) and their state, unless a recent enough snapshot holds them. Returns False when
-        ``snapshot="auto"`` turned the pipeline off instead (defer the window)."""
-        if self._snapshot_auto:
-            self._decide_snapshot()
-            if not self.pipeline_enabled:
-                return False
-        params = self._pipeline.early_params
-        if not self._snapshot_ready(params):
-            self._snapshot.capture(params, self._inner, self._counters["steps"])
-            self._snapshot_params = params
-            self._applied_since_snapshot = 0
-        return True
+    def load_counts(self, saved: dict[str, int]) -> None:
+        """The counters of a ``state_dict`` (those this component keeps)."""
+        self.counts = Counter({k: v for k, v in saved.items() if k in COUNTS})
 
-    def _decide_snapshot(self) -> None:
-        """``snapshot="auto"``, once, before the first snapshot: keep it on the device when it fits (it is
-        the fast place: a device copy of 6.15 GiB took 6-8 ms on an H200, a pinned host copy ~125 ms);
-        otherwise turn the gradient pipeline off. Rollback stays exact without any snapshot then,
-        because a window stepped in ``step()`` is verified before it is applied; the pipeline would
-        have saved one gradient copy, the snapshot costs the parameters plus the optimizer state."""
-        self._snapshot_auto = False
-        params = self._params
-        cuda = [p for p in params if p.is_cuda]
-        if not cuda:
-            return  # a "device" snapshot of CPU tensors is host memory anyway
-        device = cuda[0].device
-        need = snapshot_bytes(params, self._inner)
-        free, _ = torch.cuda.mem_get_info(device)
-        available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        if need <= SNAPSHOT_DEVICE_SHARE * available:
-            return
-        self.disable_pipeline()
-        self._counters["snapshot_fallbacks"] += 1
-        details = {"need_gib": need / GIB, "available_gib": available / GIB}
-        self.events.append(OptimizerEvent(self._counters["steps"], "snapshot_auto_pipeline_off", [], details))
-        logger.warning(
-            "RapidFireOptimizer(snapshot='auto'): a device snapshot for rollback plus the optimizer state "
-            "needs %.1f GiB, more than %.0f%% of the %.1f GiB free on %s; the gradient pipeline is turned "
-            "off, so that rollback stays exact without a snapshot (each update is verified before it is "
-            "applied). Pass snapshot='host' to keep the pipeline with the snapshot in pinned host memory, "
-            "or rollback='off' to keep it without rollback.",
-            need / GIB,
-            100 * SNAPSHOT_DEVICE_SHARE,
-            available / GIB,
-            device,
-        )
+    def event(self, kind: str, failed: list[str], details: dict) -> None:
+        self.events.append(OptimizerEvent(self.step, kind, failed, details))
 
-    def _plan_window(self) -> bool:
-        """Called at the first closing hook: step in the hooks this window, or defer to ``step()``?"""
-        reason = None
-        if self._span_mode and self._verdict is not None:  # the last span's verdict, before any update
-            self._resolve(mid_window=True)
-        if self._discard:
-            reason = "rolled_back"  # this window's gradients came from undone weights: replayed
-        elif _multi_process():
-            reason = "distributed"  # hooks fire before the gradient all-reduce has finished
-        elif accelerate_flag("_mixed_precision", "AcceleratorState") == "fp16":
-            reason = "fp16_loss_scaling"  # gradients are still scaled when the hooks fire
-        elif not any(b.early for b in self._pipeline.buckets):
-            reason = "no_early_bucket"  # pipeline_share 0: every bucket waits for step()
-        coef = 1.0
-        if reason is None and self.max_grad_norm is not None and self._clip_backoff > 0:
-            self._clip_backoff -= 1
-            reason = "recent_clip_miss"  # step exactly for a while (the optimizer's clip-miss back-off)
-        elif reason is None and self.max_grad_norm is not None:
-            coef = self._predict_clip_coef()
-            if coef is None:
-                reason = "clip_may_bind"
-        if reason is None and self._span_mode:
-            self._span_snapshot()
-        elif reason is None and self.rollback == "auto" and not self._ensure_snapshot():
-            reason = "snapshot_auto_pipeline_off"
-        if reason is not None:
-            self._deferred[reason] += 1
-            return False
-        self._snapshot.wait()
-        self._counters["pipelined_steps"] += 1
-        self._coef_pred = self._pipeline.grad_scale = coef
-        return True
+    def take_report(self) -> Rollback | None:
+        """What was undone since the last report (None: nothing), published as ``last_rollback``."""
+        report, self.report = (self.report if self.report.steps else None), Rollback([])
+        self.last_rollback = report
+        return report
 
-    def _predict_clip_coef(self) -> float | None:
-        """Clip coefficient for the hooks of this window, or None to defer the window to ``step()``.
-
-        1.0 when the norm history says clipping cannot bind (``clip_headroom`` margin); with
-        ``clip_prediction="scale"``, otherwise ``max_grad_norm / last true norm`` (capped at 1).
-        """
-        if not self._norm_history:
-            return None
-        if self.clip_headroom * max(self._norm_history) + CLIP_EPS <= self.max_grad_norm:
-            return 1.0
-        if self.clip_prediction != "scale":
-            return None
-        return min(1.0, self.max_grad_norm / (self._norm_history[-1] + CLIP_EPS))
-
-    def stats(self) -> dict[str, Any]:
-        """Counters for logging (plain Python numbers; reading them never syncs the device)."""
-        c = self._counters
+    def stats(self) -> dict:
         return {
-            "steps": c["steps"],
-            "skipped": c["skipped"],
-            "consecutive_skips": len(self._streak.run),
-            "rollbacks": c["rollbacks"],
-            "pipeline_enabled": self.pipeline_enabled,
-            "pipelined_steps": c["pipelined_steps"],
-            "deferred_steps": dict(self._deferred),
-            "clip_checks": c["clip_checks"],
-            "clip_misses": c["clip_misses"],
-            "clip_coef_predicted": self._last_coef[0],
-            "clip_coef_true": self._last_coef[1],
-            "last_grad_norm": self._norm_history[-1] if self._norm_history else None,
-            "hook_seconds": self._pipeline.hook_seconds if self._pipeline is not None else 0.0,
-            "pipeline_buckets": len(self._pipeline.buckets) if self._pipeline is not None else 0,
-            "early_buckets": sum(b.early for b in self._pipeline.buckets)
-            if self._pipeline is not None
-            else 0,
-            "hook_bucket_steps": self._pipeline.hook_bucket_steps if self._pipeline is not None else 0,
-            "bucket_steps": self._pipeline.bucket_steps if self._pipeline is not None else 0,
-            "verify_seconds": self._seconds["verify"],
-            "rollback_seconds": self._seconds["rollback"],
-            "snapshots": self._snapshot.count,
-            "snapshot_seconds": self._snapshot.seconds,
-            "snapshot_bytes": self._snapshot.nbytes,
-            "snapshot_fallbacks": c["snapshot_fallbacks"],
+            "steps": self.counts["steps"],
+            "skipped": self.counts["skipped"],
+            "consecutive_skips": len(self.streak.run),
+            "rollbacks": self.counts["rollbacks"],
         }
+
+    def begin_step(self) -> None:
+        self.last_step_skipped = False
+
+    def step_done(self) -> None:
+        """Close the step: count it, start a new window of metrics, publish the rollback report."""
+        self.counts["steps"] += 1
+        self.health.reset_window()
+        self.take_report()
+
+
+def device_snapshot_fits(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> tuple[bool, dict]:
+    """``snapshot="auto"``: whether a device snapshot of ``params`` (and their state) fits in
+    ``SNAPSHOT_DEVICE_SHARE`` of the device memory available now, and the sizes compared (bytes:
+    ``need``, ``available``; and the ``device``). CPU parameters always fit (a "device" snapshot of CPU
+    tensors is host memory anyway)."""
+    cuda = [p for p in params if p.is_cuda]
+    if not cuda:
+        return True, {}
+    device = cuda[0].device
+    need = snapshot_bytes(params, optimizer)
+    free, _ = torch.cuda.mem_get_info(device)
+    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return need <= SNAPSHOT_DEVICE_SHARE * available, {"need": need, "available": available, "device": device}
+
+
+def warn_snapshot_fallback(sizes: dict) -> None:
+    """Say why ``snapshot="auto"`` turned the gradient pipeline off, and what to pass instead."""
+    logger.warning(
+        "RapidFireOptimizer(snapshot='auto'): a device snapshot for rollback plus the optimizer state "
+        "needs %.1f GiB, more than %.0f%% of the %.1f GiB free on %s; the gradient pipeline is turned "
+        "off, so that rollback stays exact without a snapshot (each update is verified before it is "
+        "applied). Pass snapshot='host' to keep the pipeline with the snapshot in pinned host memory, "
+        "or rollback='off' to keep it without rollback.",
+        sizes["need"] / GIB,
+        100 * SNAPSHOT_DEVICE_SHARE,
+        sizes["available"] / GIB,
+        sizes["device"],
+    )
 
 
 def snapshot_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
     """Device bytes a snapshot of ``params`` and their optimizer state needs, plus the live state not
     allocated yet (optimizers create it at their first step): Adam-style groups (``betas``) get two
-    moments per parameter, momentum groups one, at the parameter's element size (1 byte for the
-    bitsandbytes 8-bit optimizers)."""
-    eight_bit = "8bit" in type(optimizer).__name__.lower()
+    moments per parameter, momentum groups one, at the parameter's element size (1 byte for 8-bit
+    optimizer state)."""
+    eight_bit = eight_bit_state(optimizer)
     group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
     total = 0
     for p in params:

@@ -41,6 +41,7 @@ from rapidfire_hf.memory.planner import (
     unplanned,
     unplanned_fused_copies,
 )
+from rapidfire_hf.optim.step_health import eight_bit_optimizer
 from rapidfire_hf.ppo.probe_cache import ProbeCache
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
 from rapidfire_hf.rollout.engine import resolved_backend
@@ -227,7 +228,7 @@ def first_step_reserve(trainer) -> int:
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     if getattr(inner, "state", None):
         return grads
-    eight_bit = "8bit" in type(getattr(inner, "_inner", inner)).__name__.lower()
+    eight_bit = eight_bit_optimizer(trainer.optimizer)
     return grads + sum(p.numel() * (2 if eight_bit else 2 * p.element_size()) for p in params)
 
 

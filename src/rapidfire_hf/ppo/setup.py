@@ -18,6 +18,7 @@ from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
 from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
+from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.optim.step_health import rapidfire_optimizer
 from rapidfire_hf.ppo.config import check_optimizer_options, check_value_mode
 from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset, prompt_limits
@@ -418,7 +419,7 @@ def make_optimizer(args, rf_config, accelerator, module, optimizer, optimizers, 
     if optimizer is None:
         kernel = default_adamw_kernel(accelerator.device, accelerator.distributed_type)
         optimizer = default_adamw(args, params, **kernel)
-    elif getattr(optimizer, "is_bound", True) is False:
+    elif isinstance(optimizer, RapidFireOptimizer) and not optimizer.is_bound:
         # what the optimizer was built without comes from PPOConfig, as for the default AdamW
         optimizer.bind(
             params,
@@ -430,8 +431,8 @@ def make_optimizer(args, rf_config, accelerator, module, optimizer, optimizers, 
             },
         )
         if (
-            getattr(optimizer, "pipeline_enabled", False)
-            and getattr(optimizer, "max_grad_norm", 0) is None
+            optimizer.pipeline_enabled
+            and optimizer.max_grad_norm is None
             and args.max_grad_norm
             and args.max_grad_norm > 0
         ):
@@ -439,7 +440,7 @@ def make_optimizer(args, rf_config, accelerator, module, optimizer, optimizers, 
             # optimizer clips instead, with PPOConfig's max_grad_norm (0 there turns clipping off)
             optimizer.set_max_grad_norm(args.max_grad_norm)
             optimizer.defaults_taken = {
-                **getattr(optimizer, "defaults_taken", {}),
+                **optimizer.defaults_taken,
                 "max_grad_norm": args.max_grad_norm,
             }
     rapidfire = rapidfire_optimizer(optimizer)

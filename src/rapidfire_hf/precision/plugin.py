@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -16,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rapidfire_hf.optim.step_health import rapidfire_optimizer
 from rapidfire_hf.precision.actions import PrecisionAction
-from rapidfire_hf.precision.metrics import AsyncMetrics, GradientMonitor, OutputProbe
+from rapidfire_hf.precision.metrics import AsyncMetrics, GradientMonitor, OutputProbe, overflow_culprit
 from rapidfire_hf.precision.options import (
     DEFAULTS,
     ENV_PREFIX,
@@ -28,10 +30,11 @@ from rapidfire_hf.precision.options import (
     inner_optimizer,
     logger,
 )
-from rapidfire_hf.precision.rules import PluginState, RuleEngine
+from rapidfire_hf.precision.rules import FallbackRules
 from rapidfire_hf.precision.scaler import PerGroupGradScaler
 from rapidfire_hf.precision.schedule import (
     Precision,
+    check_untied_low_precision,
     find_layers,
     logprob_path,
     match_modules,
@@ -46,7 +49,7 @@ from rapidfire_hf.precision.sensitivity import (
 
 
 @dataclass
-class AdaptivePrecisionPlugin(RuleEngine, PluginState):
+class AdaptivePrecisionPlugin:
     """Adaptive mixed precision for an ``accelerate.Accelerator``.
 
     Every field left as None takes ``RAPIDFIRE_PRECISION_<FIELD>`` from the environment, else its default
@@ -133,12 +136,11 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
         self.calibrated_batches = 0
         self.history: list[PrecisionAction] = []
         self.handlers: dict[str, Callable[[], Any]] = {}
-        self._rule_last_fired: dict[int, int] = {}
+        self._rules = FallbackRules()  # when each fallback rule last fired, the pipeline state they set
         self._queue = AsyncMetrics()
         self._monitor: GradientMonitor | None = None
         self._probe: OutputProbe | None = None
         self._grad_stats: dict[str, torch.Tensor] = {}
-        self._pipeline_enabled: bool | None = None
         self._elapsed_before = 0.0
         self._t0 = time.time()
         self.last_metrics: dict[str, float] = {}
@@ -278,7 +280,7 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
         self._apply_schedule()
         made = [PrecisionAction(step, "switch_to", precision.value, t, reason) for t in targets]
         for action in made:
-            self._record(action)
+            self.record_action(action)
         return made
 
     def set_logprob_path(
@@ -309,22 +311,7 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
         precision = Precision(precision or self.sensitive_precision)
         path = logprob_path(self.model)
         if precision is Precision.FP32:
-            owners: dict[int, int] = {}
-            for module in self.model.modules():
-                for param in module.parameters(recurse=False):
-                    owners[id(param)] = owners.get(id(param), 0) + 1
-            for name, module in path.items():
-                tied = [
-                    p
-                    for p in module.parameters(recurse=False)
-                    if owners[id(p)] > 1 and p.dtype != torch.float32
-                ]
-                if tied:
-                    raise ValueError(
-                        f"{name} shares its {tied[0].dtype} weight with another module (tied input/output "
-                        "embeddings): an fp32 log-prob path would convert the input embedding too and break "
-                        "forwards without autocast. Keep fp32 master weights (mixed precision) or untie it."
-                    )
+            check_untied_low_precision(self.model, path)
         made = []
         for name in path:
             made += self.set_precision(precision, name, reason, step)
@@ -348,9 +335,83 @@ class AdaptivePrecisionPlugin(RuleEngine, PluginState):
             changed = set_layer_precision(module, target, cast_back=id(module) not in keep_output)
             cast_optimizer_state(inner_optimizer(self.optimizer), changed)
 
-    def _record(self, action: PrecisionAction) -> None:
+    # -- what fallback rules act on (rules.RuleTarget) ------------------------------------------------------
+    def record_action(self, action: PrecisionAction) -> None:
+        """Keep ``action`` in :attr:`history` and log it."""
         self.history.append(action)
         logger.warning("precision: %s", action)
+
+    def rule_handler(self, verb: str) -> Callable[[], Any] | None:
+        """The handler given for ``verb``, else the RapidFireOptimizer's own pipeline switch, else None."""
+        handler = self.handlers.get(verb)
+        rapidfire = rapidfire_optimizer(self.optimizer)
+        if handler is None and rapidfire is not None:
+            handler = {
+                "disable_pipeline": rapidfire.disable_pipeline,
+                "enable_pipeline": rapidfire.enable_pipeline,
+            }.get(verb)
+        return handler
+
+    def pipeline_state(self) -> bool | None:
+        """Whether the RapidFireOptimizer's gradient pipeline is on (None for another optimizer)."""
+        rapidfire = rapidfire_optimizer(self.optimizer)
+        return rapidfire.pipeline_enabled if rapidfire is not None else None
+
+    def _evaluate(self, step: int, metrics: dict[str, float]) -> list[PrecisionAction]:
+        """The per-layer overflow switch, then the configured rules in order."""
+        actions: list[PrecisionAction] = []
+        if self.auto_switch_layers:
+            culprit = overflow_culprit(list(self.layers), metrics)
+            if culprit is not None:
+                actions += self.set_precision(self.sensitive_precision, culprit[0], culprit[1], step)
+                # explained by that layer: model-wide rules on it would undo the per-layer schedule
+                metrics["nonfinite_grads"] = 0.0
+        return actions + self._rules.evaluate(step, metrics, self.fallback, self.rule_cooldown_steps, self)
+
+    # -- statistics and checkpoints ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Switch counts, switches per hour, actions by kind, layers above the base precision, loss scales."""
+        hours = (self._elapsed_before + time.time() - self._t0) / 3600.0
+        switches = [a for a in self.history if a.verb == "switch_to"]
+        scaler = self.scaler
+        return {
+            "mode": self.mode.value,
+            "precision": self.current.value,
+            "switches": len(switches),
+            "switches_per_hour": len(switches) / max(hours, 1e-9),
+            "actions": dict(Counter(a.verb for a in self.history)),
+            "layer_precision": {n: p.value for n, p in self.overrides.items()},
+            "loss_scales": scaler.get_scales() if scaler is not None else None,
+            "overflow_steps_per_group": list(scaler.overflow_counts) if scaler is not None else None,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule, sensitivity table, switch history, rule cooldowns and loss scales (plain Python types,
+        so accelerate can checkpoint them)."""
+        return {
+            "version": 1,
+            "current": self.current.value,
+            "overrides": {n: p.value for n, p in self.overrides.items()},
+            "sensitivity": [vars(r).copy() for r in self.sensitivity.values()],
+            "calibrated_batches": self.calibrated_batches,
+            "history": [a.to_dict() for a in self.history],
+            **self._rules.state_dict(),
+            "elapsed_s": self._elapsed_before + time.time() - self._t0,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` and re-apply the schedule to the attached model."""
+        self.current = Precision(state["current"])
+        self.overrides = {n: Precision(p) for n, p in state["overrides"].items()}
+        self.sensitivity = {r["name"]: LayerSensitivity(**r) for r in state["sensitivity"]}
+        self.calibrated_batches = state["calibrated_batches"]
+        self.history = [PrecisionAction(**a) for a in state["history"]]
+        self._rules.load_state_dict(state)
+        self._elapsed_before, self._t0 = state["elapsed_s"], time.time()
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self._apply_schedule()
 
     # -- calibration ---------------------------------------------------------------------------------------
     calibration_skipped = None  # why the sensitivity pass will not run, once known (not a dataclass field)

@@ -1,111 +1,91 @@
-"""Fallback-rule evaluation and plugin state, as mixins of ``AdaptivePrecisionPlugin``."""
+"""The fallback rules of ``AdaptivePrecisionPlugin``: which configured rule fires at a step end, and what
+it does. :class:`FallbackRules` owns what the rules remember between steps (when each last fired, the
+pipeline state the last pipeline rule set); what a rule acts on is a :class:`RuleTarget` (the plugin)."""
 
 from __future__ import annotations
 
-import time
-from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rapidfire_hf.precision.actions import PrecisionAction, describe_match
-from rapidfire_hf.precision.metrics import overflow_culprit
-from rapidfire_hf.precision.options import inner_optimizer, logger
-from rapidfire_hf.precision.schedule import Precision
-from rapidfire_hf.precision.sensitivity import LayerSensitivity
+from rapidfire_hf.precision.options import logger
+
+PIPELINE_VERBS = ("disable_pipeline", "enable_pipeline")
 
 
-class RuleEngine:
-    """Turns step metrics into actions: the per-layer overflow switch, then the configured rules in order."""
+class RuleTarget(Protocol):
+    """What a fired rule acts on."""
 
-    def _evaluate(self, step: int, metrics: dict[str, float]) -> list[PrecisionAction]:
+    def set_precision(
+        self, precision: str, layer: str | None, reason: str, step: int
+    ) -> list[PrecisionAction]:
+        """Switch the model (``layer=None``) or the matching layers; the switches made."""
+
+    def rule_handler(self, verb: str) -> Callable[[], Any] | None:
+        """What runs ``verb`` (``disable_pipeline``, ``enable_pipeline``, ``compact_memory``), or None."""
+
+    def pipeline_state(self) -> bool | None:
+        """Whether the optimizer's gradient pipeline is on (None: the optimizer does not say)."""
+
+    def record_action(self, action: PrecisionAction) -> None:
+        """Keep and log an action taken."""
+
+
+class FallbackRules:
+    """The state of the configured fallback rules between step ends."""
+
+    def __init__(self):
+        self.last_fired: dict[int, int] = {}  # rule index -> step it last fired at
+        self.pipeline_enabled: bool | None = None  # what the last pipeline rule set, where nothing else says
+
+    def evaluate(
+        self, step: int, metrics: dict[str, float], rules: list, cooldown_steps: int, target: RuleTarget
+    ) -> list[PrecisionAction]:
+        """Fire the rules that match ``metrics``, in order, each at most once per ``cooldown_steps``.
+
+        Returns:
+            The actions taken (a rule that changes nothing is not an action and does not start its cooldown).
+        """
         actions: list[PrecisionAction] = []
-        if self.auto_switch_layers:
-            culprit = overflow_culprit(list(self.layers), metrics)
-            if culprit is not None:
-                actions += self.set_precision(self.sensitive_precision, culprit[0], culprit[1], step)
-                # explained by that layer: model-wide rules on it would undo the per-layer schedule
-                metrics["nonfinite_grads"] = 0.0
-        for index, rule in enumerate(self.fallback):
-            last = self._rule_last_fired.get(index)
-            if last is not None and step - last < self.rule_cooldown_steps:
+        for index, rule in enumerate(rules):
+            last = self.last_fired.get(index)
+            if last is not None and step - last < cooldown_steps:
                 continue
             if not rule.matches(metrics):
                 continue
-            fired = self._apply_rule(rule, step, metrics)
+            fired = self._apply(rule, step, metrics, target)
             if fired:
-                self._rule_last_fired[index] = step
+                self.last_fired[index] = step
                 actions += fired
         return actions
 
-    def _apply_rule(self, rule, step: int, metrics: dict[str, float]) -> list[PrecisionAction]:
+    def _apply(self, rule, step: int, metrics: dict[str, float], target: RuleTarget) -> list[PrecisionAction]:
         layers = rule.matched_layers(metrics)
         reason = describe_match(rule, metrics, layers)
         if rule.verb == "switch_to":
             if rule.scope is not None:
-                return self.set_precision(rule.argument, rule.scope, reason, step)
+                return target.set_precision(rule.argument, rule.scope, reason, step)
             if rule.layer is not None:
-                return [a for name in layers for a in self.set_precision(rule.argument, name, reason, step)]
-            return self.set_precision(rule.argument, None, reason, step)
-        if rule.verb in ("disable_pipeline", "enable_pipeline"):
+                return [a for name in layers for a in target.set_precision(rule.argument, name, reason, step)]
+            return target.set_precision(rule.argument, None, reason, step)
+        if rule.verb in PIPELINE_VERBS:
             enable = rule.verb == "enable_pipeline"
-            state = getattr(inner_optimizer(self.optimizer), "pipeline_enabled", self._pipeline_enabled)
-            if state is enable:
+            state = target.pipeline_state()
+            if (self.pipeline_enabled if state is None else state) is enable:
                 return []  # already so: not an action, and no log line every step
-            self._pipeline_enabled = enable
-        handler = self.handlers.get(rule.verb) or getattr(inner_optimizer(self.optimizer), rule.verb, None)
+            self.pipeline_enabled = enable
+        handler = target.rule_handler(rule.verb)
         if handler is None:
             logger.warning("precision: rule '%s' fired but nothing handles %r", rule.condition, rule.verb)
             return []
         handler()
         action = PrecisionAction(step, rule.verb, None, None, reason)
-        self._record(action)
+        target.record_action(action)
         return [action]
 
-
-class PluginState:
-    """Statistics and ``state_dict`` of the plugin (plain Python types, so accelerate can checkpoint them)."""
-
-    def stats(self) -> dict[str, Any]:
-        """Switch counts, switches per hour, actions by kind, layers above the base precision, loss scales."""
-        hours = (self._elapsed_before + time.time() - self._t0) / 3600.0
-        switches = [a for a in self.history if a.verb == "switch_to"]
-        return {
-            "mode": self.mode.value,
-            "precision": self.current.value,
-            "switches": len(switches),
-            "switches_per_hour": len(switches) / max(hours, 1e-9),
-            "actions": dict(Counter(a.verb for a in self.history)),
-            "layer_precision": {n: p.value for n, p in self.overrides.items()},
-            "loss_scales": self.scaler.get_scales() if self.scaler is not None else None,
-            "overflow_steps_per_group": list(self.scaler.overflow_counts)
-            if self.scaler is not None
-            else None,
-        }
-
     def state_dict(self) -> dict[str, Any]:
-        """Schedule, sensitivity table, switch history, rule cooldowns and loss scales (plain Python types)."""
-        return {
-            "version": 1,
-            "current": self.current.value,
-            "overrides": {n: p.value for n, p in self.overrides.items()},
-            "sensitivity": [vars(r).copy() for r in self.sensitivity.values()],
-            "calibrated_batches": self.calibrated_batches,
-            "history": [a.to_dict() for a in self.history],
-            "rule_last_fired": dict(self._rule_last_fired),
-            "pipeline_enabled": self._pipeline_enabled,
-            "elapsed_s": self._elapsed_before + time.time() - self._t0,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
+        return {"rule_last_fired": dict(self.last_fired), "pipeline_enabled": self.pipeline_enabled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` and re-apply the schedule to the attached model."""
-        self.current = Precision(state["current"])
-        self.overrides = {n: Precision(p) for n, p in state["overrides"].items()}
-        self.sensitivity = {r["name"]: LayerSensitivity(**r) for r in state["sensitivity"]}
-        self.calibrated_batches = state["calibrated_batches"]
-        self.history = [PrecisionAction(**a) for a in state["history"]]
-        self._rule_last_fired = {int(k): v for k, v in state["rule_last_fired"].items()}
-        self._pipeline_enabled = state["pipeline_enabled"]
-        self._elapsed_before, self._t0 = state["elapsed_s"], time.time()
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self._apply_schedule()
+        self.last_fired = {int(k): v for k, v in state["rule_last_fired"].items()}
+        self.pipeline_enabled = state["pipeline_enabled"]

@@ -111,6 +111,27 @@ def _call_getter(module: nn.Module, name: str):
         return None
 
 
+def check_untied_low_precision(model: nn.Module, path: dict[str, nn.Module]) -> None:
+    """Refuse an fp32 log-prob ``path`` whose module shares a low-precision weight with another module.
+
+    Raises:
+        ValueError: a head shares its fp16/bf16 weight (``tie_word_embeddings``): running it in fp32 would
+            convert the input embedding too and break forwards without autocast (the rollout engine).
+    """
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    for name, module in path.items():
+        tied = [p for p in module.parameters(recurse=False) if owners[id(p)] > 1 and p.dtype != torch.float32]
+        if tied:
+            raise ValueError(
+                f"{name} shares its {tied[0].dtype} weight with another module (tied input/output "
+                "embeddings): an fp32 log-prob path would convert the input embedding too and break "
+                "forwards without autocast. Keep fp32 master weights (mixed precision) or untie it."
+            )
+
+
 def match_modules(model: nn.Module, pattern: str) -> dict[str, nn.Module]:
     """Modules whose name matches ``pattern`` (exact name or ``fnmatch`` glob such as ``model.layers.*.mlp``)."""
     return {n: m for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)}
