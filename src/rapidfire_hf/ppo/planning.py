@@ -108,7 +108,7 @@ def probe_identity(trainer, tokens: int, wanted: tuple[str, ...]) -> dict[str, s
     device, row length, policies, and the versions that measured them (``ppo.probe_cache``)."""
     import transformers
 
-    import rapidfire_hf
+    from rapidfire_hf import __version__
 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     config = unwrapped.policy.config.to_json_string(use_diff=False)
@@ -127,7 +127,7 @@ def probe_identity(trainer, tokens: int, wanted: tuple[str, ...]) -> dict[str, s
         "policies": ",".join(wanted),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "rapidfire_hf": rapidfire_hf.__version__,
+        "rapidfire_hf": __version__,
     }
 
 
