@@ -44,6 +44,22 @@ def test_sampled_logprobs_equal_forward(tokenizer, prompts, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_bf16_greedy_tokens_are_the_models_argmax(tokenizer, prompts, name):
+    """bf16 (each family's dtype flow: OLMo-2's fp32 rotary tables, Gemma's rounded embedding scale): exact
+    equality with generate is a coin toss on near-tied logits, so every token must be the argmax of the
+    model's own bf16 forward over the generated sequence, up to a few roundings of the top logit."""
+    model = build(case(name), len(tokenizer)).to(torch.bfloat16)
+    ids, mask = prompts
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=40, do_sample=False))
+    logits = fresh_logits(model, out.sequences, mask)[:, out.prompt_length - 1 : -1]
+    chosen = logits.gather(-1, out.responses[..., None]).squeeze(-1)
+    top = logits.max(-1).values
+    assert ((top - chosen) <= 2**-5 * top.abs().clamp_min(1.0)).all()
+    assert (chosen == top).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_ppo_update_runs_with_the_family_as_policy(tmp_path, tokenizer, name):
     from rapidfire_hf.demo import build_tiny_value_model, make_prompt_dataset, vowel_reward
     from rapidfire_hf.ppo import PPOConfig, PPOTrainer
@@ -111,6 +127,7 @@ def test_a_window_spanning_the_rollout_is_full_attention(tokenizer, prompts):
         ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
         ("qwen3", {"layer_types": ["chunked_attention"] * 4}, "layer types ['chunked_attention']"),
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "dynamic"),
+        ("mistral", {"sliding_window": 0}, "sliding_window=[0] is not a positive number"),
     ],
 )
 def test_what_the_native_path_cannot_run_is_refused_by_name(tokenizer, name, overrides, says):

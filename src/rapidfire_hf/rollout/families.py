@@ -156,6 +156,9 @@ def family_reason(lm) -> str | None:
     unknown = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if t not in LAYER_TYPES})
     if unknown:
         return f"layer types {unknown} are not supported (only {list(LAYER_TYPES)})"
+    windows = {w for w in layer_windows(cfg) if w is not None}
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows):
+        return f"sliding_window={sorted(windows, key=str)} is not a positive number of tokens"
     if getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention (use_bidirectional_attention=True) is not a causal decoder"
     body = getattr(lm, "base_model", None)

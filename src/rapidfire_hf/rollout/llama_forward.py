@@ -192,12 +192,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of the first ``cos.shape[-1]`` dims of ``x``; the rest pass through (partial rotary:
-    GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor)."""
+    GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor). Computed in the table's dtype and returned in
+    ``x``'s: OLMo-2's rotary module keeps fp32 tables and its model rounds the rotated q/k back."""
     d = cos.shape[-1]
     if d == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return (x * cos + _rotate_half(x) * sin).to(x.dtype)
     rot = x[..., :d]
-    return torch.cat([rot * cos + _rotate_half(rot) * sin, x[..., d:]], dim=-1)
+    return torch.cat([(rot * cos + _rotate_half(rot) * sin).to(x.dtype), x[..., d:]], dim=-1)
 
 
 def _capped_attention(q, k, v, allowed, scale: float, softcap: float) -> torch.Tensor:
