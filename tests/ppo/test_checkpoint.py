@@ -18,6 +18,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from rapidfire_hf.checkpoint.errors import CheckpointError
+from rapidfire_hf.checkpoint.manifest import MANIFEST, file_sha256
+from rapidfire_hf.checkpoint.writer import latest_checkpoint
 from rapidfire_hf.demo import (
     build_char_tokenizer,
     build_tiny_llama,
@@ -26,9 +29,6 @@ from rapidfire_hf.demo import (
     vowel_reward,
 )
 from rapidfire_hf.ppo import PPOTrainer
-from rapidfire_hf.checkpoint.errors import CheckpointError
-from rapidfire_hf.checkpoint.manifest import MANIFEST, file_sha256
-from rapidfire_hf.checkpoint.writer import latest_checkpoint
 from tests.helpers import faults_io
 from tests.ppo.helpers import ppo_args
 

@@ -16,14 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidfire_hf.demo import (
-    build_char_tokenizer,
-    build_tiny_llama,
-    build_tiny_value_model,
-    make_prompt_dataset,
-    vowel_reward,
-)
-from rapidfire_hf.ppo import PPOTrainer
 from rapidfire_hf.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -32,6 +24,14 @@ from rapidfire_hf.checkpoint.errors import (
 )
 from rapidfire_hf.checkpoint.manifest import MANIFEST, OLD_MARKER, verify
 from rapidfire_hf.checkpoint.writer import latest_checkpoint
+from rapidfire_hf.demo import (
+    build_char_tokenizer,
+    build_tiny_llama,
+    build_tiny_value_model,
+    make_prompt_dataset,
+    vowel_reward,
+)
+from rapidfire_hf.ppo import PPOTrainer
 from tests.ppo.helpers import ppo_args
 
 LOGGER = "rapidfire_hf.ppo.checkpoint"

@@ -183,3 +183,14 @@ def test_a_stopped_trial_whose_folder_vanished_keeps_its_record(tokenizer, tmp_p
     assert {k: after[k] for k in before} == before and after["kept_from_previous_summary"] is True
     assert f"trial {B} is stopped and {tmp_path / 'trials' / B} holds no checkpoint of it" in caplog.text
     assert results[B].status == "stopped" and results[A].global_step == 3
+
+
+def test_a_300_character_trial_name_in_the_index_is_refused_by_name(tmp_path):
+    from rapidfire_hf.sweep.checkpoint import INDEX, read_index
+
+    name = "n" * 300
+    entry = {"overrides": {}, "parent": None, "branch_step": None, "status": "running", "reason": ""}
+    (tmp_path / INDEX).write_text(json.dumps({"format": 1, "sweep_id": "x", "trials": {name: entry}}))
+    with pytest.raises(SweepCheckpointError) as err:
+        read_index(tmp_path)
+    assert str(tmp_path / INDEX) in str(err.value) and "300 characters" in str(err.value)

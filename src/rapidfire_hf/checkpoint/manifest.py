@@ -161,14 +161,14 @@ def _read(folder: Path) -> dict:
 
 
 def _safe_relative(folder: Path, rel: str) -> Path:
-    """``folder / rel`` for a plain relative POSIX path inside the folder; refuses anything else."""
-    parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
+    """``folder / rel`` for a plain relative POSIX path inside the folder, written as the writer writes it
+    (no ``.``, ``..`` or empty part, no backslash); refuses anything else."""
+    parts = rel.split("/")  # JSON object keys are always strings
     bad = (
-        not parts
-        or "\\" in rel
+        "\\" in rel
         or "\0" in rel
-        or PurePosixPath(rel).is_absolute()
         or any(p in ("", ".", "..") for p in parts)
+        or PurePosixPath(rel).is_absolute()
         or len(rel) > 4096
     )
     if bad:

@@ -467,7 +467,8 @@ def load(trainer, resume_from_checkpoint) -> int:
             state = type(trainer.state).load_from_json(str(state_file))
         except (OSError, ValueError, TypeError) as e:
             raise CheckpointDamagedError(state_file, "cannot be read as a trainer state", e) from None
-        require_finite(path / "optimizer.pt", optimizer_state, "the optimizer state:")  # NaN moments: every step
+        # NaN moments would poison every step after the resume
+        require_finite(path / "optimizer.pt", optimizer_state, "the optimizer state:")
     except OldCheckpointError:
         raise
     except CheckpointDamagedError as err:
