@@ -101,6 +101,8 @@ CHECKS = [
     f"greedy tokens equal `model.generate` for {GREEDY_TOKENS} tokens (5 left-padded prompts; CPU, fp32)",
     f"sampled log-probs (temperature 0.8, 40 tokens, past every window) within {LOGPROB_ATOL:g} of a forward "
     "of the model itself",
+    "bf16 (CPU): every greedy token of 40 is the argmax of the model's own bf16 forward over the generated "
+    "sequence, up to 2**-5 of the top logit (exact equality with `generate` is a coin toss on near-ties)",
     'one PPO update (`PPOTrainer`, `rollout_backend="static"`) runs with it as the policy and changes it',
 ]
 # what the engine does with models outside the table (rows rendered from unsupported_reason)
