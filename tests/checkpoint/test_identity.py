@@ -36,6 +36,15 @@ def test_one_changed_value_is_caught_where_it_is_sampled():
     assert [k for k in before if before[k] != after[k]] == ["model.norm.weight"]
 
 
+def test_large_parameters_are_sampled_up_to_their_last_value():
+    """Beyond 2**24 values a float position rounds past the end (found with a 32000 x 1024 embedding)."""
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(2**25 + 3, dtype=torch.int8), requires_grad=False)
+    before = model_fingerprint(module)
+    module.w.data[-1] = 1
+    assert model_fingerprint(module) != before
+
+
 def test_dtype_and_shape_are_named():
     a = model_fingerprint(frozen())
     b = model_fingerprint(frozen().to(torch.bfloat16))

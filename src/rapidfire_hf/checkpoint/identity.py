@@ -90,7 +90,9 @@ def model_fingerprint(model: torch.nn.Module | None) -> dict[str, str] | None:
             entries.append((_base_name(name), head, None))
             continue
         flat = local.reshape(-1)
-        index = torch.linspace(0, flat.numel() - 1, min(_SAMPLES, flat.numel()), device=flat.device).long()
+        k = min(_SAMPLES, flat.numel())
+        # integer positions (a float linspace rounds past the end beyond 2**24 elements)
+        index = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
         entries.append((_base_name(name), head, len(samples)))
         samples.append(flat[index].contiguous().view(torch.uint8).reshape(-1))  # the values' exact bytes
     if not entries:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,11 @@ def run_settings(a, num_prompts: int) -> dict:
     }
 
 
+# a sweep's identity, computed at its first save: its base, tokenizer and LoRA config never change, and
+# hashing a 150k-token vocabulary for every trial's every save would cost about a second each
+_SAVED_IDENTITY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def sweep_identity(sweep) -> dict:
     """The run every trial's checkpoint belongs to: the frozen base and reward model, the tokenizer, the
     shared LoRA config and the value head."""
@@ -138,12 +144,14 @@ def save_trial(sweep, trial) -> Path:
                 f"{step}; a checkpoint never holds them, so none was written. A diverged trial cannot be cloned: "
                 "clone a trial that is still finite, or restart this one from its last checkpoint."
             )
+    if sweep not in _SAVED_IDENTITY:
+        _SAVED_IDENTITY[sweep] = sweep_identity(sweep)
     try:
         final = write_checkpoint(
             Path(trial.args.output_dir),
             step,
             lambda tmp, writing: _write_files(sweep, trial, tmp, writing),
-            identity=sweep_identity(sweep),
+            identity=_SAVED_IDENTITY[sweep],
             settings=run_settings(trial.args, len(sweep.train_dataset)),
             save_total_limit=trial.args.save_total_limit,
         )
