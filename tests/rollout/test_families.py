@@ -208,3 +208,23 @@ def test_a_step_that_cannot_be_compiled_or_recorded_falls_back_mode_by_mode(toke
     assert tried[:3] == ["compile", "cuda_graph", "eager"] and set(tried[3:]) == {"eager"}
     assert engine._static.decode_mode == "eager"
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, 20, stop=None))
+
+
+@pytest.mark.parametrize(
+    ("name", "fuses"),
+    [("gemma2", True), ("gemma3_text", True), ("olmo2", True), ("granite", True), ("smollm3", True),
+     ("phi3", False), ("gpt_neox", False), ("qwen3_moe", False)],
+)  # fmt: skip
+def test_fused_projections_where_the_family_has_separate_ones(tokenizer, prompts, name, fuses):
+    """q/k/v and gate/up concatenated for the families that project separately (OLMo-2's q/k norm then
+    acts on a slice of the fused output); Phi-3 and GPT-NeoX already project in one matmul and MoE layers
+    route their MLP, so they keep their modules and no copy is made."""
+    from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
+
+    model = build(case(name), len(tokenizer))
+    ids, mask = prompts
+    engine = RolloutEngine(model, 0, [], backend="static", decode_fuse_projections=True)
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=60, do_sample=False))
+    assert torch.equal(out.responses, hf_greedy(model, ids, mask, 60, stop=None))
+    assert (engine.copy_bytes() > 0) == fuses
+    assert engine.copy_bytes() == fused_projection_bytes(model)
