@@ -84,6 +84,7 @@ ENTRIES=(
   "presets_b8_8updates|presets/results/h200/b8_8updates|1.1B batch 8: no config and every preset, 7 timed updates a row, no stock"
   "ppo_families_b8|ppo_vs_trl/results/h100/families_b8|PPO batch 8, separate value model, Gemma-3-1B and OLMo-2-1B shapes (random init): stock TRL 1.12 and ours, one call per family (not run yet)"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
+  "rollout_families|rollout/results/h100/families|decode step per model family (Llama-1.1B, Gemma-3-1B, OLMo-2-1B, Phi-3-mini, Pythia-1B, 12-layer Qwen3-30B-A3B MoE; random init, bf16) at batch 8 and 64: the engine vs generate dynamic/static, per-byte vs Llama (not run yet)"
   "rollout_lora|rollout/results/h200/lora|decode step with a rank-16 LoRA adapter on q/k/v/o: compiled, fused projections (LoRA layers unfused), fused with LoRA (decode_fuse_lora), batch 8 and 64 (not run yet)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
   "kernels_call5|kernels/results/h200/call5|GPU kernel tests, attention mid-response with the kv_end bound, the compiled decode step (default SDPA vs Triton attention) at the response's mean cache length"
@@ -264,6 +265,7 @@ entry() {  # the commands of one entry, writing into $1
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;
     rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
+    rollout_families) $PY benchmarks/rollout/families.py --out "$o" --budget-s 360 ;;
     rollout_lora) $PY benchmarks/rollout/run.py --out "$o" --batches 8,64 --lora-rank 16 \
         --systems ours_compile,ours_compile+fuse,ours_compile+fuse_lora --budget-s 280 ;;
     kernels) bash benchmarks/kernels/h200.sh "$o" ;;
