@@ -9,6 +9,7 @@ import torch
 from transformers import TrainerCallback
 
 from rapidfire_hf.memory.allocator import setup_allocator
+from rapidfire_hf.memory.levels import MEMORY_LEVELS
 from rapidfire_hf.memory.stats import (
     MemorySample,
     MiB,
@@ -22,10 +23,9 @@ from rapidfire_hf.memory.telemetry import TelemetryWriter, default_telemetry_dir
 
 logger = logging.getLogger(__name__)
 
-LEVELS = ("conservative", "balanced", "aggressive", "auto")
-# Fewest optimizer steps between two threshold compactions, by memory.optimization level: a compaction
-# makes the next step cudaMalloc its activations again, so lazier levels wait longer.
-MIN_INTERVAL_STEPS = {"conservative": 50, "balanced": 20, "aggressive": 5, "auto": 20}
+LEVELS = tuple(MEMORY_LEVELS)
+# Fewest optimizer steps between two threshold compactions, by memory.optimization level (memory/levels.py)
+MIN_INTERVAL_STEPS = {n: lv.compaction_interval for n, lv in MEMORY_LEVELS.items()}
 # Phase changes after which the cache is released: generation leaves KV-cache blocks whose sizes training
 # never asks for again. Under memory pressure with release_after_rollout="pressure" (the default: on an
 # H200 the release at every update cost 12-16% of a batch-8 PPO update and lowered no peak,

@@ -115,7 +115,7 @@ class RunShape:
 def level_policies(level) -> tuple[str, ...]:
     """The checkpointing policies ``memory.optimization=level`` may apply, least recompute first."""
     if level_target(level).recompute:
-        return tuple(LEVEL_POLICY[lv] for lv in ("conservative", "balanced", "aggressive"))
+        return tuple(LEVEL_POLICY.values())  # least recompute first
     return ("none",)
 
 

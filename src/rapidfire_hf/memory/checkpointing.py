@@ -41,15 +41,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from rapidfire_hf.memory.levels import MEMORY_LEVELS
 from rapidfire_hf.memory.planner import LEVEL_POLICY, POLICY_LEVEL, TRAIN_PEAK_FACTOR, Budget, level_target
 from rapidfire_hf.models import unwrap_peft
 
 logger = logging.getLogger(__name__)
 
 # Recompute an op when its output costs fewer FLOPs than this per byte kept (see the module docstring).
-RECOMPUTE_BELOW = {"balanced": 16.0, "aggressive": 4096.0}
-LEVELS = ("conservative", "balanced", "aggressive", "auto")
-ORDER = ("conservative", "balanced", "aggressive")  # least recompute first
+RECOMPUTE_BELOW = {n: lv.recompute_below for n, lv in MEMORY_LEVELS.items() if lv.recompute_below is not None}
+LEVELS = tuple(MEMORY_LEVELS)
+ORDER = tuple(LEVEL_POLICY)  # the levels that name a policy, least recompute first
 FALLBACK_LEVEL = "conservative"  # what `auto` applies when its measurement fails: no recompute, as stock
 
 # (op name, index of the argument whose last dimension is the contraction)

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from rapidfire_hf.memory.levels import MEMORY_LEVELS, LevelTarget, level_name
+
 GIB = 1024**3
 
 # checkpointing policies, least recompute first, and the cost-policy level that implements each
@@ -51,7 +53,9 @@ POLICY_LEVEL = {
     "elementwise": "balanced",
     "matmuls": "aggressive",
 }
-LEVEL_POLICY = {"conservative": "none", "balanced": "elementwise", "aggressive": "matmuls"}
+LEVEL_POLICY = {
+    n: lv.checkpoint_policy for n, lv in MEMORY_LEVELS.items() if lv.checkpoint_policy is not None
+}
 
 # Tokens per training forward above which the planner stops merging micro-batches.
 MAX_TRAIN_TOKENS = 16384
@@ -65,21 +69,8 @@ TRAIN_PEAK_FACTOR = 1.1
 MAX_SCORING_ROWS = 256
 
 
-@dataclass(frozen=True)
-class LevelTarget:
-    """What a ``memory.optimization`` level lets the planner do."""
-
-    device_share: float  # share of the device's total memory the run may plan to use
-    recompute: bool  # may trade compute for memory (activation checkpointing) to fit
-    eight_bit_state: bool = False  # may keep AdamW's state in 8 bits (changes the optimizer's arithmetic)
-
-
-LEVEL_TARGETS: dict[str, LevelTarget] = {
-    "conservative": LevelTarget(0.80, recompute=False),
-    "balanced": LevelTarget(0.85, recompute=True),
-    "auto": LevelTarget(0.85, recompute=True),
-    "aggressive": LevelTarget(0.92, recompute=True, eight_bit_state=True),
-}
+# what each ``memory.optimization`` level lets the planner do (the one table, memory/levels.py)
+LEVEL_TARGETS: dict[str, LevelTarget] = MEMORY_LEVELS
 # Share of the level's target kept for activations, the KV cache and temporaries when deciding whether
 # the weights, gradients and optimizer state alone leave room to train.
 STATE_HEADROOM = 0.15
@@ -470,10 +461,7 @@ def level_target(level) -> LevelTarget:
     Raises:
         ValueError: for an unknown level, naming the allowed ones.
     """
-    name = getattr(level, "value", level)
-    if name not in LEVEL_TARGETS:
-        raise ValueError(f"memory.optimization={name!r}: expected one of {', '.join(LEVEL_TARGETS)}")
-    return LEVEL_TARGETS[name]
+    return LEVEL_TARGETS[level_name(level)]
 
 
 def choose_optimizer_state(

@@ -31,6 +31,7 @@ import logging
 from dataclasses import replace
 
 from rapidfire_hf.memory.checkpointing import level_budget
+from rapidfire_hf.memory.levels import DEFAULT_LEVEL
 from rapidfire_hf.memory.planner import (
     UNPLANNED_SCORING_ROWS,
     Asked,
@@ -44,8 +45,6 @@ from rapidfire_hf.memory.planner import (
 from rapidfire_hf.sweep.phases import train_pack_rows
 
 logger = logging.getLogger("rapidfire_hf.sweep")
-
-DEFAULT_LEVEL = "balanced"
 
 
 def sweep_memory(rf_config) -> tuple[str, bool]:
