@@ -184,18 +184,14 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tokenizer, tmp_path):
     ]
 
 
-def test_settings_a_sweep_does_not_use_are_named(tokenizer, tmp_path, caplog):
-    import logging
+def test_settings_a_sweep_does_not_use_are_refused_by_name(tokenizer, tmp_path):
+    """Once a warning, now the settings contract (config/contract.py): refused by name before any work."""
+    from rapidfire_hf.config.errors import ConfigError
 
-    with caplog.at_level(logging.WARNING):
+    with pytest.raises(ConfigError) as info:
         make_sweep(tokenizer, tmp_path, {A: {}}, optim="adafactor", save_strategy="epoch", push_to_hub=False)
-    assert "optim=adafactor (every trial trains with torch AdamW)" in caplog.text
-    assert "save_strategy=epoch" in caplog.text and "push_to_hub" not in caplog.text
-    assert "rollout_generation_batch_size" not in caplog.text and "rapidfire_config" not in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        make_sweep(
-            tokenizer, tmp_path / "b", {A: {}}, rollout_generation_batch_size=4, rapidfire_config="balanced"
-        )
-    assert "rollout_generation_batch_size=4 (the sweep decodes every trial's prompts" in caplog.text
-    assert "rapidfire_config beyond memory.optimization and memory.planner (the sweep's trials" in caplog.text
+    assert {e.key for e in info.value.errors} == {"optim", "save_strategy"}  # push_to_hub=False: not used
+    assert "every sweep trial trains with torch AdamW" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        make_sweep(tokenizer, tmp_path / "b", {A: {}}, rollout_generation_batch_size=4, rapidfire_config="balanced")
+    assert info.value.key == "rollout_generation_batch_size"  # a preset name sets nothing by name: accepted
