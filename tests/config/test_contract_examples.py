@@ -201,3 +201,30 @@ def test_enable_rapidfire_call_refuses_before_touching_the_trainer(tokenizer, tm
         with pytest.raises(ValueError):
             enable_rapidfire(trainer, **kwargs)
     assert not getattr(trainer, "_rapidfire_enabled", False)
+
+
+# ------------------------------------------------------------------------------------------ found attacking
+@pytest.mark.parametrize("field,value", [("bf16", 1), ("use_cpu", 0), ("push_to_hub", "no"), ("whiten_rewards", "yes"),
+                                         ("gradient_checkpointing", 1)])  # fmt: skip
+def test_a_bool_field_takes_a_bool_only(field, value):
+    with pytest.raises(ConfigError) as info:
+        PPOConfig(output_dir="x", report_to=[], **{field: value})
+    assert _keys(info.value) == {field}
+
+
+def test_a_sweep_file_is_refused_at_validation_before_any_model_loads(tmp_path):
+    from rapidfire_hf.sweep.spec import validate
+
+    doc = {"reward_funcs": ["demo"], "config": {"output_dir": str(tmp_path), "value_mode": "separate"},
+           "trials": {"a": {"kl_coef": 0.1}}}  # fmt: skip
+    with pytest.raises(ConfigError, match="value_mode"):
+        validate(doc)
+
+
+def test_decode_options_model_generate_cannot_use_are_said_in_the_start_table(tokenizer, tmp_path, capsys):
+    args = ppo_args(tmp_path, value_mode="fused", max_steps=1, rollout_backend="hf", rollout_decode_sampler="triton",
+                    rollout_decode_mode="eager")  # fmt: skip
+    _trainer(args, tokenizer).train()
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "rollout_decode_mode=eager" in x)
+    assert "rollout_decode_sampler=triton" in line and "model.generate" in line and line.strip().startswith("skipped")

@@ -139,6 +139,30 @@ def check_fields(obj: Any, checks: Mapping[str, Check]) -> list[ConfigError]:
     return errors
 
 
+def _is_bool_type(annotation: Any) -> tuple[bool, bool]:
+    """``(is a bool field, may be None)`` from a dataclass field's annotation (a type or its text)."""
+    text = str(annotation).replace("<class 'bool'>", "bool").replace(" ", "")
+    parts = set(text.replace("Optional[", "").rstrip("]").split("|"))
+    return parts in ({"bool"}, {"bool", "None"}), "None" in parts
+
+
+def bool_field_errors(obj: Any) -> list[ConfigError]:
+    """Refuse a non-bool in a bool field (``bf16=1`` or ``"yes"`` would pass as true): every dataclass field
+    annotated ``bool`` (or ``bool | None``) of ``obj``."""
+    errors = []
+    for f in fields(obj):
+        is_bool, optional = _is_bool_type(f.type)
+        value = getattr(obj, f.name, None)
+        if f.name in FIELD_CHECKS:  # checked there
+            continue
+        if is_bool and not isinstance(value, bool) and not (optional and value is None):
+            errors.append(
+                ConfigError("must be True or False", key=f.name, value=value,
+                            allowed="True or False" + (" or None" if optional else ""))
+            )  # fmt: skip
+    return errors
+
+
 @dataclass
 class PPOConfig(TrainingArguments):
     """Arguments of :class:`rapidfire_hf.PPOTrainer`.
@@ -423,7 +447,7 @@ class PPOConfig(TrainingArguments):
         if isinstance(fuse, str) and fuse.strip().lower() in ("true", "false"):
             self.rollout_decode_fuse_projections = fuse.strip().lower() == "true"
         # the table first: TrainingArguments' own checks would otherwise meet a bad value raw
-        errors = check_fields(self, FIELD_CHECKS)
+        errors = bool_field_errors(self) + check_fields(self, FIELD_CHECKS)
         if errors:
             raise ConfigErrors("Invalid PPOConfig:", errors)
         if self.run_name is None:  # the trackers' run name (W&B, TensorBoard), as TRL names PPO runs
@@ -489,7 +513,7 @@ class PPOConfig(TrainingArguments):
         Raises:
             ConfigErrors: naming each bad field.
         """
-        errors = check_fields(self, FIELD_CHECKS)
+        errors = bool_field_errors(self) + check_fields(self, FIELD_CHECKS)
         if not errors:
             errors = self._cross_field_errors()
         if errors:

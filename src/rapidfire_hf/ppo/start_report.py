@@ -28,26 +28,32 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
     """Collect the table's facts from the trainer's parts (no side effects)."""
     skipped = []
     path, reason = choose_decode_path(policy)
+    kernels = [
+        f"{name}={value}"
+        for name, value, default in (
+            ("attention", args.rollout_decode_attention, "auto"),
+            ("sampler", args.rollout_decode_sampler, "torch"),
+            ("fuse_projections", args.rollout_decode_fuse_projections, "auto"),
+            ("linear", args.rollout_decode_linear, "torch"),
+            ("fuse_lora", args.rollout_decode_fuse_lora, False),
+        )
+        if value != default
+    ]
+    if args.rollout_decode_mode != "auto":
+        kernels.insert(0, f"mode={args.rollout_decode_mode}")
+    unused = f"rollout_decode_{', rollout_decode_'.join(kernels)} (model.generate has no decode step of its own)"
     if backend == "hf":
         rollout = "rollout: model.generate (rollout_backend='hf' or sharded weights)"
+        skipped += [unused] if kernels else []
     elif backend == "auto" and (device.type != "cuda" or path is None):
         why = (
             reason if path is None else f"the static engine records CUDA graphs; this run is on {device.type}"
         )
         rollout = "rollout: model.generate"
         skipped.append(f"fast rollout engine ({why})")
+        skipped += [unused] if kernels else []
     else:
-        kernels = [
-            f"{name}={value}"
-            for name, value, default in (
-                ("attention", args.rollout_decode_attention, "auto"),
-                ("sampler", args.rollout_decode_sampler, "torch"),
-                ("fuse_projections", args.rollout_decode_fuse_projections, "auto"),
-                ("linear", args.rollout_decode_linear, "torch"),
-                ("fuse_lora", args.rollout_decode_fuse_lora, False),
-            )
-            if value != default
-        ]
+        kernels = [k for k in kernels if not k.startswith("mode=")]
         extra = f", {', '.join(kernels)}" if kernels else ""
         # which forward the engine runs, and why not the native one (rollout.engine.choose_decode_path)
         forward = "native forward" if path == "native" else f"generic path: the model's own forward, {reason}"

@@ -127,6 +127,9 @@ def _check_trials(data: dict):
         shared = PPOConfig(**{"report_to": [], "output_dir": "rapidfire_sweep", **config})
     except (TypeError, ValueError) as err:
         raise ConfigError(f"PPOConfig refuses it ({_one_line(err)})", key="config") from None
+    from rapidfire_hf.ppo.settings_check import check_sweep_settings
+
+    check_sweep_settings(shared)  # the settings contract: what a sweep does not apply, refused before any load
     if config.get("rapidfire_config") is not None:  # the plan's memory level: checked before the model loads
         from rapidfire_hf.config.loader import load_config
 
