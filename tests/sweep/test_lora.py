@@ -101,5 +101,7 @@ def test_sweep_refuses_the_adapter_keys(tokenizer, tmp_path, key):
     """Each trial trains its own adapter against the shared base: PPOConfig's adapter names do not apply."""
     from .helpers import make_sweep
 
-    with pytest.raises(ValueError, match=rf"{key} do not apply; drop them from the PPOConfig"):
+    from rapidfire_hf.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"{key}: PPOSweep does not apply it: each trial trains its own adapter"):
         make_sweep(tokenizer, tmp_path, {"a": {}}, **{key: "ref"})
