@@ -50,14 +50,19 @@ def precision_refusal(explicit: dict, runs_in: str, entry: str, fix: str) -> lis
     ]
 
 
-def static_engine_refusal(args, model) -> list[ConfigError]:
-    """``rollout_backend="static"`` for a model the static engine cannot run (asked before any work)."""
+def static_engine_refusal(args, model, native_only: bool = False) -> list[ConfigError]:
+    """``rollout_backend="static"`` for a model the static engine cannot run (asked before any work).
+    ``native_only``: the sweep's batched decode runs the native forward only (its engine falls back to one
+    ``model.generate`` per trial otherwise)."""
     if args.rollout_backend != "static" or model is None:
         return []
     from rapidfire_hf.rollout.engine import choose_decode_path
+    from rapidfire_hf.rollout.llama_forward import unsupported_reason
 
     lm = getattr(model, "pretrained_model", model)  # a value-head wrapper generates with its LM
     path, reason = choose_decode_path(lm)  # native, or the generic path (the model's own forward)
+    if native_only and path == "generic":
+        path, reason = None, f"the sweep's batched decode runs the native forward only: {unsupported_reason(lm)}"
     if path is not None:
         return []
     return [
@@ -121,7 +126,7 @@ def check_sweep_settings(args, model=None) -> None:
     args.validate()
     errors = ppo_refusals(args, SWEEP)
     errors += env_refusals(SWEEP, args.rapidfire_config is not None)
-    errors += static_engine_refusal(args, model)
+    errors += static_engine_refusal(args, model, native_only=True)
     on_cuda = torch.cuda.is_available() and not args.use_cpu
     for name in ("bf16", "fp16"):
         if getattr(args, name) and not on_cuda:
