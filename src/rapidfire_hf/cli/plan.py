@@ -1,14 +1,23 @@
 """``rapidfire plan``: PPOTrainer's throughput plan for a model and batch, without training.
 
-Builds the trainer `rapidfire demo` would (its tokenizer, prompts and vowel reward) around a policy of a
-named Llama shape (random init, on the GPU when there is one) or a local HF causal LM, then runs the
-planner of the first update (``rapidfire_hf.ppo.planning.plan_run``: a one-row probe of the models, the
-device's memory, the level's target) and prints its table. No rollout and no training step run.
+Two ways, one planner (``rapidfire_hf.memory.planner.make_plan``):
+
+- for a card you do not have (``--gpu-memory GiB``, and for a named shape on a machine without a GPU): the
+  plan is made from the model's shape alone (``rapidfire_hf.memory.card_plan``): weights, gradients,
+  optimizer state and the activation bytes of a row computed, nothing allocated (a 7B plan runs in a few
+  hundred MiB of host memory; ``--model`` reads only its ``config.json``);
+- on this machine's GPU (no ``--gpu-memory``): the trainer `rapidfire demo` would build (its tokenizer,
+  prompts and vowel reward) around a policy of a named Llama shape or a local HF causal LM, then the planner
+  of its first update (``rapidfire_hf.ppo.planning.plan_run``: a one-row probe of the models, the device's
+  memory, the level's target). No rollout and no training step run.
+
+A plan that does not fit prints its table (or JSON) and one line on stderr saying what would make it fit,
+and exits 1; a model that cannot even be built here exits 1 with one line. User mistakes exit 2.
 
 Examples::
 
     rapidfire plan --shape smoke --batch 8 --micro 2 --prompt-length 8 --response-length 8
-    rapidfire plan --shape llama-7b --batch 160 --micro 8 --value-mode fused --config aggressive
+    rapidfire plan --shape llama-7b --gpu-memory 80 --batch 160 --value-mode fused --config aggressive
     rapidfire plan --model path/to/llama --json
 """
 
@@ -23,6 +32,8 @@ import tempfile
 from pathlib import Path
 
 EXIT_USAGE = 2
+EXIT_DOES_NOT_FIT = 1
+MAX_GPU_GIB = 1 << 20  # a card of a PiB: anything above is a typo
 DEFAULT_SHAPE = "smoke"
 DESCRIPTION = (
     "Show the throughput plan PPOTrainer would make (training micro-batch, activation checkpointing, "
@@ -71,6 +82,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="Where the probe cache goes (default: a temporary folder, so every call measures).",
     )
+    p.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="Plan for a card of this many GiB (its total memory as torch reports it; an H100 80GB reports "
+        "79.2) from the model's shape alone: nothing is built or allocated. Default: this machine's GPU; a "
+        "named shape on a machine without one is planned for an 80 GiB card.",
+    )
+    p.add_argument(
+        "--reward",
+        choices=("rule", "model"),
+        default="rule",
+        help="'rule': the demo's vowel reward (default); 'model': a reward model of the policy's shape "
+        "(planned only with --gpu-memory or without a GPU).",
+    )
+    p.add_argument(
+        "--peft",
+        action="store_true",
+        help="LoRA r=16 on q/k/v/o (planned only with --gpu-memory or without a GPU).",
+    )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of the table.")
     p.set_defaults(func=plan_command)
     return p
@@ -82,6 +112,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
     try:
         _check_args(args)
+        if _analytic(args):
+            return _card_plan_and_print(args)
         if args.output_dir is not None:
             return _plan_and_print(args, Path(args.output_dir))
         with tempfile.TemporaryDirectory(prefix="rapidfire_plan_") as tmp:
@@ -89,6 +121,126 @@ def plan_command(args: argparse.Namespace) -> int:
     except (PlanUsageError, ConfigError) as err:
         print(f"rapidfire plan: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
+    except CannotBuild as err:
+        print(f"rapidfire plan: {_one_line(err)}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+
+
+class CannotBuild(Exception):
+    """The model does not fit this machine to build and probe: one line, exit status 1."""
+
+
+ASSUMED_GPU_GIB = 80.0  # the card a named shape is planned for on a machine without a GPU
+
+
+def _analytic(args: argparse.Namespace) -> bool:
+    """Plan from the shape alone: a card was named, or a named shape on a machine without a GPU (whose
+    measured plan would be for the host's RAM, not for a GPU)."""
+    import torch
+
+    if args.gpu_memory is not None:
+        return True
+    if torch.cuda.is_available():
+        if args.reward == "model" or args.peft:
+            raise PlanUsageError("--reward model and --peft are planned from the shape: add --gpu-memory GiB")
+        return False
+    if args.model is None and args.shape != "smoke":
+        args.gpu_memory = ASSUMED_GPU_GIB
+        return True
+    if args.reward == "model" or args.peft:
+        raise PlanUsageError("--reward model and --peft are planned from the shape: add --gpu-memory GiB")
+    return False
+
+
+def _gpu_gib(text: str) -> float:
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not 0 < gib <= MAX_GPU_GIB:  # NaN fails this too
+        raise PlanUsageError(f"--gpu-memory {text!r}: expected a number of GiB above 0, e.g. 80")
+    return gib
+
+
+def _decoder_shape(args: argparse.Namespace):
+    """``(DecoderShape, name)`` of ``--shape`` or of ``--model``'s config.json (no weights read)."""
+    from rapidfire_hf.memory.estimate import DecoderShape
+
+    if args.model is None:
+        from rapidfire_hf.demo.shapes import llama_config, llama_shape
+
+        conf = llama_config(llama_shape(args.shape), args.prompt_length + args.response_length + 8)
+        return DecoderShape.from_config(conf), args.shape
+    from transformers import AutoConfig
+
+    try:
+        conf = AutoConfig.from_pretrained(args.model)
+        return DecoderShape.from_config(conf), args.model
+    except Exception as err:  # noqa: BLE001 - whatever the config's loader or validator raises: the user's file
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PlanUsageError(f"--model {args.model}: no decoder shape in its config.json ({first})") from None
+
+
+def _card_plan_and_print(args: argparse.Namespace) -> int:
+    """The plan for a card of ``--gpu-memory`` GiB from the shape alone (module docstring)."""
+    from rapidfire_hf.config import load_config
+    from rapidfire_hf.memory.card_plan import RunShape, card_plan, fit_hint
+    from rapidfire_hf.memory.planner import GIB, Asked
+
+    gib = _gpu_gib(str(args.gpu_memory))
+    shape, name = _decoder_shape(args)
+    level = load_config(args.config).memory.optimization
+    level = getattr(level, "value", level)
+    run = RunShape(
+        shape,
+        rollout_rows=args.batch,
+        micro_rows=args.micro,
+        prompt_tokens=args.prompt_length,
+        response_tokens=args.response_length,
+        mini_batches=args.mini_batches,
+        value_mode=args.value_mode or ("separate" if args.model is None else "fused"),
+        peft=args.peft,
+        reward_model=args.reward == "model",
+    )
+    asked = Asked(
+        scoring_rows=None if args.score_chunk == "auto" else args.score_chunk,
+        generation_rows=None if args.generation_chunk == "auto" else args.generation_chunk,
+        free_cache=True,
+    )
+    device = int(gib * GIB)
+    plan = card_plan(run, device, level, asked=asked, label=f"{name}, bf16")
+    mem = run.memory(eight_bit_state=plan.optimizer_state == "8-bit")
+    if args.json:
+        out = {
+            **plan.to_dict(),
+            "gpu_memory_gib": gib,
+            "held_gib": {
+                "weights": round(mem.weights / GIB, 3),
+                "gradients": round(mem.gradients / GIB, 3),
+                "optimizer_state": round(mem.state / GIB, 3),
+            },
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(
+            f"policy {name} ({shape.params() / 1e6:,.1f}M parameters, bf16, {run.value_mode} value"
+            f"{', LoRA' if run.peft else ''}, {args.reward} reward) planned for a {gib:g} GiB card from its "
+            f"shape; rollout batch {args.batch}, num_mini_batches {args.mini_batches}, micro-batch "
+            f"{args.micro}; {args.prompt_length} + {args.response_length} tokens; held: weights "
+            f"{mem.weights / GIB:.1f} GiB, gradients {mem.gradients / GIB:.1f} (training only), optimizer "
+            f"state {mem.state / GIB:.1f}",
+            flush=True,
+        )
+        print(plan.table(), flush=True)
+    if plan.fits:
+        return 0
+    hint = fit_hint(run, device, level, asked=asked)
+    print(
+        f"rapidfire plan: does not fit: planned peak {plan.planned_peak_bytes / GIB:.1f} GiB of the "
+        f"{plan.target_bytes / GIB:.1f} GiB target on a {gib:g} GiB card; {hint}",
+        file=sys.stderr,
+    )
+    return EXIT_DOES_NOT_FIT
 
 
 def _one_line(err: Exception) -> str:
@@ -120,6 +272,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PlanUsageError(f"--batch {args.batch} is not divisible by --micro {args.micro}")
     if args.batch % args.mini_batches:
         raise PlanUsageError(f"--batch {args.batch} is not divisible by --mini-batches {args.mini_batches}")
+    if args.gpu_memory is not None:
+        _gpu_gib(args.gpu_memory)
     args.score_chunk = _chunk("--score-chunk", args.score_chunk)
     args.generation_chunk = _chunk("--generation-chunk", args.generation_chunk)
     if args.model is None:
@@ -136,15 +290,70 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _plan_and_print(args: argparse.Namespace, out_dir: Path) -> int:
+    from rapidfire_hf.memory.planner import GIB
+
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink) if args.json else contextlib.nullcontext():
-        trainer, about = _build_trainer(args, out_dir)
-        if not args.json:
-            print(about, flush=True)
-        plan = plan_for(trainer, args.prompt_length)  # prints the table on the main process
+        with _out_of_memory_said(args):
+            trainer, about = _build_trainer(args, out_dir)
+            if not args.json:
+                print(about, flush=True)
+            plan = plan_for(trainer, args.prompt_length)  # prints the table on the main process
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
-    return 0
+    if plan.fits or not plan.planned:
+        return 0
+    print(
+        f"rapidfire plan: does not fit: planned peak {plan.planned_peak_bytes / GIB:.1f} GiB of the "
+        f"{plan.target_bytes / GIB:.1f} GiB target on this device; {_measured_hint(args, plan.level)}",
+        file=sys.stderr,
+    )
+    return EXIT_DOES_NOT_FIT
+
+
+def _measured_hint(args: argparse.Namespace, level: str) -> str:
+    """What would make a measured plan fit: the smallest card the shape fits (planned from the shape), else
+    the settings that lower memory."""
+    from rapidfire_hf.memory.card_plan import RunShape, smallest_card
+    from rapidfire_hf.memory.planner import Asked
+
+    generic = "a smaller --batch, a shorter --response-length, or --config aggressive"
+    try:
+        shape, _ = _decoder_shape(args)
+    except PlanUsageError:
+        return "fits with " + generic
+    run = RunShape(shape, args.batch, args.micro, args.prompt_length, args.response_length,
+                   mini_batches=args.mini_batches,
+                   value_mode=args.value_mode or ("separate" if args.model is None else "fused"))  # fmt: skip
+    card = smallest_card(run, level, asked=Asked(free_cache=True))
+    return (
+        f"fits with a GPU of at least {card} GiB (planned from the shape), or {generic}"
+        if card
+        else ("fits with " + generic)
+    )
+
+
+@contextlib.contextmanager
+def _out_of_memory_said(args: argparse.Namespace):
+    """An allocator error while building or probing the models is the machine's limit, not a bug: one line
+    naming it and the way around it (plan for a card from the shape: nothing is allocated)."""
+    import torch
+
+    try:
+        yield
+    except (MemoryError, torch.OutOfMemoryError, RuntimeError) as err:
+        text = str(err)
+        allocator = isinstance(err, (MemoryError, torch.OutOfMemoryError)) or any(
+            s in text.lower() for s in ("out of memory", "can't allocate", "cannot allocate", "alloc")
+        )
+        if not allocator:
+            raise
+        first = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+        what = args.shape or args.model
+        raise CannotBuild(
+            f"{what} does not fit this machine to build and probe ({type(err).__name__}: {first}); plan it "
+            "for a card from its shape with --gpu-memory GiB (nothing is allocated)"
+        ) from None
 
 
 def plan_for(trainer, prompt_length: int):

@@ -178,15 +178,35 @@ def card_plan(
     return plan
 
 
-def fit_hint(run: RunShape, device_bytes: int, level, plan: Plan, **kwargs) -> str:
-    """One sentence saying what would make a plan that does not fit fit: a smaller micro-batch is already
-    tried by the plan (pieces of one row), so the card, the level, the batch or the response length."""
-    need = plan.planned_peak_bytes / level_target(level).device_share
-    hints = [f"a card of at least {need / GIB:.0f} GiB (--gpu-memory)"]
-    if getattr(level, "value", level) != "aggressive":
-        stronger = card_plan(run, device_bytes, "aggressive", **kwargs)
-        if stronger.fits:
-            hints.append("--config aggressive")
+# the largest card the hint searches (GiB): beyond, the hint says no card does
+MAX_CARD_GIB = 1 << 16
+
+
+def smallest_card(run: RunShape, level, **kwargs) -> int | None:
+    """The smallest card (whole GiB) on which ``run`` plans to fit, or None up to :data:`MAX_CARD_GIB`."""
+    if not card_plan(run, MAX_CARD_GIB * GIB, level, **kwargs).fits:
+        return None
+    low, high = 0, MAX_CARD_GIB  # fits at high, not at low
+    while high - low > 1:
+        mid = (low + high) // 2
+        if card_plan(run, mid * GIB, level, **kwargs).fits:
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def fit_hint(run: RunShape, device_bytes: int, level, **kwargs) -> str:
+    """One sentence saying what would make a plan that does not fit on ``device_bytes`` fit, each option
+    planned: the smallest card, ``aggressive``, LoRA, a halved response. (Smaller micro-batches are the plan's
+    own: it already tried pieces down to one row.)"""
+    card = smallest_card(run, level, **kwargs)
+    hints = [f"a card of at least {card} GiB (--gpu-memory)" if card else "no card up to 64 TiB"]
+    if (
+        getattr(level, "value", level) != "aggressive"
+        and card_plan(run, device_bytes, "aggressive", **kwargs).fits
+    ):
+        hints.append("--config aggressive")
     if not run.peft and card_plan(replace(run, peft=True), device_bytes, level, **kwargs).fits:
         hints.append("LoRA (--peft)")
     if run.response_tokens > 64:

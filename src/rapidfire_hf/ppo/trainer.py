@@ -31,6 +31,7 @@ from transformers import TrainerCallback, TrainerControl
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import PrinterCallback
 
+from rapidfire_hf.memory.phase_peaks import PhasePeaks
 from rapidfire_hf.memory.stats import release_cached_memory
 from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.ppo import checkpoint as ckpt
@@ -42,8 +43,8 @@ from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.reporting import Reporter
 from rapidfire_hf.ppo.rollout_phase import Roller, rollout_backend
 from rapidfire_hf.ppo.scoring import Scorer
-from rapidfire_hf.ppo.settings_check import check_trainer_settings, check_unchanged, start_notes
 from rapidfire_hf.ppo.seeds import permutation_generator, sampling_generator
+from rapidfire_hf.ppo.settings_check import check_trainer_settings, check_unchanged, start_notes
 from rapidfire_hf.ppo.setup import (
     _split_value_head_model,
     apply_peft,
@@ -159,6 +160,7 @@ class PPOTrainer:
         # Created before any model reaches the GPU, so expandable segments cover every allocation.
         self.memory_callback = self._make_memory_callback()
         chunks = NoGradChunks(acc.device)  # generation and scoring: smaller after an OOM
+        self.phase_peaks = PhasePeaks(acc.device)  # measured beside the plan's per-phase prediction
         self.scorer = Scorer(args, acc, tok, self.pad_token_id, self.stop_token_id, chunks)
         self.stepper = Stepper(
             acc,
@@ -475,15 +477,18 @@ class PPOTrainer:
         planned_now = self.plan is None
         if planned_now:  # memory.optimization as a target: micro-batches, chunks, checkpointing
             plan_run(self, batch["input_ids"])
-        rollout = self.rollout(batch)
+        with self.phase_peaks.phase("generation"):
+            rollout = self.rollout(batch)
         t1 = sync_time(device)
-        exp = self.score(rollout)
+        with self.phase_peaks.phase("scoring"):
+            exp = self.score(rollout)
         if self.precision_plugin is not None and not self.precision_plugin.calibration_done:
             self._calibrate_precision(exp)
         t2 = sync_time(device)
         if self.memory_callback is not None:  # rollout -> training: release the generation/scoring blocks
             self.memory_callback.phase_boundary("rollout", "train", step=update)
-        stats = self.optimize(exp)
+        with self.phase_peaks.phase("training"):
+            stats = self.optimize(exp)
         t3 = sync_time(device)
         self.state.episode += args.local_batch_size * self.accelerator.num_processes
         metrics = self._update_metrics(update, exp, stats, (t0, t1, t2, t3), planned_now)
@@ -500,6 +505,7 @@ class PPOTrainer:
         )  # fmt: skip
         if planned_now and self.plan.planned:
             metrics.update(self.plan.metrics())
+        metrics.update(self.phase_peaks.metrics())
         if health.rapidfire is not None:  # predicted clip coefficients checked, and the share that missed
             opt_stats = health.stats()
             metrics["rapidfire/clip_miss_rate"] = opt_stats["clip_misses"] / max(1, opt_stats["clip_checks"])

@@ -1,0 +1,151 @@
+"""`rapidfire plan` for a card you do not have: planned from the shape alone (nothing allocated, under a
+memory cap), a plan that does not fit exits 1 with one line saying what would, allocator errors of the
+measured path are one line too."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidfire_hf.cli.main import main
+
+TARGET = ["plan", "--shape", "llama-7b", "--gpu-memory", "80", "--batch", "160", "--value-mode", "fused",
+          "--config", "aggressive"]  # fmt: skip
+ROOT = Path(__file__).resolve().parents[2]
+CAP = 8 * 1024**3
+
+
+def _cap():
+    resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
+
+
+@pytest.mark.slow  # ~20 s on a loaded 2-core CPU, most of it importing torch and transformers
+def test_the_issue_command_fits_under_an_8_gib_memory_cap():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    probe = "import resource, runpy, sys; sys.argv = ['rapidfire'] + sys.argv[1:]; "
+    probe += "runpy.run_module('rapidfire_hf', run_name='__main__')"
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *TARGET, "--json"],
+        capture_output=True, text=True, env=env, preexec_fn=_cap, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads(done.stdout)
+    assert plan["fits"] and plan["planned_peak_bytes"] <= plan["target_bytes"]
+    assert plan["target_bytes"] == int(0.92 * 80 * 1024**3)
+    assert set(plan["phase_peak_bytes"]) == {"training", "scoring", "generation"}
+    assert plan["probe"].startswith("analytic") and plan["optimizer_state"] == "8-bit"
+    assert "Traceback" not in done.stderr
+
+
+def test_the_7b_reward_model_run_of_issue_46_is_split_in_the_plan(capsys):
+    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19"]) == 0
+    out = capsys.readouterr().out
+    assert "planned for a 79.19 GiB card from its shape" in out and "weights 37.4 GiB" in out
+    assert "8 in 2 pieces of 4" in out and "same mini-batch and optimizer steps" in out
+    assert "DOES NOT FIT" not in out
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_plan_that_does_not_fit_exits_1_with_one_line_saying_what_would(capsys, json_flag):
+    code = main(["plan", "--shape", "llama-15b", "--gpu-memory", "80", "--batch", "64", "--value-mode",
+                 "fused", "--config", "balanced", *json_flag])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 1
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rapidfire plan: does not fit: planned peak"), captured.err
+    assert "fits with a card of at least" in lines[0] and "LoRA (--peft)" in lines[0]
+    if json_flag:
+        assert json.loads(captured.out)["fits"] is False
+    else:
+        assert "DOES NOT FIT" in captured.out
+    # what the line says would make it fit does: the card it names, or LoRA
+    need = int(lines[0].split("at least ")[1].split(" GiB")[0])
+    assert main(["plan", "--shape", "llama-15b", "--gpu-memory", str(need), "--batch", "64",
+                 "--value-mode", "fused", "--config", "balanced", "--json"]) == 0  # fmt: skip
+    assert main(["plan", "--shape", "llama-15b", "--gpu-memory", "80", "--batch", "64",
+                 "--value-mode", "fused", "--config", "balanced", "--peft", "--json"]) == 0  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "inf", "eighty", "1e300"])
+def test_a_bad_gpu_memory_is_one_line_and_status_2(capsys, value):
+    assert main(["plan", "--shape", "llama-7b", "--gpu-memory", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"rapidfire plan: error: --gpu-memory {value!r}: expected a number of GiB above 0, e.g. 80"
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the measured path runs on this GPU")
+def test_a_reward_model_or_lora_needs_the_shape_path(capsys):
+    assert main(["plan", "--shape", "smoke", "--reward", "model"]) == 2
+    assert "add --gpu-memory GiB" in capsys.readouterr().err
+
+
+def test_a_local_model_is_planned_from_its_config_alone(tmp_path, capsys):
+    """Only config.json is read: a folder with no weights at all plans (7B Llama's config)."""
+    from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_config
+
+    llama_config(LLAMA_SHAPES["llama-7b"], 4096).save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert main(["plan", "--model", str(tmp_path), "--gpu-memory", "141", "--batch", "64", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["held_gib"]["weights"] == pytest.approx(
+        2 * 6.738415616e9 * 2 / 2**30, abs=1e-3
+    )
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
+    assert main(["plan", "--model", str(tmp_path), "--gpu-memory", "80"]) == 2
+    assert "no decoder shape in its config.json" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the measured path runs on this GPU")
+def test_an_allocator_error_while_building_is_one_line_and_status_1(monkeypatch, capsys):
+    import rapidfire_hf.cli.plan as plan_cli
+
+    def build(args, out_dir):  # a real allocator error: far more than any host has
+        torch.empty(2**60, dtype=torch.uint8)
+
+    monkeypatch.setattr(plan_cli, "_build_trainer", build)
+    assert main(["plan", "--shape", "smoke"]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "does not fit this machine to build and probe" in lines[0], captured.err
+    assert "--gpu-memory" in lines[0] and "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("shape", ["llama-7b", "llama-1.1b"])
+def test_the_analytic_parameter_counts_are_the_meta_models(shape):
+    """The counts the plan holds are those of the models built on the meta device (no memory)."""
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_config
+    from rapidfire_hf.memory.estimate import DecoderShape
+
+    config = llama_config(LLAMA_SHAPES[shape], 520)
+    s = DecoderShape.from_config(config)
+    with torch.device("meta"):
+        lm, score = LlamaForCausalLM(config), LlamaForSequenceClassification(config)
+    assert s.params("lm") == sum(p.numel() for p in lm.parameters())
+    assert s.params("score") == sum(p.numel() for p in score.parameters())
+    assert s.params("value") == s.params("lm") + s.hidden + 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the measured path runs on this GPU")
+def test_a_measured_plan_that_does_not_fit_exits_1_with_one_line(monkeypatch, capsys, tmp_path):
+    import rapidfire_hf.ppo.planning as planning
+    from rapidfire_hf.memory.planner import Budget
+
+    monkeypatch.setattr(planning, "level_budget", lambda *a, **k: Budget(target_bytes=1024))  # 1 KiB device
+    code = main(["plan", "--shape", "smoke", "--batch", "8", "--micro", "2", "--prompt-length", "8",
+                 "--response-length", "8", "--output-dir", str(tmp_path)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 1 and "DOES NOT FIT" in captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rapidfire plan: does not fit: planned peak"), captured.err
+    assert "fits with a GPU of at least 1 GiB (planned from the shape)" in lines[0]
