@@ -6,6 +6,7 @@
    (``PPO_RECIPE``).
 3. No private name (``_x``) crosses packages, neither imported (``from m import _x``) nor read from an
    imported module (``m._x``).
+4. No mixins: a class has at most one base class of ours (parts are composed, each owning its state).
 
 Where the code breaks a rule today, the break is listed in an allowlist below. **An allowlist may only
 shrink**: the test fails when a break is added, and also when a listed break has gone from the code but
@@ -211,6 +212,23 @@ def third_party_in_torch_only(src: Path = SRC) -> set[tuple[str, str]]:
     return found
 
 
+def mixin_classes(src: Path = SRC) -> set[tuple[str, str]]:
+    """Classes with more than one base class defined in the package, or named ``...Mixin`` (a library's
+    own mixin, such as transformers' ``CacheLayerMixin``, is its interface to implement: allowed)."""
+    trees = {
+        p.relative_to(src).as_posix(): ast.parse(p.read_text(encoding="utf-8")) for p in src.rglob("*.py")
+    }
+    ours = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    found = set()
+    for file, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b).split(".")[-1] for b in node.bases]
+                if sum(b in ours for b in bases) > 1 or node.name.endswith("Mixin"):
+                    found.add((file, node.name))
+    return found
+
+
 def check_against(found: set[tuple[str, str]], allowed: set[tuple[str, str]], what: str, fix: str) -> None:
     """Fail on a break not in ``allowed`` and on an allowed break that is no longer in the code."""
     new = sorted(found - allowed)
@@ -282,6 +300,11 @@ def test_no_private_name_crosses_packages(scanned):
     )
 
 
+def test_no_mixins():
+    found = mixin_classes()
+    assert not found, f"classes mixing in several of our classes (compose parts instead): {sorted(found)}"
+
+
 # ---- the checks themselves, on a scratch tree (a contract that cannot fail protects nothing) -------------
 def _scratch(tmp_path: Path, files: dict[str, str]) -> Path:
     src = tmp_path / "rapidfire_hf"
@@ -331,6 +354,23 @@ def test_the_checks_find_each_kind_of_break(tmp_path):
         ("sweep/trial.py", "rapidfire_hf.memory.telemetry._private"),
     }
     assert third_party_in_torch_only(src) == {("optim/verification.py", "transformers")}
+
+
+def test_the_mixin_check_finds_two_bases_of_ours(tmp_path):
+    src = _scratch(
+        tmp_path,
+        {
+            "precision/rules.py": "class RuleEngine: ...\nclass PluginState: ...\n",
+            "precision/plugin.py": "class AdaptivePrecisionPlugin(RuleEngine, PluginState): ...\n",
+            "optim/spans.py": "class SpanMixin: ...\n",
+            "rollout/cache.py": "from transformers.cache_utils import CacheLayerMixin\nclass Slot(CacheLayerMixin): ...\n",
+            "checkpoint/errors.py": "class CheckpointError(Exception): ...\nclass SaveError(CheckpointError, OSError): ...\n",
+        },
+    )
+    assert mixin_classes(src) == {
+        ("precision/plugin.py", "AdaptivePrecisionPlugin"),
+        ("optim/spans.py", "SpanMixin"),
+    }
 
 
 def test_an_allowlist_fails_on_a_new_break_and_on_a_stale_entry():
