@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call of benchmarks/card80 on one 80 GB card (run from the repository root with .whl/ carried;
+# ../shared/gpu/wheels.sh fetches it). One row per call keeps each under 9 minutes:
+#   bash benchmarks/card80/h100.sh OUT full7b   # 7B full fine-tuning, batch 160 (~5 min)
+#   bash benchmarks/card80/h100.sh OUT lora7b   # 7B LoRA, batch 256 (~5 min)
+# UPDATES_80 (default 4) sets the updates of a row; the first is the warm-up.
+set -u
+OUT=${1:?output folder}; shift
+PY=${PYTHON:-python3}
+if [ -d .whl ]; then  # the carried wheels (a machine without internet)
+  source benchmarks/common/gpu_env.sh
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+for part in "$@"; do
+  case "$part" in
+    full7b|lora7b) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows "$part" --updates ${UPDATES_80:-4} \
+                     --timeout 500 ;;
+    *) echo "unknown part $part (full7b, lora7b)"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,158 @@
+"""benchmarks/card80: the seeds' headline on the seeds' card, 7B PPO on one 80 GB GPU, planned to fit.
+
+Rows (one PPO run each, in its own worker process: ``benchmarks/ppo_vs_trl/worker.py`` through
+``benchmarks/presets``' row configuration; 7B random-init Llama shape, a 7B reward model, 128 + 384
+tokens, fused value head, ``memory.optimization=aggressive``, chunks and micro-batch left to the plan):
+
+- ``full7b``: full fine-tuning, rollout batch 160, the user's micro-batch 8;
+- ``lora7b``: LoRA r=16 on q/k/v/o, rollout batch 256, micro-batch 8.
+
+For each row the results hold, per phase (generation, scoring, training): the peak the trainer's plan
+predicted (``plan.phase_peak_bytes``, from its one-row probe on the card), the peak the same plan predicts
+from the shape alone (``rapidfire_hf.memory.card_plan``, what ``rapidfire plan --gpu-memory`` prints) and
+the measured allocator peak of the last update (``torch.cuda.max_memory_allocated`` reset before each
+phase); and tokens/s, seconds per phase, the OOM splits (0 is the target: the plan fits by construction)
+and the plan's choices (pieces of the micro-batch, recompute, chunks, 8-bit state, freed KV cache).
+
+    python benchmarks/card80/run.py --out OUT --rows full7b    # one row: ~4-6 min on an H100
+    python benchmarks/card80/run.py --out OUT --smoke          # CPU: the tiny shape, both rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import environment, write_csv, write_json  # noqa: E402
+from benchmarks.ppo_vs_trl.run import run_one  # noqa: E402
+from benchmarks.presets.run import parse_args as preset_args  # noqa: E402
+from benchmarks.presets.run import row_config  # noqa: E402
+
+GIB = 1024**3
+PHASES = {"generation": "rollout", "scoring": "scoring", "training": "training"}
+ROWS = {
+    "full7b": {"batch": 160, "peft": False},
+    "lora7b": {"batch": 256, "peft": True},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for results.json / results.csv / table.md")
+    p.add_argument("--rows", default="full7b,lora7b", help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--updates", type=int, default=4, help="updates per row; the first is the warm-up")
+    p.add_argument("--timeout", type=int, default=480, help="seconds per row")
+    p.add_argument("--smoke", action="store_true", help="CPU: the tiny smoke shape, 8 + 8 tokens, batch 8")
+    args = p.parse_args(argv)
+    args.rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROWS)}")
+    return args
+
+
+def worker_config(row: str, args: argparse.Namespace) -> dict:
+    """The ppo_vs_trl worker's configuration of ``row`` (presets' ``aggressive`` row at this batch)."""
+    spec = ROWS[row]
+    flags = ["--out", args.out, "--shape", "llama-7b", "--reward", "model", "--value-mode", "fused",
+             "--batch", str(spec["batch"]), "--updates", str(args.updates), "--rows", "aggressive"]  # fmt: skip
+    if spec["peft"]:
+        flags.append("--peft")
+    if args.smoke:
+        flags.append("--smoke")
+    cfg = row_config("aggressive", preset_args(flags))
+    cfg["name"], cfg["row"] = f"{row}_b{cfg['batch']}", row
+    return cfg
+
+
+def shape_prediction(row: dict) -> dict | None:
+    """The plan of ``row``'s run made from the shape alone for the card it ran on (GiB per phase), or None
+    where the run recorded no card (CPU)."""
+    from rapidfire_hf.demo.shapes import llama_config, llama_shape
+    from rapidfire_hf.memory.card_plan import RunShape, card_plan
+    from rapidfire_hf.memory.estimate import DecoderShape
+
+    if not row.get("gpu_total_gib"):
+        return None
+    shape = DecoderShape.from_config(llama_config(llama_shape(row["shape"]), 520))
+    run = RunShape(shape, row["batch"], row["micro"], row["prompt_len"], row["response_len"],
+                   value_mode=row["value_mode"], peft=row["peft"], reward_model=row["reward"] == "model")  # fmt: skip
+    plan = card_plan(run, int(row["gpu_total_gib"] * GIB), "aggressive")
+    return {
+        "peaks": {p: b / GIB for p, b in plan.phase_peak_bytes.items()},
+        "choices": {k: getattr(plan, k) for k in ("train_rows", "splits", "checkpointing", "scoring_rows",
+                                                   "generation_rows", "free_cache", "optimizer_state")},
+    }  # fmt: skip
+
+
+def summary(row: dict) -> list[dict]:
+    """One line per phase: the plan's prediction, the shape's, the measurement, and the row's speed."""
+    plan = row.get("plan") or {}
+    measured = row.get("phase_peak_gib") or {}
+    shape = row.get("shape_plan") or {}
+    out = []
+    for phase, key in PHASES.items():
+        predicted = (plan.get("phase_peak_bytes") or {}).get(phase)
+        got = (measured.get(key) or [None])[-1]
+        out.append({
+            "row": row.get("row"),
+            "phase": phase,
+            "planned_gib": predicted / GIB if predicted is not None else None,
+            "shape_planned_gib": (shape.get("peaks") or {}).get(phase),
+            "measured_gib": got,
+            "error": (predicted / GIB - got) / got if predicted is not None and got else None,
+            "tokens_per_s": row.get("tokens_per_s"),
+            "oom_splits": row.get("oom_splits"),
+            "status": row.get("status"),
+            "plan": (f"{plan.get('train_rows')} rows in {2 ** plan.get('splits', 0)} piece(s), "
+                     f"{plan.get('checkpointing')}, score {plan.get('scoring_rows')}, generate "
+                     f"{plan.get('generation_rows')}, {plan.get('optimizer_state')} state, cache "
+                     f"{'freed' if plan.get('free_cache') else 'kept'}") if plan else None,
+        })  # fmt: skip
+    return out
+
+
+def markdown(lines: list[dict]) -> str:
+    def cell(v, fmt="{:.1f}"):
+        return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
+
+    head = (
+        "| row | phase | planned GiB | from the shape | measured GiB | error | tokens/s | OOM splits | plan |"
+    )
+    rows = [head, "|" + "---|" * 9]
+    for x in lines:
+        rows.append(
+            f"| {x['row']} | {x['phase']} | {cell(x['planned_gib'])} | {cell(x['shape_planned_gib'])} | "
+            f"{cell(x['measured_gib'])} | {cell(x['error'], '{:+.1%}')} | {cell(x['tokens_per_s'], '{:,.0f}')} | "
+            f"{cell(x['oom_splits'])} | {cell(x['plan'])} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    env["command"] = " ".join(["python", "benchmarks/card80/run.py", *(argv or sys.argv[1:])])
+    rows, lines = [], []
+    for i, name in enumerate(args.rows, 1):
+        print(f"[{i}/{len(args.rows)}] {name} ...", flush=True)
+        row = run_one(worker_config(name, args), out, args.timeout)
+        row.pop("shape_kwargs", None)
+        row["shape_plan"] = shape_prediction(row) if row.get("shape") == "llama-7b" else None
+        rows.append(row)
+        lines = [x for r in rows for x in summary(r)]
+        write_json(out / "results.json", {"environment": env, "rows": rows, "summary": lines})
+        write_csv(out / "results.csv", lines)
+        (out / "table.md").write_text(markdown(lines))
+        print(markdown(summary(row)), flush=True)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
