@@ -231,3 +231,14 @@ def test_decode_options_model_generate_cannot_use_are_said_in_the_start_table(to
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "rollout_decode_mode=eager" in x)
     assert "rollout_decode_sampler=triton" in line and "model.generate" in line and line.strip().startswith("skipped")
+
+
+def test_a_precision_asked_by_environment_is_refused_where_it_does_not_run(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAPIDFIRE_PRECISION_INITIAL", "bf16")
+    args = ppo_args(tmp_path, value_mode="fused", rapidfire_config={"precision": {"mode": "static"}})
+    with pytest.raises(ConfigError, match="RAPIDFIRE_PRECISION_INITIAL") as info:
+        _trainer(args, tokenizer)
+    assert info.value.key == "precision.initial"
+    # a full-form template (config/advanced.yaml lists every key) is said in the start table instead
+    monkeypatch.delenv("RAPIDFIRE_PRECISION_INITIAL")
+    _trainer(ppo_args(tmp_path, value_mode="fused", rapidfire_config="config/advanced.yaml"), tokenizer)

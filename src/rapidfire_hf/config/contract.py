@@ -322,7 +322,9 @@ CONFIG_ROWS: dict[str, dict[str, Use]] = {
     ),
     "precision.mode": _row(A, refused(_SWEEP_RF), A),
     "precision.initial": _row(
-        applied("the trainer computes in PPOConfig's bf16/fp16; a different initial is refused by name"),
+        applied("the trainer computes in PPOConfig's bf16/fp16: a dtype asked by name (`precision: bf16`, "
+                "RAPIDFIRE_PRECISION_INITIAL) it does not compute in is refused, a different full-form initial is "
+                "said in the start table"),
         refused(_SWEEP_RF),
         applied("the trainer computes in its own bf16/fp16 (it owns autocast); a different initial is said in "
                 "the start table"),

@@ -363,3 +363,19 @@ def explicit_settings(src: Any = None, *, env: bool = True) -> dict[str, tuple[A
             for key, value in values.items():
                 out[f"{section}.{key}"] = (value, f"environment variable {names[(section, key)]}")
     return {k: (to_plain(v), s) for k, (v, s) in out.items()}
+
+
+def asked_dtype(src: Any = None, *, env: bool = True) -> tuple[str, str] | None:
+    """``(dtype, where)`` when a config source asks for a compute precision by name: the short form
+    ``precision: bf16`` (static, that dtype) or ``RAPIDFIRE_PRECISION_INITIAL``; None otherwise. A full-form
+    ``precision.initial`` (a template such as ``config/advanced.yaml`` lists every key) is the plugin's
+    starting point, not such a request."""
+    if env and os.environ.get(f"{ENV_PREFIX}PRECISION_INITIAL"):
+        return os.environ[f"{ENV_PREFIX}PRECISION_INITIAL"], f"environment variable {ENV_PREFIX}PRECISION_INITIAL"
+    if src is None or isinstance(src, RapidFireConfig):
+        return None
+    data, _ = _read_source(src)
+    value = data.get("precision")
+    if isinstance(value, str) and value in {d.value for d in DType}:
+        return value, f"precision: {value}"
+    return None

@@ -34,18 +34,20 @@ def trainer_precision_name(args, optimizer=None) -> str:
     return {"bf16": "bf16", "fp16": "fp16"}.get(optimizer_precision(args, optimizer), "fp32")
 
 
-def precision_refusal(explicit: dict, runs_in: str, entry: str, fix: str) -> list[ConfigError]:
-    """``precision.initial`` given by name but the trainer's autocast computes in another precision."""
-    given = explicit.get("precision.initial")
-    if given is None or given[0] == runs_in:
+def precision_refusal(src: Any, runs_in: str, entry: str, fix: str) -> list[ConfigError]:
+    """A compute precision asked for by name (``precision: bf16``, ``RAPIDFIRE_PRECISION_INITIAL``) that the
+    trainer's autocast does not compute in (a full-form ``precision.initial`` is said in the start table)."""
+    from rapidfire_hf.config.loader import asked_dtype
+
+    asked = asked_dtype(src)
+    if asked is None or asked[0] == runs_in:
         return []
     return [
         ConfigError(
             f"{entry} computes in {runs_in} ({fix}), and the precision plugin cannot change the trainer's "
-            "autocast: make the two agree or drop precision.initial",
+            f"autocast: make the two agree or drop it ({asked[1]})",
             key="precision.initial",
-            value=given[0],
-            source=given[1],
+            value=asked[0],
         )
     ]
 
@@ -99,7 +101,7 @@ def check_trainer_config(args, src: Any, optimizer=None) -> list[ConfigError]:
     explicit = explicit_config(src)
     errors = config_refusals(explicit, TRAINER)
     runs_in = trainer_precision_name(args, optimizer)
-    errors += precision_refusal(explicit, runs_in, TRAINER, f"PPOConfig bf16={args.bf16}, fp16={args.fp16}")
+    errors += precision_refusal(src, runs_in, TRAINER, f"PPOConfig bf16={args.bf16}, fp16={args.fp16}")
     if optimizer is not None and getattr(optimizer, "is_bound", True) is not False:
         for key, (value, source) in explicit.items():
             if key.startswith("gradient."):
@@ -182,7 +184,7 @@ def start_notes(args, rf_config, rapidfire_optimizer, mixed_precision: str) -> l
     if rf_config.precision.initial.value != runs_in:
         notes.append(
             f"precision: computes in {runs_in} (PPOConfig bf16/fp16); the config's precision.initial="
-            f"{rf_config.precision.initial.value} is its preset's, not applied"
+            f"{rf_config.precision.initial.value} is not what runs"
         )
     return notes
 
