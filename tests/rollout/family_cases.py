@@ -105,7 +105,7 @@ CHECKS = [
     "sequence, up to 2**-5 of the top logit (exact equality with `generate` is a coin toss on near-ties)",
     'one PPO update (`PPOTrainer`, `rollout_backend="static"`) runs with it as the policy and changes it',
 ]
-# what the engine does with models outside the table (rows rendered from unsupported_reason)
+# what the engine does with models outside the table (rows rendered from choose_decode_path)
 OUTSIDE = [
     ("gpt2", "GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}),
     ("phi3 with longrope", "Phi3Config", "Phi3ForCausalLM",
@@ -124,9 +124,17 @@ def _outside_model(name: str, config: str, model: str, kwargs: dict, vocab_size:
 
 
 def render_models_md(vocab_size: int) -> str:
-    """docs/models.md from :data:`CASES` and the engine's own verdicts (``unsupported_reason``)."""
+    """docs/models.md from :data:`CASES` and the engine's own verdicts (``choose_decode_path``)."""
+    from test_generic_forward import FAMILIES as GENERIC_CASES
+
+    from rapidfire_hf.rollout.engine import choose_decode_path
     from rapidfire_hf.rollout.families import FAMILIES
-    from rapidfire_hf.rollout.llama_forward import unsupported_reason
+
+    def path_of(model) -> str:
+        path, why = choose_decode_path(model)
+        if path == "native":
+            return "native"
+        return f"generic (not native: {why})" if path == "generic" else f"fallback: {why}"
 
     lines = [
         "# Supported models",
@@ -137,24 +145,27 @@ def render_models_md(vocab_size: int) -> str:
         "The rollout engine runs a model on its **native** path (the static-cache decode step of",
         "`rapidfire_hf/rollout/llama_forward.py`, one forward with per-family switches from",
         '`rollout/families.py`) when `unsupported_reason(model)` is None; `rollout_backend="auto"` then picks it',
-        "on CUDA, and the start table says `rollout: static engine`. Any other model falls back, and the start",
-        "table names the reason.",
+        "on CUDA, and the start table says `rollout: static engine (native forward)`. Other decoder-only causal",
+        "LMs run on the **generic** path: the model's own forward over the same static cache, compiled and",
+        "recorded the same way (`rollout/generic_forward.py`; the start table says `generic path` and why not",
+        "native). What neither runs falls back to `model.generate`, and the start table names both reasons.",
         "",
         "| case | model_type | path (`auto`, CUDA) | what the tiny model exercises |",
         "| --- | --- | --- | --- |",
     ]
     for c in CASES:
         model = build(c, vocab_size)
-        path = "native" if unsupported_reason(model) is None else f"fallback: {unsupported_reason(model)}"
-        lines.append(f"| {c.name} | `{model.config.model_type}` | {path} | {c.exercises} |")
+        lines.append(f"| {c.name} | `{model.config.model_type}` | {path_of(model)} | {c.exercises} |")
     for name, config, model_cls, kwargs in OUTSIDE:
         model = _outside_model(name, config, model_cls, kwargs, vocab_size)
-        reason = unsupported_reason(model)
-        path = "native" if reason is None else f"fallback: {reason}"
-        lines.append(f"| {name} | `{model.config.model_type}` | {path} | (outside the table) |")
+        lines.append(f"| {name} | `{model.config.model_type}` | {path_of(model)} | (outside the table) |")
     lines += [
         "",
         f"Model types with a native decode: {', '.join(f'`{t}`' for t in FAMILIES)}.",
+        "",
+        "Model types checked on the generic path by `tests/rollout/test_generic_forward.py` (greedy tokens equal",
+        '`model.generate` for 64 tokens, CPU fp32; native ones forced onto it with `decode_path="generic"`): '
+        f"{', '.join(f'`{t}`' for t in GENERIC_CASES)}.",
         "",
         "Each case above is checked by `tests/rollout/test_families.py` on a tiny random-init model of the",
         "family (4 layers, hidden 64; init 0.1 so greedy decoding is not decided by near-ties):",

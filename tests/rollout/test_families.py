@@ -12,6 +12,7 @@ from _rollout_helpers import fresh_logits, hf_greedy
 from family_cases import CASES, GREEDY_TOKENS, LOGPROB_ATOL, build, case, render_models_md
 
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+from rapidfire_hf.rollout.engine import choose_decode_path
 from rapidfire_hf.rollout.families import FAMILIES
 from rapidfire_hf.rollout.llama_forward import unsupported_reason
 
@@ -133,6 +134,12 @@ def test_a_window_spanning_the_rollout_is_full_attention(tokenizer, prompts):
 def test_what_the_native_path_cannot_run_is_refused_by_name(tokenizer, name, overrides, says):
     model = build(case(name), len(tokenizer), **overrides)
     assert says in unsupported_reason(model)
+    if (
+        choose_decode_path(model)[0] == "generic"
+    ):  # the model's own forward runs it (tests/rollout/test_generic_forward.py), saying why
+        engine = RolloutEngine(model, 0, [], backend="static")
+        assert engine.path == "generic" and says in engine.path_reason
+        return
     with pytest.raises(ValueError, match="backend='static' cannot run this model"):
         RolloutEngine(model, 0, [], backend="static")
     assert RolloutEngine(model, 0, [], backend="auto").backend == "hf"
@@ -173,10 +180,11 @@ def test_start_table_names_the_path_auto_takes_on_cuda(tokenizer, name, native):
         args, None, policy, False, opt, None, None, None, patches, "auto", torch.device("cuda")
     )
     if native:
-        assert facts.rollout.startswith("rollout: static engine")
-    else:
-        assert facts.rollout == "rollout: model.generate"
-        assert any("fast rollout engine (model_type 'gpt2' is not one of" in s for s in facts.skipped)
+        assert facts.rollout.startswith("rollout: static engine (native forward)")
+    else:  # the generic path: the model's own forward over the engine's cache
+        assert facts.rollout.startswith(
+            "rollout: static engine (generic path: the model's own forward, model_type 'gpt2' is not one of"
+        )
 
 
 def test_a_step_that_cannot_be_compiled_or_recorded_falls_back_mode_by_mode(tokenizer, prompts, monkeypatch):

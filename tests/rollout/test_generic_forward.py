@@ -106,6 +106,40 @@ def test_generic_greedy_equals_generate(model_type):
     assert min(len(set(row.tolist())) for row in ref) >= 8
 
 
+# rotary scaling that depends on the length so far (native refuses it): the rollout runs past the original
+# 32 positions, so the scaling changes inside it
+LENGTH_DEPENDENT_ROPE = {
+    "llama": dict(
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, max_position_embeddings=32
+    ),
+    "phi3": dict(
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 32,
+        },
+        max_position_embeddings=128,
+        pad_token_id=0,
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(LENGTH_DEPENDENT_ROPE))
+def test_generic_runs_length_dependent_rope(model_type):
+    model = build(
+        model_type, **SMALL, num_key_value_heads=2, initializer_range=0.3, **LENGTH_DEPENDENT_ROPE[model_type]
+    )
+    ids, mask = prompts()
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    assert engine.path == "generic" and "length-dependent rotary scaling" in engine.path_reason
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False))
+    ref = hf_greedy(model, ids, mask, NEW_TOKENS, None)
+    assert torch.equal(out.responses, ref)
+    assert min(len(set(row.tolist())) for row in ref) >= 8
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "cohere2", "bloom"])
 def test_generic_sampled_logprobs_match_forward(model_type):
     # moderate weights: at bloom's 1.5 the logits are large enough that fp32 rounding alone (one forward over
@@ -272,3 +306,16 @@ def test_forced_decode_path_refuses_what_it_cannot_run():
         RolloutEngine(neo, pad_token_id=0, backend="static", decode_path="generic")
     with pytest.warns(UserWarning, match="decode_path='generic' apply to the static engine only"):
         RolloutEngine(gpt2, pad_token_id=0, backend="hf", decode_path="generic")
+
+
+def test_a_forward_that_fails_is_said_in_one_line():
+    """Attack: a model whose own forward cannot run (a projection of the wrong width) is refused by a
+    ValueError naming the failure, not a traceback from inside the engine's step."""
+    model = build("gpt2")
+    model.transformer.h[0].attn.c_attn = torch.nn.Linear(64, 5)
+    with pytest.raises(
+        ValueError, match="the model.s own forward failed on one token .ValueError: not enough values"
+    ):
+        RolloutEngine(model, pad_token_id=0, backend="static")
+    bad_window = build("starcoder2", sliding_window=0)
+    assert "sliding_window=0 is not a positive number" in generic_unsupported_reason(bad_window)

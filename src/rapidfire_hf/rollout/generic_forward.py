@@ -27,8 +27,9 @@ from rapidfire_hf.models import unwrap_peft
 # attention implementations whose masks are built from the 2-D mask and the cache's sizes (flash-attention's
 # varlen path reads the 2-D mask's padding itself and is not run here)
 ATTENTION_IMPLS = ("sdpa", "eager")
-# layer types whose state is the keys/values of the positions they attend to; others (linear attention, Mamba
-# convolutions, chunked attention, layers reusing another layer's cache) keep state this cache does not hold
+# layer types the slot cache serves: keys/values of every position, masked by the model's own mask functions;
+# others keep state it does not hold (linear attention, Mamba convolutions, layers reusing another layer's
+# cache) or mask by chunk (chunked attention: untested here)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -49,10 +50,14 @@ def generic_unsupported_reason(model) -> str | None:
     impl = getattr(cfg, "_attn_implementation", None)
     if impl not in ATTENTION_IMPLS:
         return f"attn_implementation {impl!r} is not one of {ATTENTION_IMPLS}"
-    types = getattr(cfg.get_text_config(decoder=True), "layer_types", None) or []
+    text_cfg = cfg.get_text_config(decoder=True)
+    window = getattr(text_cfg, "sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        return f"sliding_window={window!r} is not a positive number of positions"
+    types = getattr(text_cfg, "layer_types", None) or []
     other = sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
     if other:
-        return f"layer types {other} keep state other than per-position keys/values"
+        return f"layer types {other} are not run by the generic path (full and sliding-window attention only)"
     if not getattr(lm, "_can_compile_fullgraph", False):
         return f"{type(lm).__name__} does not support static caches in Transformers (_can_compile_fullgraph=False)"
     if _cache_argument(lm) is None:
@@ -133,11 +138,12 @@ def _probe_layers(lm, device) -> list[tuple[int, int, int, torch.dtype]]:
     try:
         with torch.no_grad():
             cache = DynamicCache(config=lm.config)
-            lm(
-                input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                use_cache=True,
-                **{_cache_argument(lm): cache},
-            )
+            ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+            lm(input_ids=ids, use_cache=True, **{_cache_argument(lm): cache})
+    except Exception as exc:  # noqa: BLE001 - a failure of the model's own forward is said in one line
+        raise ValueError(
+            f"the model's own forward failed on one token ({type(exc).__name__}: {exc})"
+        ) from exc
     finally:
         lm.train(was_training)
     shapes = []
