@@ -107,6 +107,7 @@ def agreement(model, prompt_len: int, new_tokens: int, device: str, mode: str) -
         )[:, ids.shape[1] :]  # fmt: skip
     first = [int(d.nonzero()[0]) if d.any() else new_tokens for d in (ours != ref)]
     return {
+        "path": engine.path,  # "native" for every family of the table (rollout.engine.choose_decode_path)
         "decode_mode": mode,
         "greedy_token_match_rate": round(float((ours == ref).float().mean()), 4),
         "greedy_first_divergence": first,

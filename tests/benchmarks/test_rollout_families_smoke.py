@@ -31,6 +31,7 @@ def test_smoke_run_covers_every_family(tmp_path):
     assert set(result["greedy_agreement"]) == set(fam.SHAPES)
     for name, agree in result["greedy_agreement"].items():
         assert agree["greedy_token_match_rate"] == 1.0, name  # fp32 on the CPU: exact
+        assert agree["path"] == "native", name
     assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in result["results"])
     summary = {e["family"]: e for e in result["summary"]}
     assert set(summary) == set(fam.SHAPES)

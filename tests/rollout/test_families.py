@@ -25,7 +25,7 @@ def test_greedy_equals_generate(tokenizer, prompts, name):
     model = build(case(name), len(tokenizer))
     ids, mask = prompts
     ref = hf_greedy(model, ids, mask, GREEDY_TOKENS, stop=None)
-    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
     out = engine.generate(ids, mask, SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False))
     assert torch.equal(out.responses, ref)
     # a meaningful comparison: the rows are not one repeated token
@@ -36,7 +36,7 @@ def test_greedy_equals_generate(tokenizer, prompts, name):
 def test_sampled_logprobs_equal_forward(tokenizer, prompts, name):
     model = build(case(name), len(tokenizer), seed=1)
     ids, mask = prompts
-    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
     params = SamplingParams(max_new_tokens=40, temperature=0.8)  # prompt + 40 passes every window of 24
     out = engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(0))
     logits = fresh_logits(model, out.sequences, mask)[:, out.prompt_length - 1 : -1]
@@ -51,7 +51,7 @@ def test_bf16_greedy_tokens_are_the_models_argmax(tokenizer, prompts, name):
     model's own bf16 forward over the generated sequence, up to a few roundings of the top logit."""
     model = build(case(name), len(tokenizer)).to(torch.bfloat16)
     ids, mask = prompts
-    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static")
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
     out = engine.generate(ids, mask, SamplingParams(max_new_tokens=40, do_sample=False))
     logits = fresh_logits(model, out.sequences, mask)[:, out.prompt_length - 1 : -1]
     chosen = logits.gather(-1, out.responses[..., None]).squeeze(-1)
@@ -91,7 +91,7 @@ def test_ppo_update_runs_with_the_family_as_policy(tmp_path, tokenizer, name):
         train_dataset=make_prompt_dataset(8),
     )
     trainer.train()
-    assert trainer._rollout_engine.backend == "static"
+    assert trainer._rollout_engine.backend == "static" and trainer._rollout_engine.path == "native"
     assert trainer.state.global_step == 1
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
     assert all(torch.isfinite(p).all() for p in policy.parameters())
@@ -113,7 +113,7 @@ def test_a_window_spanning_the_rollout_is_full_attention(tokenizer, prompts):
 
     model = build(case("gemma3_text"), len(tokenizer), sliding_window=512)
     ids, mask = prompts
-    out = RolloutEngine(model, 0, [], backend="static").generate(
+    out = RolloutEngine(model, 0, [], backend="static", decode_path="native").generate(
         ids, mask, SamplingParams(max_new_tokens=30, do_sample=False)
     )
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, 30, stop=None))
@@ -195,7 +195,7 @@ def test_a_step_that_cannot_be_compiled_or_recorded_falls_back_mode_by_mode(toke
     model = build(case("qwen3_moe"), len(tokenizer))
     ids, mask = prompts
     params = SamplingParams(max_new_tokens=20, do_sample=False)
-    engine = RolloutEngine(model, 0, [], backend="static", decode_mode="compile")
+    engine = RolloutEngine(model, 0, [], backend="static", decode_path="native", decode_mode="compile")
     tried = []
     real = StaticEngine._run_step
 
@@ -231,7 +231,7 @@ def test_fused_projections_where_the_family_has_separate_ones(tokenizer, prompts
 
     model = build(case(name), len(tokenizer))
     ids, mask = prompts
-    engine = RolloutEngine(model, 0, [], backend="static", decode_fuse_projections=True)
+    engine = RolloutEngine(model, 0, [], backend="static", decode_path="native", decode_fuse_projections=True)
     out = engine.generate(ids, mask, SamplingParams(max_new_tokens=60, do_sample=False))
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, 60, stop=None))
     assert (engine.copy_bytes() > 0) == fuses

@@ -33,7 +33,7 @@ def test_fp32_greedy_equals_generate_on_cuda(tokenizer, prompts, name, mode):
     model = build(case(name), len(tokenizer)).cuda()
     ids, mask = (x.cuda() for x in prompts)
     engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="auto", decode_mode=mode)
-    assert engine.backend == "static"  # "auto" runs the native path for every family
+    assert engine.backend == "static" and engine.path == "native"  # "auto" runs the native forward
     params = SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False)
     ref = hf_greedy(model, ids, mask, GREEDY_TOKENS, stop=None)
     for _ in range(2):  # the second call replays the recorded graphs
@@ -45,6 +45,7 @@ def test_bf16_greedy_tokens_are_the_models_argmax_on_cuda(tokenizer, prompts, na
     model = build(case(name), len(tokenizer)).cuda().to(torch.bfloat16)
     ids, mask = (x.cuda() for x in prompts)
     engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="auto")
+    assert engine.path == "native"
     out = engine.generate(ids, mask, SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False))
     logits = fresh_logits(model, out.sequences, mask)[:, out.prompt_length - 1 : -1]
     chosen = logits.gather(-1, out.responses[..., None]).squeeze(-1)
