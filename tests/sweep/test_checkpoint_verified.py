@@ -194,3 +194,17 @@ def test_a_300_character_trial_name_in_the_index_is_refused_by_name(tmp_path):
     with pytest.raises(SweepCheckpointError) as err:
         read_index(tmp_path)
     assert str(tmp_path / INDEX) in str(err.value) and "300 characters" in str(err.value)
+
+
+def test_a_sweep_saved_before_manifests_is_refused_saying_why(tokenizer, saved, tmp_path):
+    from rapidfire_hf.checkpoint.manifest import OLD_MARKER
+
+    out = copy_of(saved, tmp_path)
+    for folder in (out / "trials").glob("*/checkpoint-*"):
+        (folder / MANIFEST).unlink()
+        (folder / OLD_MARKER).write_text('{"format": 1, "files": {}}')
+    sweep = sweep_of(tokenizer, out)
+    with pytest.raises(SweepCheckpointError) as err:
+        sweep.train(resume_from_checkpoint=True)
+    assert "written by an older rapidfire_hf" in str(err.value) and OLD_MARKER in str(err.value)
+    assert all(t.state.global_step == 0 for t in sweep.trials.values())

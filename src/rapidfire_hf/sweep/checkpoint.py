@@ -304,7 +304,12 @@ class Found:
 def find_trial(folder: Path, sweep_id: str) -> Found:
     """The newest complete checkpoint of ``folder`` that this sweep wrote and that verifies; incomplete
     ones and those of an earlier sweep in the same output folder are skipped with a warning, damaged ones
-    (a file changed, unreadable, non-finite, from before manifests) are listed in ``refused``."""
+    (a file changed, unreadable, non-finite) are listed in ``refused``.
+
+    Raises:
+        SweepCheckpointError: the newest checkpoint is from before manifests: the whole sweep was saved by
+            an older release (refused, saying so), not one damaged folder.
+    """
     refused = []
     for _, path in checkpoints(folder):
         if not is_complete(path):
@@ -312,7 +317,9 @@ def find_trial(folder: Path, sweep_id: str) -> Found:
             continue
         try:
             saved = read_trial(path)
-        except (CheckpointDamagedError, OldCheckpointError) as err:
+        except OldCheckpointError as err:  # the sweep was saved by an older release, not one bad folder
+            raise SweepCheckpointError(f"cannot resume the sweep: {' '.join(str(err).split())}") from None
+        except CheckpointDamagedError as err:
             refused.append(" ".join(str(err).split()))
             continue
         if saved.meta["sweep_id"] == sweep_id:
