@@ -324,3 +324,21 @@ def test_gradients_count_in_training_only_and_beside_activations_only_when_a_ste
     q = make_plan(one, Asked(scoring_rows=8, generation_rows=8), PROBE, budget, "balanced")
     act = int(TRAIN_PEAK_FACTOR * PROBE.activation_bytes["none"] * 8)
     assert q.phase_peak_bytes["training"] == 10 * GIB + state + max(act, 2 * GIB)
+
+
+def test_chunk_sizes_are_every_equal_split_once_and_a_huge_batch_plans_at_once():
+    from rapidfire_hf.memory.planner import _chunk_sizes
+
+    for n in (1, 2, 7, 160, 256, 1000):
+        assert set(_chunk_sizes(n)) >= {-(-n // k) for k in range(1, n + 1)}
+        assert _chunk_sizes(n) == sorted(set(_chunk_sizes(n)), reverse=True) and max(_chunk_sizes(n)) == n
+    huge = replace(WORK_7B, rollout_rows=10**9, mini_rows=10**9)
+    p = make_plan(huge, Asked(), PROBE_7B, BUDGET_7B, "aggressive")  # was a loop over 10^9 chunk counts
+    assert p.generation_rows < 10**9 and p.fits
+
+
+def test_divisors():
+    from rapidfire_hf.memory.planner import _divisors
+
+    for n in (1, 12, 97, 160, 3600):
+        assert _divisors(n) == [k for k in range(1, n + 1) if n % k == 0]

@@ -37,6 +37,7 @@ trained in 4.65 s against 5.13 s for micro-batch 8 (separate value model) and 2.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from rapidfire_hf.memory.levels import MEMORY_LEVELS, LevelTarget, level_name
@@ -511,7 +512,9 @@ def train_need(probe: Probe, policy: str, rows: int, forwards: int, grad_bytes: 
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n``, ascending, in O(sqrt(n))."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted(set(small) | {n // k for k in small})
 
 
 def _halved(rows: int, times: int) -> int:
@@ -606,6 +609,16 @@ def _largest_chunk(total: int, row_bytes: int, room: int, cap: int, equal: bool 
     return -(-total // chunks), True
 
 
+def _chunk_sizes(total: int) -> list[int]:
+    """Each size of ``total`` rows in 1, 2, 3, ... equal chunks once, largest first, in O(sqrt(total)): the
+    sizes ``ceil(total / k)`` for small ``k`` and every size up to ``sqrt(total)`` (a huge rollout batch must
+    not cost a loop over every chunk count)."""
+    root = math.isqrt(total) + 1
+    return sorted(
+        {-(-total // k) for k in range(1, root + 1)} | set(range(1, min(root, total) + 1)), reverse=True
+    )
+
+
 def _generation_chunk(
     work: Workload, asked: Asked, probe: Probe, budget: Budget
 ) -> tuple[int, bool, str, bool]:
@@ -624,7 +637,7 @@ def _generation_chunk(
     if not alone.fits:
         return rows, ok, why, False
     # each chunk size once, largest first (the rollout batch in 1, 2, 3, ... equal chunks)
-    sizes = sorted({-(-work.rollout_rows // k) for k in range(1, work.rollout_rows + 1)}, reverse=True)
+    sizes = _chunk_sizes(work.rollout_rows)
     for candidate in (n for n in sizes if n <= rows):
         beside = _choose_training(work, asked, probe, budget.holding(work.held_cache_bytes(candidate)))
         if beside.fits and (beside.policy, beside.splits) == (alone.policy, alone.splits):
