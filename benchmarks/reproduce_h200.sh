@@ -82,9 +82,11 @@ ENTRIES=(
   "presets_release_b8_stock|presets/results/h200/release_b8_stock|1.1B batch 8: no config, balanced with the release at every update (the default then) and under pressure, stock, one call"
   "presets_lora7b_fuselora|presets/results/h200/lora7b_fuselora|7B LoRA batch 256: aggressive with and without rollout_decode_fuse_lora, one call (not run yet)"
   "presets_b8_8updates|presets/results/h200/b8_8updates|1.1B batch 8: no config and every preset, 7 timed updates a row, no stock"
-  "ppo_families_b8|ppo_vs_trl/results/h100/families_b8|PPO batch 8, separate value model, Gemma-3-1B and OLMo-2-1B shapes (random init): stock TRL 1.12 and ours, one call per family (not run yet)"
+  "ppo_families_b8|ppo_vs_trl/results/h100/families_b8|PPO batch 8, separate value model, Gemma-3-1B and OLMo-2-1B shapes (random init): stock TRL 1.12 and ours, one call per family (README row 15)"
   "rollout|rollout/results/h200|decode step: generate vs the rollout engine (README row 9)"
-  "rollout_families|rollout/results/h100/families|decode step per model family (Llama-1.1B, Gemma-3-1B, OLMo-2-1B, Phi-3-mini, Pythia-1B, 12-layer Qwen3-30B-A3B MoE; random init, bf16) at batch 8 and 64: the engine vs generate dynamic/static, per-byte vs Llama (not run yet)"
+  "rollout_generic|rollout/results/h100/generic|decode step at batch 8: generate (dynamic cache) against the engine's generic path on the 1.1B Llama shape (README row 16)"
+  "presets_full7b_h100|presets/results/h100/full7b_plan|7B full fine-tuning, batch 160, aggressive, on one 80 GB H100: the plan's per-phase peaks against the measured ones, tokens/s, OOM splits (README)"
+  "rollout_families|rollout/results/h100/families|decode step per model family (Llama-1.1B, Gemma-3-1B, OLMo-2-1B, Phi-3-mini, Pythia-1B, 12-layer Qwen3-30B-A3B MoE; random init, bf16) at batch 8 and 64: the engine vs generate dynamic/static, per-byte vs Llama (stored: --budget-s 240, the recorded step and dynamic generate for every family; the compiled rows past the budget)"
   "rollout_lora|rollout/results/h200/lora|decode step with a rank-16 LoRA adapter on q/k/v/o: compiled, fused projections (LoRA layers unfused), fused with LoRA (decode_fuse_lora), batch 8 and 64 (not run yet)"
   "kernels|kernels/results/h200|the Triton decode kernels against sdpa / matmul attention and sample_tokens, then the decode step with them"
   "kernels_call5|kernels/results/h200/call5|GPU kernel tests, attention mid-response with the kv_end bound, the compiled decode step (default SDPA vs Triton attention) at the response's mean cache length"
@@ -265,6 +267,10 @@ entry() {  # the commands of one entry, writing into $1
         bash benchmarks/presets/h200.sh "$o" b8 && mv "$o"/b8/* "$o"/ && rmdir "$o/b8" ;;
     presets_pipe7b) bash benchmarks/presets/h200.sh "$o" pipe7b && mv "$o"/pipe7b/* "$o"/ && rmdir "$o/pipe7b" ;;
     rollout) $PY benchmarks/rollout/run.py --out "$o" --batches 8,32,256 --budget-s 270 ;;
+    rollout_generic) $PY benchmarks/rollout/run.py --out "$o" --batches 8 --systems hf_dynamic,generic_cuda_graph --budget-s 120 \
+      --no-correctness ;;
+    presets_full7b_h100) ROWS_7B=aggressive UPDATES_7B=3 TIMEOUT_7B=320 bash benchmarks/presets/h200.sh "$o" full7b \
+      && mv "$o"/full7b/* "$o"/ && rmdir "$o/full7b" ;;
     rollout_families) $PY benchmarks/rollout/families.py --out "$o" --budget-s 360 ;;
     rollout_lora) $PY benchmarks/rollout/run.py --out "$o" --batches 8,64 --lora-rank 16 \
         --systems ours_compile,ours_compile+fuse,ours_compile+fuse_lora --budget-s 280 ;;
