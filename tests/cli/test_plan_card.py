@@ -149,3 +149,29 @@ def test_a_measured_plan_that_does_not_fit_exits_1_with_one_line(monkeypatch, ca
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rapidfire plan: does not fit: planned peak"), captured.err
     assert "fits with a GPU of at least 1 GiB (planned from the shape)" in lines[0]
+
+
+def test_frozen_models_in_8_bits_are_counted_and_suggested_where_they_make_it_fit(capsys):
+    """PPOConfig's ref_model_quantization / reward_model_quantization, planned from the shape: int8 decoder
+    weights (embeddings, norms and heads kept in bf16); the does-not-fit line names it where it fits."""
+    from rapidfire_hf.demo.shapes import LLAMA_SHAPES, llama_config
+    from rapidfire_hf.memory.estimate import DecoderShape, frozen_bytes
+
+    s = DecoderShape.from_config(llama_config(LLAMA_SHAPES["llama-7b"], 520))
+    linear = s.layers * (s.layer_params() - 2 * s.hidden)
+    assert frozen_bytes(s, "lm", None) == 2 * s.params("lm")
+    assert frozen_bytes(s, "lm", "8bit") == linear + 2 * (s.params("lm") - linear)
+    assert frozen_bytes(s, "lm", "4bit") < frozen_bytes(s, "lm", "8bit")
+    base = [*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--frozen-quantization", "8bit"]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    saved = plain["held_gib"]["weights"] - eight["held_gib"]["weights"]
+    assert saved == pytest.approx(2 * (2 * s.params("lm") - frozen_bytes(s, "lm", "8bit")) / 2**30, rel=0.02)
+    assert eight["splits"] == 0 and plain["splits"] == 1  # the micro-batch of 8 fits whole beside int8 models
+    # 7B, batch 160, balanced (no 8-bit AdamW state) on 80 GiB: does not fit; the line names what does
+    assert main(["plan", "--shape", "llama-7b", "--gpu-memory", "80", "--batch", "160", "--value-mode",
+                 "fused", "--reward", "model", "--config", "balanced"]) == 1  # fmt: skip
+    line = capsys.readouterr().err.strip()
+    assert "--config aggressive" in line and "--frozen-quantization" in line, line

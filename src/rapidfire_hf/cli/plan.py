@@ -101,6 +101,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="LoRA r=16 on q/k/v/o (planned only with --gpu-memory or without a GPU).",
     )
+    p.add_argument(
+        "--frozen-quantization",
+        choices=("8bit", "4bit"),
+        default=None,
+        help="The reference and reward models held in 8 or 4 bits (PPOConfig's ref_model_quantization / "
+        "reward_model_quantization; planned only with --gpu-memory or without a GPU).",
+    )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of the table.")
     p.set_defaults(func=plan_command)
     return p
@@ -141,14 +148,18 @@ def _analytic(args: argparse.Namespace) -> bool:
     if args.gpu_memory is not None:
         return True
     if torch.cuda.is_available():
-        if args.reward == "model" or args.peft:
-            raise PlanUsageError("--reward model and --peft are planned from the shape: add --gpu-memory GiB")
+        if args.reward == "model" or args.peft or args.frozen_quantization:
+            raise PlanUsageError(
+                "--reward model, --peft and --frozen-quantization are planned from the shape: add --gpu-memory GiB"
+            )
         return False
     if args.model is None and args.shape != "smoke":
         args.gpu_memory = ASSUMED_GPU_GIB
         return True
-    if args.reward == "model" or args.peft:
-        raise PlanUsageError("--reward model and --peft are planned from the shape: add --gpu-memory GiB")
+    if args.reward == "model" or args.peft or args.frozen_quantization:
+        raise PlanUsageError(
+            "--reward model, --peft and --frozen-quantization are planned from the shape: add --gpu-memory GiB"
+        )
     return False
 
 
@@ -201,6 +212,7 @@ def _card_plan_and_print(args: argparse.Namespace) -> int:
         value_mode=args.value_mode or ("separate" if args.model is None else "fused"),
         peft=args.peft,
         reward_model=args.reward == "model",
+        frozen_quantization=args.frozen_quantization,
     )
     asked = Asked(
         scoring_rows=None if args.score_chunk == "auto" else args.score_chunk,

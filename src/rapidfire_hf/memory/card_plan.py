@@ -73,6 +73,7 @@ class RunShape:
     itemsize: int = 2
     static_engine: bool = True
     cache_kept: bool = True
+    frozen_quantization: str | None = None  # the reference and reward models in "8bit" or "4bit"
 
     def workload(self) -> Workload:
         s = self.shape
@@ -101,6 +102,8 @@ class RunShape:
             reward_model=self.reward_model,
             itemsize=self.itemsize,
             eight_bit_state=eight_bit_state,
+            ref_quantization=self.frozen_quantization,
+            reward_quantization=self.frozen_quantization,
         )
 
     def fused_copy_bytes(self) -> int:
@@ -207,6 +210,13 @@ def fit_hint(run: RunShape, device_bytes: int, level, **kwargs) -> str:
         and card_plan(run, device_bytes, "aggressive", **kwargs).fits
     ):
         hints.append("--config aggressive")
+    if run.frozen_quantization is None and (run.reward_model or not run.peft):
+        for bits in ("8bit", "4bit"):
+            if card_plan(replace(run, frozen_quantization=bits), device_bytes, level, **kwargs).fits:
+                hints.append(
+                    f"the frozen models in {bits} (--frozen-quantization {bits}; changes their arithmetic)"
+                )
+                break
     if not run.peft and card_plan(replace(run, peft=True), device_bytes, level, **kwargs).fits:
         hints.append("LoRA (--peft)")
     if run.response_tokens > 64:

@@ -195,15 +195,19 @@ def run_memory(
     reward_model: bool = False,
     itemsize: int = 2,
     eight_bit_state: bool = False,
+    ref_quantization: str | None = None,
+    reward_quantization: str | None = None,
 ) -> RunMemory:
     """The :class:`RunMemory` of PPO on a policy of ``shape``: a fused value head or a separate value model
     of the same shape; full fine-tuning (a frozen reference copy) or LoRA (the reference is the base with
     the adapter off: no copy; ``lora_params`` trained, plus the value head or model); a reward model of the
-    same shape or a rule. AdamW's two moments are in the parameters' dtype (``itemsize``), or in 8 bits."""
+    same shape or a rule. AdamW's two moments are in the parameters' dtype (``itemsize``), or in 8 bits.
+    ``ref_quantization`` / ``reward_quantization``: the frozen model held in ``"8bit"`` or ``"4bit"``
+    (PPOConfig's ``ref_model_quantization`` / ``reward_model_quantization``, :func:`frozen_bytes`)."""
     policy = shape.params("value" if value_mode == "fused" else "lm")
     value = shape.params("score") if value_mode == "separate" else 0
-    ref = 0 if peft else shape.params("lm")
-    reward = shape.params("score") if reward_model else 0
+    ref = 0 if peft else frozen_bytes(shape, "lm", ref_quantization, itemsize) // itemsize
+    reward = frozen_bytes(shape, "score", reward_quantization, itemsize) // itemsize if reward_model else 0
     if peft:
         trained = lora_params + (value if value else shape.hidden + 1)
     else:
@@ -217,6 +221,22 @@ def run_memory(
         state_full=full,
         state_8bit=small,
     )
+
+
+# bytes per weight of a quantized linear layer: int8 with fp32 row scales; NF4 with double-quantized scales
+QUANTIZED_BYTES = {"8bit": 1.0, "4bit": 0.52}
+
+
+def frozen_bytes(shape: DecoderShape, head: str, quantization: str | None, itemsize: int = 2) -> int:
+    """Bytes of a frozen model of ``shape`` with ``head`` (:meth:`DecoderShape.params`), its decoder layers'
+    linear weights in ``quantization`` (bitsandbytes keeps the embeddings, norms and the head in ``itemsize``)."""
+    total = shape.params(head)
+    if quantization is None:
+        return total * itemsize
+    if quantization not in QUANTIZED_BYTES:
+        raise ValueError(f"quantization {quantization!r}: expected None, '8bit' or '4bit'")
+    linear = shape.layers * (shape.layer_params() - 2 * shape.hidden)
+    return int(linear * QUANTIZED_BYTES[quantization]) + (total - linear) * itemsize
 
 
 def lora_params(shape: DecoderShape, rank: int, targets: tuple[str, ...]) -> int:
