@@ -12,6 +12,7 @@ from rapidfire_hf.rollout.generic_forward import generic_unsupported_reason
 from rapidfire_hf.rollout.hf_backend import hf_generate
 from rapidfire_hf.rollout.llama_forward import unsupported_reason
 from rapidfire_hf.rollout.prefill import check_prefill_rows, chunk_prefill, prefill_rows
+from rapidfire_hf.rollout.sharded import gathered
 from rapidfire_hf.rollout.types import RolloutOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -305,7 +306,10 @@ class RolloutEngine:
             raise ValueError(
                 "per-row generators need backend='static' (model.generate draws one batch-wide sample)"
             )
-        with generation_mode(self.model):
+        # the static engine: FSDP2 units gathered once for the whole rollout (rollout/sharded.py; nothing for
+        # unsharded models). model.generate keeps its per-layer gathers, which hold one layer at a time
+        static_gather = gathered(self.model) if self._static is not None else contextlib.nullcontext()
+        with generation_mode(self.model), static_gather:
             if self._static is not None:
                 tokens, logprobs = self._static.generate(input_ids, attention_mask, params, generator)
             else:
