@@ -41,7 +41,8 @@ class Family:
         qk_norm: None, ``"head"`` (q_norm / k_norm per head after the view: Qwen3, Gemma-3) or ``"proj"``
             (over the whole projection before the view: OLMo-2).
         parallel_residual: attention and MLP both read the layer input (GPT-NeoX's use_parallel_residual).
-        moe: the MLP is a routed mixture of experts, called as the model's own module on ``[B, 1, H]``.
+        moe: the MLP is a routed mixture of experts: decoded by ``rollout/moe_decode.py`` (the model's router
+            and stacked expert weights, no host sync), or its own module on ``[B, 1, H]`` for other layouts.
         embed_scale: embeddings times sqrt(hidden), the factor rounded to the embedding dtype (Gemma).
         softcap: attention-logit and final-logit soft-capping from the config (Gemma-2/3).
         multipliers: Granite's embedding / residual multipliers and logits scaling from the config.

@@ -2,11 +2,14 @@
 weights (the families' differences are the switches of rollout/families.py; docs/models.md lists them).
 
 Only attention is re-implemented (so no HF cache object or mask builder is in the loop); embeddings,
-norms, projections, MLPs and MoE blocks are the model's modules, called directly, so PEFT LoRA layers
+norms, projections and MLPs are the model's modules, called directly (a routed MoE block at decode:
+rollout/moe_decode.py, on its own router and expert weights, so the step can be recorded), so PEFT LoRA layers
 wrapped around ``q_proj`` etc. keep working and generation always sees the current training weights.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from rapidfire_hf.rollout.families import (
     rope_kinds,
     rotary_tables,
 )
+from rapidfire_hf.rollout.moe_decode import is_moe_block, moe_layout_reason, routed_moe
 
 DECODE_LINEARS = ("torch", "triton")
 
@@ -327,6 +331,17 @@ class StaticLlama:
         self.residual_mult = float(cfg.residual_multiplier) if fam.multipliers else 1.0
         self.logits_scaling = float(cfg.logits_scaling) if fam.multipliers else 1.0
         self._embed_scale = None
+        # routed MoE layers decoded natively; where a layout is unknown, the module call (said once)
+        self._model_type, self._norm_topk = cfg.model_type, bool(getattr(cfg, "norm_topk_prob", True))
+        moe_layers = [layer.mlp for layer in self.layers if fam.moe and is_moe_block(layer.mlp)]
+        reasons = {moe_layout_reason(m, cfg) for m in moe_layers} - {None}
+        self.moe_native = [fam.moe and is_moe_block(layer.mlp) and not reasons for layer in self.layers]
+        self.moe_reason = next(iter(sorted(reasons)), None)
+        if self.moe_reason is not None:
+            warnings.warn(
+                f"MoE decode runs the model's own expert modules, which a CUDA graph cannot record: {self.moe_reason}",
+                stacklevel=2,
+            )
         self._qkv_sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
         self.fused = [fuse_projections and _fusable(layer, fam, fuse_lora) for layer in self.layers]
         # per generation (refresh_fused): whether a fused layer runs fused now (its LoRA state reproducible)
@@ -471,8 +486,12 @@ class StaticLlama:
         return self._heads(attn, q, k, v, lead)
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """Layer ``i``'s MLP module on ``h``; a routed MoE block is given ``[B, 1, H]`` as in the model."""
+        """Layer ``i``'s MLP on ``h``. A routed MoE block at decode (``h`` is ``[B, H]``) runs
+        :func:`~rapidfire_hf.rollout.moe_decode.routed_moe` (recordable: no host sync) where its layout is
+        known, else its own module on ``[B, 1, H]`` as in the model."""
         mlp = self.layers[i].mlp
+        if self.moe_native[i] and h.dim() == 2:
+            return routed_moe(mlp, h, self._model_type, self._norm_topk)
         if self.family.moe and h.dim() == 2:
             out = mlp(h[:, None, :])
             return (out[0] if isinstance(out, tuple) else out).squeeze(1)
