@@ -211,7 +211,7 @@ def test_ctl_line_after_an_unfinished_one_is_kept(tmp_path):
     reader = ControlFile(tmp_path)
     (tmp_path / "control.jsonl").write_bytes(b'{"op": "stop", "tri')  # a writer killed mid-line
     assert _ctl(tmp_path, "stop", "a") == 0
-    assert [cmd for _, cmd in reader.read()] == [("stop", "a", "ctl")]
+    assert [cmd for _, cmd, _ in reader.read()] == [("stop", "a", "ctl")]
 
 
 @pytest.mark.usefixtures("single_thread")

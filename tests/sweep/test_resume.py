@@ -58,15 +58,16 @@ def uninterrupted(tokenizer, tmp_path_factory):
     return _snapshot(sweep)
 
 
-# (where, target, n, updates left): killed mid-file-set of A's checkpoint-3; before B's checkpoint-3
-# folder is renamed into place; between the clone's checkpoint and the index that lists it (the index is
-# written at the start, after updates 1 and 2, for the clone, after update 3); before the index of update 3
-# replaces the old one; in the PPO epochs of update 4
+# (where, target, n, updates left): killed mid-file-set of A's checkpoint-3; before B's checkpoint-3 folder
+# is renamed into place (A's is then of a save the kill cut short); before the index of update 2's save
+# replaces the old one (the index is written twice at the start, then at each save and for the clone); before
+# the index listing the clone; in the PPO epochs of update 4. A resume starts from the last complete save
+# (every trial's checkpoint of one update, journaled) and takes the same decisions again: the clone too.
 KILLS = [
     ("save", "optimizer.pt", 6, 2 + 2 + 2),
-    ("replace", "checkpoint-3", 2, 1 + 2 + 2),
-    ("replace", INDEX, 4, 2 + 2 + 2),
-    ("replace", INDEX, 5, 1 + 1 + 1),
+    ("replace", "checkpoint-3", 2, 2 + 2 + 2),
+    ("replace", INDEX, 4, 3 + 3 + 2),
+    ("replace", INDEX, 5, 2 + 2 + 2),
     ("optimize", "-", 4, 1 + 1 + 1),
 ]
 

@@ -71,6 +71,7 @@ def run_bench(args) -> int:
         return 2
     script, _ = BENCHMARKS[args.name]
     out = args.out or str(root / Path(script).parent / "results" / "local")
+    Path(out).mkdir(parents=True, exist_ok=True)  # a bad --out is said here (OSError: one line), not by the script
     cmd = [
         sys.executable,
         str(root / script),

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from rapidfire_hf.cli.demo_config import demo_ppo_config
+from rapidfire_hf.cli.demo_config import demo_ppo_config, demo_resume_command
 
 DEMO_HELP = "Train PPO on the embedded demo task (no downloads; minutes on a laptop CPU)."
 
@@ -38,6 +38,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--cpu", action="store_true", help="Stay on the CPU even when a GPU is present.")
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="Continue from the latest checkpoint in --output-dir (Ctrl-C or SIGTERM writes one), with the "
+        "same flags otherwise.",
+    )
+    p.add_argument(
         "--sweep",
         action="append",
         metavar="FIELD=V1,V2,...",
@@ -59,6 +65,8 @@ def _load_models(args):
     path = Path(args.model)
     if not path.exists():
         raise SystemExit(f"--model {args.model}: no such local path (the demo never downloads models).")
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: not a folder of a HF model (no config.json in it)")
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
         raise SystemExit(
@@ -136,7 +144,17 @@ def run_demo(args) -> int:
     )
     trainer.remove_progress_callbacks()
     start = time.perf_counter()
-    trainer.train()
+    from rapidfire_hf.utils.interrupt import TrainingInterrupted
+
+    try:
+        trainer.train(resume_from_checkpoint=True if args.resume else None)
+    except TrainingInterrupted as err:  # the checkpoint is named; say how to continue from the shell
+        text = str(err).replace("train(resume_from_checkpoint=True)", f"`{demo_resume_command()}`")
+        raise TrainingInterrupted(text, err.checkpoint) from None
+    except FileNotFoundError as err:
+        if not args.resume:
+            raise
+        raise SystemExit(f"--resume: {err}; run the demo without --resume to start it") from None
     wall = time.perf_counter() - start
     history = [h for h in trainer.state.log_history if "objective/scores" in h]
     summary = _write_outputs(out_dir, history, wall, trainer)

@@ -36,3 +36,14 @@ def demo_ppo_config(args, out_dir: Path):
         bf16=use_gpu and torch.cuda.is_bf16_supported(),
         rapidfire_config=args.config,
     )
+
+
+def demo_resume_command() -> str:
+    """This demo's command line with ``--resume``: what continues it after Ctrl-C or SIGTERM."""
+    import shlex
+    import sys
+
+    argv = [a for a in sys.argv[1:] if a != "--resume"]
+    if "demo" not in argv:  # called from Python, not from the console script
+        argv = ["demo", "..."]
+    return shlex.join(["rapidfire", *argv, "--resume"])

@@ -6,12 +6,13 @@ status). Modules keep heavy imports (torch, transformers) inside ``func`` so tha
 stays fast.
 
 A user's mistake never ends in a traceback: :func:`main` turns the errors a subcommand raises for bad input
-(``ConfigError``, ``ValueError``, ``FileNotFoundError``, ``ImportError``, and ``SystemExit`` with a message)
-into one line on stderr, ``rapidfire COMMAND: error: ...``, and exit status 2. ``rapidfire --debug COMMAND``
+(``ConfigError``, ``ValueError``, ``OSError`` (a path that cannot be made, read or written: missing, a file
+where a folder is needed, too long a name, no permission, a full disk), ``ImportError``, and ``SystemExit``
+with a message) into one line on stderr, ``rapidfire COMMAND: error: ...``, and exit status 2. ``rapidfire --debug COMMAND``
 re-raises instead, to show the traceback. Any other exception is a bug of ours and propagates.
 
-Ctrl-C (``KeyboardInterrupt``) on any subcommand prints one line, ``rapidfire COMMAND: interrupted``, and
-exits with status 130 (128 + SIGINT, what a shell reports for a program stopped by Ctrl-C); ``--debug`` shows
+Ctrl-C (``KeyboardInterrupt``) on any subcommand prints one line, ``rapidfire COMMAND: interrupted`` (with
+where the checkpoint went, when training saved one on the way out), and exits with status 130 (128 + SIGINT, what a shell reports for a program stopped by Ctrl-C); ``--debug`` shows
 the traceback instead.
 """
 
@@ -28,7 +29,7 @@ SUBCOMMANDS = ("demo", "plan", "sweep", "monitor", "bench", "env", "config_cmd")
 EXIT_USAGE = 2  # a mistake in the command line or in a file it names (argparse's status for the same)
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
 # what a subcommand raises for bad input (ConfigError is a ValueError); anything else is a bug and propagates
-USER_ERRORS = (ValueError, FileNotFoundError, ImportError)
+USER_ERRORS = (ValueError, OSError, ImportError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _run(argv)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if "--debug" in argv[: argv.index("--") if "--" in argv else len(argv)]:
             raise
         command = next((a for a in argv if not a.startswith("-")), "")
-        print(f"rapidfire{' ' + command if command else ''}: interrupted", file=sys.stderr, flush=True)
+        said = " ".join(str(err).split())  # where training saved its checkpoint, if it did
+        print(f"rapidfire{' ' + command if command else ''}: interrupted{': ' + said if said else ''}",
+              file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_INTERRUPTED
 
 
@@ -106,13 +109,26 @@ def _describe(err: BaseException) -> str:
         return f"{text or 'a module is missing'}: install it (pip install ...) or fix the module name"
     if isinstance(err, FileNotFoundError):
         return f"{text or 'no such file'}: check the path"
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:  # the path and what went wrong
+        name = str(err.filename)
+        name = name if len(name) <= 120 else f"{name[:60]}...{name[-40:]} ({len(name)} characters)"
+        return f"{name}: {err.strerror} (check the path)"
     text = " ".join(text.split()) or type(err).__name__
     return f"{text} (rapidfire --debug ... shows where it was raised)"
 
 
 def _user_error(command: str, message) -> int:
-    print(f"rapidfire {command}: error: {message}", file=sys.stderr)
+    print(f"rapidfire {command}: error: {_one_line(str(message))}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _one_line(text: str) -> str:
+    """A multi-line message (a config's list of problems, a YAML error with its caret) as one line."""
+    parts = [ln.strip() for ln in text.splitlines() if ln.strip() and set(ln.strip()) != {"^"}]
+    out = ""
+    for part in parts:
+        out += part if not out else (" " if out.endswith(":") else "; ") + part
+    return out
 
 
 def _reader_left() -> int:

@@ -69,14 +69,27 @@ def run_sweep_command(args) -> int:
         print(f"rapidfire sweep {args.target}: loading the model, the data and the trials ...", flush=True)
     sweep = build(spec, progress=progress)
     start = time.perf_counter()
-    from rapidfire_hf.checkpoint.errors import CheckpointError
-
-    try:
-        sweep.train(resume_from_checkpoint=True if resume else None)
-    except CheckpointError as err:  # a damaged or mismatched checkpoint: the message names the file
-        raise SystemExit(" ".join(str(err).split())) from None
+    train_sweep(sweep, resume, f"rapidfire sweep {args.target} --resume")
     print_summary(sweep, time.perf_counter() - start)
     return 0
+
+
+def train_sweep(sweep, resume: bool, resume_command: str) -> None:
+    """``sweep.train`` with its failures as one line naming what to do on the command line (``resume_command``
+    continues it): a damaged or mismatched checkpoint (the file named), a failure of every trial (the update
+    and what was saved), an interrupt (where the checkpoints are)."""
+    from rapidfire_hf.checkpoint.errors import CheckpointError
+    from rapidfire_hf.sweep.sweep import SweepError
+    from rapidfire_hf.utils.interrupt import TrainingInterrupted
+
+    python_hint = "train(resume_from_checkpoint=True)"
+    try:
+        sweep.train(resume_from_checkpoint=True if resume else None)
+    except (CheckpointError, SweepError) as err:
+        raise SystemExit(" ".join(str(err).split()).replace(python_hint, f"`{resume_command}`")) from None
+    except TrainingInterrupted as err:
+        text = str(err).replace(f"{python_hint} (rapidfire sweep SWEEP.yaml --resume)", f"`{resume_command}`")
+        raise TrainingInterrupted(text, err.checkpoint) from None
 
 
 def run_ctl(ns) -> int:
@@ -230,7 +243,7 @@ def run_demo_sweep(args) -> int:
     """`rapidfire demo --sweep ...`: the demo task as a sweep of LoRA trials on one tiny base model."""
     from peft import LoraConfig
 
-    from rapidfire_hf.cli.demo_config import demo_ppo_config
+    from rapidfire_hf.cli.demo_config import demo_ppo_config, demo_resume_command
     from rapidfire_hf.demo import DemoTask, make_prompt_dataset, vowel_reward
     from rapidfire_hf.sweep import PPOSweep
 
@@ -258,7 +271,7 @@ def run_demo_sweep(args) -> int:
         progress=True,
     )
     start = time.perf_counter()
-    sweep.train()
+    train_sweep(sweep, args.resume, demo_resume_command())
     print_summary(sweep, time.perf_counter() - start)
     return 0
 

@@ -66,6 +66,7 @@ from rapidfire_hf.ppo.speedups import check_liger_usable
 from rapidfire_hf.ppo.start_report import start_facts, start_lines
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
 from rapidfire_hf.ppo.types import Experience, PPOStats, PPOTrainerState, Rollout, _to_float, sync_time
+from rapidfire_hf.utils.interrupt import StopSignals, TrainingInterrupted
 from rapidfire_hf.utils.logs import LogCadence, apply_logging_config
 from rapidfire_hf.utils.start_table import start_table
 
@@ -423,33 +424,71 @@ class PPOTrainer:
         self._prompts = PromptPrefetch.for_trainer(self, start_update)  # memory.prefetch_window
         apply_logging_config(self.rf_config)  # logging.level (also for a config given by enable_rapidfire)
         self._print_start_table()
-        for update in range(start_update, self.num_updates):
-            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            metrics = self._one_update(update)
-            self.state.global_step = update + 1
-            self.state.epoch = (update + 1) / self.prompt_order.batches_per_pass
-            self.lr_scheduler.step()
-            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            if self.precision_plugin is not None:
-                self.precision_plugin.on_step_end(
-                    update + 1,
-                    {
-                        "loss": metrics["loss/policy_avg"] + args.vf_coef * metrics["loss/value_avg"],
-                        "throughput": metrics["tokens_per_second"],
-                        "approx_kl": metrics["policy/approxkl_avg"],
-                    },
-                )
-            if self.control.should_log:
-                self.log({k: _to_float(v) for k, v in metrics.items()})
-            if self.control.should_save:
-                ckpt.save(self)
-                self.control = self.callback_handler.on_save(args, self.state, self.control)
-            if self.control.should_training_stop:
-                break
+        saved, saved_at = None, None  # the last checkpoint this loop wrote, and its update
+        with StopSignals("PPOTrainer") as signals:
+            try:
+                for update in range(start_update, self.num_updates):
+                    self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                    metrics = self._one_update(update)
+                    self.state.global_step = update + 1
+                    self.state.epoch = (update + 1) / self.prompt_order.batches_per_pass
+                    self.lr_scheduler.step()
+                    self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                    if self.precision_plugin is not None:
+                        self.precision_plugin.on_step_end(
+                            update + 1,
+                            {
+                                "loss": metrics["loss/policy_avg"] + args.vf_coef * metrics["loss/value_avg"],
+                                "throughput": metrics["tokens_per_second"],
+                                "approx_kl": metrics["policy/approxkl_avg"],
+                            },
+                        )
+                    if self.control.should_log:
+                        self.log({k: _to_float(v) for k, v in metrics.items()})
+                    if self.control.should_save:
+                        saved, saved_at = ckpt.save(self), update + 1
+                        self.control = self.callback_handler.on_save(args, self.state, self.control)
+                    if self.control.should_training_stop:
+                        break
+                    if self._stop_requested(signals):
+                        self._stop_for_signal(signals.requested, saved if saved_at == update + 1 else None)
+            except KeyboardInterrupt as err:
+                if not isinstance(err, TrainingInterrupted):  # abandoned mid-update: say what stands
+                    logger.warning("PPOTrainer: %s", self._abandoned_note())
+                raise
         self._prompts = None
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         acc.wait_for_everyone()
         return self.state
+
+    def _stop_requested(self, signals: StopSignals) -> bool:
+        """Whether a SIGINT/SIGTERM asked to stop, agreed by every process (each then saves the same update)."""
+        if self.accelerator.num_processes == 1:
+            return signals.requested is not None
+        flag = torch.tensor([0 if signals.requested is None else 1], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum").item())
+
+    def _stop_for_signal(self, signal_name: str | None, saved) -> None:
+        """Checkpoint the update just finished (unless saved already), then raise :class:`TrainingInterrupted`
+        naming the folder."""
+        if saved is None:
+            saved = ckpt.save(self)
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        raise TrainingInterrupted(
+            f"PPOTrainer stopped by {signal_name or 'a signal of another process'} after update "
+            f"{self.state.global_step}; checkpoint saved in {saved}; continue with "
+            "train(resume_from_checkpoint=True)",
+            saved,
+        )
+
+    def _abandoned_note(self) -> str:
+        """What a resume would start from after an update was abandoned (the weights are between two)."""
+        last = ckpt.latest_checkpoint(self.args.output_dir)
+        where = (
+            f"the latest checkpoint is {last}" if last is not None
+            else f"no checkpoint was written in {self.args.output_dir}: a resume has nothing to continue from"
+        )  # fmt: skip
+        return f"update {self.state.global_step + 1} abandoned (interrupted twice); {where}"
 
     def _print_start_table(self) -> None:
         """Once per ``train()``, on the main process: what is on, what is off and why (quiet at

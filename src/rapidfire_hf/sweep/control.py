@@ -202,13 +202,33 @@ class ControlFile:
         except OSError:  # none yet (or unreadable: read() says so)
             pass
 
+    @property
+    def offset(self) -> int:
+        """Bytes of the file read so far (complete lines only)."""
+        return self._offset
+
+    def seek(self, offset: int) -> None:
+        """Read on from byte ``offset`` (a resumed sweep: where the killed one had read to, so a command it
+        never read is read now and one it applied is never applied twice). A file shorter than that (it was
+        replaced) is read from its end, with a warning."""
+        try:
+            data = self.path.read_bytes()
+        except OSError:
+            data = b""
+        if offset > len(data) or (offset > 0 and data[offset - 1 : offset] != b"\n"):
+            if data or offset:
+                self._warn(f"{self.path} changed since the sweep read it up to byte {offset}: only new lines are read")
+            offset = len(data)
+        self._offset, self._line = offset, data[:offset].count(b"\n")
+
     def _warn(self, message: str) -> None:
         if message != self._last_problem:  # a file that stays unreadable is reported once
             logger.warning("PPOSweep: %s", message)
         self._last_problem = message
 
-    def read(self) -> list[tuple[int, tuple]]:
-        """``[(line number, command), ...]`` of the complete lines that arrived since the last call."""
+    def read(self) -> list[tuple[int, tuple, int]]:
+        """``[(line number, command, offset after its line), ...]`` of the complete lines that arrived since
+        the last call."""
         try:
             size = self.path.stat().st_size
             if size < self._offset:
@@ -223,17 +243,18 @@ class ControlFile:
             self._warn(f"cannot read {self.path} ({type(err).__name__}: {err}); its commands wait")
             return []
         end = data.rfind(b"\n") + 1  # a line still being written waits for the next look
-        self._offset += end
+        start, self._offset = self._offset, self._offset + end
         commands = []
         for raw in data[:end].split(b"\n")[:-1]:
             self._line += 1
+            start += len(raw) + 1
             try:
                 cmd = parse_line(raw)
             except ValueError as err:
                 logger.warning("PPOSweep: %s line %d skipped: it %s", self.path, self._line, err)
                 continue
             if cmd is not None:
-                commands.append((self._line, cmd))
+                commands.append((self._line, cmd, start))
         return commands
 
 
@@ -254,6 +275,37 @@ def _level(trial, metric: str, window: int, upto: int | None = None) -> float | 
     values = [h[metric] for h in hist if metric in h and (upto is None or h.get("step", 0) <= upto)]
     values = values[-window:]
     return sum(values) / len(values) if values else None
+
+
+def _existed(trial, update: int) -> bool:
+    """Whether ``trial`` existed when the trials were judged after ``update``: a clone is made at the boundary
+    after its parent's update ``branch_step``, after the rules judged it. A rule's verdict at an update then
+    depends on the trials' histories up to it only, whichever trials were rebuilt by a resume."""
+    branch = getattr(trial, "branch_step", None)  # rules also judge plain objects (tests, custom sweeps)
+    return branch is None or branch < update
+
+
+def _every(trial) -> int:
+    return max(1, int(trial.args.logging_steps))
+
+
+def check_metric_logged(rules, logged: dict, trial: str) -> None:
+    """Refuse a rule whose metric is not among the metrics a trial logs (checked at the first update).
+
+    Raises:
+        ValueError: naming the rule, the metric, the trial and the closest logged names.
+    """
+    import difflib
+
+    for rule in rules:
+        metric = getattr(rule, "metric", None)
+        if isinstance(metric, str) and metric not in logged:
+            close = difflib.get_close_matches(metric, sorted(logged), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(
+                f"{type(rule).__name__} judges trials by {metric!r}, which trial {trial!r} does not log{hint}; "
+                "it would never rank a trial by it. Give a metric of the update's logs."
+            )
 
 
 @dataclass
@@ -289,25 +341,52 @@ class EarlyStopping:
         if not isinstance(m, int | float) or isinstance(m, bool) or not math.isfinite(m) or m < 0:
             raise ValueError(f"EarlyStopping margin must be a finite number >= 0, got {m!r}")
 
-    def level(self, trial) -> float | None:
+    def check_logging(self, trials) -> None:
+        """Refuse a trial that logs too rarely to be judged: its first log after ``after_updates``.
+
+        Raises:
+            ValueError: naming the trial and its ``logging_steps``.
+        """
+        for t in trials:
+            if _every(t) > self.after_updates and t.num_updates > self.after_updates:
+                raise ValueError(
+                    f"EarlyStopping judges trials from update {self.after_updates} on, but trial {t.name!r} logs "
+                    f"every {_every(t)} updates (logging_steps): it would be judged on no value of "
+                    f"{self.metric!r}. Lower its logging_steps to at most {self.after_updates} or raise after_updates."
+                )
+
+    def level(self, trial, upto: int | None = None) -> float | None:
+        """The trial's level at update ``upto`` (its latest without); None before ``after_updates``."""
         if trial.state.global_step < self.after_updates or trial.status == "diverged":
             return None
-        value = _level(trial, self.metric, self.window)
+        value = _level(trial, self.metric, self.window, upto)
         return value if value is not None and math.isfinite(value) else None
 
     def check(self, trials: dict) -> list[tuple[str, str]]:
-        """``[(name, reason), ...]`` of running trials to stop now."""
-        levels = {n: lv for n, t in trials.items() if (lv := self.level(t)) is not None}
+        """``[(name, reason), ...]`` of running trials to stop now.
+
+        The trials are judged at the update every running trial has reached (all of them at once, as they
+        advance together), each by its level up to that update: a resumed sweep, whose trials may come back
+        from checkpoints of different updates, judges them as the uninterrupted one did."""
+        judged = [t for t in trials.values() if t.active and not getattr(t, "pinned", False)]
+        if not judged:
+            return []
+        now = min(t.state.global_step for t in judged)
+        if now < self.after_updates:
+            return []
+        levels = {
+            n: lv for n, t in trials.items() if _existed(t, now) and (lv := self.level(t, upto=now)) is not None
+        }
         if len(levels) < 2:
             return []
         sign = 1.0 if self.mode == "max" else -1.0
         best = max(levels.values(), key=lambda v: sign * v)
         out = []
-        for name, lv in levels.items():
-            pinned = getattr(trials[name], "pinned", False)
-            if trials[name].active and not pinned and sign * (best - lv) > self.margin:
+        for t in judged:
+            lv = levels.get(t.name)
+            if lv is not None and t.state.global_step == now and sign * (best - lv) > self.margin:
                 out.append(
-                    (name, f"{self.metric} {lv:.4g} is {abs(best - lv):.4g} behind the best {best:.4g}")
+                    (t.name, f"{self.metric} {lv:.4g} is {abs(best - lv):.4g} behind the best {best:.4g}")
                 )
         return out
 
@@ -347,6 +426,21 @@ class SuccessiveHalving:
             raise ValueError(f"SuccessiveHalving keep must be a fraction between 0 and 1, got {k!r}")
         self.rungs = tuple(rungs)
 
+    def check_logging(self, trials) -> None:
+        """Refuse a trial whose ``logging_steps`` skips a rung it reaches (it would be ranked on an older value).
+
+        Raises:
+            ValueError: naming the trial, its ``logging_steps`` and the rung.
+        """
+        for t in trials:
+            missed = [r for r in self.rungs if r < t.num_updates and r % _every(t)]
+            if missed:
+                raise ValueError(
+                    f"SuccessiveHalving ranks trials by {self.metric!r} at updates {list(self.rungs)}, but trial "
+                    f"{t.name!r} logs every {_every(t)} updates (logging_steps), not at update {missed[0]}: give "
+                    "it a logging_steps that divides every rung, or rungs it logs at."
+                )
+
     def _rank(self, trial, rung: int) -> tuple:
         lv = _level(trial, self.metric, self.window, upto=rung)
         sign = 1.0 if self.mode == "max" else -1.0
@@ -360,7 +454,8 @@ class SuccessiveHalving:
         now = min(t.state.global_step for t in running)
         out, stopping = [], set()
         for rung in (r for r in self.rungs if r <= now):
-            pool = [t for t in trials.values() if t.status != "diverged" and t.state.global_step >= rung]
+            pool = [t for t in trials.values()
+                    if t.status != "diverged" and t.state.global_step >= rung and _existed(t, rung)]  # fmt: skip
             ordered = sorted(pool, key=lambda t, rung=rung: self._rank(t, rung))
             kept = max(1, math.ceil(len(ordered) * self.keep))
             cut = [(pos, t) for pos, t in enumerate(ordered[kept:], start=kept + 1)
@@ -371,12 +466,7 @@ class SuccessiveHalving:
                 out.append((t.name, f"successive halving at update {rung}: {self.metric} {shown} ranks {pos} "
                                     f"of {len(ordered)} (the best {kept} continue)"))  # fmt: skip
                 stopping.add(t.name)
-            if cut:
-                self.decisions.append(
-                    {
-                        "update": rung,
-                        "kept": [t.name for t in ordered[:kept]],
-                        "stopped": [t.name for _, t in cut],
-                    }
-                )
+            decision = {"update": rung, "kept": [t.name for t in ordered[:kept]], "stopped": [t.name for _, t in cut]}
+            if cut and decision not in self.decisions:  # a resumed sweep judging the rung again: recorded once
+                self.decisions.append(decision)
         return out

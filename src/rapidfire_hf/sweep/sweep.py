@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -20,13 +21,15 @@ from rapidfire_hf.ppo.setup import load_rapidfire_config
 from rapidfire_hf.ppo.types import PPOStats, sync_time
 from rapidfire_hf.sweep import checkpoint as ckpt
 from rapidfire_hf.sweep import outputs
-from rapidfire_hf.sweep.control import ControlFile
+from rapidfire_hf.sweep.control import ControlFile, check_metric_logged
 from rapidfire_hf.sweep.fields import check_trial_name
+from rapidfire_hf.sweep.journal import JOURNAL, DecisionJournal, Replay, command_of, read_journal
 from rapidfire_hf.sweep.lora import AdapterBank
 from rapidfire_hf.sweep.phases import SweepPhases, trial_metrics
 from rapidfire_hf.sweep.planning import SweepPlanner, sweep_memory
 from rapidfire_hf.sweep.trackers import TrialTrackers
-from rapidfire_hf.sweep.trial import Trial, build_trial, trial_args
+from rapidfire_hf.sweep.trial import Trial, build_trial, num_updates, trial_args
+from rapidfire_hf.utils.interrupt import StopSignals, TrainingInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +111,14 @@ class PPOSweep:
     ``summary.json``) and never saved; the others continue unchanged. A failure shared by every trial
     (the reward function raising) saves every trial's checkpoint, log history and the summary, then
     raises :class:`SweepError` naming the update.
+
+    Decisions are durable: every stop, resume, clone, rule cut and save is journaled the moment it is taken
+    (``decisions.jsonl``, :mod:`rapidfire_hf.sweep.journal`); every ``save_steps`` rounds every trial is
+    checkpointed at once. ``train(resume_from_checkpoint=True)`` after a kill at any point starts from the
+    last complete save and takes the same decisions at the same updates: the trials end as the uninterrupted
+    run's (bit-exact on the CPU). Ctrl-C or SIGTERM finishes the update in progress, checkpoints every trial
+    and raises :class:`rapidfire_hf.utils.interrupt.TrainingInterrupted` naming the folder; a second one
+    abandons the update.
 
     Example:
         >>> sweep = PPOSweep(args=PPOConfig(output_dir="out/sweep", max_steps=40),
@@ -212,7 +223,12 @@ class PPOSweep:
         )  # fmt: skip
         self.trials: dict[str, Trial] = {}
         self._slots = 0
-        self._pending: list[tuple] = []
+        self._pending: list[tuple[tuple, int]] = []  # (command, its trial's update) taken during training
+        self._replay: Replay | None = None  # a resumed sweep: journaled decisions waiting for their update
+        self.journal = DecisionJournal(Path(args.output_dir))
+        self._metrics_checked = False
+        self._control_recorded = 0  # the control file's offset the journal holds
+        self._rounds = 0  # rounds run (one update of every active trial each); saves come every save_steps
         self._training = False
         self._phase, self._clean = "start", True
         # control commands refused or ignored, and divergences (sweep_state.json)
@@ -231,6 +247,16 @@ class PPOSweep:
     @early_stopping.setter
     def early_stopping(self, rule) -> None:
         self.rules = [] if rule is None else list(rule) if isinstance(rule, (list, tuple)) else [rule]
+        self._check_rules()
+
+    def _check_rules(self, trials: list | None = None) -> None:
+        """Refuse a stopping rule that a trial's ``logging_steps`` would leave without values (the rules'
+        ``check_logging``: ValueError naming the trial); the metric's name is checked at the first update."""
+        trials = list(self.trials.values()) if trials is None else trials
+        for rule in self.rules:
+            check = getattr(rule, "check_logging", None)
+            if check is not None:
+                check(trials)
 
     # ------------------------------------------------------------------ construction helpers
     def _make_engine(self):
@@ -264,6 +290,7 @@ class PPOSweep:
             raise ValueError(f"a trial named {name!r} exists already: choose another name")
         merged = {**(parent_overrides or {}), **(overrides or {})}
         args = trial_args(self.args, merged, name)
+        self._check_rules([_Probe(name, args, num_updates(args, len(self.train_dataset)))])
         funcs = self.phases.reward_funcs
         if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
             raise ValueError(
@@ -305,33 +332,46 @@ class PPOSweep:
         check_trial_name(new)
         if new in self.trials:
             raise ValueError(f"a trial named {new!r} exists already: choose another name")
-        trial_args(self.args, {**source.overrides, **overrides}, new)
+        args = trial_args(self.args, {**source.overrides, **overrides}, new)
+        self._check_rules([_Probe(new, args, num_updates(args, len(self.train_dataset)))])
         self._control(("clone", src, new, overrides))
 
     def _control(self, op: tuple) -> None:
-        self._trial(op[1])  # a bad name fails at the call, not later
-        if self._training:
-            self._pending.append(op)
-        else:
+        trial = self._trial(op[1])  # a bad name fails at the call, not later
+        if not self._training:
             self._apply(op)
+            return
+        at = trial.state.global_step
+        queued = {"op": "queued", "cmd": _jsonable(op), "at": at}
+        if self.journal.known(queued):  # taken by the run that was killed: waiting among the due decisions
+            return
+        self.journal.record(queued)  # on disk before the call returns: a kill now keeps it
+        self._pending.append((op, at))
 
     def _trial(self, name: str) -> Trial:
         if name not in self.trials:
             raise KeyError(f"no trial named {name!r}; trials: {', '.join(self.trials)}")
         return self.trials[name]
 
-    def _apply(self, op: tuple) -> None:
-        """Apply one command. Raises ValueError (or KeyError) when it cannot be applied; then nothing changed."""
+    def _apply(self, op: tuple, extras: dict | None = None, reason: str | None = None) -> None:
+        """Apply one command. Raises ValueError (or KeyError) when it cannot be applied; then nothing changed.
+
+        During training the change is journaled (``decisions.jsonl``, on disk) before this returns, with
+        ``extras`` saying where the command came from; ``reason`` replaces a stop's reason."""
         kind, name = op[0], op[1]
         trial = self._trial(name)
+        at = trial.state.global_step
         if kind == "stop":
             if trial.status != "running":
                 raise ValueError(f"trial {name!r} is {trial.status}, not running: nothing to stop")
-            trial.status, trial.reason = ("early_stopped" if op[2] == "early_stopped" else "stopped"), op[2]
+            status = "early_stopped" if op[2] == "early_stopped" else "stopped"
+            trial.status, trial.reason = status, reason or op[2]
+            entry = {"op": "stop", "trial": name, "at": at, "status": status, "reason": trial.reason}
         elif kind == "resume":
             if trial.status not in ("stopped", "early_stopped"):
                 raise ValueError(f"trial {name!r} is {trial.status}: only a stopped trial can be resumed")
             trial.status, trial.reason, trial.pinned = "running", "", True
+            entry = {"op": "resume", "trial": name, "at": at}
         elif kind == "clone":
             clone = self._add(op[2], op[3], source=trial, parent_overrides=trial.overrides)
             try:  # checkpointed at once: a resume restores it from this state, never from its seed
@@ -340,8 +380,11 @@ class PPOSweep:
             except Exception:
                 self._drop(op[2])
                 raise
+            entry = {"op": "clone", "trial": name, "new": op[2], "overrides": op[3], "at": at}
         else:
             raise ValueError(f"unknown command {kind!r}")
+        if self._training:
+            self.journal.record({**entry, **(extras or {})})
         logger.info("PPOSweep: %s", " ".join(str(x) for x in op))
 
     def _note(self, message: str) -> None:
@@ -352,14 +395,109 @@ class PPOSweep:
         """Apply what arrived since the last update: commands from the control file, then Python calls.
 
         A command that cannot be applied is logged (with its line of the control file) and skipped."""
-        commands = [(f"{self.control.path.name} line {line}", op) for line, op in self.control.read()]
+        if self._replay is not None:  # what came from outside in this round of the killed run, in its order
+            replayed = []
+            for e in self._replay.due_now(self._rounds):
+                if e["op"] == "queued":
+                    replayed.append((("a Python call (replayed)", tuple(e["cmd"]), {"cmd": e["cmd"], "queued_at": e["at"]})))
+                else:
+                    replayed.append((f"{self.control.path.name} (replayed)", command_of(e), {"offset": e["offset"]}))
+        held = self._replay is not None and self._rounds < self._replay.last_round
+        read = [] if held else self.control.read()
+        commands = [(f"{self.control.path.name} line {line}", op, {"offset": end}) for line, op, end in read]
         pending, self._pending = self._pending, []
-        for where, op in commands + [("a Python call", op) for op in pending]:
+        calls = [("a Python call", op, {"cmd": _jsonable(op), "queued_at": at}) for op, at in pending]
+        if self._replay is not None:
+            known = {json.dumps(c[2], sort_keys=True) for c in replayed}
+            calls = [c for c in calls if json.dumps(c[2], sort_keys=True) not in known]  # queued again by a callback
+            commands = replayed + commands
+        for where, op, extras in commands + calls:
             try:
-                self._apply(op)
+                self._apply(op, extras)
             except Exception as err:  # noqa: BLE001 - a command never ends the run; the error is reported
                 text = " ".join(str(err).split())[:300] or type(err).__name__
                 self._note(f"ignored `{' '.join(str(x) for x in op[:3])}` from {where}: {text}")
+                if "cmd" in extras:
+                    self.journal.record({"op": "ignored", "cmd": extras["cmd"], "at": extras["queued_at"]})
+        if self.control.offset > self._control_recorded:  # refused lines are never read again
+            self.journal.record({"op": "control", "offset": self.control.offset})
+            self._control_recorded = self.control.offset
+
+    def _resume(self, folder: Path) -> None:
+        """Restore the sweep's last complete save and read back its decision journal (the replay then takes
+        the killed run's decisions again at the same rounds), or, without a journal, the latest checkpoints.
+
+        Raises:
+            SweepCheckpointError: nothing to resume from (no journal and no checkpoint), a damaged file.
+            JournalError: a damaged journal line (named).
+        """
+        entries = read_journal(folder) if (folder / ckpt.INDEX).is_file() else None
+        sweep_id = ckpt.read_index(folder)["sweep_id"] if entries else None
+        if entries and entries[0].get("sweep_id") != sweep_id:
+            logger.warning("PPOSweep: %s belongs to another sweep than %s: not replayed", folder / JOURNAL, ckpt.INDEX)
+            entries = None
+        def has_checkpoint(name: str, step: int) -> bool:
+            # a folder removed by save_total_limit sends the resume to an earlier save; a damaged checkpoint
+            # or a vanished trial folder is the checkpoint reader's to judge (an older one, or the trial damaged)
+            trial_dir = folder / "trials" / name
+            return not trial_dir.is_dir() or (trial_dir / f"checkpoint-{step}").is_dir()
+
+        replay = Replay(entries, has_checkpoint) if entries else None
+        if replay is not None:
+            replay.restore_cut(folder, lambda path: _written_by(path, sweep_id))
+        restored = ckpt.load_sweep(self, folder)
+        if replay is None:
+            if not restored:
+                raise ckpt.SweepCheckpointError(
+                    f"nothing to resume in {folder}: no trial has a complete checkpoint (the sweep stopped before "
+                    f"its first save; save_steps={self.args.save_steps}); start it again without resuming"
+                )
+            statuses = {n: [t.status, t.reason, t.pinned] for n, t in self.trials.items()}
+            self.journal.start(self.sweep_id, self.control.offset, statuses)
+            self._control_recorded = self.control.offset
+            self._rounds = self.journal.round = max(t.state.global_step for t in self.trials.values())
+            return
+        for name, step in replay.steps.items():
+            trial = self.trials.get(name)
+            if trial is not None and trial.status not in ("diverged", ckpt.DAMAGED) and trial.state.global_step != step:
+                logger.warning(
+                    "PPOSweep: trial %s resumes from update %d, not from the sweep's last complete save (update %d): "
+                    "its checkpoint of that save was refused or removed. It runs its missing updates again behind "
+                    "the others; a stopping rule may judge it at other rounds than before", name,
+                    trial.state.global_step, step,
+                )  # fmt: skip
+        if not restored:
+            logger.warning(
+                "PPOSweep: no trial of %s had a checkpoint yet: every trial starts again from update 1, and the "
+                "sweep's decisions (%s) are taken again at the same updates", folder, JOURNAL,
+            )  # fmt: skip
+        if folder.resolve() != Path(self.args.output_dir).resolve():  # continue the journal where we write
+            self.journal.start(self.sweep_id, 0, entries[0].get("statuses") or {})
+            for e in entries[1:]:
+                self.journal.record(e)
+        self.journal.replayed(entries[1:])
+        self._replay = replay
+        self._rounds = self.journal.round = replay.round
+        self.control.seek(replay.control_offset)
+        self._control_recorded = self.control.offset
+        for index, decision in replay.decisions:
+            if 0 <= index < len(self.rules) and isinstance(getattr(self.rules[index], "decisions", None), list):
+                if decision not in self.rules[index].decisions:
+                    self.rules[index].decisions.append(decision)
+        replay.start(self.trials)
+        self._pending = list(replay.pending)
+
+    def _save_all(self) -> None:
+        """Checkpoint every trial not saved at its update, write the index, then journal the save: the state a
+        resume starts from (every trial at this round, with its status)."""
+        ckpt.save_sweep(self)
+        index = json.loads((Path(self.args.output_dir) / ckpt.INDEX).read_text(encoding="utf-8"))
+        self.journal.record({
+            "op": "saved",
+            "steps": {n: t.state.global_step for n, t in self.trials.items()},
+            "statuses": {n: [t.status, t.reason, t.pinned] for n, t in self.trials.items()},
+            "index": index,
+        })  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
     def train(self, resume_from_checkpoint: bool | str | None = None) -> dict[str, SweepResult]:
@@ -372,8 +510,9 @@ class PPOSweep:
                 nothing was restored.
         """
         check_unchanged(self._args_snapshot, self.args, "PPOSweep")
+        _check_writable(Path(self.args.output_dir))
         if resume_from_checkpoint:
-            ckpt.load_sweep(self, resume_from_checkpoint)
+            self._resume(Path(self.args.output_dir if resume_from_checkpoint is True else resume_from_checkpoint))
         elif (Path(self.args.output_dir) / ckpt.INDEX).exists():
             logger.warning(
                 "PPOSweep: %s holds an earlier sweep's checkpoints; this run starts afresh and overwrites "
@@ -382,66 +521,105 @@ class PPOSweep:
             )
         self._training, self._start = True, time.perf_counter()
         progress = outputs.SweepProgress(self) if self.show_progress else None
-        try:
-            ckpt.write_index(self)  # from the start: a kill before the first save still leaves the sweep
-            outputs.write_state(self, "running")
-            self._dispatch("on_train_begin")
-            if resume_from_checkpoint:  # a cut the stopped run made but could not record is made again
-                self._apply_rules()
-            while True:
-                self._phase, self._clean = "applying control commands", True
-                self._boundary()
-                active = [t for t in self.trials.values() if t.active]
-                if not active:
-                    break
-                self._round(active)
-                self._apply_rules()
-                if progress is not None:
-                    progress.update()
+        with StopSignals("PPOSweep") as signals:
+            try:
+                ckpt.write_index(self)  # from the start: a kill before the first save still leaves the sweep
+                if not resume_from_checkpoint:  # every decision from now on is on disk the moment it is taken
+                    statuses = {n: [t.status, t.reason, t.pinned] for n, t in self.trials.items()}
+                    self.journal.start(self.sweep_id, self.control.offset, statuses)
+                    self._control_recorded = self.control.offset
+                    self._save_all()  # round 0: where a resume starts before the first save (the index too)
                 outputs.write_state(self, "running")
-        except BaseException as err:
-            self._fail(err)
-            raise
-        finally:
-            self._training = False
-            self.trackers.close()
-            if progress is not None:
-                progress.close()
+                self._dispatch("on_train_begin")
+                if resume_from_checkpoint:  # the rules of the round of the save, as the killed run applied them
+                    self._apply_rules()
+                while True:
+                    self._phase, self._clean = "applying control commands", True
+                    self._boundary()
+                    active = [t for t in self.trials.values() if t.active]
+                    if not active:
+                        break
+                    self._round(active)
+                    self._apply_rules()
+                    if progress is not None:
+                        progress.update()
+                    outputs.write_state(self, "running")
+                    if signals.requested:  # Ctrl-C or SIGTERM: every trial is at a boundary now
+                        self._stop_for_signal(signals.requested)
+            except BaseException as err:
+                self._fail(err)
+                raise
+            finally:
+                self._training = False
+                self.trackers.close()
+                if progress is not None:
+                    progress.close()
         for t in self.trials.values():
             if t.done and t.status == "running":
                 t.status = "finished"
         self._dispatch("on_train_end")
-        ckpt.save_sweep(self)
+        self._save_all()
         outputs.write_all(self, status="finished")
         return self.results()
 
     def _apply_rules(self) -> None:
-        """Stop the trials the stopping rules name; the index records it at once (a resume keeps the cut)."""
+        """Stop the trials the stopping rules name; each cut is journaled before it is applied, each stop as
+        it is applied (a resume keeps the cut), then the index records them."""
         self._phase = "the stopping rules"
         stopped = False
-        for rule in self.rules:
-            for name, why in rule.check(self.trials):
+        for index, rule in enumerate(self.rules):
+            decisions = getattr(rule, "decisions", None)
+            known = len(decisions) if isinstance(decisions, list) else 0
+            cut = rule.check(self.trials)
+            for decision in (decisions or [])[known:]:  # the rule's record first: a stop without it is re-made
+                self.journal.record({"op": "rule", "rule": index, "decision": decision})
+            for name, why in cut:
                 if self.trials[name].status == "running":
-                    self._apply(("stop", name, "early_stopped"))
-                    self._trial(name).reason = why
+                    self._apply(("stop", name, "early_stopped"), reason=why)
                     logger.info("PPOSweep: stopped %s: %s", name, why)
                     stopped = True
         if stopped:
             ckpt.write_index(self)
 
+    def _stop_for_signal(self, signal_name: str) -> None:
+        """At an update boundary after SIGINT/SIGTERM: checkpoint every trial, write the outputs, then raise
+        :class:`TrainingInterrupted` naming the folder."""
+        self._phase = "the checkpoints after an interrupt"
+        self._save_all()
+        outputs.write_all(self, status="interrupted")
+        raise TrainingInterrupted(
+            f"PPOSweep stopped by {signal_name} at an update boundary; {self._checkpoints_note()}; continue with "
+            "train(resume_from_checkpoint=True) (rapidfire sweep SWEEP.yaml --resume)",
+            Path(self.args.output_dir),
+        )
+
+    def _checkpoints_note(self) -> str:
+        """Which trial checkpoints exist now (written or read by this process), in words."""
+        saved = {n: t.saved_step for n, t in self.trials.items() if t.saved_step is not None}
+        out = Path(self.args.output_dir) / "trials"
+        if not saved:
+            return (
+                f"no trial checkpoint exists in {out} yet (the first is written at update {self.args.save_steps}, "
+                "save_steps): a resume has nothing to continue from"
+            )
+        steps = sorted(set(saved.values()))
+        shown = str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+        return f"checkpoints of {len(saved)} of {len(self.trials)} trials (update {shown}) are in {out}"
+
     def _fail(self, err: BaseException) -> None:
         """Save what can be saved after a failure shared by every trial, then raise :class:`SweepError`
         (an interrupt, e.g. Ctrl-C, is re-raised as it is by the caller)."""
+        if isinstance(err, TrainingInterrupted):  # stopped at a boundary: everything was saved
+            return
         steps = sorted({t.state.global_step + 1 for t in self.trials.values() if t.active})
         update = "-".join(str(s) for s in (steps[:1] + steps[-1:] if len(steps) > 1 else steps)) or "?"
         try:
             if self._clean:  # every trial is at an update boundary: its checkpoint is a state to resume
-                ckpt.save_sweep(self)
-                saved = "every trial's checkpoint, log history and summary.json were saved"
+                self._save_all()
             else:  # killed inside the PPO epochs: the weights are between two updates, not a resumable state
                 ckpt.write_index(self)
-                saved = "log histories and summary.json were saved (checkpoints: the last ones written)"
             outputs.write_all(self, status="failed" if isinstance(err, Exception) else "interrupted")
+            saved = f"log histories and summary.json were saved; {self._checkpoints_note()}"
         except Exception as save_err:  # noqa: BLE001 - the original error is the one to raise
             saved = f"saving the sweep's state failed too ({type(save_err).__name__}: {save_err})"
         if not isinstance(err, Exception):
@@ -449,7 +627,7 @@ class PPOSweep:
             return
         raise SweepError(
             f"the sweep failed at update {update}, in {self._phase}: {type(err).__name__}: "
-            f"{' '.join(str(err).split())[:500]}. {saved[0].upper()}{saved[1:]} in {self.args.output_dir}; once fixed, "
+            f"{' '.join(str(err).split())[:500]}. {saved[0].upper()}{saved[1:]} ({self.args.output_dir}); once fixed, "
             "continue with train(resume_from_checkpoint=True)."
         ) from err
 
@@ -493,6 +671,9 @@ class PPOSweep:
                 continue
             trial.state.episode += trial.args.local_batch_size
             metrics = trial_metrics(trial, exp, st, (t0, t1, t2, t3), self.tok.eos_token_id, self._start)
+            if not self._metrics_checked:  # a rule's metric must be among what the trials log
+                check_metric_logged(self.rules, metrics, trial.name)
+                self._metrics_checked = True
             metrics["rapidfire/skipped_steps"] = skipped[trial.name]  # as PPOTrainer logs it
             metrics["rapidfire/oom_splits"] = self.phases.oom_splits  # of the shared training forwards
             metrics.update(self._plan_logs)
@@ -507,26 +688,19 @@ class PPOSweep:
             logged.append((trial, metrics if log else None))
         self._plan_logs = {}
         self._clean = True  # every trial is at an update boundary again
+        self._rounds = self.journal.round = self._rounds + 1
         self._phase = "the callbacks and checkpoints"
-        saved = False
         for trial, metrics in logged:
             self._dispatch("on_step_end", trial)
             if metrics is not None:
                 self._dispatch("on_log", trial, logs=metrics)
                 self.trackers.log(trial, metrics, trial.state.global_step)
-            a = trial.args
-            if (
-                a.save_strategy == "steps"
-                and a.save_steps
-                and trial.state.global_step % int(a.save_steps) == 0
-            ):
-                ckpt.save_trial(self, trial)
-                saved = True
             if trial.control.should_training_stop:
                 trial.control.should_training_stop = False
-                self._pending.append(("stop", trial.name, "callback"))
-        if saved:
-            ckpt.write_index(self)
+                self._control(("stop", trial.name, "callback"))
+        a = self.args  # every trial saved at the same round: the resume point of the whole sweep
+        if a.save_strategy == "steps" and a.save_steps and self._rounds % int(a.save_steps) == 0:
+            self._save_all()
 
     def plan(self) -> Plan:
         """The throughput plan for the next update of the active trials, made without training (one probe
@@ -656,3 +830,43 @@ def _full_mask(model) -> bool:
     switches to ``is_causal`` attention for a chunk without padding, so a trial's arithmetic would depend
     on its neighbours' rows; never on others (flash attention takes only the 2-D mask)."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
+
+
+class _Probe:
+    """What a stopping rule's ``check_logging`` reads of a trial about to be made."""
+
+    def __init__(self, name: str, args: PPOConfig, num_updates: int):
+        self.name, self.args, self.num_updates = name, args, num_updates
+
+
+def _written_by(folder: Path, sweep_id: str) -> bool:
+    """Whether the checkpoint ``folder`` was written by the sweep ``sweep_id`` (unreadable: no)."""
+    try:
+        return ckpt.read_meta(folder)["sweep_id"] == sweep_id
+    except Exception:  # noqa: BLE001 - a damaged folder is not proven ours: left alone
+        return False
+
+
+def _check_writable(folder: Path) -> None:
+    """Refuse an output folder that cannot be created or written, before anything is read or trained.
+
+    Raises:
+        ValueError: naming the folder and the system's reason.
+    """
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        shown = str(folder) if len(str(folder)) <= 120 else f"{str(folder)[:60]}... ({len(str(folder))} characters)"
+        raise ValueError(
+            f"output_dir {shown} cannot be written ({err.strerror or err}): give a folder that can be created and "
+            "written (the sweep keeps its checkpoints, index and decisions there)"
+        ) from None
+
+
+def _jsonable(op: tuple) -> list:
+    """A command as its journal line holds it (JSON has lists, not tuples)."""
+    return [dict(x) if isinstance(x, dict) else x for x in op]
