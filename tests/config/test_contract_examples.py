@@ -242,3 +242,11 @@ def test_a_precision_asked_by_environment_is_refused_where_it_does_not_run(token
     # a full-form template (config/advanced.yaml lists every key) is said in the start table instead
     monkeypatch.delenv("RAPIDFIRE_PRECISION_INITIAL")
     _trainer(ppo_args(tmp_path, value_mode="fused", rapidfire_config="config/advanced.yaml"), tokenizer)
+
+
+def test_the_bool_check_survives_hf_argument_parser_rewriting_field_types():
+    """HfArgumentParser sets Field.type of `str | bool` fields to bool in place; 'no' stays valid."""
+    from transformers import HfArgumentParser
+
+    HfArgumentParser(PPOConfig)
+    assert PPOConfig(output_dir="x", report_to=[]).include_num_input_tokens_seen == "no"

@@ -151,7 +151,10 @@ def bool_field_errors(obj: Any) -> list[ConfigError]:
     annotated ``bool`` (or ``bool | None``) of ``obj``."""
     errors = []
     for f in fields(obj):
-        is_bool, optional = _is_bool_type(f.type)
+        # the class's annotation, not f.type: HfArgumentParser rewrites f.type in place (str | bool -> bool)
+        annotation = next((c.__annotations__[f.name] for c in type(obj).__mro__
+                           if f.name in getattr(c, "__annotations__", {})), f.type)  # fmt: skip
+        is_bool, optional = _is_bool_type(annotation)
         value = getattr(obj, f.name, None)
         if f.name in FIELD_CHECKS:  # checked there
             continue
