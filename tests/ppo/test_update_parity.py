@@ -16,7 +16,9 @@ arithmetic fingerprint of the recording machine (one forward and backward of the
 this machine's fingerprint matches, metrics and weight digests must be equal; elsewhere metrics and each
 weight's sum and norm must agree within ``RTOL`` / ``ATOL``, and the test says which comparison it made. It
 was re-recorded for that on the EPYC machine, after checking its numbers against the earlier recording within
-those tolerances (same code, commit e42166f).
+those tolerances (same code, commit e42166f). The plan's two metrics that the per-phase planner added
+(``rapidfire/plan/forward_rows``, ``rapidfire/plan/splits``, logged at the first update of the rapidfire cases)
+were added to the recording on 2026-12-06 after every other metric and weight still compared equal.
 """
 
 from __future__ import annotations
