@@ -41,7 +41,8 @@ def crash_sweep(tokenizer, out_dir, **settings):
     return sweep
 
 
-def _kill_on(n: int):
+def kill_on(n: int):
+    """A hook that SIGKILLs this process at its ``n``-th call (the kill points of the crash tests)."""
     seen = [0]
 
     def hit():
@@ -59,7 +60,7 @@ def main(out: str, where: str, target: str, n: int) -> None:
     from rapidfire_hf.sweep.phases import SweepPhases
 
     torch.set_num_threads(1)
-    hit = _kill_on(n)
+    hit = kill_on(n)
     if where == "replace":
         replace = os.replace
 

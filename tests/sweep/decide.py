@@ -18,12 +18,12 @@ never cut); at update 4 a callback stops A with ``sweep.stop`` if it still runs.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 
 from rapidfire_hf.sweep.control import SuccessiveHalving, append_command
 
+from .crash import kill_on
 from .helpers import make_sweep
 
 A, B, C, FAST = "A", "B", "C", "A-fast"
@@ -64,17 +64,6 @@ def decide_sweep(tokenizer, out_dir):
     return sweep
 
 
-def _kill_on(n: int):
-    seen = [0]
-
-    def hit():
-        seen[0] += 1
-        if seen[0] == n:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hit
-
-
 def main(out: str, where: str, target: str, n: int) -> None:
     import torch
 
@@ -83,7 +72,7 @@ def main(out: str, where: str, target: str, n: int) -> None:
     from rapidfire_hf.sweep.phases import SweepPhases
 
     torch.set_num_threads(1)
-    hit = _kill_on(n)
+    hit = kill_on(n)
     if where in ("before", "after"):
         record = DecisionJournal.record
 
