@@ -305,3 +305,25 @@ def test_enable_rapidfire_refuses_its_refused_config_fields(key):
     with pytest.raises(ConfigError) as info:
         check_enable_settings(_config(key), None)
     assert info.value.key == key
+
+
+def test_checking_settings_leaves_the_distributed_state_as_configured(tmp_path):
+    # a state configured before the trainer (here a CPU group told it is multi-GPU, as benchmarks/distributed's
+    # FSDP2 smoke does) must survive the check, which builds a default PPOConfig for its reference values
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    from rapidfire_hf.config import contract
+    from rapidfire_hf.ppo import PPOConfig
+
+    args = PPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, dataloader_pin_memory=False)
+    contract._REFERENCE.clear()  # the reference is built once per class: make this check build it
+    state = PartialState(cpu=True)
+    before = state.distributed_type
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    try:
+        contract.ppo_refusals(args, contract.TRAINER)
+        assert contract._REFERENCE  # the reference config was built by this call
+        assert PartialState().distributed_type == DistributedType.MULTI_GPU
+    finally:
+        PartialState._shared_state["distributed_type"] = before

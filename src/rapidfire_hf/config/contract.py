@@ -438,8 +438,25 @@ def _derived_default(args: Any, name: str) -> Any:
     ``dataclasses.replace`` then passes back as if asked for."""
     key = (type(args), bool(args.use_cpu))
     if key not in _REFERENCE:
-        _REFERENCE[key] = type(args)(output_dir="rapidfire_contract_reference", report_to=[], use_cpu=key[1])
+        _REFERENCE[key] = _reference_config(type(args), key[1])
     return getattr(_REFERENCE[key], name)
+
+
+def _reference_config(cls: type, use_cpu: bool) -> Any:
+    """A default config of ``cls``, built without touching the run's distributed state: building a
+    ``TrainingArguments`` resets accelerate's shared ``PartialState``/``AcceleratorState`` and derives them again
+    from the environment, which undid a state configured before the trainer (found by the CPU FSDP2 smoke of
+    benchmarks/distributed: its group fell back to DDP once the trainer checked its settings)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    # accelerate keeps each state as one class-level dict shared by every instance (its only handle)
+    saved = [(state, dict(state._shared_state)) for state in (PartialState, AcceleratorState, GradientState)]
+    try:
+        return cls(output_dir="rapidfire_contract_reference", report_to=[], use_cpu=use_cpu)
+    finally:
+        for state, before in saved:
+            state._shared_state.clear()
+            state._shared_state.update(before)
 
 
 def _refused_value(use: Use, value: Any, defaults: tuple = (None,)) -> bool:
