@@ -129,7 +129,7 @@ PPO_ROWS: dict[str, dict[str, Use]] = {
     "logging_first_step": _row(applied("transformers' flow callback"), refused("a sweep logs every logging_steps")),
     "log_on_each_node": _both(refused("metrics are logged from the main process")),
     "logging_nan_inf_filter": _both(refused("PPO metrics are logged as they are")),
-    "include_num_input_tokens_seen": _both(refused("not counted by PPO")),
+    "include_num_input_tokens_seen": _both(refused("not counted by PPO", accepts=("no", False))),  # False: "no"
     "log_level": _both(refused("logging.level of a rapidfire config sets rapidfire's logger")),
     "log_level_replica": _both(refused("logging.level of a rapidfire config sets rapidfire's logger")),
     "disable_tqdm": _row(A, na("PPOSweep(progress=...) decides whether the sweep's live table is drawn")),
