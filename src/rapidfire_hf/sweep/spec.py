@@ -127,16 +127,16 @@ def _check_trials(data: dict):
         shared = PPOConfig(**{"report_to": [], "output_dir": "rapidfire_sweep", **config})
     except (TypeError, ValueError) as err:
         raise ConfigError(f"PPOConfig refuses it ({_one_line(err)})", key="config") from None
-    from rapidfire_hf.ppo.settings_check import check_sweep_settings
-
-    check_sweep_settings(shared)  # the settings contract: what a sweep does not apply, refused before any load
     if config.get("rapidfire_config") is not None:  # the plan's memory level: checked before the model loads
         from rapidfire_hf.config.loader import load_config
 
-        try:
+        try:  # first, so a bad file or preset is named as this key rather than met by the contract's reader
             load_config(config["rapidfire_config"])
         except ConfigError as err:
             raise ConfigError(_one_line(err), key="config.rapidfire_config") from None
+    from rapidfire_hf.ppo.settings_check import check_sweep_settings
+
+    check_sweep_settings(shared)  # the settings contract: what a sweep does not apply, refused before any load
     for name, overrides in trials.items():
         try:
             check_trial_name(name)
