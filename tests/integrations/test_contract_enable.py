@@ -40,3 +40,22 @@ def test_a_precision_the_trainer_does_not_compute_in_is_said_in_the_start_table(
     enable_rapidfire(trainer, config={"precision": {"mode": "static", "initial": "fp16"}})
     out = capsys.readouterr().out
     assert "precision.initial=fp16 (the trainer computes in" in out
+
+
+def test_a_config_files_sync_interval_is_capped_and_said_once(build, capsys, tmp_path):
+    # config/advanced.yaml (README's enable_rapidfire example) lists every key, sync_interval 2 among them
+    from pathlib import Path
+
+    from rapidfire_hf.integrations.optimizer import find_rapidfire_optimizer
+
+    advanced = Path(__file__).resolve().parents[2] / "config" / "advanced.yaml"
+    trainer = build("sft", max_steps=1)
+    enable_rapidfire(trainer, config=str(advanced))
+    out = capsys.readouterr().out
+    assert out.count("gradient.sync_interval=2 runs as 1") == 1
+    trainer.create_optimizer()
+    assert find_rapidfire_optimizer(trainer.optimizer).sync_interval == 1  # what the table says is what runs
+    own = tmp_path / "mine.yaml"
+    own.write_text("gradient:\n  sync_interval: 1\n")
+    enable_rapidfire(build("sft", max_steps=1), config=str(own))
+    assert "sync_interval" not in capsys.readouterr().out  # nothing capped, nothing said

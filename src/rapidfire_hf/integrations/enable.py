@@ -120,7 +120,7 @@ def enable_rapidfire(
     cfg = load_config(config)
     from rapidfire_hf.ppo.settings_check import check_enable_settings
 
-    check_enable_settings(config, optimizer_kwargs)  # the settings contract, before any change
+    notes = check_enable_settings(config, optimizer_kwargs)  # the settings contract, before any change
     set_log_level(cfg.logging.level)
     lowmem = cfg.memory.lowmem.value
     if lowmem != "off":
@@ -128,6 +128,7 @@ def enable_rapidfire(
     elif lowmem_options:
         raise ValueError("lowmem_options given but config memory.lowmem is 'off'")
     state = RapidFireState(config=cfg, pipeline=bool(cfg.gradient.pipeline))
+    state.installed += notes  # what the config's settings were capped to, said once in the start table
     setattr(trainer, STATE_ATTR, state)
     _install_optimizer(trainer, state, optimizer_kwargs)
     _install_memory(trainer, state)

@@ -6,6 +6,8 @@ model is moved or copied; ``start_notes`` gives the caps and rewrites the start 
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from rapidfire_hf.config.contract import (
@@ -144,20 +146,39 @@ def check_sweep_settings(args, model=None) -> None:
     raise_refusals(errors, SWEEP)
 
 
-def check_enable_settings(cfg_src: Any, optimizer_kwargs: dict | None) -> None:
+def check_enable_settings(cfg_src: Any, optimizer_kwargs: dict | None) -> list[str]:
     """enable_rapidfire on a transformers/TRL trainer: the config settings it would not apply.
+
+    A config file (``config/advanced.yaml`` lists every key) that sets ``gradient.sync_interval`` above 1 is
+    capped at 1 and said in the start table, as ``PPOTrainer`` says the precision a full file names; given
+    by name in a dict, the short form or a variable it is refused.
+
+    Returns:
+        The start table's lines for what a setting of the file capped.
 
     Raises:
         ConfigError: naming each refused setting.
     """
+    from rapidfire_hf.config.presets import PRESETS
+
     explicit = explicit_config(cfg_src) if cfg_src is not None else explicit_config({})
     kwargs = optimizer_kwargs or {}
     for key, option in (("gradient.clip_prediction", "clip_prediction"), ("gradient.sync_interval", "sync_interval")):
         if option in kwargs:  # asked for through optimizer_kwargs: applied there
             explicit.pop(key, None)
+    notes = []
+    from_file = isinstance(cfg_src, (str, os.PathLike)) and cfg_src not in PRESETS
+    value, source = explicit.get("gradient.sync_interval", (1, None))
+    if from_file and source is None and value != 1:
+        explicit.pop("gradient.sync_interval")
+        notes.append(
+            f"gradient.sync_interval={value} runs as 1 ({cfg_src}: TRL's trainers cannot replay a rolled-back "
+            "window, so every step is verified)"
+        )
     errors = config_refusals(explicit, ENABLE)
     errors += env_refusals(ENABLE, True)
     raise_refusals(errors, ENABLE)
+    return notes
 
 
 def start_notes(args, rf_config, rapidfire_optimizer, mixed_precision: str) -> list[str]:
