@@ -298,7 +298,7 @@ CONFIG_ROWS: dict[str, dict[str, Use]] = {
     "gradient.sync_interval": _row(
         applied("capped at one update's optimizer steps (num_ppo_epochs x num_mini_batches), said at start"),
         refused(_SWEEP_RF),
-        refused(_NO_REPLAY + ", so they verify every step", (1,)),
+        refused(_NO_REPLAY + ", so they verify every step (a config file's value is capped at 1, said at start)", (1,)),
     ),
     "gradient.bucket_mb": _row(A, refused(_SWEEP_RF), A),
     "gradient.clip_prediction": _row(
