@@ -73,7 +73,7 @@ CASES = [
          "no RoPE on every second layer"),
     Case("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
          {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [3]},
-         "8 experts top-2 (the model's MoE block), one dense layer, q/k norms"),
+         "8 experts top-2, renormalised (routed decode over the model's router and experts), one dense layer, q/k norms"),
     Case("mixtral", "MixtralConfig", "MixtralForCausalLM",
          {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, "4 experts top-2"),
 ]  # fmt: skip
