@@ -27,7 +27,11 @@ from rapidfire_hf.config.errors import ConfigError
 from rapidfire_hf.config.schema import SECTIONS
 from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
 from rapidfire_hf.ppo import PPOConfig, PPOTrainer
-from rapidfire_hf.ppo.settings_check import check_enable_settings, check_sweep_settings, check_trainer_settings
+from rapidfire_hf.ppo.settings_check import (
+    check_enable_settings,
+    check_sweep_settings,
+    check_trainer_settings,
+)
 from rapidfire_hf.sweep import PPOSweep
 from tests.ppo.helpers import ppo_args
 

@@ -99,9 +99,9 @@ def test_bank_errors(tokenizer):
 @pytest.mark.parametrize("key", ["ref_adapter_name", "model_adapter_name"])
 def test_sweep_refuses_the_adapter_keys(tokenizer, tmp_path, key):
     """Each trial trains its own adapter against the shared base: PPOConfig's adapter names do not apply."""
-    from .helpers import make_sweep
-
     from rapidfire_hf.config.errors import ConfigError
+
+    from .helpers import make_sweep
 
     with pytest.raises(ConfigError, match=rf"{key}: PPOSweep does not apply it: each trial trains its own adapter"):
         make_sweep(tokenizer, tmp_path, {"a": {}}, **{key: "ref"})

@@ -7,7 +7,6 @@ model is moved or copied; ``start_notes`` gives the caps and rewrites the start 
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 from rapidfire_hf.config.contract import (

@@ -399,7 +399,7 @@ class PPOSweep:
             replayed = []
             for e in self._replay.due_now(self._rounds):
                 if e["op"] == "queued":
-                    replayed.append((("a Python call (replayed)", tuple(e["cmd"]), {"cmd": e["cmd"], "queued_at": e["at"]})))
+                    replayed.append(("a Python call (replayed)", tuple(e["cmd"]), {"cmd": e["cmd"], "queued_at": e["at"]}))
                 else:
                     replayed.append((f"{self.control.path.name} (replayed)", command_of(e), {"offset": e["offset"]}))
         held = self._replay is not None and self._rounds < self._replay.last_round
