@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rapidfire_hf.kernels.kv_quant import dequantize
+
 IMPLS = ("sdpa", "matmul", "triton")
 # "auto": the Triton kernel where it runs compiled (CUDA, Triton, compute capability 8.0 or later for its
 # bf16 dot products), SDPA elsewhere. One H200 at the response's mean cache length (320 of 512 slots,
@@ -57,6 +59,8 @@ def gqa_decode_attention(
     scale: float,
     impl: str = "sdpa",
     kv_end: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over a (masked) static cache, GQA-aware.
 
@@ -71,16 +75,25 @@ def gqa_decode_attention(
         kv_end: optional one-element integer tensor: no valid slot lies at or past it. Only ``"triton"``
             uses it, to read no slot there (a run-time bound inside a recorded or compiled step); the others
             read the whole cache and mask. The result is the same either way.
+        k_scale: ``[B, KV, L]`` fp32 per-slot scales of an 8-bit cache (``kernels/kv_quant.py``; ``v_scale``
+            likewise; both or neither). ``"triton"`` dequantizes inside the kernel (it reads the 8-bit cache);
+            the others dequantize the ``L`` slots given into ``q``'s dtype first.
 
     Returns:
         ``[B, KV, G, D]`` attention output in ``q.dtype``.
     """
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("an 8-bit cache needs both k_scale and v_scale")
+    if impl == "triton":
+        return _triton_flash_decode()(
+            q, k_cache, v_cache, key_valid, scale, kv_end=kv_end, k_scale=k_scale, v_scale=v_scale
+        )
+    if k_scale is not None:
+        k_cache, v_cache = dequantize(k_cache, k_scale, q.dtype), dequantize(v_cache, v_scale, q.dtype)
     if impl == "sdpa":
         return F.scaled_dot_product_attention(
             q, k_cache, v_cache, attn_mask=key_valid[:, None, None, :], scale=scale
         )
-    if impl == "triton":
-        return _triton_flash_decode()(q, k_cache, v_cache, key_valid, scale, kv_end=kv_end)
     if impl != "matmul":
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     scores = torch.matmul(q, k_cache.transpose(-1, -2)).float() * scale  # [B, KV, G, L]

@@ -47,15 +47,16 @@ def _store_out(Out, base, stride_og, offs_g, offs_d, out, g_ok, d_ok):
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, Valid, End, Out, Acc, Mx, Sums,
+    Q, K, V, Valid, End, Out, Acc, Mx, Sums, KScale, VScale,
     stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
     stride_valid,
     stride_ob, stride_oh, stride_og,
+    stride_sb, stride_sh,
     n_kv, group, kv_len, split_len, n_splits, scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    SINGLE: tl.constexpr, IEEE: tl.constexpr, HAS_END: tl.constexpr,
+    SINGLE: tl.constexpr, IEEE: tl.constexpr, HAS_END: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -73,6 +74,8 @@ def _partial_kernel(
     )
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
+    # an 8-bit cache: one fp32 scale per slot of this (row, head), the same layout for K and V
+    s_off = b * stride_sb + h * stride_sh
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
     if HAS_END:  # the slots any row can see this step (run-time bound; the grid covers the whole cache)
@@ -89,10 +92,14 @@ def _partial_kernel(
             mask=c_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        if QUANT:  # 8-bit values are exact in q's dtype; the slot's scale multiplies its score
+            k = k.to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if QUANT:
+            s = s * tl.load(KScale + s_off + cols, mask=c_ok, other=0.0)[None, :]
         # under torch.compile a Python float argument arrives as fp64: keep the loop's values fp32
         s = tl.where(ok[None, :], (s * scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -106,10 +113,14 @@ def _partial_kernel(
             mask=c_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        pw = p
+        if QUANT:  # the sum of p above is unscaled; the slot's V scale weighs its probability
+            pw = p * tl.load(VScale + s_off + cols, mask=c_ok, other=0.0)[None, :]
+            v = v.to(q.dtype)
         if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(pw, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(pw.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SINGLE:
@@ -179,6 +190,8 @@ def flash_decode(
     scale: float,
     splits: int | None = None,
     kv_end: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, KV, G, D]`` queries over ``[B, KV, L, D]`` caches (``key_valid`` ``[B, L]``) -> ``[B, KV, G, D]``.
 
@@ -186,12 +199,25 @@ def flash_decode(
     length-slice views of larger caches; their last dimension must be contiguous. ``kv_end``: an integer
     tensor of one element on the caches' device, no slot at or past it is read (every row's valid slots
     must lie below it; the result then equals ``kv_end=None``'s up to the rounding of another compilation).
+    ``k_scale`` / ``v_scale``: ``[B, KV, L]`` fp32 per-slot scales of an 8-bit (fp8 / int8) cache
+    (``kernels/kv_quant.py``), applied inside the kernel, which reads one byte per cached element.
     """
     b, n_kv, group, d = q.shape
     kv_len = k_cache.shape[2]
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("flash_decode needs the caches' head dimension contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
+    quant = k_scale is not None
+    if quant != (v_scale is not None) or (
+        quant and (k_scale.shape != k_cache.shape[:3] or v_scale.stride() != k_scale.stride()
+                   or k_scale.stride(-1) != 1 or k_scale.dtype != torch.float32)
+    ):  # fmt: skip
+        raise ValueError(
+            "an 8-bit cache needs k_scale and v_scale both, fp32 [B, KV, L] with the caches' first three "
+            f"dimensions {tuple(k_cache.shape[:3])} and the same strides, the last contiguous"
+        )
+    if k_cache.dtype != q.dtype and not quant:
+        raise ValueError(f"a {k_cache.dtype} cache with {q.dtype} queries needs k_scale / v_scale")
     valid = key_valid  # bool is loaded as int1 (a dtype view here would break torch.compile: no bool iinfo)
     out = torch.empty_like(q)
     n_splits = splits or num_splits(b, n_kv, kv_len, q.device)
@@ -215,16 +241,18 @@ def flash_decode(
             f"{kv_end.dtype} of shape {tuple(kv_end.shape)} on {kv_end.device}"
         )
     end = kv_end if kv_end is not None else valid  # unused when HAS_END is off
+    ks, vs = (k_scale, v_scale) if quant else (mx, mx)  # unused when QUANT is off
     _partial_kernel[(b * n_kv, n_splits)](
-        q, k_cache, v_cache, valid, end, out, acc, mx, sums,
+        q, k_cache, v_cache, valid, end, out, acc, mx, sums, ks, vs,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         valid.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         n_kv, group, kv_len, split_len, n_splits, scale,
         HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=BLOCK_N, SINGLE=n_splits == 1, IEEE=ieee,
-        HAS_END=kv_end is not None,
+        HAS_END=kv_end is not None, QUANT=quant,
     )  # fmt: skip
     if n_splits > 1:
         _merge_kernel[(b * n_kv,)](

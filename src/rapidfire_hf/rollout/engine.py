@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from rapidfire_hf.kernels.kv_quant import kv_format
 from rapidfire_hf.rollout.generic_forward import generic_unsupported_reason
 from rapidfire_hf.rollout.hf_backend import hf_generate
 from rapidfire_hf.rollout.llama_forward import unsupported_reason
@@ -113,6 +114,12 @@ class RolloutEngine:
         decode_fuse_lora: static engine only, with ``decode_fuse_projections``: layers whose projections are
             PEFT LoRA layers are fused too (base weights concatenated; the LoRA factors stacked, one matmul by
             all ``A`` and one by the block-diagonal ``B`` per group). Opt-in: not yet measured on a GPU.
+        kv_cache_dtype: static engine, native path only: None (the KV cache in the model's dtype), ``"fp8"``
+            (e4m3) or ``"int8"``: 8-bit elements with one fp32 scale per (row, K/V head, token)
+            (``kernels/kv_quant.py``), 0.516x the cache bytes of bf16 at head width 128, so twice the rows fit
+            in the same memory. Changes the arithmetic (greedy tokens may differ from a bf16 cache's). Refused
+            by name where it cannot act: the hf backend (``model.generate`` keeps its own cache) and the
+            generic path. Opt-in (``PPOConfig.rollout_kv_cache_dtype``).
 
     Example:
         >>> engine = RolloutEngine(policy, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
@@ -145,7 +152,9 @@ class RolloutEngine:
         decode_linear: str = "torch",
         decode_fuse_lora: bool = False,
         decode_path: str = "auto",
+        kv_cache_dtype: str | None = None,
     ):
+        kv_format(kv_cache_dtype)  # a bad value is named before anything else
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if prefill_chunk_rows is not None:
@@ -206,6 +215,13 @@ class RolloutEngine:
                 f"({reason or 'backend=' + repr(backend)}), so they are not used",
                 stacklevel=2,
             )
+        if kv_cache_dtype is not None and self.path != "native":
+            # an 8-bit cache changes the arithmetic and the memory plan: never dropped without a word
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs the static engine's native decode path; this engine "
+                f"runs {self.path!r} ({self.path_reason})"
+            )
+        self.kv_cache_dtype = kv_cache_dtype
         self._static = None
         if backend == "static":
             from rapidfire_hf.rollout.static_engine import StaticEngine
@@ -223,6 +239,7 @@ class RolloutEngine:
                 linear=decode_linear,
                 fuse_lora=decode_fuse_lora,
                 path=path,
+                kv_cache_dtype=kv_cache_dtype,
             )
 
     def compiles_decode(self, device: torch.device) -> bool:

@@ -17,6 +17,7 @@ from torch import nn
 
 from rapidfire_hf.kernels import gqa_decode_attention
 from rapidfire_hf.kernels.decode_attention import IMPLS
+from rapidfire_hf.kernels.kv_quant import SCALE_DTYPE, dequantize, kv_format, quantize
 from rapidfire_hf.models import unwrap_peft
 from rapidfire_hf.rollout.families import (
     FAMILIES,
@@ -266,6 +267,11 @@ class StaticLlama:
             block-diagonal ``B * scaling`` (three matmuls for q/k/v where the module calls make nine). A
             generation whose adapter state the fused step does not reproduce (:func:`_lora_term`) runs those
             layers' module calls. Opt-in: not yet measured on a GPU.
+        kv_cache_dtype: None (the cache in the model's dtype), ``"fp8"`` or ``"int8"``: an 8-bit cache with
+            one fp32 scale per (row, K/V head, token) (``kernels/kv_quant.py``), 0.516x the bytes of a bf16
+            cache at head width 128. Writes quantize the new K/V; the Triton attention dequantizes inside the
+            kernel, SDPA / matmul / soft-capped attention dequantize the slots the step reads first. The
+            prompt's own prefill attention runs on the unquantized K/V; every decode step reads the 8-bit cache.
     """
 
     def __init__(
@@ -275,7 +281,9 @@ class StaticLlama:
         fuse_projections: bool = False,
         linear: str = "torch",
         fuse_lora: bool = False,
+        kv_cache_dtype: str | None = None,
     ):
+        self.kv_format = kv_format(kv_cache_dtype)
         if linear not in DECODE_LINEARS:
             raise ValueError(f"linear must be one of {DECODE_LINEARS}, got {linear!r}")
         if linear != "torch" and not fuse_projections:
@@ -419,11 +427,43 @@ class StaticLlama:
         a view of a graph input can be functionalised into a scatter over the whole base tensor.
         """
         shape = (batch, self.n_kv, length, self.head_dim)
+        dtype = self.dtype if self.kv_format is None else self.kv_format.dtype
 
         def make():
-            return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
 
         return make(), make()
+
+    def new_cache_scales(self, batch: int, length: int, device) -> tuple[list, list] | None:
+        """An 8-bit cache's ``(k_scales, v_scales)``: one ``[B, KV, L]`` fp32 tensor per layer each (ones,
+        so an unwritten slot dequantizes to the zero it holds); None for a cache in the model's dtype."""
+        if self.kv_format is None:
+            return None
+        shape = (batch, self.n_kv, length)
+
+        def make():
+            return [torch.ones(shape, dtype=SCALE_DTYPE, device=device) for _ in self.layers]
+
+        return make(), make()
+
+    def _write(self, cache, scales, i: int, x: torch.Tensor, slot=None) -> None:
+        """Store ``x`` ``[B, KV, n, D]`` into layer ``i``'s cache at slots ``[0, n)`` (``slot`` None: the
+        prompt) or at the one slot ``slot`` (``[1]`` int64, ``x`` ``[B, KV, 1, D]``), quantized for an 8-bit
+        cache (its scales into ``scales[i]``)."""
+        s = None
+        if self.kv_format is not None:
+            x, s = quantize(x, self.kv_format)
+        if slot is None:
+            cache[i][:, :, : x.shape[2]] = x
+            if s is not None:
+                scales[i][:, :, : x.shape[2]] = s
+            return
+        if s is None:
+            cache[i].index_copy_(2, slot, x)
+            return
+        # as bytes: torch has no index_copy_ kernel for float8 (a same-size dtype view copies the same bits)
+        cache[i].view(torch.uint8).index_copy_(2, slot, x.view(torch.uint8))
+        scales[i].index_copy_(2, slot, s)
 
     def rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[B, L]`` -> ``(cos, sin)`` each ``[T, B, L, Dr]`` from the model's rotary module(s):
@@ -517,7 +557,14 @@ class StaticLlama:
         return self._residual(x, m)
 
     # ----- prefill and decode ----------------------------------------------------------------------
-    def prefill(self, input_ids, attention_mask, cos, sin, k_cache, v_cache) -> torch.Tensor:
+    def _scales(self, scales) -> tuple[list | None, list | None]:
+        """``(k_scales, v_scales)`` of a call: given exactly when the cache is 8-bit."""
+        if (scales is None) != (self.kv_format is None):
+            want = "no scales" if self.kv_format is None else f"the {self.kv_format.name} cache's scales"
+            raise ValueError(f"this forward's cache needs {want} (scales= of prefill / decode)")
+        return (None, None) if scales is None else scales
+
+    def prefill(self, input_ids, attention_mask, cos, sin, k_cache, v_cache, scales=None) -> torch.Tensor:
         """Run the prompt, fill cache slots ``[0, P)``, return the last position's normed hidden state.
 
         Args:
@@ -525,10 +572,12 @@ class StaticLlama:
             attention_mask: ``[B, P]`` 1 for real tokens.
             cos: ``[T, B, P, Dr]`` rotary cosines of the prompt positions, per table (``sin`` likewise).
             k_cache: per layer ``[B, KV, L, D]``, written in place (``v_cache`` likewise).
+            scales: an 8-bit cache's ``(k_scales, v_scales)`` (:meth:`new_cache_scales`), written in place.
 
         Returns:
             ``[B, H]`` final-norm hidden state at position ``P - 1``.
         """
+        ks, vs = self._scales(scales)
         b, p = input_ids.shape
         device = input_ids.device
         key_ok = attention_mask.bool()
@@ -547,8 +596,8 @@ class StaticLlama:
                 if t is not None:
                     q, k = _rope(q, cos[t], sin[t]), _rope(k, cos[t], sin[t])
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
-                k_cache[i][:, :, :p] = k
-                v_cache[i][:, :, :p] = v
+                self._write(k_cache, ks, i, k)
+                self._write(v_cache, vs, i, v)
                 # the prompt is attended once per rollout, so expanding K/V here costs little
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
                 q, mask = q.transpose(1, 2), masks[self.windows[i]][:, None]
@@ -562,7 +611,7 @@ class StaticLlama:
         return self.final_norm(x[:, -1])
 
     def decode(
-        self, tokens, slot, cos, sin, key_valid, k_cache, v_cache, kv_len: int | None = None
+        self, tokens, slot, cos, sin, key_valid, k_cache, v_cache, kv_len: int | None = None, scales=None
     ) -> torch.Tensor:
         """One token per row: write its K/V at cache slot ``slot`` and attend over the valid slots.
 
@@ -573,10 +622,12 @@ class StaticLlama:
             key_valid: ``[B, L]`` bool, True for slots the tokens may attend to (including ``slot``).
             k_cache: per layer ``[B, KV, L, D]``, written in place (``v_cache`` likewise).
             kv_len: attend over slots ``[0, kv_len)`` only (must include ``slot``); None = all ``L``.
+            scales: an 8-bit cache's ``(k_scales, v_scales)`` (:meth:`new_cache_scales`).
 
         Returns:
             ``[B, H]`` final-norm hidden states.
         """
+        ks, vs = self._scales(scales)
         b = tokens.shape[0]
         length = k_cache[0].shape[2]
         n = length if kv_len is None else kv_len
@@ -600,13 +651,19 @@ class StaticLlama:
                 if t is not None:
                     q = _rope(q, cos[t][:, None, None, :], sin[t][:, None, None, :])
                     k = _rope(k, cos[t][:, None, :], sin[t][:, None, :])
-                k_cache[i].index_copy_(2, slot, k[:, :, None, :])
-                v_cache[i].index_copy_(2, slot, v[:, :, None, :])
+                self._write(k_cache, ks, i, k[:, :, None, :], slot)
+                self._write(v_cache, vs, i, v[:, :, None, :], slot)
                 kc, vc, mask = k_cache[i][:, :, :n], v_cache[i][:, :, :n], masks[self.windows[i]]
+                quant = {}
+                if ks is not None:  # an 8-bit cache: the slots read this step, with their scales
+                    quant = {"k_scale": ks[i][:, :, :n], "v_scale": vs[i][:, :, :n]}
                 if self.attn_softcap is not None:
+                    if quant:
+                        kc = dequantize(kc, quant["k_scale"], q.dtype)
+                        vc = dequantize(vc, quant["v_scale"], q.dtype)
                     o = _capped_attention(q, kc, vc, mask[:, None, None, :], self.scale, self.attn_softcap)
                 else:
-                    o = gqa_decode_attention(q, kc, vc, mask, self.scale, self.attention, kv_end)
+                    o = gqa_decode_attention(q, kc, vc, mask, self.scale, self.attention, kv_end, **quant)
                 out = self._out_linear[i]
                 o = o.reshape(b, -1)
                 return out(o, self.out_projs[i].weight) if out else self.out_projs[i](o)

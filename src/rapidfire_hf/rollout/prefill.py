@@ -28,10 +28,10 @@ def chunk_prefill(net, rows: int) -> None:
     original = net.prefill
 
     @functools.wraps(original)
-    def prefill(input_ids, attention_mask, cos, sin, k_cache, v_cache):
+    def prefill(input_ids, attention_mask, cos, sin, k_cache, v_cache, **scales):
         b = input_ids.shape[0]
         if b <= rows:
-            return original(input_ids, attention_mask, cos, sin, k_cache, v_cache)
+            return original(input_ids, attention_mask, cos, sin, k_cache, v_cache, **scales)
         out = []
         for start in range(0, b, rows):
             sl = slice(start, min(start + rows, b))
@@ -43,6 +43,8 @@ def chunk_prefill(net, rows: int) -> None:
                     sin[:, sl],
                     [k[sl] for k in k_cache],  # views: the chunk writes its rows of the cache in place
                     [v[sl] for v in v_cache],
+                    # an 8-bit cache's per-slot scales (``scales=(k_scales, v_scales)``), rows likewise
+                    **{n: tuple([t[sl] for t in ts] for ts in pair) for n, pair in scales.items() if pair},
                 )
             )
         return torch.cat(out)

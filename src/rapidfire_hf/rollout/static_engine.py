@@ -65,6 +65,9 @@ class _Buffers:
     def __init__(self, net: StaticLlama | GenericNet, b: int, p: int, r: int, vocab: int, device):
         self.shape = (b, p, r)
         self.k, self.v = net.new_cache(b, p + r, device)
+        # an 8-bit cache's per-slot scales ([B, KV, L] fp32 per layer each; StaticLlama.new_cache_scales)
+        scales = net.new_cache_scales(b, p + r, device) if isinstance(net, StaticLlama) else None
+        self.k_scale, self.v_scale = scales if scales is not None else (None, None)
         self.key_valid = torch.zeros(b, p + r, dtype=torch.bool, device=device)
         self.cos = self.sin = None  # [T, B, L, Dr] per rotary table, set per batch
         self.tokens = torch.zeros(b, r, dtype=torch.long, device=device)
@@ -111,6 +114,9 @@ class StaticEngine:
             ``StaticLlama``; needs ``fuse_projections``; opt-in, not yet measured on a GPU).
         fuse_lora: with ``fuse_projections``, PEFT LoRA layers fused too (``StaticLlama``; opt-in, not yet
             measured on a GPU).
+        kv_cache_dtype: None (the model's dtype), ``"fp8"`` or ``"int8"``: an 8-bit KV cache with per-(row,
+            head, token) scales (``StaticLlama``, ``kernels/kv_quant.py``). The native path only: refused by
+            name for the generic one (the model's own attention reads its cache in the model's dtype).
         path: the forward of the step: "native" (``StaticLlama``, the families of docs/models.md), "generic" (the
             model's own forward over this engine's cache, ``GenericNet``; any decoder-only causal LM it can run)
             or "auto": native where ``llama_forward.unsupported_reason`` is None, else generic. The generic
@@ -132,6 +138,7 @@ class StaticEngine:
         linear: str = "torch",
         fuse_lora: bool = False,
         path: str = "auto",
+        kv_cache_dtype: str | None = None,
     ):
         if path not in ("auto", "native", "generic"):
             raise ValueError(f"path must be 'auto', 'native' or 'generic', got {path!r}")
@@ -151,7 +158,18 @@ class StaticEngine:
                 )
         if path == "native" or (path == "auto" and unsupported_reason(model) is None):
             self.net = StaticLlama(
-                model, attention, fuse_projections=fuse_projections, linear=linear, fuse_lora=fuse_lora
+                model,
+                attention,
+                fuse_projections=fuse_projections,
+                linear=linear,
+                fuse_lora=fuse_lora,
+                kv_cache_dtype=kv_cache_dtype,
+            )
+        elif kv_cache_dtype is not None:
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs the native decode path; this model runs the generic "
+                f"path (the model's own attention, which reads its cache in the model's dtype): "
+                f"{unsupported_reason(model) or 'path=' + repr(path)}"
             )
         else:  # the model's own forward over this engine's cache (rollout/generic_forward.py)
             self.net = GenericNet(model)
@@ -215,7 +233,7 @@ class StaticEngine:
         buf.key_valid.index_fill_(1, slot, True)
         cos = buf.cos.index_select(2, slot).squeeze(2)
         sin = buf.sin.index_select(2, slot).squeeze(2)
-        hidden = self.net.decode(prev, slot, cos, sin, buf.key_valid, buf.k, buf.v, kv_len)
+        hidden = self.net.decode(prev, slot, cos, sin, buf.key_valid, buf.k, buf.v, kv_len, **self._scales())
         tok, lp = self._sample(hidden, params)
         # a row is done when a stop token sits among its tokens 0..t-1 (recomputed, so the step is idempotent)
         earlier = torch.arange(r, device=t.device)[None, :] < t
@@ -224,6 +242,12 @@ class StaticEngine:
         lp = torch.where(done, 0.0, lp)
         buf.tokens.index_copy_(1, t, tok[:, None])
         buf.logprobs.index_copy_(1, t, lp[:, None])
+
+    def _scales(self) -> dict:
+        """The forward's ``scales=`` argument for an 8-bit cache (nothing otherwise: the generic forward
+        takes none)."""
+        buf = self._buf
+        return {} if buf.k_scale is None else {"scales": (buf.k_scale, buf.v_scale)}
 
     def _sample(self, hidden: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and log-probs of step ``buf.step`` from the final hidden states, with the engine's sampler."""
@@ -359,7 +383,7 @@ class StaticEngine:
             _fill_seeds(buf.seeds, generator)
 
         hidden = self.net.prefill(
-            input_ids, attention_mask, buf.cos[:, :, :p], buf.sin[:, :, :p], buf.k, buf.v
+            input_ids, attention_mask, buf.cos[:, :, :p], buf.sin[:, :, :p], buf.k, buf.v, **self._scales()
         )
         if host_noise:
             _fill_noise(buf.noise, generator)
