@@ -1,5 +1,5 @@
 """A sweep trial's optimizer and LR schedule are PPOTrainer's default ones, built by the same functions
-(``ppo/setup.default_adamw``, ``default_adamw_kernel``, ``default_scheduler``; issue 28): the same AdamW
+(``ppo/default_optimizer.default_adamw``, ``default_adamw_kernel``, ``default_scheduler``; issue 28): the same AdamW
 settings and the same learning rate at every update, ``lr_scheduler_kwargs`` included."""
 
 from __future__ import annotations

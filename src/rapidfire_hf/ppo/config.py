@@ -560,6 +560,18 @@ def _init_with_old_names(self, *args, **kwargs):
     self.__dict__["_changed_fields"] = set()
 
 
+def load_rapidfire_config(src):
+    """The rapidfire config (``RapidFireConfig``) from a preset name, YAML path or dict; None for None."""
+    if src is None:
+        return None
+    from rapidfire_hf.config import load_config
+    from rapidfire_hf.utils.logs import apply_logging_config
+
+    cfg = load_config(src)
+    apply_logging_config(cfg)  # logging.level
+    return cfg
+
+
 def changed_fields(snapshot: dict[str, str], args: PPOConfig) -> list[str]:
     """The fields of ``args`` whose value differs from ``snapshot`` (``PPOConfig.snapshot``)."""
     now = args.snapshot()

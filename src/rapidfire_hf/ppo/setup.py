@@ -11,9 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import DistributedType
 from transformers.integrations import get_reporting_integration_callbacks
-from transformers.optimization import get_scheduler
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, PrinterCallback
 
@@ -22,6 +20,7 @@ from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.optim.step_health import rapidfire_optimizer
 from rapidfire_hf.ppo.config import check_optimizer_options, check_value_mode
 from rapidfire_hf.ppo.data import PromptOrder, collate_prompts, prepare_prompt_dataset, prompt_limits
+from rapidfire_hf.ppo.default_optimizer import default_adamw, default_adamw_kernel, default_scheduler
 from rapidfire_hf.ppo.modeling import PolicyAndValue, check_value_model, value_head_dtype
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
 from rapidfire_hf.ppo.seeds import init_lora, new_value_head, prompt_order
@@ -45,19 +44,6 @@ def _split_value_head_model(model, value_model):
             "or pass model.pretrained_model with the separate value_model"
         )
     return model.pretrained_model, model.v_head
-
-
-def default_adamw(args, params, **kernel) -> torch.optim.AdamW:
-    """torch AdamW over ``params`` with the PPOConfig's learning rate, betas, eps and weight decay;
-    ``kernel`` picks torch's implementation (``fused=True``, or nothing for torch's default)."""
-    return torch.optim.AdamW(
-        params,
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        weight_decay=args.weight_decay,
-        **kernel,
-    )
 
 
 # Typical size of the PPO loss (clipped surrogate over whitened advantages, plus vf_coef x value loss):
@@ -119,18 +105,6 @@ def reward_functions(args, reward_funcs) -> list:
             "reward functions: give one weight per function."
         )
     return funcs
-
-
-def load_rapidfire_config(src):
-    """The rapidfire config (``RapidFireConfig``) from a preset name, YAML path or dict; None for None."""
-    if src is None:
-        return None
-    from rapidfire_hf.config import load_config
-    from rapidfire_hf.utils.logs import apply_logging_config
-
-    cfg = load_config(src)
-    apply_logging_config(cfg)  # logging.level
-    return cfg
 
 
 def make_memory_callback(args, rf_config):
@@ -468,30 +442,6 @@ def make_optimizer(args, rf_config, accelerator, module, optimizer, optimizers, 
     if scheduler is None:
         scheduler = default_scheduler(args, optimizer, num_updates)
     return optimizer, scheduler, is_default, decision
-
-
-def default_scheduler(args, optimizer, num_updates: int):
-    """PPOConfig's LR schedule (``lr_scheduler_type``, warm-up, ``lr_scheduler_kwargs``) over ``num_updates``
-    optimizer-update steps, as transformers' Trainer builds it; PPOTrainer's and every sweep trial's."""
-    return get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=args.get_warmup_steps(num_updates),
-        num_training_steps=num_updates,
-        scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
-    )
-
-
-def default_adamw_kernel(device: torch.device, distributed_type=DistributedType.NO) -> dict:
-    """``fused=True`` for the default AdamW on one GPU or under DDP, as transformers' Trainer defaults
-    to (``adamw_torch_fused``). torch's default there is the foreach kernel, whose temporaries (e.g.
-    ``_foreach_sqrt`` of every second moment) hold a copy of the optimizer state during step(): on
-    the 7B shape with a separate value model (13.3B trainable parameters, bf16) that was the
-    difference between an OOM at 136.6 GiB and training (benchmarks/ppo_vs_trl, size7b). Sharded
-    engines (DeepSpeed, FSDP) keep torch's default. PPOTrainer's (its accelerator's device and
-    distributed type) and every sweep trial's (its parameters' device)."""
-    plain = distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-    return {"fused": True} if plain and torch.device(device).type == "cuda" else {}
 
 
 def plan_optimizer_state(rf_config, accelerator, params, models) -> tuple[bool, str]:

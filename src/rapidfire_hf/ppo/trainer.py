@@ -35,7 +35,7 @@ from rapidfire_hf.memory.phase_peaks import PhasePeaks
 from rapidfire_hf.memory.stats import release_cached_memory
 from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.ppo import checkpoint as ckpt
-from rapidfire_hf.ppo.config import PPOConfig
+from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
 from rapidfire_hf.ppo.memory_options import PromptPrefetch
 from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
 from rapidfire_hf.ppo.planning import plan_run, unplanned_run
@@ -50,7 +50,6 @@ from rapidfire_hf.ppo.setup import (
     apply_peft,
     check_generation_gather,
     check_inputs,
-    load_rapidfire_config,
     make_callback_handler,
     make_memory_callback,
     make_module,

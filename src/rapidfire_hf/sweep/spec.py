@@ -111,7 +111,7 @@ def _check_lora(data: dict) -> None:
 
 
 def _check_trials(data: dict):
-    from rapidfire_hf.ppo import PPOConfig
+    from rapidfire_hf.ppo.config import PPOConfig
     from rapidfire_hf.sweep.fields import PER_TRIAL_FIELDS, check_trial_name
     from rapidfire_hf.sweep.trial import trial_args
 
@@ -298,7 +298,7 @@ def build(spec: dict, progress: bool = True, callbacks=None):
     """A :class:`PPOSweep` from a validated spec (models loaded from local paths only)."""
     from peft import LoraConfig
 
-    from rapidfire_hf.ppo import PPOConfig
+    from rapidfire_hf.ppo.config import PPOConfig
     from rapidfire_hf.sweep import EarlyStopping, PPOSweep
 
     funcs = None

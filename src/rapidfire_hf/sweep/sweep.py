@@ -14,10 +14,9 @@ import torch
 from rapidfire_hf.memory.planner import Plan
 from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
-from rapidfire_hf.ppo.config import PPOConfig
+from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
 from rapidfire_hf.ppo.settings_check import check_sweep_settings, check_unchanged
-from rapidfire_hf.ppo.setup import load_rapidfire_config
 from rapidfire_hf.ppo.types import PPOStats, sync_time
 from rapidfire_hf.sweep import checkpoint as ckpt
 from rapidfire_hf.sweep import outputs

@@ -21,8 +21,8 @@ from rapidfire_hf.models.value_head import ValueHead
 from rapidfire_hf.optim.step_health import StepHealth, step_health
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.data import PromptOrder
+from rapidfire_hf.ppo.default_optimizer import default_adamw, default_adamw_kernel, default_scheduler
 from rapidfire_hf.ppo.seeds import new_value_head, permutation_generator, prompt_order, sampling_generator
-from rapidfire_hf.ppo.setup import default_adamw, default_adamw_kernel, default_scheduler
 from rapidfire_hf.ppo.types import PPOTrainerState
 from rapidfire_hf.sweep.fields import PER_TRIAL_FIELDS, value_problem
 
@@ -113,7 +113,7 @@ def num_updates(args: PPOConfig, num_prompts: int) -> int:
 
 
 def make_optimizer(args: PPOConfig, params, updates: int):
-    """AdamW and the LR schedule ``PPOTrainer`` builds by default (``ppo/setup``: the same kernel choice,
+    """AdamW and the LR schedule ``PPOTrainer`` builds by default (``ppo/default_optimizer``: the same kernel choice,
     torch's default on CPU and fused on one GPU, and the same schedule)."""
     opt = default_adamw(args, params, **default_adamw_kernel(params[0].device))
     return opt, default_scheduler(args, opt, updates)
