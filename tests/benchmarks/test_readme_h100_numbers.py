@@ -1,7 +1,8 @@
 """README.md's one-H100 numbers are the stored results': row 15 (PPO with Gemma-3 / OLMo-2 policies) from
 benchmarks/ppo_vs_trl/results/h100/families_b8, row 16 (the generic decode path) from
-benchmarks/rollout/results/h100/generic, and the 80 GB 7B paragraph from benchmarks/presets/results/h100/
-full7b_plan. A re-run that changes a stored file, or a README edit, that leaves the two apart fails here."""
+benchmarks/rollout/results/h100/generic, and the 80 GB 7B numbers (README's 7B paragraph; docs/results.md's
+paragraph and per-phase table, "7B") from benchmarks/presets/results/h100/full7b_plan. A re-run that
+changes a stored file, or a README or docs edit, that leaves the two apart fails here."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+RESULTS = (ROOT / "docs" / "results.md").read_text()  # the 80 GB paragraph's home
 GIB = 2**30
 
 
@@ -53,10 +55,24 @@ def test_row_16_is_the_generic_call():
     assert f"{dyn['ms_per_step'] / gen['ms_per_step']:.1f}×" in ratio
 
 
-def test_80gb_paragraph_is_full7b_plan():
-    start = README.index("**7B full fine-tuning on one H100 80 GB**")
-    text = README[start : README.index("Commands (each stores", start)]
+def _full7b_plan() -> dict:
     (row,) = _load("presets/results/h100/full7b_plan/results.json")["rows"]
+    return row
+
+
+def test_readme_7b_paragraph_is_full7b_plan():
+    start = README.index("**7B PPO** (")
+    text = " ".join(README[start : README.index("\n\n", start)].split())
+    row = _full7b_plan()
+    assert row["status"] == "ok" and row["rapidfire_config"] == "aggressive"
+    assert "on one H100 80 GB, where stock TRL cannot run 7B PPO, `aggressive` trains at" in text
+    assert f"**{round(row['tokens_per_s']):,} tokens/s** with **{row['oom_splits']} out-of-memory splits**" in text
+
+
+def test_80gb_paragraph_is_full7b_plan():
+    start = RESULTS.index("**7B full fine-tuning on one H100 80 GB**")
+    text = RESULTS[start : RESULTS.index("### Commands", start)]
+    row = _full7b_plan()
     assert row["status"] == "ok" and row["batch"] == 160 and row["rapidfire_config"] == "aggressive"
     assert f"**{round(row['tokens_per_s']):,} tokens/s**" in text
     assert f"peak {row['peak_gib']:.1f} GiB" in text

@@ -1,7 +1,7 @@
 """README.md's PPO numbers are the stored results': rows 2-4 from the same-run files of
-benchmarks/ppo_vs_trl/results/h200/ and the 7B table from size7b_table/summary.csv (row 1:
-tests/benchmarks/test_readme_presets.py, from benchmarks/kernels). A re-run that changes a
-stored file, or a README edit, that leaves the two apart fails here."""
+benchmarks/ppo_vs_trl/results/h200/, and the 7B table (docs/results.md, "7B") and README's 7B ratios from
+size7b_table/summary.csv (row 1: tests/benchmarks/test_readme_presets.py). A re-run that changes a
+stored file, or a README or docs edit, that leaves the two apart fails here."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "benchmarks" / "ppo_vs_trl" / "results" / "h200"
 README = (ROOT / "README.md").read_text()
+RESULTS = (ROOT / "docs" / "results.md").read_text()  # the 7B tables' home
 
 
 def _row(number: int) -> list[str]:
@@ -54,11 +55,23 @@ def test_row_4_is_best_b256():
     assert f"{ours['tokens_per_s'] / stock['tokens_per_s']:.2f}×" in ratio
 
 
-def test_7b_table_is_size7b_table():
-    start = README.index("**7B PPO on one H200**")
-    table = README[start : README.index("\n\n", README.index("| mode |", start))]
+def _size7b() -> list[dict]:
     with open(H200 / "size7b_table" / "summary.csv") as fh:
-        stored = [r for r in csv.DictReader(fh) if r["status"] == "ok"]
+        return [r for r in csv.DictReader(fh) if r["status"] == "ok"]
+
+
+def _size7b_ratios(stored: list[dict]) -> tuple[float, float]:
+    """(LoRA, full fine-tuning): ours fused at its largest batch against stock at its own, each from one call."""
+    by = {(r["file"].split("/")[0], r["name"]): float(r["tokens_per_s"]) for r in stored}
+    lora = by["size7b_lora_rm", "s7_fused_lora_b256"] / by["size7b_lora_rm", "s7_trl_lora_b64"]
+    full = by["size7b_full_b4", "s7_fused_full_b160"] / by["size7b_full_b4", "s7_trl_full_b4"]
+    return lora, full
+
+
+def test_7b_table_is_size7b_table():
+    start = RESULTS.index("**7B PPO on one H200**")
+    table = RESULTS[start : RESULTS.index("\n\n", RESULTS.index("| mode |", start))]
+    stored = _size7b()
     shown = re.findall(r"batch (\d+): ([\d,]+) tok/s, ([\d.]+) GiB", table)
     assert len(shown) == 7
     for batch, tps, gib in shown:
@@ -68,8 +81,19 @@ def test_7b_table_is_size7b_table():
             and f"{float(r['peak_gib']):.1f}" == gib
             for r in stored
         ), (batch, tps, gib)
-    by = {(r["file"].split("/")[0], r["name"]): float(r["tokens_per_s"]) for r in stored}
     ratios = re.findall(r"\*\*([\d.]+)×\*\*", table)
-    lora = by["size7b_lora_rm", "s7_fused_lora_b256"] / by["size7b_lora_rm", "s7_trl_lora_b64"]
-    full = by["size7b_full_b4", "s7_fused_full_b160"] / by["size7b_full_b4", "s7_trl_full_b4"]
+    lora, full = _size7b_ratios(stored)
     assert ratios == [f"{lora:.1f}", f"{full:.1f}"]
+
+
+def test_readme_7b_paragraph_is_size7b_table():
+    """README's 7B paragraph (below the headline table) repeats the 7B table's two ratios."""
+    start = README.index("**7B PPO** (")
+    text = " ".join(README[start : README.index("\n\n", start)].split())
+    stored = _size7b()
+    lora, full = _size7b_ratios(stored)
+    batch = {(r["file"].split("/")[0], r["name"]): r["batch"] for r in stored}
+    ours, stock = batch["size7b_full_b4", "s7_fused_full_b160"], batch["size7b_full_b4", "s7_trl_full_b4"]
+    assert f"**{full:.1f}×** stock TRL in full fine-tuning (batch {ours} against stock's largest, {stock})" in text
+    ours, stock = batch["size7b_lora_rm", "s7_fused_lora_b256"], batch["size7b_lora_rm", "s7_trl_lora_b64"]
+    assert f"**{lora:.1f}×** with LoRA r=16 (batch {ours} against {stock})" in text
