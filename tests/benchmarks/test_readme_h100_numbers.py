@@ -48,8 +48,11 @@ def test_row_15_is_families_b8_each_pair_from_one_call():
 def test_row_16_is_the_generic_call():
     _, what, hf, ours, ratio = _row(16)
     data = _load("rollout/results/h100/generic/results.json")
-    rows = {(r["system"], r["batch"]): r for r in data["results"]} if "results" in data else {
-        (r["system"], r["batch"]): r for r in data["rows"]}
+    rows = (
+        {(r["system"], r["batch"]): r for r in data["results"]}
+        if "results" in data
+        else {(r["system"], r["batch"]): r for r in data["rows"]}
+    )
     dyn, gen = rows["hf_dynamic", 8], rows["generic_cuda_graph", 8]
     assert _numbers(hf) == [round(dyn["ms_per_step"], 1)] and _numbers(ours) == [round(gen["ms_per_step"], 2)]
     assert f"{dyn['ms_per_step'] / gen['ms_per_step']:.1f}×" in ratio
@@ -66,7 +69,10 @@ def test_readme_7b_paragraph_is_full7b_plan():
     row = _full7b_plan()
     assert row["status"] == "ok" and row["rapidfire_config"] == "aggressive"
     assert "on one H100 80 GB, where stock TRL cannot run 7B PPO, `aggressive` trains at" in text
-    assert f"**{round(row['tokens_per_s']):,} tokens/s** with **{row['oom_splits']} out-of-memory splits**" in text
+    assert (
+        f"**{round(row['tokens_per_s']):,} tokens/s** with **{row['oom_splits']} out-of-memory splits**"
+        in text
+    )
 
 
 def test_80gb_paragraph_is_full7b_plan():
@@ -76,7 +82,10 @@ def test_80gb_paragraph_is_full7b_plan():
     assert row["status"] == "ok" and row["batch"] == 160 and row["rapidfire_config"] == "aggressive"
     assert f"**{round(row['tokens_per_s']):,} tokens/s**" in text
     assert f"peak {row['peak_gib']:.1f} GiB" in text
-    assert f"**{row['oom_splits']}\nout-of-memory splits**" in text or f"**{row['oom_splits']} out-of-memory" in text
+    assert (
+        f"**{row['oom_splits']}\nout-of-memory splits**" in text
+        or f"**{row['oom_splits']} out-of-memory" in text
+    )
     planned, measured = row["plan"]["phase_peak_bytes"], row["phase_peak_gib"]
     for name, key in (("generation", "rollout"), ("scoring", "scoring"), ("training", "training")):
         line = next(x for x in text.splitlines() if x.startswith(f"| {name}"))

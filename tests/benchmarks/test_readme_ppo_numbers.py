@@ -94,6 +94,9 @@ def test_readme_7b_paragraph_is_size7b_table():
     lora, full = _size7b_ratios(stored)
     batch = {(r["file"].split("/")[0], r["name"]): r["batch"] for r in stored}
     ours, stock = batch["size7b_full_b4", "s7_fused_full_b160"], batch["size7b_full_b4", "s7_trl_full_b4"]
-    assert f"**{full:.1f}×** stock TRL in full fine-tuning (batch {ours} against stock's largest, {stock})" in text
+    assert (
+        f"**{full:.1f}×** stock TRL in full fine-tuning (batch {ours} against stock's largest, {stock})"
+        in text
+    )
     ours, stock = batch["size7b_lora_rm", "s7_fused_lora_b256"], batch["size7b_lora_rm", "s7_trl_lora_b64"]
     assert f"**{lora:.1f}×** with LoRA r=16 (batch {ours} against {stock})" in text
