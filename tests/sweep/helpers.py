@@ -45,18 +45,19 @@ def lora_config():
 
 
 def make_sweep(tokenizer, out_dir, trials, dataset=None, reward_model=None, train_rows_per_forward=None,
-               **shared):  # fmt: skip
-    """A PPOSweep on the vowel task with ``COMMON`` settings (``shared`` overrides them)."""
+               model=None, peft_config=None, **shared):  # fmt: skip
+    """A PPOSweep on the vowel task with ``COMMON`` settings (``shared`` overrides them); the tiny Llama and
+    :func:`lora_config` unless ``model`` / ``peft_config`` are given."""
     args = PPOConfig(output_dir=str(out_dir), **{**COMMON, **shared})
     return PPOSweep(
         args=args,
         trials=trials,
-        model=build_tiny_llama(tokenizer),
+        model=model if model is not None else build_tiny_llama(tokenizer),
         processing_class=tokenizer,
         reward_funcs=None if reward_model is not None else vowel_reward,
         reward_model=reward_model,
         train_dataset=dataset if dataset is not None else make_prompt_dataset(48),
-        peft_config=lora_config(),
+        peft_config=peft_config if peft_config is not None else lora_config(),
         progress=False,
         train_rows_per_forward=train_rows_per_forward,
     )

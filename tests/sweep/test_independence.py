@@ -45,7 +45,7 @@ def test_trial_order_does_not_matter(tokenizer, tmp_path):
 @pytest.mark.usefixtures("single_thread")
 def test_model_generate_fallback_keeps_trials_apart(tokenizer, tmp_path, monkeypatch):
     """Models the static engine cannot run generate trial by trial through model.generate."""
-    monkeypatch.setattr("rapidfire_hf.rollout.llama_forward.unsupported_reason", lambda model: "test")
+    monkeypatch.setattr("rapidfire_hf.rollout.engine.choose_decode_path", lambda model: (None, "test"))
     two = {n: TRIALS[n] for n in list(TRIALS)[:2]}
     together = make_sweep(tokenizer, tmp_path / "all", two, max_steps=2)
     assert together.phases.engine.backend == "hf"

@@ -53,19 +53,15 @@ def precision_refusal(src: Any, runs_in: str, entry: str, fix: str) -> list[Conf
     ]
 
 
-def static_engine_refusal(args, model, native_only: bool = False) -> list[ConfigError]:
-    """``rollout_backend="static"`` for a model the static engine cannot run (asked before any work).
-    ``native_only``: the sweep's batched decode runs the native forward only (its engine falls back to one
-    ``model.generate`` per trial otherwise)."""
+def static_engine_refusal(args, model) -> list[ConfigError]:
+    """``rollout_backend="static"`` for a model the static engine cannot run by its native or its generic
+    forward (asked before any work; PPOTrainer's engine and PPOSweep's batched decode alike)."""
     if args.rollout_backend != "static" or model is None:
         return []
     from rapidfire_hf.rollout.engine import choose_decode_path
-    from rapidfire_hf.rollout.llama_forward import unsupported_reason
 
     lm = getattr(model, "pretrained_model", model)  # a value-head wrapper generates with its LM
     path, reason = choose_decode_path(lm)  # native, or the generic path (the model's own forward)
-    if native_only and path == "generic":
-        path, reason = None, f"the sweep's batched decode runs the native forward only: {unsupported_reason(lm)}"
     if path is not None:
         return []
     return [
@@ -129,7 +125,7 @@ def check_sweep_settings(args, model=None) -> None:
     args.validate()
     errors = ppo_refusals(args, SWEEP)
     errors += env_refusals(SWEEP, args.rapidfire_config is not None)
-    errors += static_engine_refusal(args, model, native_only=True)
+    errors += static_engine_refusal(args, model)
     on_cuda = torch.cuda.is_available() and not args.use_cpu
     for name in ("bf16", "fp16"):
         if getattr(args, name) and not on_cuda:

@@ -190,6 +190,18 @@ class AdapterBank:
             and (targets == "all-linear" or (targets is not None and _is_target(n, targets)))
         ]
         if not names:
+            conv1d = [
+                n
+                for n, m in model.named_modules()
+                if type(m).__name__ == "Conv1D"
+                and (targets == "all-linear" or (targets is not None and _is_target(n, targets)))
+            ]
+            if conv1d:  # GPT-2-style projections: a [in, out] weight applied as x @ W, not an nn.Linear
+                raise ValueError(
+                    f"LoraConfig.target_modules={targets!r} matches {len(conv1d)} transformers Conv1D layers of "
+                    f"{type(model).__name__} (e.g. {conv1d[0]!r}); the sweep's routed adapters wrap nn.Linear only. "
+                    "Train these trials one at a time with PPOTrainer(peft_config=...), which takes peft's Conv1D LoRA."
+                )
             raise ValueError(
                 f"LoraConfig.target_modules={targets!r} matches no nn.Linear of {type(model).__name__}: name "
                 "its projections (e.g. ['q_proj', 'v_proj']) or use 'all-linear'."

@@ -260,21 +260,35 @@ class PPOSweep:
     # ------------------------------------------------------------------ construction helpers
     def _make_engine(self):
         from rapidfire_hf.rollout import RolloutEngine
-        from rapidfire_hf.rollout.llama_forward import unsupported_reason
+        from rapidfire_hf.rollout.engine import choose_decode_path
 
         stop = self.tok.eos_token_id if self.args.stop_token == "eos" else self.args.stop_token_id
-        reason = unsupported_reason(self.model)
-        if reason is not None:
-            logger.warning("PPOSweep: one model.generate per trial (the batched decode needs %s)", reason)
+        # the batched decode runs the native forward, or the model's own forward over the engine's cache (the
+        # generic path: the bank's routed layers run inside it, so each row still goes through its trial's
+        # adapter); only a model neither runs falls back to one model.generate per trial
+        path, reason = choose_decode_path(self.model)
+        if path is None:
+            logger.warning(
+                "PPOSweep: one model.generate per trial (the batched decode cannot run it: %s)", reason
+            )
+        elif path == "generic":
+            logger.info(
+                "PPOSweep: the batched decode runs the model's own forward (generic path: %s)", reason
+            )
         return RolloutEngine(
             self.model,
             self.tok.pad_token_id,
             [stop] if stop is not None else [],
             # rollout_backend: "hf" is model.generate per trial; "static" for a model it cannot run was
             # refused at construction (ppo/settings_check.py); "auto" takes the batched decode where it runs
-            backend="hf" if reason is not None or self.args.rollout_backend == "hf" else "static",
+            backend="hf" if path is None or self.args.rollout_backend == "hf" else "static",
             decode_mode=self.args.rollout_decode_mode,
-            decode_attention=sweep_decode_attention(self.args.rollout_decode_attention),
+            # the generic path runs the model's own attention: the sweep's SDPA default is not asked of it
+            decode_attention=(
+                sweep_decode_attention(self.args.rollout_decode_attention)
+                if path == "native"
+                else self.args.rollout_decode_attention
+            ),
             decode_sampler=self.args.rollout_decode_sampler,
             # "auto" is off here: no sweep benchmark ran with fused projections, and layers carrying the
             # trials' adapters on q/k/v or gate/up keep their modules anyway
