@@ -7,6 +7,8 @@
 3. No private name (``_x``) crosses packages, neither imported (``from m import _x``) nor read from an
    imported module (``m._x``).
 4. No mixins: a class has at most one base class of ours (parts are composed, each owning its state).
+5. ``benchmarks/`` and ``cli/`` read no private attribute of a trainer: they use ``PPOTrainer``'s public
+   methods and its read-only view ``trainer.run_state``.
 
 Where the code breaks a rule today, the break is listed in an allowlist below. **An allowlist may only
 shrink**: the test fails when a break is added, and also when a listed break has gone from the code but
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "rapidfire_hf"
+BENCHMARKS = SRC.parents[1] / "benchmarks"
 
 # The layers, lowest first (DESIGN.md's parts, STYLE.md: "imports point one way (kernels, optim need only
 # torch; integrations may import everything; nothing imports cli)"). A package may import a package of a
@@ -225,6 +228,48 @@ def mixin_classes(src: Path = SRC) -> set[tuple[str, str]]:
     return found
 
 
+def trainer_private_names(src: Path = SRC) -> set[str]:
+    """``PPOTrainer``'s private names: the ``self._x`` it uses and the ``_x`` methods and properties it defines."""
+    tree = ast.parse((src / "ppo" / "trainer.py").read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PPOTrainer")
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {
+        n.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
+    return {n for n in names if is_private(n)}
+
+
+def private_trainer_reads(files: list[Path], root: Path, private: set[str]) -> set[tuple[str, str]]:
+    """``x._name`` (also through ``getattr``/``setattr``/``hasattr``) in ``files``, where ``x`` is not
+    ``self``/``cls`` and either ``_name`` is one of ``private`` (PPOTrainer's) or ``x`` is named ``*trainer*``."""
+
+    def is_trainer_read(base: ast.expr, name: str) -> bool:
+        if not is_private(name):
+            return False
+        last = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else ""
+        return last not in ("self", "cls") and (name in private or "trainer" in last.lower())
+
+    found = set()
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Attribute) and is_trainer_read(node.value, node.attr):
+                found.add((rel, f"{ast.unparse(node.value)}.{node.attr}"))
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and is_trainer_read(node.args[0], node.args[1].value)
+            ):
+                found.add((rel, f"{ast.unparse(node.args[0])}.{node.args[1].value}"))
+    return found
+
+
 def check_against(found: set[tuple[str, str]], allowed: set[tuple[str, str]], what: str, fix: str) -> None:
     """Fail on a break not in ``allowed`` and on an allowed break that is no longer in the code."""
     new = sorted(found - allowed)
@@ -299,6 +344,16 @@ def test_no_private_name_crosses_packages(scanned):
 def test_no_mixins():
     found = mixin_classes()
     assert not found, f"classes mixing in several of our classes (compose parts instead): {sorted(found)}"
+
+
+def test_benchmarks_and_cli_read_no_private_trainer_attribute():
+    root = SRC.parents[1]
+    files = sorted([*BENCHMARKS.rglob("*.py"), *(SRC / "cli").rglob("*.py")])
+    found = private_trainer_reads(files, root, trainer_private_names())
+    assert not found, (
+        "private trainer attributes read outside the trainer (use a public PPOTrainer method or "
+        f"trainer.run_state): {sorted(found)}"
+    )
 
 
 # ---- the checks themselves, on a scratch tree (a contract that cannot fail protects nothing) -------------
@@ -376,3 +431,29 @@ def test_an_allowlist_fails_on_a_new_break_and_on_a_stale_entry():
         check_against(allowed | {("sweep/sweep.py", "rapidfire_hf.ppo.trainer")}, allowed, "x", "y")
     with pytest.raises(AssertionError, match="remove from the allowlist"):
         check_against(set(), allowed, "x", "y")
+
+
+def test_the_private_trainer_read_check_finds_each_kind(tmp_path):
+    src = _scratch(
+        tmp_path,
+        {
+            "ppo/trainer.py": (
+                "class PPOTrainer:\n    def __init__(self):\n        self._oom = 0\n        self.plan = None\n"
+                "    @property\n    def _engine(self): ...\n    def one_update(self): ...\n"
+            ),
+        },
+    )
+    assert trainer_private_names(src) == {"_oom", "_engine"}
+    bench = tmp_path / "bench.py"
+    bench.write_text(
+        "x = trainer._oom\n"  # a private attribute of the trainer
+        "y = getattr(t._engine, 'backend', None)\n"  # a private name of PPOTrainer, on any object
+        "z = getattr(my_trainer, '_other', 0)\n"  # any private attribute of something named *trainer*
+        "self._engine = 1\n"  # its own attribute: not a read of the trainer's
+        "ok = (trainer.run_state.oom_splits, trainer.one_update(0), engine._static, self.trainer.plan)\n"
+    )
+    assert private_trainer_reads([bench], tmp_path, trainer_private_names(src)) == {
+        ("bench.py", "trainer._oom"),
+        ("bench.py", "t._engine"),
+        ("bench.py", "my_trainer._other"),
+    }

@@ -492,10 +492,10 @@ def run(args, device: torch.device, cuda: bool, local: int, recorder: RankRecord
     recorder.snapshot("resident_gib_after_prepare")
     support = trainer.engine_support
     recorder.row["engine"] = support.engine.value
-    # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its full size
-    recorder.row["trainable_params"] = sum(getattr(p, "ds_numel", p.numel()) for p in trainer._trainable)
+    # ZeRO-3 leaves each parameter an empty placeholder: counted at its full size (ds_numel)
+    recorder.row["trainable_params"] = trainer.run_state.trainable_parameters
     # what the engine holds: bf16 under --precision bf16 (FSDP2 shards included), fp32 masters otherwise
-    recorder.row["param_dtypes"] = _dtypes(trainer._trainable)
+    recorder.row["param_dtypes"] = list(trainer.run_state.trainable_dtypes)
     trainer.train()
     acc = trainer.accelerator
     logs = [h for h in trainer.state.log_history if "tokens_per_second" in h]
@@ -511,8 +511,8 @@ def run(args, device: torch.device, cuda: bool, local: int, recorder: RankRecord
     recorder.write(
         "ok",
         tokens_per_second=statistics.median(h["tokens_per_second"] for h in steady),
-        rollout_backend=getattr(trainer._rollout_engine, "backend", None),
-        oom_splits=trainer._oom_splits,
+        rollout_backend=trainer.run_state.rollout_backend,
+        oom_splits=trainer.run_state.oom_splits,
     )
     peak = torch.tensor([recorder.peak], device=acc.device)
     peaks = acc.gather(peak).tolist()
@@ -545,7 +545,7 @@ def run(args, device: torch.device, cuda: bool, local: int, recorder: RankRecord
             "peak_gib_per_rank": peaks if cuda else [None] * len(peaks),
             "phase_peak_gib": recorder.phase_peaks,
             "build_seconds": build_s,
-            "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
+            "rollout_backend": trainer.run_state.rollout_backend,
             "versions": _versions(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }

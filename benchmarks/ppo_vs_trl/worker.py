@@ -562,7 +562,7 @@ def run_ours(cfg: dict, device: str) -> dict:
 
     trainer = build_ours(cfg, device)
     peaks = PhasePeaks(trainer) if device == "cuda" else None
-    trainable = sum(p.numel() for p in trainer._trainable)
+    trainable = trainer.run_state.trainable_parameters
     profiler = ProfileUpdate(cfg["profile_update"]) if cfg.get("profile_update") is not None else None
     if profiler is not None:
         trainer.add_callback(profiler)
@@ -581,18 +581,18 @@ def run_ours(cfg: dict, device: str) -> dict:
         **extra,
         **update_series(logs),
         "rapidfire_version": rapidfire_hf.__version__,
-        "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
+        "rollout_backend": trainer.run_state.rollout_backend,
         "trainable_params": trainable,
         "build_s": trainer.build_s,
         "kl_coef_applied": trainer.args.kl_coef,
-        "oom_splits": trainer._oom_splits,
+        "oom_splits": trainer.run_state.oom_splits,
         "optimizer_class": inner_optimizer_name(trainer.optimizer),
         "ref_class": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
         "reward_class": type(trainer.reward_model).__name__,
         "speedups": trainer.kernel_patches.summary(),
         "plan": trainer.plan.to_dict() if trainer.plan is not None else None,
         # the fused decode projections' weight copies the engine holds (0: the module projections ran)
-        "fused_copy_bytes": getattr(trainer._rollout_engine, "copy_bytes", lambda: None)(),
+        "fused_copy_bytes": trainer.run_state.fused_copy_bytes,
         "phase_peak_gib": peaks.gib if peaks is not None else None,
         "run_peak_bytes": peaks.overall if peaks is not None else None,
         "profile": profiler.summary if profiler is not None else None,

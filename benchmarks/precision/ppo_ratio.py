@@ -450,8 +450,7 @@ def run_mode(mode: str, cfg: dict, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         out["seconds"] = time.perf_counter() - t0
-        engine = getattr(trainer, "_rollout_engine", None)
-        out["rollout_engine"] = getattr(engine, "backend", None)
+        out["rollout_engine"] = trainer.run_state.rollout_backend
     logs = {h["step"]: h for h in trainer.state.log_history if "objective/scores" in h}
     rows = []
     for probe_row in probe.rows:

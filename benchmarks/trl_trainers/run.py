@@ -297,12 +297,12 @@ def train_and_measure(trainer, tokens_per_step: int) -> dict:
 
 def describe(trainer) -> dict:
     """What actually ran: checkpointing on the model, rapidfire parts and optimizer statistics."""
-    from rapidfire_hf.integrations.parts import find_rapidfire_optimizer
+    from rapidfire_hf.integrations.parts import find_rapidfire_optimizer, rapidfire_state
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     ckpt = getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", None))
     info = {"checkpointing_on": bool(ckpt), "attn_implementation": model.config._attn_implementation}
-    state = getattr(trainer, "_rapidfire", None)
+    state = rapidfire_state(trainer)
     if state is not None:
         info["installed"], info["skipped"] = state.installed, state.skipped
         opt = find_rapidfire_optimizer(trainer.optimizer)

@@ -203,7 +203,7 @@ def test_enable_rapidfire_call_refuses_before_touching_the_trainer(tokenizer, tm
     for kwargs in ({"peak_flops": -5}, {"rollout": 1}):
         with pytest.raises(ValueError):
             enable_rapidfire(trainer, **kwargs)
-    assert not getattr(trainer, "_rapidfire_enabled", False)
+    assert not trainer.rapidfire_config_applied
 
 
 # ------------------------------------------------------------------------------------------ found attacking

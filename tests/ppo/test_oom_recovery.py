@@ -216,7 +216,7 @@ def test_generation_oom_mid_decode_restores_the_rng(tmp_path, tokenizer):
     # the rollout's noise comes from the update's generator (rapidfire_hf.ppo.seeds), drawn chunk by chunk
     generator = sampling_generator(trainer.args.seed, trainer.state.global_step)
     pieces = [
-        trainer._rollout_engine.generate(
+        trainer.roller.engine.generate(
             *_prompt_and_mask(trainer, a, b), _params_of(trainer), generator=generator
         )
         for a, b in ((0, 4), (4, 6), (6, 8))

@@ -64,8 +64,8 @@ def test_explicit_chunks_are_kept_and_reach_the_phases(tmp_path, tokenizer):
         return generate(*args, **kwargs)
 
     trainer.train()  # builds the engine; the second run below counts the generation chunks
-    generate = trainer._rollout_engine.generate
-    trainer._rollout_engine.generate = spy
+    generate = trainer.roller.engine.generate
+    trainer.roller.engine.generate = spy
     assert (trainer.plan.scoring_rows, trainer.plan.generation_rows) == (3, 5)
     trainer.rollout(trainer.next_prompts(0))
     assert seen == [5, 3]  # 8 prompts in chunks of 5
@@ -96,12 +96,12 @@ def test_no_config_says_once_when_it_holds_fused_copies(tmp_path, tokenizer, cap
     fused.train()
     out = capsys.readouterr().out
     assert out.count("rapidfire: fused decode projections on (your rollout_decode_fuse_projections=True") == 1
-    assert fused.plan.fuse_projections is True and fused._rollout_engine.copy_bytes() > 0
+    assert fused.plan.fuse_projections is True and fused.roller.engine.copy_bytes() > 0
     monkeypatch.setattr(planning, "fuse_wanted", lambda args, device: args.rollout_decode_fuse_projections)
     auto = tiny_trainer(tmp_path / "b", tokenizer, rollout_backend="static")
     auto.train()
     assert "fused decode projections" not in capsys.readouterr().out
-    assert auto.plan.fuse_projections is False and auto._rollout_engine.copy_bytes() == 0
+    assert auto.plan.fuse_projections is False and auto.roller.engine.copy_bytes() == 0
     # asked for, with nothing to fuse (LoRA on q/v): said as off, with the reason, never "on"
     from peft import LoraConfig
 
@@ -117,7 +117,7 @@ def test_no_config_says_once_when_it_holds_fused_copies(tmp_path, tokenizer, cap
     asked.train()
     out = capsys.readouterr().out
     assert "rapidfire: fused decode projections off (no layer to fuse" in out
-    assert asked.plan.fuse_projections is False and asked._rollout_engine.copy_bytes() == 0
+    assert asked.plan.fuse_projections is False and asked.roller.engine.copy_bytes() == 0
 
 
 def test_probe_is_cached_and_a_damaged_cache_is_measured_again(tmp_path, tokenizer, caplog):
@@ -194,7 +194,7 @@ def test_the_plan_counts_the_kv_cache_only_where_the_engine_keeps_it(
     trainer = trainer_with(tmp_path, tokenizer, {}, rollout_backend=backend)
     trainer.train()
     assert [w.cache_persists for w in seen] == [kept]
-    assert trainer._rollout_engine.backend == ("static" if kept else "hf")
+    assert trainer.roller.engine.backend == ("static" if kept else "hf")
     cache = seen[0].held_cache_bytes(trainer.plan.generation_rows)
     assert (cache > 0) == kept
     assert (
@@ -234,12 +234,12 @@ def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, to
     plain, _ = run("plain")
     assert budgets == [5 * 2**20] and plain.plan.fuse_projections is None
     assert "fused decode projections" not in plain.plan.table()
-    assert plain._rollout_engine.copy_bytes() == 0
+    assert plain.roller.engine.copy_bytes() == 0
     fused, copies = run("fused", rollout_decode_fuse_projections=True)
     assert copies > 0 and budgets == [5 * 2**20, 5 * 2**20 + copies]
     assert fused.plan.fuse_projections is True and "held" in fused.plan.reasons["fuse_projections"]
     # allocated now: planning again counts nothing more (memory_allocated sees them on a GPU)
-    assert fused._rollout_engine.copy_bytes() == copies
+    assert fused.roller.engine.copy_bytes() == copies
     assert planning.decode_copies(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == (
         True,
         0,
@@ -250,14 +250,14 @@ def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, to
         tmp_path / "early", tokenizer, {}, rollout_backend="static", rollout_decode_fuse_projections=True
     )
     early.rollout(early.next_prompts(0))
-    assert early.plan is None and early._rollout_engine.copy_bytes() == copies
+    assert early.plan is None and early.roller.engine.copy_bytes() == copies
     early.train()
     assert early.plan.fuse_projections is True
     assert "held by the engine built before the plan" in early.plan.reasons["fuse_projections"]
 
     monkeypatch.setattr(planning, "fuse_wanted", lambda args, device: args.rollout_decode_fuse_projections)
     roomy, copies = run("auto-roomy")
-    assert roomy.plan.fuse_projections is True and roomy._rollout_engine.copy_bytes() == copies
+    assert roomy.plan.fuse_projections is True and roomy.roller.engine.copy_bytes() == copies
     assert re.search(
         r"fused decode projections +auto +on +\d+\.\d MiB of weight copies fit", roomy.plan.table()
     )
@@ -265,7 +265,7 @@ def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, to
     need = roomy.plan.planned_peak_bytes - copies  # the plan's peak without the copies
     room[0] = need + copies // 2
     tight, _ = run("auto-tight")
-    assert tight.plan.fuse_projections is False and tight._rollout_engine.copy_bytes() == 0
+    assert tight.plan.fuse_projections is False and tight.roller.engine.copy_bytes() == 0
     assert "would" in tight.plan.reasons["fuse_projections"]
     # and what the run trains does not depend on it: the same rollouts and updates (fp32, CPU)
     for (name, a), b in zip(roomy.policy.state_dict().items(), tight.policy.state_dict().values()):
@@ -304,8 +304,8 @@ def test_a_plan_that_frees_the_cache_releases_the_engine_after_each_rollout_and_
     freed.train()
     assert asked_free == [True] and freed.plan.free_cache
     assert len(released) == 2 and all(b > 0 for b in released)
-    assert freed._rollout_engine.held_bytes() == 0  # released after the last rollout
-    assert kept._rollout_engine.held_bytes() > 0
+    assert freed.roller.engine.held_bytes() == 0  # released after the last rollout
+    assert kept.roller.engine.held_bytes() > 0
     for a, b in zip(kept.model.parameters(), freed.model.parameters()):
         assert torch.equal(a, b)
 

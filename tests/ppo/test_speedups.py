@@ -108,13 +108,13 @@ def test_compile_covers_every_distinct_model_once(tmp_path, tokenizer):
     compiled = layer._compiled_call_impl
     assert compiled is not None
     trainer.rollout(trainer.next_prompts(0))  # builds the rollout engine
-    seen, generate = [], trainer._rollout_engine.generate
+    seen, generate = [], trainer.roller.engine.generate
 
     def spy(*a, **k):
         seen.append(layer._compiled_call_impl)
         return generate(*a, **k)
 
-    trainer._rollout_engine.generate = spy
+    trainer.roller.engine.generate = spy
     trainer.rollout(trainer.next_prompts(0))
     assert seen == [None] and layer._compiled_call_impl is compiled  # off while generating, back after
     again = PPOTrainer(args=args, model=policy, value_model=value, **common)

@@ -91,7 +91,7 @@ def test_ppo_update_runs_with_the_family_as_policy(tmp_path, tokenizer, name):
         train_dataset=make_prompt_dataset(8),
     )
     trainer.train()
-    assert trainer._rollout_engine.backend == "static" and trainer._rollout_engine.path == "native"
+    assert trainer.roller.engine.backend == "static" and trainer.roller.engine.path == "native"
     assert trainer.state.global_step == 1
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
     assert all(torch.isfinite(p).all() for p in policy.parameters())

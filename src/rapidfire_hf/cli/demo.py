@@ -185,7 +185,7 @@ def _write_outputs(out_dir: Path, history: list[dict], wall: float, trainer) -> 
         "updates": len(history),
         "wall_seconds": round(wall, 2),
         "device": str(trainer.accelerator.device),
-        "rollout_backend": getattr(trainer._rollout_engine, "backend", None),
+        "rollout_backend": trainer.run_state.rollout_backend,
         "tokens_per_second_mean": sum(h["tokens_per_second"] for h in history) / len(history),
         # the gradient pipeline (a rapidfire config): windows stepped inside backward, predicted clip misses
         **_optimizer_summary(trainer),
@@ -206,7 +206,7 @@ def _deferred_note(deferred: dict | None) -> str:
 
 def _optimizer_summary(trainer) -> dict:
     """Pipelined steps, clip-prediction miss rate and skipped steps of a RapidFireOptimizer (None without)."""
-    opt = getattr(trainer, "_rf_opt", None)
+    opt = trainer.rapidfire_optimizer
     if opt is None:
         return {
             "pipelined_steps": None,

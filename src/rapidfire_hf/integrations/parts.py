@@ -54,6 +54,11 @@ class RapidFireState:
         return start_table(f"rapidfire on {trainer_name}:", self.installed, self.skipped)
 
 
+def rapidfire_state(trainer) -> RapidFireState | None:
+    """What ``enable_rapidfire`` installed on ``trainer``, or ``None`` when it was not called on it."""
+    return getattr(trainer, STATE_ATTR, None)
+
+
 def installed_parts(trainer) -> dict[str, Any]:
-    state = getattr(trainer, STATE_ATTR, None)
+    state = rapidfire_state(trainer)
     return state.parts if state is not None else {}

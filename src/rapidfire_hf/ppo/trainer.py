@@ -5,7 +5,7 @@ no-grad in large batches) -> advantages (``rapidfire_hf.ppo.core``) -> ``num_ppo
 mini-batches x micro-batches of the clipped PPO loss. Statistics stay on the device and reach the
 host once per update; nothing calls ``empty_cache`` or ``.item()`` per micro-batch.
 
-The trainer holds explicit components and calls them; one update is :meth:`PPOTrainer._one_update`:
+The trainer holds explicit components and calls them; one update is :meth:`PPOTrainer.one_update`:
 
 * ``roller`` (:class:`~rapidfire_hf.ppo.rollout_phase.Roller`): prompts -> :class:`Rollout`;
 * ``scorer`` (:class:`~rapidfire_hf.ppo.scoring.Scorer`): :class:`Rollout` -> :class:`Experience`;
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -64,7 +65,15 @@ from rapidfire_hf.ppo.setup import (
 from rapidfire_hf.ppo.speedups import check_liger_usable
 from rapidfire_hf.ppo.start_report import start_facts, start_lines
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
-from rapidfire_hf.ppo.types import Experience, PPOStats, PPOTrainerState, Rollout, _to_float, sync_time
+from rapidfire_hf.ppo.types import (
+    Experience,
+    PPOStats,
+    PPOTrainerState,
+    Rollout,
+    RunState,
+    _to_float,
+    sync_time,
+)
 from rapidfire_hf.utils.interrupt import StopSignals, TrainingInterrupted
 from rapidfire_hf.utils.logs import LogCadence, apply_logging_config
 from rapidfire_hf.utils.start_table import start_table
@@ -207,6 +216,8 @@ class PPOTrainer:
         self.plan = None  # the throughput plan, made at the first update (ppo/planning.py)
         self._prompts: PromptPrefetch | None = None  # prompt batches prefetched while train() runs
         self._log_cadence: LogCadence | None = None  # at the first log (enable_rapidfire sets rf_config)
+        self._train_start: float | None = None  # train()'s start (or one_update()'s first, outside train())
+        self._config_applied = False  # apply_rapidfire_config() ran (once only)
         from rapidfire_hf.distributed import attach_sync_debug, describe_engine
 
         self.engine_support = describe_engine(acc)  # says which features hold under DDP/ZeRO/FSDP
@@ -221,7 +232,7 @@ class PPOTrainer:
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
 
     # ------------------------------------------------------------------ built from the rapidfire config
-    # (methods: enable_rapidfire rebuilds these on a built trainer, integrations/ppo_trainer.py)
+    # (methods: apply_rapidfire_config rebuilds these on a built trainer, for enable_rapidfire)
     def _make_memory_callback(self):
         return make_memory_callback(self.args, self.rf_config)
 
@@ -261,6 +272,67 @@ class PPOTrainer:
             compact_memory=compact,
             handlers={"disable_pipeline": self.disable_pipeline, "enable_pipeline": self.enable_pipeline},
         )
+
+    @property
+    def rapidfire_config_applied(self) -> bool:
+        """Whether :meth:`apply_rapidfire_config` ran on this trainer (it runs once)."""
+        return self._config_applied
+
+    def apply_rapidfire_config(self, config: Any = None) -> None:
+        """Apply a rapidfire config to this trainer before it trains: the same result as
+        ``PPOConfig(rapidfire_config=...)`` (what ``enable_rapidfire(trainer, config)`` does on a PPOTrainer).
+
+        The parts the config acts on at construction are rebuilt from it: the memory callback, the
+        optimizer and its LR scheduler (when the trainer built its default one; an optimizer the user passed
+        is kept) and the adaptive-precision plugin.
+
+        Args:
+            config: a ``RapidFireConfig``, preset name, YAML path or dict; ``None`` = balanced.
+
+        Raises:
+            ConfigError: the config is invalid, or asks what this trainer does not apply (the settings
+                contract, ``rapidfire_hf.config.contract``).
+        """
+        from rapidfire_hf.config import load_config
+        from rapidfire_hf.config.contract import TRAINER, raise_refusals
+        from rapidfire_hf.ppo.settings_check import check_trainer_config
+
+        cfg = load_config(config)
+        own = None if self._optimizer_is_default else getattr(self.optimizer, "optimizer", self.optimizer)
+        raise_refusals(check_trainer_config(self.args, {} if config is None else config, own), TRAINER)
+        self.rf_config = cfg
+        self.args.rapidfire_config = cfg
+        self._replace_memory_callback()
+        if self._optimizer_is_default:
+            self._rebuild_optimizer()
+        else:
+            logger.info(
+                "rapidfire: PPOTrainer keeps the optimizer passed to it; config.gradient applies to it only "
+                "if it is a RapidFireOptimizer built with those settings"
+            )
+        self.precision_plugin = self._make_precision_plugin()
+        self._config_applied = True
+
+    def _replace_memory_callback(self) -> None:
+        old = self.memory_callback
+        if old is not None:
+            self.callback_handler.remove_callback(old)
+        self.memory_callback = self._make_memory_callback()
+        if self.memory_callback is not None:
+            self.callback_handler.add_callback(self.memory_callback)
+
+    def _rebuild_optimizer(self) -> None:
+        """A config-built optimizer and scheduler in place of the default AdamW, prepared like the first."""
+        acc = self.accelerator
+        old = self.optimizer
+        if old in acc._optimizers:
+            acc._optimizers.remove(old)
+        module = acc.unwrap_model(self.model)
+        optimizer, scheduler = self._make_optimizer(module, None, (None, None))
+        self.optimizer = acc.prepare(optimizer)
+        self.lr_scheduler = scheduler
+        self.callback_handler.optimizer = self.optimizer
+        self.callback_handler.lr_scheduler = scheduler
 
     # ------------------------------------------------------------------ public controls
     def add_callback(self, callback):
@@ -328,28 +400,20 @@ class PPOTrainer:
         """The RapidFireOptimizer being trained with, or None (a plain optimizer, guarded)."""
         return self.stepper.health.rapidfire
 
-    # read by `rapidfire demo` (cli/demo.py) and benchmark scripts (benchmarks/ppo_vs_trl/worker.py,
-    # benchmarks/distributed/ppo_throughput.py): read-only views of the components
     @property
-    def _rf_opt(self) -> RapidFireOptimizer | None:
-        return self.rapidfire_optimizer
-
-    @property
-    def _trainable(self) -> list[torch.Tensor]:
-        return self.stepper.params
-
-    @property
-    def _oom_splits(self) -> int:
-        return self.stepper.oom_splits
-
-    @property
-    def _rollout_engine(self):
-        """The rollout engine (built at the first rollout); kept by :attr:`roller`."""
-        return self.roller.engine
-
-    @_rollout_engine.setter
-    def _rollout_engine(self, engine) -> None:
-        self.roller.engine = engine
+    def run_state(self) -> RunState:
+        """What this run holds and has done so far, read-only (:class:`~rapidfire_hf.ppo.types.RunState`):
+        the rollout backend, OOM splits, trained parameters. Read by ``rapidfire demo`` and benchmark scripts."""
+        engine, params = self.roller.engine, self.stepper.params
+        copy_bytes = getattr(engine, "copy_bytes", None)
+        return RunState(
+            rollout_backend=getattr(engine, "backend", None),
+            fused_copy_bytes=copy_bytes() if copy_bytes is not None else None,
+            oom_splits=self.stepper.oom_splits,
+            # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its full size
+            trainable_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            trainable_dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+        )
 
     # ------------------------------------------------------------------ the phases
     def next_prompts(self, batch_index: int) -> dict:
@@ -428,7 +492,7 @@ class PPOTrainer:
             try:
                 for update in range(start_update, self.num_updates):
                     self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                    metrics = self._one_update(update)
+                    metrics = self.one_update(update)
                     self.state.global_step = update + 1
                     self.state.epoch = (update + 1) / self.prompt_order.batches_per_pass
                     self.lr_scheduler.step()
@@ -507,9 +571,14 @@ class PPOTrainer:
         on += start_notes(self.args, cfg, self.rapidfire_optimizer, str(self.accelerator.mixed_precision))
         print(start_table("rapidfire PPOTrainer:", on, skipped, watched), flush=True)
 
-    def _one_update(self, update: int) -> dict:
-        """Rollout -> scoring -> PPO epochs over one prompt batch; returns the update's metrics."""
+    def one_update(self, update: int) -> dict:
+        """Rollout -> scoring -> PPO epochs over prompt batch ``update``; returns the update's metrics.
+
+        ``train()`` runs one per update; called alone (a profiler's warm-up) it plans the run at its first call
+        and counts throughput from there."""
         args, device = self.args, self.accelerator.device
+        if self._train_start is None:
+            self._train_start = time.perf_counter()
         t0 = time.perf_counter()
         batch = self._prompts.take(update) if self._prompts is not None else self.next_prompts(update)
         planned_now = self.plan is None

@@ -80,6 +80,18 @@ class PPOStats:
         return getattr(self, name)
 
 
+@dataclass(frozen=True)
+class RunState:
+    """What a :class:`~rapidfire_hf.ppo.trainer.PPOTrainer` holds and has done so far, read-only
+    (``trainer.run_state``; a fresh copy at each read): for benchmark scripts and ``rapidfire demo``."""
+
+    rollout_backend: str | None  # the rollout engine's ("static" / "hf"); None before the first rollout
+    fused_copy_bytes: int | None  # bytes of the fused decode projections' weight copies; None: no such engine
+    oom_splits: int  # micro-batches split and retried after a CUDA OOM, so far
+    trainable_parameters: int  # elements of the trained parameters (ZeRO-3: their full size, ``ds_numel``)
+    trainable_dtypes: tuple[str, ...]  # the trained parameters' dtypes, sorted ("bfloat16", "float32", ...)
+
+
 def _to_float(v):
     return float(v) if isinstance(v, (int, float)) else v
 
