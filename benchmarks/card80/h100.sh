@@ -3,6 +3,8 @@
 # ../shared/gpu/wheels.sh fetches it). One row per call keeps each under 9 minutes:
 #   bash benchmarks/card80/h100.sh OUT full7b   # 7B full fine-tuning, batch 160 (~5 min)
 #   bash benchmarks/card80/h100.sh OUT lora7b   # 7B LoRA, batch 256 (~5 min)
+#   bash benchmarks/card80/h100.sh OUT full7b_trades  # full7b without and with host offload, 3 updates each
+#                                                     # (~2 x 3.5 min; each row its own worker process)
 # UPDATES_80 (default 4) sets the updates of a row; the first is the warm-up.
 set -u
 OUT=${1:?output folder}; shift
@@ -15,6 +17,8 @@ for part in "$@"; do
   case "$part" in
     full7b|lora7b) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows "$part" --updates ${UPDATES_80:-4} \
                      --timeout 500 ;;
-    *) echo "unknown part $part (full7b, lora7b)"; exit 2 ;;
+    full7b_trades) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows full7b_off,full7b_offload \
+                     --updates ${UPDATES_80:-3} --timeout 265 ;;
+    *) echo "unknown part $part (full7b, lora7b, full7b_trades)"; exit 2 ;;
   esac
 done

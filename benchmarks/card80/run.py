@@ -5,7 +5,11 @@ Rows (one PPO run each, in its own worker process: ``benchmarks/ppo_vs_trl/worke
 tokens, fused value head, ``memory.optimization=aggressive``, chunks and micro-batch left to the plan):
 
 - ``full7b``: full fine-tuning, rollout batch 160, the user's micro-batch 8;
-- ``lora7b``: LoRA r=16 on q/k/v/o, rollout batch 256, micro-batch 8.
+- ``lora7b``: LoRA r=16 on q/k/v/o, rollout batch 256, micro-batch 8;
+- ``full7b_off`` / ``full7b_offload``: ``full7b`` with PPOConfig's ``host_offload="off"`` (the plan without
+  host offload, as before issue 46 item 2) and ``"auto"`` (the plan may keep the frozen reference and reward
+  weights, and the optimizer state, in host memory between phases: ``rapidfire_hf.memory.offload_plan``).
+  ``bash benchmarks/card80/h100.sh OUT full7b_trades`` runs the two in one device call.
 
 For each row the results hold, per phase (generation, scoring, training): the peak the trainer's plan
 predicted (``plan.phase_peak_bytes``, from its one-row probe on the card), the peak the same plan predicts
@@ -15,6 +19,7 @@ phase); and tokens/s, seconds per phase, the OOM splits (0 is the target: the pl
 and the plan's choices (pieces of the micro-batch, recompute, chunks, 8-bit state, freed KV cache).
 
     python benchmarks/card80/run.py --out OUT --rows full7b    # one row: ~4-6 min on an H100
+    python benchmarks/card80/run.py --out OUT --rows full7b_off,full7b_offload --updates 3
     python benchmarks/card80/run.py --out OUT --smoke          # CPU: the tiny shape, both rows
 """
 
@@ -37,6 +42,8 @@ PHASES = {"generation": "rollout", "scoring": "scoring", "training": "training"}
 ROWS = {
     "full7b": {"batch": 160, "peft": False},
     "lora7b": {"batch": 256, "peft": True},
+    "full7b_off": {"batch": 160, "peft": False, "host_offload": "off"},
+    "full7b_offload": {"batch": 160, "peft": False, "host_offload": "auto"},
 }
 
 
@@ -66,6 +73,8 @@ def worker_config(row: str, args: argparse.Namespace) -> dict:
         flags.append("--smoke")
     cfg = row_config("aggressive", preset_args(flags))
     cfg["name"], cfg["row"] = f"{row}_b{cfg['batch']}", row
+    if "host_offload" in spec:
+        cfg["host_offload"] = spec["host_offload"]
     return cfg
 
 
@@ -81,12 +90,22 @@ def shape_prediction(row: dict) -> dict | None:
     shape = DecoderShape.from_config(llama_config(llama_shape(row["shape"]), 520))
     run = RunShape(shape, row["batch"], row["micro"], row["prompt_len"], row["response_len"],
                    value_mode=row["value_mode"], peft=row["peft"], reward_model=row["reward"] == "model")  # fmt: skip
-    plan = card_plan(run, int(row["gpu_total_gib"] * GIB), "aggressive")
+    plan = card_plan(
+        run, int(row["gpu_total_gib"] * GIB), "aggressive", host_offload=row.get("host_offload") or "auto"
+    )
     return {
         "peaks": {p: b / GIB for p, b in plan.phase_peak_bytes.items()},
         "choices": {k: getattr(plan, k) for k in ("train_rows", "splits", "checkpointing", "scoring_rows",
-                                                   "generation_rows", "free_cache", "optimizer_state")},
+                                                   "generation_rows", "free_cache", "optimizer_state",
+                                                   "offload_frozen", "offload_state")},
     }  # fmt: skip
+
+
+def offloaded(plan: dict) -> str:
+    """What the plan keeps in host memory between phases: "frozen", "state", both, or "none"."""
+    keys = (("frozen", "offload_frozen"), ("state", "offload_state"))
+    moved = [name for name, key in keys if plan.get(key)]
+    return "+".join(moved) or "none"
 
 
 def summary(row: dict) -> list[dict]:
@@ -111,7 +130,7 @@ def summary(row: dict) -> list[dict]:
             "plan": (f"{plan.get('train_rows')} rows in {2 ** plan.get('splits', 0)} piece(s), "
                      f"{plan.get('checkpointing')}, score {plan.get('scoring_rows')}, generate "
                      f"{plan.get('generation_rows')}, {plan.get('optimizer_state')} state, cache "
-                     f"{'freed' if plan.get('free_cache') else 'kept'}") if plan else None,
+                     f"{'freed' if plan.get('free_cache') else 'kept'}, offload: {offloaded(plan)}") if plan else None,
         })  # fmt: skip
     return out
 

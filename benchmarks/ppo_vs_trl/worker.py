@@ -372,6 +372,8 @@ def speedup_args(cfg: dict) -> dict:
         out["rollout_decode_mode"] = cfg["rollout_decode_mode"]
     if cfg.get("rollout_generation_batch_size"):
         out["rollout_generation_batch_size"] = cfg["rollout_generation_batch_size"]
+    if cfg.get("host_offload"):
+        out["host_offload"] = cfg["host_offload"]
     for kernel in decode_options(cfg):
         if kernel not in MEMORY_RELEASE:
             out.update(DECODE_KERNELS[kernel])

@@ -48,3 +48,22 @@ def test_smoke_runs_a_row_on_the_cpu(tmp_path):
     assert (tmp_path / "table.md").read_text().startswith("| row | phase |")
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored["rows"][0]["plan"]["phase_peak_bytes"] and stored["summary"] == lines
+
+
+def test_the_trades_rows_differ_only_in_host_offload_and_reach_the_trainer():
+    """``h100.sh OUT full7b_trades``: the plan without host offload and the plan with it, same run otherwise."""
+    from benchmarks.ppo_vs_trl.worker import speedup_args
+
+    args = parse_args(["--out", "x", "--rows", "full7b_off,full7b_offload", "--updates", "3"])
+    off, on = worker_config("full7b_off", args), worker_config("full7b_offload", args)
+    assert speedup_args(off)["host_offload"] == "off" and speedup_args(on)["host_offload"] == "auto"
+    strip = {"name", "row", "host_offload"}
+    assert {k: v for k, v in off.items() if k not in strip} == {k: v for k, v in on.items() if k not in strip}
+    assert "host_offload" not in worker_config("full7b", args)  # the stored row's run: the default
+    card = {"gpu_total_gib": 79.19, "shape": "llama-7b", "batch": 160, "micro": 8, "prompt_len": 128,
+            "response_len": 384, "value_mode": "fused", "peft": False, "reward": "model"}  # fmt: skip
+    assert shape_prediction({**card, "host_offload": "off"})["choices"]["offload_frozen"] is False
+    chosen = shape_prediction({**card, "host_offload": "auto"})["choices"]
+    assert chosen["offload_frozen"] is True and chosen["splits"] == 0
+    script = (Path(__file__).resolve().parents[2] / "benchmarks/card80/h100.sh").read_text()
+    assert "full7b_trades) $PY benchmarks/card80/run.py" in script and "full7b_off,full7b_offload" in script

@@ -45,11 +45,33 @@ def test_the_issue_command_fits_under_an_8_gib_memory_cap():
 
 
 def test_the_7b_reward_model_run_of_issue_46_is_split_in_the_plan(capsys):
-    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19"]) == 0
+    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--host-offload", "off"]) == 0
     out = capsys.readouterr().out
     assert "planned for a 79.19 GiB card from its shape" in out and "weights 37.4 GiB" in out
     assert "8 in 2 pieces of 4" in out and "same mini-batch and optimizer steps" in out
     assert "DOES NOT FIT" not in out
+
+
+def test_the_7b_reward_model_run_offloads_its_frozen_weights_to_train_whole(capsys):
+    """Issue 46 item 2: on the 80 GB card the plan keeps the reference and reward weights in host memory
+    outside scoring; the 24.9 GiB it frees trains the micro-batch of 8 whole without recompute and generates
+    the batch in one chunk (the optimizer state stays: moving it too would change nothing more)."""
+    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["offload_frozen"] is True and plan["offload_state"] is False
+    assert (plan["splits"], plan["checkpointing"], plan["generation_rows"]) == (0, "none", 160)
+    assert "24.9 GiB away outside scoring" in plan["reasons"]["offload_frozen"]
+    assert "not needed" in plan["reasons"]["offload_state"]
+    peaks = plan["phase_peak_bytes"]  # the frozen weights are counted only where they are held
+    assert peaks["scoring"] - peaks["generation"] < 24.9 * 1024**3
+
+
+@pytest.mark.parametrize("card, level", [("192", "aggressive"), ("79.19", "conservative")])
+def test_no_offload_where_everything_fits_or_the_level_forbids_it(capsys, card, level):
+    main(["plan", "--shape", "llama-7b", "--gpu-memory", card, "--batch", "160", "--value-mode", "fused",
+          "--config", level, "--reward", "model", "--json"])  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["offload_frozen"] is False and plan["offload_state"] is False
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
@@ -162,7 +184,7 @@ def test_frozen_models_in_8_bits_are_counted_and_suggested_where_they_make_it_fi
     assert frozen_bytes(s, "lm", None) == 2 * s.params("lm")
     assert frozen_bytes(s, "lm", "8bit") == linear + 2 * (s.params("lm") - linear)
     assert frozen_bytes(s, "lm", "4bit") < frozen_bytes(s, "lm", "8bit")
-    base = [*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json"]
+    base = [*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", "off"]
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*base, "--frozen-quantization", "8bit"]) == 0

@@ -108,6 +108,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="The reference and reward models held in 8 or 4 bits (PPOConfig's ref_model_quantization / "
         "reward_model_quantization; planned only with --gpu-memory or without a GPU).",
     )
+    p.add_argument(
+        "--host-offload",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="PPOConfig's host_offload: the frozen models' weights and the optimizer state in host memory "
+        "between phases ('auto': where it pays; planned only with --gpu-memory or without a GPU).",
+    )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of the table.")
     p.set_defaults(func=plan_command)
     return p
@@ -220,7 +227,7 @@ def _card_plan_and_print(args: argparse.Namespace) -> int:
         free_cache=True,
     )
     device = int(gib * GIB)
-    plan = card_plan(run, device, level, asked=asked, label=f"{name}, bf16")
+    plan = card_plan(run, device, level, asked=asked, label=f"{name}, bf16", host_offload=args.host_offload)
     mem = run.memory(eight_bit_state=plan.optimizer_state == "8-bit")
     if args.json:
         out = {
@@ -246,7 +253,7 @@ def _card_plan_and_print(args: argparse.Namespace) -> int:
         print(plan.table(), flush=True)
     if plan.fits:
         return 0
-    hint = fit_hint(run, device, level, asked=asked)
+    hint = fit_hint(run, device, level, asked=asked, host_offload=args.host_offload)
     print(
         f"rapidfire plan: does not fit: planned peak {plan.planned_peak_bytes / GIB:.1f} GiB of the "
         f"{plan.target_bytes / GIB:.1f} GiB target on a {gib:g} GiB card; {hint}",

@@ -279,6 +279,10 @@ PPO_ROWS: dict[str, dict[str, Use]] = {
         A, refused("the trials' adapters sit on the projections the sweep's decode would fuse; not implemented")
     ),
     "rollout_cache": _row(A, refused("a sweep keeps its engine's cache between updates", ("auto",))),
+    "host_offload": _row(
+        applied("'auto' acts through the plan (a rapidfire config); 'on' also without one"),
+        refused("a sweep keeps its base, reward model and optimizer state on the device", ("auto", "off")),
+    ),
     "rollout_generation_batch_size": _row(
         A, refused("the sweep decodes every trial's prompts in one call of the rollout engine", ("auto", None))
     ),

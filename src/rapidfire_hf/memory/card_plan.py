@@ -21,9 +21,11 @@ from rapidfire_hf.memory.estimate import (
     DecoderShape,
     RunMemory,
     analytic_probe,
+    frozen_bytes,
     lora_params,
     run_memory,
 )
+from rapidfire_hf.memory.offload_plan import choose_offload, with_offload_of
 from rapidfire_hf.memory.planner import (
     GIB,
     LEVEL_POLICY,
@@ -106,6 +108,15 @@ class RunShape:
             reward_quantization=self.frozen_quantization,
         )
 
+    def frozen_weight_bytes(self) -> int:
+        """The frozen models' weights host offload may move: the reference (full fine-tuning) and the reward
+        model, each unless quantized (bitsandbytes' quantized weights stay where they are)."""
+        if self.frozen_quantization is not None:
+            return 0
+        ref = 0 if self.peft else frozen_bytes(self.shape, "lm", None, self.itemsize)
+        reward = frozen_bytes(self.shape, "score", None, self.itemsize) if self.reward_model else 0
+        return ref + reward
+
     def fused_copy_bytes(self) -> int:
         """The fused decode projections' weight copies (q/k/v and gate/up of every layer): none with LoRA
         (its layers keep their modules unless ``rollout_decode_fuse_lora``)."""
@@ -130,6 +141,7 @@ def card_plan(
     eight_bit_available: bool = True,
     fuse_projections="auto",
     label: str = "",
+    host_offload: str = "auto",
 ) -> Plan:
     """The plan of ``run`` on a card of ``device_bytes`` at ``memory.optimization=level`` (module docstring).
 
@@ -139,6 +151,8 @@ def card_plan(
         eight_bit_available: bitsandbytes on a CUDA GPU (8-bit AdamW state may be chosen).
         fuse_projections: ``rollout_decode_fuse_projections`` (``"auto"``, True, False).
         label: named in the plan as where the activation bytes came from.
+        host_offload: PPOConfig's ``host_offload`` (``"auto"``: where it pays, :mod:`rapidfire_hf.memory.
+            offload_plan`; ``"on"``; ``"off"``).
     """
     asked = asked or Asked(free_cache=True)
     target = int(level_target(level).device_share * device_bytes)
@@ -168,11 +182,18 @@ def card_plan(
         reserve_bytes=mem.gradients + mem.state,
         grad_bytes=mem.gradients,
     )
-    plan = make_plan(work, asked, probe, budget, level)
+    budget, plan = choose_offload(
+        lambda b: make_plan(work, asked, probe, b, level),
+        work,
+        budget,
+        run.frozen_weight_bytes(),
+        level,
+        host_offload,
+    )
     copies = run.fused_copy_bytes() if fuse_projections is not False else 0
     if run.static_engine:
         held = make_plan(work, asked, probe, budget.holding(copies), level) if copies else plan
-        plan = decide_fused_copies(plan, held, fuse_projections, copies)
+        plan = with_offload_of(plan, decide_fused_copies(plan, held, fuse_projections, copies))
     plan = replace(plan, reasons=dict(plan.reasons))
     plan.optimizer_state = "8-bit" if eight else "as built"
     plan.reasons["optimizer_state"] = why_state

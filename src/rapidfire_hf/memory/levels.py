@@ -20,6 +20,9 @@ class LevelTarget:
         device_share: share of the device's total memory the run may plan to use.
         recompute: may trade compute for memory (activation checkpointing) to fit.
         eight_bit_state: may keep AdamW's state in 8 bits (changes the optimizer's arithmetic).
+        offload: may move the frozen models' weights and the optimizer state to host memory while a phase
+            does not read them (:mod:`rapidfire_hf.memory.phase_offload`; exact: the arithmetic is unchanged,
+            the copies cost time), chosen only where the room it frees changes the plan.
         compaction_interval: fewest optimizer steps between two threshold compactions (a compaction makes
             the next step cudaMalloc its activations again, so lazier levels wait longer).
         checkpoint_policy: the selective-checkpointing policy the level stands for (``"none"``,
@@ -35,6 +38,7 @@ class LevelTarget:
     compaction_interval: int
     checkpoint_policy: str | None
     recompute_below: float | None
+    offload: bool = False
 
 
 # least recompute first: the order selective checkpointing tries the policies in
@@ -42,9 +46,9 @@ MEMORY_LEVELS: dict[str, LevelTarget] = {
     level.name: level
     for level in (
         LevelTarget("conservative", 0.80, False, False, 50, "none", None),
-        LevelTarget("balanced", 0.85, True, False, 20, "elementwise", 16.0),
-        LevelTarget("aggressive", 0.92, True, True, 5, "matmuls", 4096.0),
-        LevelTarget("auto", 0.85, True, False, 20, None, None),
+        LevelTarget("balanced", 0.85, True, False, 20, "elementwise", 16.0, offload=True),
+        LevelTarget("aggressive", 0.92, True, True, 5, "matmuls", 4096.0, offload=True),
+        LevelTarget("auto", 0.85, True, False, 20, None, None, offload=True),
     )
 }
 DEFAULT_LEVEL = "balanced"

@@ -7,10 +7,15 @@ plan to use and which trades it may make to fit what the user asked for (:data:`
 level         may plan to use             trades it may make
 ============  ==========================  =============================================
 conservative  80% of the device           smaller generation / scoring chunks
-balanced      85% of the device           chunks, activation recompute
+balanced      85% of the device           chunks, activation recompute, host offload
 auto          85% of the device           as balanced (the name of earlier versions)
-aggressive    92% of the device           chunks, activation recompute
+aggressive    92% of the device           chunks, activation recompute, host offload, 8-bit
+                                          AdamW state
 ============  ==========================  =============================================
+
+Host offload (the frozen models' weights outside scoring, the optimizer state outside training:
+:mod:`rapidfire_hf.memory.offload_plan`) is exact, so ``balanced`` may make it too, but only where the
+room it frees changes the plan (it costs copies over the host link every update).
 
 No level recomputes what fits: the checkpointing policy is the least recompute whose planned peak fits
 the target (``memory.checkpointing: auto``). ``memory.checkpointing`` forces a policy for users who
@@ -216,12 +221,17 @@ class Budget:
         grad_bytes: the part of ``reserve_bytes`` that is gradients: they exist in training only (freed by
             each step's ``zero_grad``), so generation and scoring do not hold them. 0 (the default) counts
             the whole reserve in every phase.
+        frozen_away: the part of ``held_bytes`` that is frozen models' weights kept in host memory outside
+            scoring (:mod:`rapidfire_hf.memory.phase_offload`): generation and training do not hold them.
+        state_away: the optimizer state is kept in host memory during generation and scoring.
     """
 
     target_bytes: int
     held_bytes: int = 0
     reserve_bytes: int = 0
     grad_bytes: int = 0
+    frozen_away: int = 0
+    state_away: bool = False
 
     @property
     def train_bytes(self) -> int:
@@ -238,10 +248,25 @@ class Budget:
         return replace(self, held_bytes=self.held_bytes + extra)
 
     @property
-    def no_grad_bytes(self) -> int:
-        """Room of generation and scoring: they run after the first step, with the optimizer state held and
-        the gradients freed."""
-        return self.target_bytes - self.held_bytes - self.state_bytes
+    def no_grad_state(self) -> int:
+        """Optimizer state held in generation and scoring (none where it is offloaded)."""
+        return 0 if self.state_away else self.state_bytes
+
+    @property
+    def generation_bytes(self) -> int:
+        """Room of generation: the frozen models' weights offloaded give theirs, the optimizer state is held
+        unless offloaded."""
+        return self.target_bytes - self.held_bytes + self.frozen_away - self.no_grad_state
+
+    @property
+    def scoring_bytes(self) -> int:
+        """Room of scoring: every weight is held, the optimizer state unless offloaded."""
+        return self.target_bytes - self.held_bytes - self.no_grad_state
+
+    @property
+    def training_bytes(self) -> int:
+        """Room of training beside the optimizer state: the frozen models' weights offloaded give theirs."""
+        return self.target_bytes - self.held_bytes + self.frozen_away - self.state_bytes
 
 
 @dataclass
@@ -273,6 +298,10 @@ class Plan:
     # mini-batch and optimizer steps), where the whole micro-batch cannot fit even with the level's recompute
     splits: int = 0
     probe: str = ""  # where the activation bytes came from (Probe.source)
+    # the frozen models' weights (reference, reward) in host memory outside scoring, and the optimizer state
+    # in host memory during generation and scoring (memory.phase_offload; None: not considered)
+    offload_frozen: bool | None = None
+    offload_state: bool | None = None
     title: str = "rapidfire plan"  # the table's first words (PPOSweep: "PPOSweep plan")
     train_label: str = "training micro-batch (rows)"  # (PPOSweep: rows of all trials per training forward)
 
@@ -302,6 +331,12 @@ class Plan:
              self.reasons.get("optimizer_state", "")),
             *([("rollout KV cache", "auto", "freed after generation", self.reasons.get("free_cache", ""))]
               if self.free_cache else []),
+            *([("offload frozen weights", str(self.asked.get("host_offload", "auto")),
+                "on" if self.offload_frozen else "off", self.reasons.get("offload_frozen", ""))]
+              if self.offload_frozen is not None else []),
+            *([("offload optimizer state", str(self.asked.get("host_offload", "auto")),
+                "on" if self.offload_state else "off", self.reasons.get("offload_state", ""))]
+              if self.offload_state is not None else []),
             *([("fused decode projections", str(self.asked.get("fuse_projections", "auto")),
                 "on" if self.fuse_projections else "off", self.reasons.get("fuse_projections", ""))]
               if self.fuse_projections is not None else []),
@@ -342,6 +377,8 @@ class Plan:
             "rapidfire/plan/generation_rows": self.generation_rows,
             "rapidfire/plan/planned_peak_gib": round(self.planned_peak_bytes / GIB, 3),
             "rapidfire/plan/target_gib": round(self.target_bytes / GIB, 3),
+            "rapidfire/plan/offload_frozen": int(bool(self.offload_frozen)),
+            "rapidfire/plan/offload_state": int(bool(self.offload_state)),
             **{
                 f"rapidfire/plan/{phase}_peak_gib": round(peak / GIB, 3)
                 for phase, peak in self.phase_peak_bytes.items()
@@ -538,7 +575,7 @@ def _choose_training(work: Workload, asked: Asked, probe: Probe, budget: Budget)
     where none does, the fewest halvings of the micro-batch whose pieces fit with the least recompute
     (``asked.split``); and (planner on, no recompute needed) as many of the user's micro-batches per
     forward as fit."""
-    room, grads = budget.target_bytes - budget.held_bytes - budget.state_bytes, budget.grad_bytes
+    room, grads = budget.training_bytes, budget.grad_bytes
     policies = list(probe.activation_bytes)
     first = asked.train_rows or work.micro_rows
     forwards = work.micro_batches
@@ -628,7 +665,7 @@ def _generation_chunk(
     With ``asked.free_cache``, a cache that would cost generation chunks is freed after each generation
     instead (``free_cache`` True: the largest chunk that fits generation alone)."""
     rows, ok = _largest_chunk(
-        work.rollout_rows, work.generation_row_bytes(), budget.no_grad_bytes, work.rollout_rows
+        work.rollout_rows, work.generation_row_bytes(), budget.generation_bytes, work.rollout_rows
     )
     why = "the whole rollout batch fits" if rows == work.rollout_rows else "KV cache bounded to fit"
     if not (ok and work.cache_persists):
@@ -700,18 +737,20 @@ def make_plan(
         scoring_rows, reasons["scoring_rows"] = UNPLANNED_SCORING_ROWS, "TRL's default (planner off)"
     else:
         scoring_rows, ok = _largest_chunk(
-            work.rollout_rows, work.scoring_row_bytes(), beside.no_grad_bytes, scoring_cap, equal_scoring
+            work.rollout_rows, work.scoring_row_bytes(), beside.scoring_bytes, scoring_cap, equal_scoring
         )
         fits = fits and ok
         reasons["scoring_rows"] = "the largest chunk that fits" if ok else "one row does not fit"
-    state = budget.state_bytes  # held from the first step on; gradients only in training (train_need)
+    # held from the first step on (in generation and scoring only where not offloaded); gradients only in
+    # training (train_need); frozen weights offloaded are away in generation and training
+    state, quiet, away = budget.state_bytes, budget.no_grad_state, budget.frozen_away
     piece = _halved(train_rows, training.splits)
     # a chunk larger than the rollout batch (a setting, or TRL's 64 rows) holds only the batch's rows
     scored, generated = min(scoring_rows, work.rollout_rows), min(generation_rows, work.rollout_rows)
     peaks = (
-        train_need(probe, policy, piece, forwards, budget.grad_bytes) + state + cache,
-        scored * work.scoring_row_bytes() + state + cache,
-        generated * work.generation_row_bytes() + state,
+        train_need(probe, policy, piece, forwards, budget.grad_bytes) + state + cache - away,
+        scored * work.scoring_row_bytes() + quiet + cache,
+        generated * work.generation_row_bytes() + quiet - away,
     )
     asked_view = {
         "train_rows": asked.train_rows or work.micro_rows,

@@ -90,6 +90,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "rollout_decode_linear": Among(("torch", "triton")),
     "rollout_decode_fuse_lora": Bool(),
     "rollout_cache": Among(("keep", "auto")),
+    "host_offload": Among(("auto", "on", "off")),
     "rollout_generation_batch_size": AutoOr(Optional(Int(min=1), "the whole rollout batch at once")),
 }
 
@@ -430,6 +431,18 @@ class PPOConfig(TrainingArguments):
             "recorded once), the generation chunk shrunk to fit beside training. At 7B full fine-tuning, batch "
             "160, 'aggressive': 4,147 against 3,824 tokens/s, stock TRL 222 (same call, "
             "benchmarks/presets/results/h200/full7b_freecache_stock)."
+        },
+    )
+    host_offload: str = field(
+        default="auto",
+        metadata={
+            "help": "Host memory between the phases of an update: the reference and reward models' weights "
+            "kept in pinned host memory outside scoring (copied in on a side stream before it), the optimizer "
+            "state outside training (copied out before generation, back before training). Exact: the "
+            "arithmetic is unchanged; the copies cost time every update. 'auto' (the default; acts with a "
+            "rapidfire config, whose planner decides): only where the room it frees changes the plan (bigger "
+            "chunks or micro-batches, less recompute) and memory.optimization allows it (not 'conservative'); "
+            "said in the plan table. 'on': always (whatever can move). 'off': never."
         },
     )
     rapidfire_config: Any = field(

@@ -27,7 +27,9 @@ from rapidfire_hf.memory.checkpointing import (
     user_checkpointing,
 )
 from rapidfire_hf.memory.estimate import DecoderShape, analytic_probe
+from rapidfire_hf.memory.offload_plan import choose_offload, with_offload_of
 from rapidfire_hf.memory.oom import pipeline_state
+from rapidfire_hf.memory.phase_offload import PhaseOffload
 from rapidfire_hf.memory.planner import (
     LEVEL_POLICY,
     POLICY_LEVEL,
@@ -239,6 +241,53 @@ def first_step_gradients(trainer) -> int:
     return sum(p.numel() * p.element_size() for p in params if p.grad is None)
 
 
+def offloadable_frozen(trainer, include_cpu: bool = False) -> dict:
+    """The frozen models whose weights host offload may move (name -> module): the separate reference and
+    the reward model (never trained by the run), each on the device (a CPU one only with ``include_cpu``,
+    tests) and not quantized (bitsandbytes' quantized weights carry their own state); none under DeepSpeed (its engine
+    owns the weights)."""
+    if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return {}
+    out = {}
+    for name, model in (("reference", trainer.ref_model), ("reward", trainer.reward_model)):
+        params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+        if not params or any(not p.is_floating_point() for p in params):
+            continue
+        if any(p.device.type == "meta" or (p.device.type == "cpu" and not include_cpu) for p in params):
+            continue
+        out[name] = model
+    return out
+
+
+def frozen_weight_bytes(models: dict) -> int:
+    """Device bytes of the weights of ``models`` (storages shared between them once)."""
+    seen = {}
+    for model in models.values():
+        for p in model.parameters():
+            st = p.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def build_offload(trainer, plan: Plan) -> PhaseOffload | None:
+    """What the trainer moves between phases for ``plan`` (None: nothing)."""
+    include_cpu = getattr(trainer, "host_offload_include_cpu", False)
+    frozen = offloadable_frozen(trainer, include_cpu) if plan.offload_frozen else {}
+    optimizer = trainer.optimizer if plan.offload_state else None
+    offload = PhaseOffload.build(frozen, optimizer, include_cpu=include_cpu)
+    return offload if offload.active else None
+
+
+def _forced_offload(plan: Plan, want: str, frozen: int) -> Plan:
+    """``plan`` (made without the planner) with ``host_offload='on'`` applied where asked."""
+    if want != "on":
+        return plan
+    plan = replace(plan, reasons=dict(plan.reasons))
+    plan.offload_frozen, plan.offload_state = frozen > 0, True
+    plan.reasons["offload_frozen"] = plan.reasons["offload_state"] = "your host_offload='on'"
+    return plan
+
+
 def _agreed(acc, plan: Plan) -> Plan:
     """Every process runs the plan of the first one: the number of backward passes per optimizer window
     must be the same on every rank (DDP's all-reduce, DeepSpeed's step), whatever each measured."""
@@ -279,9 +328,11 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
     ]:  # it counts backwards itself: pieces would count as micro-batches
         want = replace(want, split=False)
     fuse, copies, built = decode_copies(trainer, unwrapped.policy, static)
+    include_cpu = getattr(trainer, "host_offload_include_cpu", False)
+    frozen = frozen_weight_bytes(offloadable_frozen(trainer, include_cpu))
     if memory is None:
         plan = unplanned(work, want, "gradient_checkpointing" if user_checkpointing(args) else "none")
-        plan = _fused(plan, fuse, copies, built, acc.device)
+        plan = _forced_offload(_fused(plan, fuse, copies, built, acc.device), args.host_offload, frozen)
         # without a plan table: memory held, or a request that cannot be met, is said once
         if (plan.fuse_projections or fuse is True) and acc.is_main_process:
             state = "on" if plan.fuse_projections else "off"
@@ -301,17 +352,26 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             plan = _fused(
                 unplanned(work, want, wanted[0], memory.optimization), fuse, copies, built, acc.device
             )
+            plan = _forced_offload(plan, args.host_offload, frozen)
         else:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
             budget = replace(budget, grad_bytes=min(budget.reserve_bytes, first_step_gradients(trainer)))
-            plan = make_plan(work, want, probe, budget, memory.optimization)
+            budget, plan = choose_offload(
+                lambda b: make_plan(work, want, probe, b, memory.optimization),
+                work,
+                budget,
+                frozen,
+                memory.optimization,
+                args.host_offload,
+                state_movable=acc.device.type == "cuda" or include_cpu,
+            )
             if fuse is not None:  # the same plan with the copies held: kept only where it changes nothing
                 held = (
                     make_plan(work, want, probe, budget.holding(copies), memory.optimization)
                     if copies
                     else plan
                 )
-                plan = decide_fused_copies(plan, held, fuse, copies, built)
+                plan = with_offload_of(plan, decide_fused_copies(plan, held, fuse, copies, built))
         plan = _agreed(acc, plan)
         _apply(models, plan.checkpointing)
         state = getattr(trainer, "state_decision", None)  # set when the trainer built the optimizer
@@ -328,6 +388,7 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
         acc.gradient_accumulation_steps = args.micro_batches_per_step // plan.merge
     # the pieces of a split micro-batch run in its window (OOM recovery's split, planned up front)
     trainer.stepper.planned_splits = plan.splits
+    trainer.offload = build_offload(trainer, plan)  # what moves to host memory between the phases
     trainer.plan = plan
     trainer.checkpointing = None if plan.checkpointing == "none" else plan.checkpointing
     return plan

@@ -3,6 +3,7 @@ gradients in large batches, then KL-shaped rewards and advantages (``rapidfire_h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,8 @@ class Scorer:
         self.reward_model: torch.nn.Module | None = None
         self.reward_funcs: list = []
         self.train_adapter: str | None = None
+        # called with "reference" / "reward" before that model runs (its offloaded weights copied in)
+        self.ready: Callable[[str], None] | None = None
 
     @property
     def policy(self):
@@ -99,10 +102,14 @@ class Scorer:
                 chunk = qr[start:stop]
                 # only the reference log-probs run with the adapter off (LoRA); the values, from the fused
                 # head on the policy's hidden states, need the adapter on, as in training
+                if self.ready is not None and self.ref_model is not None:
+                    self.ready("reference")
                 with self.reference() as ref:
                     lp = policy_logprobs(ref, chunk, pad, ctx, args.temperature, unwrapped.full_mask)
                 rm = None
                 if self.reward_model is not None:
+                    if self.ready is not None:
+                        self.ready("reward")
                     rm = reward_model_scores(self.reward_model, post_qr[start:stop], pad, ctx)
                 return lp, unwrapped.values(chunk, pad, ctx), rm
 

@@ -81,6 +81,8 @@ class Stepper:
         self.clips_itself = False
         self._recovery: OOMRecovery | None = None  # built at the first micro-batch
         self.planned_splits = 0  # halvings of every micro-batch the plan asked for (plan.splits)
+        # called before the micro-batch whose window steps the optimizer (an offloaded state's copy waited for)
+        self.before_window_step: Callable[[], None] | None = None
 
     @property
     def optimizer(self):
@@ -124,6 +126,8 @@ class Stepper:
                 )
             if self._recovery.planned_splits != self.planned_splits:
                 self._recovery.plan_splits(self.planned_splits)
+            if self.before_window_step is not None and self.accelerator.sync_gradients:
+                self.before_window_step()  # a gradient pipeline steps inside this backward
             out, entropy = self._recovery(forward_backward, chunk)
             self.health.observe_loss(out.loss)  # device tensors only: verified at the end of the window
             self.health.record("approx_kl", out.approx_kl, reduce="max")

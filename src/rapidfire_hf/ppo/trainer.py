@@ -32,6 +32,7 @@ from transformers import TrainerCallback, TrainerControl
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import PrinterCallback
 
+from rapidfire_hf.memory.phase_offload import PhaseOffload
 from rapidfire_hf.memory.phase_peaks import PhasePeaks
 from rapidfire_hf.memory.stats import release_cached_memory
 from rapidfire_hf.optim.optimizer import RapidFireOptimizer
@@ -214,6 +215,9 @@ class PPOTrainer:
         )
         self._perm_generator = permutation_generator(args.seed)  # the rule of ppo/seeds.py
         self.plan = None  # the throughput plan, made at the first update (ppo/planning.py)
+        # tests: host offload moves CPU tensors too (memory.phase_offload)
+        self.host_offload_include_cpu = False
+        self.offload = None  # what moves to host memory between the phases, set by the plan
         self._prompts: PromptPrefetch | None = None  # prompt batches prefetched while train() runs
         self._log_cadence: LogCadence | None = None  # at the first log (enable_rapidfire sets rf_config)
         self._train_start: float | None = None  # train()'s start (or one_update()'s first, outside train())
@@ -369,6 +373,23 @@ class PPOTrainer:
         self.stepper.optimizer = optimizer  # its step health follows (enable_rapidfire may replace it)
 
     @property
+    def offload(self) -> PhaseOffload | None:
+        """What moves to host memory between the phases of an update (``memory.phase_offload``; set by the
+        plan, ``host_offload``); the scorer and the stepper wait for what they read."""
+        return self._offload
+
+    @offload.setter
+    def offload(self, offload: PhaseOffload | None) -> None:
+        self._offload = offload
+        self.scorer.ready = offload.ready if offload is not None else None
+        self.stepper.before_window_step = offload.before_step if offload is not None else None
+
+    def _all_on_device(self) -> None:
+        """Every offloaded weight and the optimizer state back (before a checkpoint reads them, after train())."""
+        if self._offload is not None:
+            self._offload.close()
+
+    @property
     def ref_model(self):
         """The separate frozen reference policy, or None (LoRA: the adapter-disabled policy); the scorer's."""
         return self.scorer.ref_model
@@ -439,6 +460,8 @@ class PPOTrainer:
     def score(self, rollout: Rollout) -> Experience:
         """Reference log-probs, values and scores of a rollout, then KL-shaped rewards and advantages."""
         plan = self.plan or unplanned_run(self, rollout.queries.shape[1])
+        if self._offload is not None:  # the frozen models' weights in (each model waits for its own)
+            self._offload.before_scoring()
         return self.scorer.score(rollout, plan.scoring_rows)
 
     def optimize(self, exp: Experience, permutations: list[torch.Tensor] | None = None) -> PPOStats:
@@ -451,6 +474,8 @@ class PPOTrainer:
         """
         if self.plan is None:  # optimize() called outside train(): plan (and apply) now
             plan_run(self, exp.rollout.queries)
+        if self._offload is not None:  # the optimizer state in on a side stream (waited for before the step)
+            self._offload.before_training()
         return self.epochs.optimize(exp, self.plan.train_rows, permutations)
 
     # ------------------------------------------------------------------ the stepper's events
@@ -509,6 +534,7 @@ class PPOTrainer:
                     if self.control.should_log:
                         self.log({k: _to_float(v) for k, v in metrics.items()})
                     if self.control.should_save:
+                        self._all_on_device()
                         saved, saved_at = ckpt.save(self), update + 1
                         self.control = self.callback_handler.on_save(args, self.state, self.control)
                     if self.control.should_training_stop:
@@ -520,6 +546,7 @@ class PPOTrainer:
                     logger.warning("PPOTrainer: %s", self._abandoned_note())
                 raise
         self._prompts = None
+        self._all_on_device()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         acc.wait_for_everyone()
         return self.state
@@ -535,6 +562,7 @@ class PPOTrainer:
         """Checkpoint the update just finished (unless saved already), then raise :class:`TrainingInterrupted`
         naming the folder."""
         if saved is None:
+            self._all_on_device()
             saved = ckpt.save(self)
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         raise TrainingInterrupted(
@@ -584,11 +612,15 @@ class PPOTrainer:
         planned_now = self.plan is None
         if planned_now:  # memory.optimization as a target: micro-batches, chunks, checkpointing
             plan_run(self, batch["input_ids"])
+        if self._offload is not None:  # the frozen weights and the optimizer state are not read here
+            self._offload.before_generation()
         with self.phase_peaks.phase("generation"):
             rollout = self.rollout(batch)
         t1 = sync_time(device)
         with self.phase_peaks.phase("scoring"):
             exp = self.score(rollout)
+        if self._offload is not None:  # nor the frozen weights in training
+            self._offload.after_scoring()
         if self.precision_plugin is not None and not self.precision_plugin.calibration_done:
             self._calibrate_precision(exp)
         t2 = sync_time(device)
