@@ -46,7 +46,11 @@ def test_nothing_moves_where_the_room_changes_nothing_or_it_is_not_allowed():
     _, plan = choose_offload(_make, WORK, tight, 60 << 20, "aggressive", want="off")
     assert not plan.offload_frozen and plan.reasons["offload_frozen"] == "your host_offload='off'"
     _, plan = choose_offload(_make, WORK, roomy, 60 << 20, "balanced", want="on")
-    assert plan.offload_frozen and plan.offload_state and "your host_offload='on'" in plan.reasons["offload_state"]
+    assert (
+        plan.offload_frozen
+        and plan.offload_state
+        and "your host_offload='on'" in plan.reasons["offload_state"]
+    )
     with pytest.raises(ValueError, match="host_offload='yes': expected one of auto, on, off"):
         choose_offload(_make, WORK, tight, 60 << 20, "aggressive", want="yes")
 
