@@ -59,3 +59,45 @@ def test_logging_level_warning_keeps_it_quiet(tmp_path, tokenizer, capsys):
     config = {"preset": "balanced", "logging": {"level": "warning"}}
     tiny_trainer(tmp_path, tokenizer, max_steps=1, rapidfire_config=config).train()
     assert "rapidfire PPOTrainer:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("engine", "asked", "runs"),
+    [
+        ("fsdp2", "auto", "auto"),  # the static engine on the policy gathered once per rollout (on CUDA)
+        ("fsdp2", "hf", "hf"),
+        ("deepspeed_zero3", "auto", "hf"),  # ZeRO-3: model.generate under the once-per-rollout gather
+        ("deepspeed_zero3", "static", "static"),  # asked by name: the engine refuses ZeRO-3 weights by name
+        ("ddp", "auto", "auto"),
+    ],
+)
+def test_the_rollout_backend_under_each_engine(engine, asked, runs):
+    from types import SimpleNamespace
+
+    from rapidfire_hf.distributed import support_for
+    from rapidfire_hf.ppo.rollout_phase import rollout_backend
+
+    assert rollout_backend(SimpleNamespace(rollout_backend=asked), support_for(engine, 2)) == runs
+
+
+def test_the_start_table_names_why_zero3_generates_with_model_generate(tokenizer):
+    from types import SimpleNamespace
+
+    import torch
+
+    from rapidfire_hf.demo import build_tiny_llama
+    from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
+    from rapidfire_hf.ppo.start_report import start_facts
+
+    policy = build_tiny_llama(tokenizer)
+    args = SimpleNamespace(rollout_decode_mode="auto", rollout_decode_attention="auto", rollout_decode_sampler="torch",
+                           rollout_decode_fuse_projections="auto", rollout_decode_linear="torch",
+                           rollout_decode_fuse_lora=False, rollout_backend="auto")  # fmt: skip
+    patches = SimpleNamespace(summary=lambda: {"compiled_layers": {}, "liger": False})
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    cuda = torch.device("cuda")
+    facts = start_facts(args, None, policy, False, opt, None, None, None, patches, "hf", cuda)
+    assert facts.rollout == f"rollout: model.generate ({ZERO3_ROLLOUT})" and "ZeRO-3" in ZERO3_ROLLOUT
+    args.rollout_backend = "hf"
+    facts = start_facts(args, None, policy, False, opt, None, None, None, patches, "hf", cuda)
+    assert facts.rollout == "rollout: model.generate (rollout_backend='hf')"

@@ -78,11 +78,11 @@ FEATURES: dict[str, dict[Engine, tuple[Status, str]]] = {
         ),
     },
     "fast_rollout": {
+        # FSDP2 holds: the static engine runs on the policy gathered once per rollout (rollout/sharded.py)
         Engine.ZERO3: (
             Status.FALLS_BACK,
-            "weights gathered once per rollout; CUDA graphs off (hooks gather)",
+            "model.generate on the policy gathered once per rollout; the static engine's gather is FSDP2's only",
         ),
-        Engine.FSDP2: (Status.FALLS_BACK, "weights unsharded once per rollout; CUDA graphs off"),
     },
     "sync_debug": {
         Engine.ZERO3: (Status.FALLS_BACK, "parameters are partitioned: only replicated tensors are compared"),

@@ -86,12 +86,46 @@ def _fsdp2_unsharded(model, submodule=None):
     if submodule is not None:  # the root (it holds the parameters of no sub-unit) and the submodule's units
         inside = {id(m) for m in submodule.modules()}
         units = [m for m in units if m is model or id(m) in inside]
+    with held_unsharded(units):
+        yield
+
+
+@contextmanager
+def held_unsharded(units: list):
+    """Each FSDP2 unit of ``units`` (``FSDPModule``) all-gathered once on entry and kept gathered until exit: the
+    units' post-forward resharding is off meanwhile, so forwards inside find them gathered and leave them so
+    (R decode steps: one all-gather per unit instead of R). On exit each unit this call gathered is resharded,
+    and every unit's ``reshard_after_forward`` is put back as it was.
+
+    Nested use gathers once: a unit an enclosing call holds (PPO's rollout around the rollout engine's own
+    gather, ``rollout/sharded.py``) is left to it, gathered at this exit. A unit gathered on entry by anything
+    else (the root after a forward: FSDP2 keeps it unsharded) is resharded at exit like the others.
+    """
+    units = [u for u in units if id(u) not in _HELD]
+    saved = [_reshards_after_forward(u) for u in units]
+    _HELD.update(id(u) for u in units)
     for unit in units:
-        unit.set_reshard_after_forward(False)  # keep the weights across the decode steps
-        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
     try:
+        for unit in units:
+            unit.unshard()  # one all-gather per unit for the whole block (none for a unit already gathered)
         yield
     finally:
-        for unit in units:
+        for unit, was in zip(units, saved):
             unit.reshard()
-            unit.set_reshard_after_forward(True)  # accelerate's fsdp2 default (FULL_SHARD)
+            unit.set_reshard_after_forward(was, recurse=False)
+            _HELD.discard(id(unit))
+
+
+_HELD: set[int] = set()  # ids of the units a held_unsharded block holds now
+
+
+def _param_group(unit):
+    return unit._get_fsdp_state()._fsdp_param_group  # None for a unit that holds no parameters of its own
+
+
+def _reshards_after_forward(unit) -> bool:
+    # torch has a setter and no getter: a unit whose post-forward frees its gathered weights keeps the mesh
+    # it reshards to in its parameter group (None when it keeps them, as the root does)
+    group = _param_group(unit)
+    return group is not None and group.post_forward_mesh_info is not None

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rapidfire_hf.distributed.features import Engine
 from rapidfire_hf.distributed.generation import gathered_for_generation
 from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.types import Rollout
@@ -43,7 +44,8 @@ class Roller:
         model: the prepared policy-and-value module (generation runs its policy alone).
         pad_token_id, stop_token_id: the tokenizer's pad token and the token that ends a response.
         kernel_patches: the trainer's kernel patches (generation runs the models' own kernels).
-        engine_support: what the distributed engine supports (the backend is "hf" under ZeRO-3 / FSDP2).
+        engine_support: what the distributed engine supports (under FSDP2 the engine runs on the policy gathered
+            once per rollout; under ZeRO-3 "auto" is "hf": :func:`rollout_backend`).
         chunks: runs generation in chunks of prompts, smaller after an OOM.
 
     The :class:`rapidfire_hf.rollout.RolloutEngine` is built at the first rollout and kept in :attr:`engine`.
@@ -82,46 +84,33 @@ class Roller:
         prompts at a time (all at once when None), the noise drawn from ``generator`` (chunk after chunk;
         None: the global RNG). ``fuse_projections``: the engine's ``decode_fuse_projections`` when this call
         builds it (the plan's decision, ``Plan.fuse_projections``)."""
-        from rapidfire_hf.rollout import RolloutEngine
-
         args, device = self.args, self.accelerator.device
         policy = self.accelerator.unwrap_model(self.model).policy
         queries = batch["input_ids"].to(device)
-        if self.engine is None:
-            stops = [self.stop_token_id] if self.stop_token_id is not None else []
-            self.engine = RolloutEngine(
-                policy,
-                self.pad_token_id,
-                stops,
-                backend=rollout_backend(args, self.engine_support),
-                decode_mode=args.rollout_decode_mode,
-                decode_attention=args.rollout_decode_attention,
-                decode_sampler=args.rollout_decode_sampler,
-                decode_fuse_projections=fuse_projections,
-                decode_linear=args.rollout_decode_linear,
-                # LoRA layers join the fused projections only where the plan fuses at all
-                decode_fuse_lora=bool(fuse_projections) and args.rollout_decode_fuse_lora,
-            )
         params = sampling_params(args, sampling)
-        # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2)
-        # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
         # rollout_generation_batch_size (or the plan) bounds the KV cache: chunks of prompts, one after another
         chunk = generation_rows or queries.shape[0]
-        engine = self.engine
-
         replay = _ChunkReplay(generator)
 
         def generate_rows(start, stop):
             replay.begin(start)
             part = queries[start:stop]
-            out = engine.generate(part, part != self.pad_token_id, params, generator=generator)
+            out = self.engine.generate(part, part != self.pad_token_id, params, generator=generator)
             return out.responses, out.logprobs.float()
 
+        # generation runs the policy alone: a separate value model stays sharded (ZeRO-3 / FSDP2). Under FSDP2
+        # the policy's units are gathered here once for the whole rollout (every chunk; the engine's own gather,
+        # rollout/sharded.py, finds them held) and resharded after it
+        # the rollout engine runs the models' own kernels (its decode step is compiled and recorded on its own)
         with (
             torch.no_grad(),
             gathered_for_generation(self.accelerator, self.model, policy),
             self.kernel_patches.original(),
-        ):  # an OOM halves the chunk and retries (ppo/recovery.py)
+        ):
+            if self.engine is None:  # built on gathered weights (the generic path probes the model's forward)
+                self.engine = self._build_engine(policy, fuse_projections)
+            engine = self.engine
+            # an OOM halves the chunk and retries (ppo/recovery.py)
             parts = self.chunks.run(
                 generate_rows,
                 queries.shape[0],
@@ -134,6 +123,28 @@ class Roller:
         extra = {k: v for k, v in batch.items() if k != "input_ids"}
         return Rollout(
             queries=queries, responses=torch.cat(responses), logprobs=torch.cat(logprobs), extra=extra
+        )
+
+    def _build_engine(self, policy, fuse_projections: bool):
+        from rapidfire_hf.rollout import RolloutEngine
+
+        args = self.args
+        # fused projections are copies of the weights kept for the engine's life: under FSDP2 a whole policy's
+        # q/k/v and gate/up on every rank, outside the sharding; the gathered modules run as they are instead
+        fuse = bool(fuse_projections) and self.engine_support.engine is not Engine.FSDP2
+        stops = [self.stop_token_id] if self.stop_token_id is not None else []
+        return RolloutEngine(
+            policy,
+            self.pad_token_id,
+            stops,
+            backend=rollout_backend(args, self.engine_support),
+            decode_mode=args.rollout_decode_mode,
+            decode_attention=args.rollout_decode_attention,
+            decode_sampler=args.rollout_decode_sampler,
+            decode_fuse_projections=fuse,
+            decode_linear=args.rollout_decode_linear,
+            # LoRA layers join the fused projections only where the plan fuses at all
+            decode_fuse_lora=fuse and args.rollout_decode_fuse_lora,
         )
 
 
@@ -156,10 +167,16 @@ class _ChunkReplay:
             self.start, self.state = start, self.generator.get_state()
 
 
-def rollout_backend(args, engine_support) -> str:
-    """The configured backend, except "hf" for sharded weights (recorded graphs would keep pointers
-    to weights that ZeRO-3/FSDP2 free again after the rollout)."""
-    from rapidfire_hf.distributed import Engine
+# why PPO's rollout runs model.generate under ZeRO-3 (the start table says it)
+ZERO3_ROLLOUT = (
+    "DeepSpeed ZeRO-3 partitions the weights; the engine's once-per-rollout gather is built for FSDP2 only, so "
+    "model.generate runs on the policy gathered once per rollout (GatheredParameters)"
+)
 
-    sharded = engine_support.engine in (Engine.ZERO3, Engine.FSDP2)
-    return "hf" if sharded and args.rollout_backend == "auto" else args.rollout_backend
+
+def rollout_backend(args, engine_support) -> str:
+    """The configured backend, except "hf" for "auto" under ZeRO-3 (:data:`ZERO3_ROLLOUT`). Under FSDP2 the
+    engine runs on the policy gathered once per rollout (recorded graphs are keyed by the gathered weights'
+    addresses, so a rollout whose gather lands elsewhere records anew)."""
+    zero3 = engine_support.engine is Engine.ZERO3
+    return "hf" if zero3 and args.rollout_backend == "auto" else args.rollout_backend

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
 from rapidfire_hf.rollout.engine import choose_decode_path
 
 
@@ -43,7 +44,8 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
         kernels.insert(0, f"mode={args.rollout_decode_mode}")
     unused = f"rollout_decode_{', rollout_decode_'.join(kernels)} (model.generate has no decode step of its own)"
     if backend == "hf":
-        rollout = "rollout: model.generate (rollout_backend='hf' or sharded weights)"
+        why = "rollout_backend='hf'" if args.rollout_backend == "hf" else ZERO3_ROLLOUT
+        rollout = f"rollout: model.generate ({why})"
         skipped += [unused] if kernels else []
     elif backend == "auto" and (device.type != "cuda" or path is None):
         why = (
@@ -57,6 +59,8 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
         extra = f", {', '.join(kernels)}" if kernels else ""
         # which forward the engine runs, and why not the native one (rollout.engine.choose_decode_path)
         forward = "native forward" if path == "native" else f"generic path: the model's own forward, {reason}"
+        if _sharded(policy):  # FSDP2: rollout/sharded.py, distributed/generation.py
+            forward += "; FSDP2: the policy gathered once per rollout, resharded after it"
         rollout = f"rollout: static engine ({forward}), decode_mode={args.rollout_decode_mode}{extra}"
     value = "value: fused head on the policy" if fused_value else "value: separate value model"
     if rapidfire_optimizer is not None:
@@ -91,6 +95,13 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
     return StartFacts(
         rollout, value, optim, precision, memory, bool(summary["liger"]), compiled, planner, skipped
     )
+
+
+def _sharded(policy) -> bool:
+    """Whether the policy's weights are FSDP2 shards (``DTensor`` parameters) between forwards."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in policy.parameters())
 
 
 def start_lines(facts: StartFacts) -> tuple[list[str], list[str], bool]:

@@ -10,9 +10,9 @@ model's own forward, whose hooks then find every unit already gathered.
 
 from __future__ import annotations
 
-import contextlib
-
 from torch.distributed.fsdp import FSDPModule
+
+from rapidfire_hf.distributed.generation import held_unsharded
 
 
 def fsdp_units(model) -> list[FSDPModule]:
@@ -20,29 +20,8 @@ def fsdp_units(model) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _reshards_after_forward(unit: FSDPModule) -> bool:
-    # torch has a setter and no getter: a unit whose post-forward frees its gathered weights keeps the mesh
-    # it reshards to in its parameter group (None when it keeps them, as the root does)
-    group = unit._get_fsdp_state()._fsdp_param_group
-    return group is not None and group.post_forward_mesh_info is not None
-
-
-@contextlib.contextmanager
 def gathered(model):
     """Every FSDP2 unit of ``model`` all-gathered once on entry and kept gathered until exit, where each is
-    resharded and its ``reshard_after_forward`` put back. A no-op for a model without units."""
-    units = fsdp_units(model)
-    if not units:
-        yield
-        return
-    saved = [_reshards_after_forward(u) for u in units]
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-    try:
-        for unit in units:
-            unit.unshard()  # one all-gather per unit for the whole rollout
-        yield
-    finally:
-        for unit, was in zip(units, saved):
-            unit.reshard()
-            unit.set_reshard_after_forward(was, recurse=False)
+    resharded and its ``reshard_after_forward`` put back (``distributed.generation.held_unsharded``; units an
+    enclosing gather holds, as PPO's rollout does, are left to it). A no-op for a model without units."""
+    return held_unsharded(fsdp_units(model))
