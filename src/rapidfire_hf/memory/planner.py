@@ -377,8 +377,6 @@ class Plan:
             "rapidfire/plan/generation_rows": self.generation_rows,
             "rapidfire/plan/planned_peak_gib": round(self.planned_peak_bytes / GIB, 3),
             "rapidfire/plan/target_gib": round(self.target_bytes / GIB, 3),
-            "rapidfire/plan/offload_frozen": int(bool(self.offload_frozen)),
-            "rapidfire/plan/offload_state": int(bool(self.offload_state)),
             **{
                 f"rapidfire/plan/{phase}_peak_gib": round(peak / GIB, 3)
                 for phase, peak in self.phase_peak_bytes.items()

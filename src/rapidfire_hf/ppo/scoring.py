@@ -100,6 +100,8 @@ class Scorer:
 
             def score_rows(start, stop):
                 chunk = qr[start:stop]
+                # the values first: the policy's forward runs while offloaded frozen weights are copied in
+                values = unwrapped.values(chunk, pad, ctx)
                 # only the reference log-probs run with the adapter off (LoRA); the values, from the fused
                 # head on the policy's hidden states, need the adapter on, as in training
                 if self.ready is not None and self.ref_model is not None:
@@ -111,7 +113,7 @@ class Scorer:
                     if self.ready is not None:
                         self.ready("reward")
                     rm = reward_model_scores(self.reward_model, post_qr[start:stop], pad, ctx)
-                return lp, unwrapped.values(chunk, pad, ctx), rm
+                return lp, values, rm
 
             # an OOM halves the forward batch and retries (ppo/recovery.py)
             parts = self.chunks.run(
