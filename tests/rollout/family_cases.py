@@ -179,8 +179,56 @@ def render_models_md(vocab_size: int) -> str:
         "that spans prompt + response is plain full attention); the cost is `P + R - window` extra cache slots",
         "per local layer while a rollout is longer than the window.",
         "",
+        *_runs_section(vocab_size),
     ]
     return "\n".join(lines)
+
+
+def _runs_section(vocab_size: int) -> list[str]:
+    """Which rollout runs under each distributed engine and in a sweep, from the trainer's own choice
+    (``ppo.rollout_phase.rollout_backend``) and the engine's path choice."""
+    from types import SimpleNamespace
+
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from rapidfire_hf.distributed import support_for
+    from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT, rollout_backend
+    from rapidfire_hf.rollout.engine import choose_decode_path
+
+    def trainer_rollout(engine: str) -> str:
+        backend = rollout_backend(SimpleNamespace(rollout_backend="auto"), support_for(engine, 2))
+        if backend == "hf":
+            return f"`model.generate`: {ZERO3_ROLLOUT}"
+        gather = "; the policy gathered once per rollout, resharded after it" if engine == "fsdp2" else ""
+        return f"static engine, native or generic path as above{gather}"
+
+    opt = OPTForCausalLM(OPTConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   ffn_dim=32, word_embed_proj_dim=16))  # fmt: skip
+    opt_path, _ = choose_decode_path(opt)
+    rows = [
+        ("PPOTrainer, one GPU or DDP", trainer_rollout("ddp"), "the cases above"),
+        ("PPOTrainer, FSDP2", trainer_rollout("fsdp2"),
+         "`tests/distributed/test_ppo_fsdp2.py` (gloo, 1 and 2 processes, accelerate's FSDP2 plugin): greedy tokens "
+         "equal the unsharded `model.generate` and engine, one all-gather per unit per rollout, one PPO update"),
+        ("PPOTrainer, DeepSpeed ZeRO-3", trainer_rollout("deepspeed_zero3"), "not on the CPU (no DeepSpeed here)"),
+        ("PPOSweep, a family with a native decode", "one batched decode of every trial (native path)",
+         "`tests/sweep/test_independence.py`"),
+        ("PPOSweep, OPT (generic only)", f"one batched decode of every trial ({opt_path} path)",
+         "`tests/sweep/test_generic_path.py`: each trial of a 2-trial sweep equals the trial alone (CPU fp32)"),
+    ]  # fmt: skip
+    return [
+        '## Which rollout runs where (`rollout_backend="auto"`, CUDA)',
+        "",
+        "| run | rollout | checked by |",
+        "| --- | --- | --- |",
+        *[f"| {run} | {rollout} | {checked} |" for run, rollout, checked in rows],
+        "",
+        "In a sweep the trials' LoRA adapters are routed per row inside the decode, on either path; a model",
+        "neither path runs decodes trial by trial with `model.generate`. LoRA targets that are GPT-2-style",
+        "`Conv1D` layers are refused by the sweep (its routed adapters wrap `nn.Linear`); train such trials one at",
+        "a time with `PPOTrainer(peft_config=...)`.",
+        "",
+    ]
 
 
 if __name__ == "__main__":
