@@ -50,20 +50,20 @@ from rapidfire_hf.checkpoint.identity import (
 from rapidfire_hf.checkpoint.manifest import Manifest, verify
 from rapidfire_hf.checkpoint.readers import read_pt, read_safetensors, require_finite
 from rapidfire_hf.checkpoint.writer import fsync, latest_checkpoint, write_checkpoint
+from rapidfire_hf.ppo.types import PPOTrainerState, TrainedParts
 
 logger = logging.getLogger(__name__)
 
 
-def save_models(trainer, output_dir: str | os.PathLike) -> None:
+def save_models(parts: TrainedParts, output_dir: str | os.PathLike) -> None:
     """Write the policy (and tokenizer) and the value function to ``output_dir``."""
-    acc = trainer.accelerator
-    module = acc.unwrap_model(trainer.model)
+    acc, module = parts.accelerator, parts.module
     out = Path(output_dir)
     if not acc.is_main_process:
         return
     out.mkdir(parents=True, exist_ok=True)
     module.policy.save_pretrained(out / "policy")
-    trainer.processing_class.save_pretrained(out / "policy")
+    parts.tokenizer.save_pretrained(out / "policy")
     if module.fused:
         torch.save(module.value_head.state_dict(), out / "value_head.pt")
     else:
@@ -71,7 +71,7 @@ def save_models(trainer, output_dir: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def save(trainer) -> Path:
+def save(parts: TrainedParts) -> Path:
     """Write a full checkpoint for the current ``global_step`` atomically (:func:`write_checkpoint`); returns
     its directory.
 
@@ -83,29 +83,29 @@ def save(trainer) -> Path:
             The unfinished ``tmp-`` folder is removed; the earlier checkpoints are untouched (they are
             only rotated out after the new one is complete and renamed).
     """
-    acc, args = trainer.accelerator, trainer.args
+    acc, args = parts.accelerator, parts.args
 
     def write(tmp: Path, writing) -> None:
         with writing(tmp):  # save_pretrained: the file is found in the traceback
-            save_models(trainer, tmp)
+            save_models(parts, tmp)
         if acc.is_main_process:
             with writing(tmp / "optimizer.pt"):
-                torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+                torch.save(parts.optimizer.state_dict(), tmp / "optimizer.pt")
             with writing(tmp / "scheduler.pt"):
-                torch.save(trainer.lr_scheduler.state_dict(), tmp / "scheduler.pt")
+                torch.save(parts.lr_scheduler.state_dict(), tmp / "scheduler.pt")
             with writing(tmp / "trainer_state.json"):
-                trainer.state.save_to_json(str(tmp / "trainer_state.json"))
+                parts.state.save_to_json(str(tmp / "trainer_state.json"))
         rng_file = tmp / f"rng_state_{acc.process_index}.pt"
         with writing(rng_file):
-            torch.save(_rng_state(trainer), rng_file)
+            torch.save(_rng_state(parts.permutation), rng_file)
             fsync(rng_file)
 
     return write_checkpoint(
         Path(args.output_dir),
-        trainer.state.global_step,
+        parts.state.global_step,
         write,
-        identity=run_identity(trainer),
-        settings=run_settings(trainer),
+        identity=run_identity(parts),
+        settings=run_settings(parts),
         save_total_limit=args.save_total_limit,
         num_processes=acc.num_processes,
         main=acc.is_main_process,
@@ -113,9 +113,9 @@ def save(trainer) -> Path:
     )
 
 
-def run_settings(trainer) -> dict:
+def run_settings(parts: TrainedParts) -> dict:
     """The settings a resume is checked against (:func:`check_run`), written into the manifest."""
-    args, acc = trainer.args, trainer.accelerator
+    args, acc = parts.args, parts.accelerator
     return {
         **update_settings(args),
         "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -124,20 +124,20 @@ def run_settings(trainer) -> dict:
         "num_mini_batches": args.num_mini_batches,
         "seed": args.seed,
         "learning_rate": args.learning_rate,
-        "num_train_prompts": len(trainer.train_dataset),
+        "num_train_prompts": parts.num_train_prompts,
     }
 
 
-def run_identity(trainer) -> dict:
+def run_identity(parts: TrainedParts) -> dict:
     """The run a checkpoint belongs to (:mod:`rapidfire_hf.checkpoint.identity`), written into the manifest:
     the frozen networks (the LoRA base, the reference, the reward model, a LoRA value model's base), the
     tokenizer, the LoRA configs and the value head."""
-    module = trainer.accelerator.unwrap_model(trainer.model)
+    module = parts.module
     value = None if module.fused else module.value_model
     frozen = {
         "base model (the policy's frozen weights)": model_fingerprint(module.policy),
-        "reference model": model_fingerprint(trainer.ref_model),
-        "reward model": model_fingerprint(trainer.reward_model),
+        "reference model": model_fingerprint(parts.ref_model),
+        "reward model": model_fingerprint(parts.reward_model),
         "value model's frozen weights": model_fingerprint(value),
     }
     adapters = {}
@@ -152,14 +152,15 @@ def run_identity(trainer) -> dict:
     )
     return {
         "frozen_models": {k: v for k, v in frozen.items() if v is not None},
-        "tokenizer": tokenizer_identity(trainer.processing_class),
+        "tokenizer": tokenizer_identity(parts.tokenizer),
         "adapters": adapters or None,
         "value_head": head,
     }
 
 
-def _rng_state(trainer) -> dict:
-    """Every random state the run draws from, as tensors, ints and floats (loadable with weights_only)."""
+def _rng_state(permutation: torch.Generator) -> dict:
+    """Every random state the run draws from (the global ones and the epochs' ``permutation`` generator),
+    as tensors, ints and floats (loadable with weights_only)."""
     version, mt, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     return {
@@ -173,11 +174,11 @@ def _rng_state(trainer) -> dict:
         },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "permutation": trainer._perm_generator.get_state(),
+        "permutation": permutation.get_state(),
     }
 
 
-def _set_rng_state(trainer, rng: dict) -> None:
+def _set_rng_state(permutation: torch.Generator, rng: dict) -> None:
     py = rng["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
     n = rng["numpy"]
@@ -187,7 +188,7 @@ def _set_rng_state(trainer, rng: dict) -> None:
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    trainer._perm_generator.set_state(rng["permutation"])
+    permutation.set_state(rng["permutation"])
 
 
 # -------------------------------------------------------------------------------------------- loading
@@ -270,16 +271,18 @@ def _lr_text(lrs) -> str:
     return f"{values[0]:g}" if len(set(values)) == 1 else "[" + ", ".join(f"{v:g}" for v in values) + "]"
 
 
-def _learning_rate_warning(trainer, path: Path, settings: dict | None, scheduler_state) -> str | None:
+def _learning_rate_warning(
+    parts: TrainedParts, path: Path, settings: dict | None, scheduler_state
+) -> str | None:
     """A changed learning rate: the restored optimizer and scheduler state carry the checkpoint's, so
     that one is used. Compared on the scheduler's ``base_lrs`` (what is actually replaced, also with a
     custom optimizer and in checkpoints without ``run_settings.json``), else on ``learning_rate``."""
     saved = scheduler_state.get("base_lrs") if isinstance(scheduler_state, dict) else None
-    new = getattr(trainer.lr_scheduler, "base_lrs", None)
+    new = getattr(parts.lr_scheduler, "base_lrs", None)
     if not (isinstance(saved, (list, tuple)) and isinstance(new, (list, tuple)) and len(saved) == len(new)):
         if settings is None or "learning_rate" not in settings:
             return None
-        saved, new = [settings["learning_rate"]], [trainer.args.learning_rate]
+        saved, new = [settings["learning_rate"]], [parts.args.learning_rate]
     try:
         if all(math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0) for a, b in zip(saved, new)):
             return None
@@ -292,7 +295,7 @@ def _learning_rate_warning(trainer, path: Path, settings: dict | None, scheduler
     )
 
 
-def check_run(trainer, manifest: Manifest, scheduler_state=None) -> list[str]:
+def check_run(parts: TrainedParts, manifest: Manifest, scheduler_state=None) -> list[str]:
     """Compare a checkpoint's manifest (identity and settings) with this run, before anything is restored.
 
     Refused (:class:`CheckpointMismatchError`, naming each setting, both values and the fix), because the
@@ -318,8 +321,8 @@ def check_run(trainer, manifest: Manifest, scheduler_state=None) -> list[str]:
 
     Returns the warnings to log once every check (the model shapes too) has passed.
     """
-    args, path, settings = trainer.args, manifest.folder, manifest.settings
-    now = run_settings(trainer)
+    args, path, settings = parts.args, manifest.folder, manifest.settings
+    now = run_settings(parts)
     problems = []
     old_batch, new_batch = settings.get("rollout_batch_size"), now["rollout_batch_size"]
     if old_batch is not None and old_batch != new_batch:
@@ -327,7 +330,7 @@ def check_run(trainer, manifest: Manifest, scheduler_state=None) -> list[str]:
             settings.get("per_device_train_batch_size", "?"),
             settings.get("gradient_accumulation_steps", "?"),
         )
-        procs = trainer.accelerator.num_processes
+        procs = parts.accelerator.num_processes
         per_process = f" x {procs} processes" if procs > 1 else ""
         problems.append(
             f"rollout batch size (per_device_train_batch_size x gradient_accumulation_steps{per_process}): "
@@ -372,7 +375,7 @@ def check_run(trainer, manifest: Manifest, scheduler_state=None) -> list[str]:
             )
     refused, kept = compare_settings(settings, now)
     problems += [f"{p}, or {_NEW_RUN}." for p in refused]
-    different = compare_identity(manifest.identity, run_identity(trainer))
+    different = compare_identity(manifest.identity, run_identity(parts))
     problems += [
         f"{p}. Resume with the models, tokenizer and peft_config it was saved with, or {_NEW_RUN}."
         for p in different
@@ -386,7 +389,7 @@ def check_run(trainer, manifest: Manifest, scheduler_state=None) -> list[str]:
     warnings = [
         f"rapidfire: resuming from {path}: {k}." for k in kept if not k.startswith("learning_rate")
     ]  # the learning rate is compared on the scheduler's base_lrs below
-    lr = _learning_rate_warning(trainer, path, settings, scheduler_state)
+    lr = _learning_rate_warning(parts, path, settings, scheduler_state)
     return warnings + ([lr] if lr else [])
 
 
@@ -430,8 +433,9 @@ def check_shapes(what: str, folder: Path, model, saved: dict, adapter: bool = Fa
         )
 
 
-def load(trainer, resume_from_checkpoint) -> int:
-    """Restore a checkpoint into ``trainer``; returns the number of updates already done.
+def load(parts: TrainedParts, resume_from_checkpoint) -> PPOTrainerState:
+    """Restore a checkpoint into the trainer's ``parts`` (models, optimizer, scheduler, RNG states); returns
+    the checkpoint's trainer state, which the trainer takes as its own (``global_step``: the updates done).
 
     Every file is checked against the manifest, read, checked for non-finite values, and the checkpoint is
     compared with the run (:func:`check_shapes`, :func:`check_run`) before anything of the trainer changes.
@@ -444,10 +448,9 @@ def load(trainer, resume_from_checkpoint) -> int:
         CheckpointMismatchError: another model, tokenizer, adapter config or value head, or settings an
             update depends on. Raised before anything is restored.
     """
-    acc = trainer.accelerator
-    path = _resolve(trainer.args.output_dir, resume_from_checkpoint)
+    acc, module = parts.accelerator, parts.module
+    path = _resolve(parts.args.output_dir, resume_from_checkpoint)
     manifest = _verified(path, acc.num_processes)
-    module = acc.unwrap_model(trainer.model)
     policy_adapter = hasattr(module.policy, "peft_config")
     value_adapter = not module.fused and hasattr(module.value_model, "peft_config")
     state_file = path / "trainer_state.json"
@@ -464,7 +467,7 @@ def load(trainer, resume_from_checkpoint) -> int:
         scheduler_state = read_pt(path / "scheduler.pt", "scheduler state dict")
         rng = read_pt(path / f"rng_state_{acc.process_index}.pt", "RNG state")
         try:
-            state = type(trainer.state).load_from_json(str(state_file))
+            state = type(parts.state).load_from_json(str(state_file))
         except (OSError, ValueError, TypeError) as e:
             raise CheckpointDamagedError(state_file, "cannot be read as a trainer state", e) from None
         # NaN moments would poison every step after the resume
@@ -480,12 +483,12 @@ def load(trainer, resume_from_checkpoint) -> int:
         check_shapes("value head", path / "value_head.pt", module.value_head, value_state)
     else:
         check_shapes("value model", path / "value_model", module.value_model, value_state, value_adapter)
-    for message in check_run(trainer, manifest, scheduler_state):
+    for message in check_run(parts, manifest, scheduler_state):
         logger.warning("%s", message)
 
     try:  # the optimizer first: it checks its groups before changing anything
-        trainer.optimizer.load_state_dict(optimizer_state)
-        trainer.lr_scheduler.load_state_dict(scheduler_state)
+        parts.optimizer.load_state_dict(optimizer_state)
+        parts.lr_scheduler.load_state_dict(scheduler_state)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise CheckpointError(
             f"cannot resume from {path}: its optimizer or scheduler state does not fit this trainer "
@@ -497,11 +500,10 @@ def load(trainer, resume_from_checkpoint) -> int:
     else:
         _load_weights(module.value_model, path / "value_model", value_state)
     try:
-        _set_rng_state(trainer, rng)
+        _set_rng_state(parts.permutation, rng)
     except (KeyError, ValueError, TypeError, RuntimeError, AttributeError) as e:
         raise CheckpointError(
             f"cannot resume from this checkpoint: {path / f'rng_state_{acc.process_index}.pt'} does not hold an "
             f"RNG state ({type(e).__name__}: {str(e)[:300]}). {_ADVICE}"
         ) from None
-    trainer.state = state
-    return state.global_step
+    return state

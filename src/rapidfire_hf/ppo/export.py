@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rapidfire_hf.models.value_head import V_HEAD_PREFIX
+from rapidfire_hf.ppo.types import TrainedParts
 
 CARD = """---
 library_name: transformers
@@ -43,15 +44,14 @@ _CARD_FIELDS = (
 )  # fmt: skip
 
 
-def save_for_hub(trainer, output_dir: str | os.PathLike, dataset_name: str | None = None) -> None:
-    """Write the trained models of ``trainer`` to ``output_dir`` (main process only) as described above;
-    ``dataset_name`` is named in the model card."""
-    acc = trainer.accelerator
-    if not acc.is_main_process:
+def save_for_hub(parts: TrainedParts, output_dir: str | os.PathLike, dataset_name: str | None = None) -> None:
+    """Write the trained models (``PPOTrainer.trained_parts()``) to ``output_dir`` (main process only) as
+    described above; ``dataset_name`` is named in the model card."""
+    if not parts.accelerator.is_main_process:
         return
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    module = acc.unwrap_model(trainer.model)
+    module = parts.module
     policy = module.policy
     head = {}
     if module.fused:
@@ -67,15 +67,14 @@ def save_for_hub(trainer, output_dir: str | os.PathLike, dataset_name: str | Non
         policy.save_pretrained(out, state_dict={**policy.state_dict(), **head})
     if not module.fused:
         module.value_model.save_pretrained(out / "value_model")
-    trainer.processing_class.save_pretrained(out)
-    torch.save(
-        trainer.args, out / "training_args.bin"
-    )  # as transformers' Trainer writes it; never read back here
-    (out / "README.md").write_text(_model_card(trainer, module, out, dataset_name))
+    parts.tokenizer.save_pretrained(out)
+    # training_args.bin as transformers' Trainer writes it; never read back here
+    torch.save(parts.args, out / "training_args.bin")
+    (out / "README.md").write_text(_model_card(parts, out, dataset_name))
 
 
-def _model_card(trainer, module, out: Path, dataset_name: str | None) -> str:
-    args = trainer.args
+def _model_card(parts: TrainedParts, out: Path, dataset_name: str | None) -> str:
+    args, module = parts.args, parts.module
     base = getattr(getattr(module.policy, "config", None), "_name_or_path", "") or "a local model"
     rows = "\n".join(f"| `{k}` | {getattr(args, k, None)} |" for k in _CARD_FIELDS)
     hint = (
@@ -86,8 +85,8 @@ def _model_card(trainer, module, out: Path, dataset_name: str | None) -> str:
     return CARD.format(
         name=out.name,
         value="fused value head" if module.fused else "separate value model",
-        updates=trainer.state.global_step,
-        episodes=trainer.state.episode,
+        updates=parts.state.global_step,
+        episodes=parts.state.episode,
         base=base,
         data=f" on `{dataset_name}`" if dataset_name else "",
         settings=rows,
@@ -95,15 +94,17 @@ def _model_card(trainer, module, out: Path, dataset_name: str | None) -> str:
     )
 
 
-def push_to_hub(trainer, commit_message: str = "End of training", dataset_name: str | None = None) -> str:
+def push_to_hub(
+    parts: TrainedParts, commit_message: str = "End of training", dataset_name: str | None = None
+) -> str:
     """Save to ``args.output_dir`` and upload that folder to ``args.hub_model_id`` (or the folder's name).
 
     Returns the URL of the commit. Raises ``RuntimeError`` naming the repository when the upload fails
     (no network, no token).
     """
-    args = trainer.args
-    save_for_hub(trainer, args.output_dir, dataset_name)
-    if not trainer.accelerator.is_main_process:
+    args = parts.args
+    save_for_hub(parts, args.output_dir, dataset_name)
+    if not parts.accelerator.is_main_process:
         return ""
     from huggingface_hub import HfApi
 

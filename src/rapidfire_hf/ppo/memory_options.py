@@ -8,44 +8,39 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from rapidfire_hf.memory.prefetch import BatchPrefetcher
 
 logger = logging.getLogger(__name__)
 
 
-def _memory_config(trainer):
-    cfg = getattr(trainer, "rf_config", None)
-    return None if cfg is None else cfg.memory
+def prefetch_window(rf_config) -> int:
+    """``memory.prefetch_window`` of a rapidfire config (0 without one: each batch collated when taken)."""
+    return 0 if rf_config is None else rf_config.memory.prefetch_window
 
 
 class PromptPrefetch:
     """The prompt batches of updates ``start, start+1, ...`` prepared ``window`` updates ahead.
 
     Args:
-        trainer: the ``PPOTrainer`` (its ``next_prompts`` collates a batch).
+        next_prompts: collates the prompt batch of an update (``PPOTrainer.next_prompts``).
         start: the first update index.
+        stop: the update index after the last (``PPOTrainer.num_updates``).
         window: batches prepared ahead (``memory.prefetch_window``); 0 collates each batch when taken.
         device: where the prompt tensors go (pinned, non-blocking side-stream copies on CUDA).
     """
 
-    def __init__(self, trainer, start: int, window: int, device):
-        self.trainer = trainer
+    def __init__(self, next_prompts: Callable[[int], dict], start: int, stop: int, window: int, device):
+        self.next_prompts = next_prompts
         self.window = window
         self.fetched = 0  # batches collated so far (how far ahead the prefetcher ran)
-        source = self._batches(start, trainer.num_updates)
+        source = self._batches(start, stop)
         self._it = iter(BatchPrefetcher(source, window=window, device=device))
-
-    @classmethod
-    def for_trainer(cls, trainer, start: int) -> PromptPrefetch:
-        """A prefetcher with the trainer's ``memory.prefetch_window`` (0 without a rapidfire config)."""
-        memory = _memory_config(trainer)
-        window = memory.prefetch_window if memory is not None else 0
-        return cls(trainer, start, window, trainer.accelerator.device)
 
     def _batches(self, start: int, stop: int):
         for update in range(start, stop):
-            batch = self.trainer.next_prompts(update)
+            batch = self.next_prompts(update)
             self.fetched += 1
             yield update, batch
 
@@ -57,5 +52,5 @@ class PromptPrefetch:
             index, batch = None, None
         if index != update:
             logger.warning("rapidfire: prompt batch %s requested out of order; collating it now", update)
-            return self.trainer.next_prompts(update)
+            return self.next_prompts(update)
         return batch

@@ -38,7 +38,7 @@ from rapidfire_hf.memory.stats import release_cached_memory
 from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.ppo import checkpoint as ckpt
 from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
-from rapidfire_hf.ppo.memory_options import PromptPrefetch
+from rapidfire_hf.ppo.memory_options import PromptPrefetch, prefetch_window
 from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
 from rapidfire_hf.ppo.planning import plan_run, unplanned_run
 from rapidfire_hf.ppo.recovery import NoGradChunks
@@ -72,6 +72,7 @@ from rapidfire_hf.ppo.types import (
     PPOTrainerState,
     Rollout,
     RunState,
+    TrainedParts,
     _to_float,
     sync_time,
 )
@@ -436,6 +437,15 @@ class PPOTrainer:
             trainable_dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
         )
 
+    def trained_parts(self) -> TrainedParts:
+        """What saving, exporting and resuming read (``ppo/checkpoint.py``, ``ppo/export.py``), as they are now."""
+        return TrainedParts(
+            args=self.args, accelerator=self.accelerator, module=self.accelerator.unwrap_model(self.model),
+            tokenizer=self.processing_class, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            state=self.state, ref_model=self.ref_model, reward_model=self.reward_model,
+            num_train_prompts=len(self.train_dataset), permutation=self._perm_generator,
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ the phases
     def next_prompts(self, batch_index: int) -> dict:
         """The collated prompt batch number ``batch_index`` of this rank (the seeded prompt order)."""
@@ -502,14 +512,17 @@ class PPOTrainer:
         check_unchanged(self._args_snapshot, args, "PPOTrainer")
         start_update = 0
         if resume_from_checkpoint:
-            start_update = ckpt.load(self, resume_from_checkpoint)
+            self.state = ckpt.load(self.trained_parts(), resume_from_checkpoint)
+            start_update = self.state.global_step
         self.state.max_steps = self.num_updates
         self.state.logging_steps = args.logging_steps
         self.state.save_steps = args.save_steps
         self.state.num_train_epochs = math.ceil(self.num_updates / self.prompt_order.batches_per_pass)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         self._train_start = time.perf_counter()
-        self._prompts = PromptPrefetch.for_trainer(self, start_update)  # memory.prefetch_window
+        self._prompts = PromptPrefetch(
+            self.next_prompts, start_update, self.num_updates, prefetch_window(self.rf_config), acc.device
+        )
         apply_logging_config(self.rf_config)  # logging.level (also for a config given by enable_rapidfire)
         self._print_start_table()
         saved, saved_at = None, None  # the last checkpoint this loop wrote, and its update
@@ -535,7 +548,7 @@ class PPOTrainer:
                         self.log({k: _to_float(v) for k, v in metrics.items()})
                     if self.control.should_save:
                         self._all_on_device()
-                        saved, saved_at = ckpt.save(self), update + 1
+                        saved, saved_at = ckpt.save(self.trained_parts()), update + 1
                         self.control = self.callback_handler.on_save(args, self.state, self.control)
                     if self.control.should_training_stop:
                         break
@@ -563,7 +576,7 @@ class PPOTrainer:
         naming the folder."""
         if saved is None:
             self._all_on_device()
-            saved = ckpt.save(self)
+            saved = ckpt.save(self.trained_parts())
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         raise TrainingInterrupted(
             f"PPOTrainer stopped by {signal_name or 'a signal of another process'} after update "
@@ -730,10 +743,10 @@ class PPOTrainer:
         model or head beside it, ``training_args.bin`` and a model card (``rapidfire_hf.ppo.export``)."""
         from rapidfire_hf.ppo.export import save_for_hub
 
-        save_for_hub(self, output_dir or self.args.output_dir, dataset_name)
+        save_for_hub(self.trained_parts(), output_dir or self.args.output_dir, dataset_name)
 
     def push_to_hub(self, commit_message: str = "End of training", dataset_name: str | None = None) -> str:
         """Save to ``args.output_dir`` and upload it to ``args.hub_model_id``; returns the commit URL."""
         from rapidfire_hf.ppo.export import push_to_hub
 
-        return push_to_hub(self, commit_message, dataset_name)
+        return push_to_hub(self.trained_parts(), commit_message, dataset_name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from transformers import TrainerState
@@ -78,6 +79,24 @@ class PPOStats:
         if name not in {f.name for f in fields(self)}:
             raise KeyError(f"{name!r}: PPOStats has {', '.join(f.name for f in fields(self))}")
         return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class TrainedParts:
+    """What saving, exporting and resuming read of a PPOTrainer (``PPOTrainer.trained_parts()``): the
+    checkpoint and export functions take this, never the trainer, and return what the trainer assigns."""
+
+    args: Any  # the PPOConfig
+    accelerator: Any  # the trainer's Accelerator (processes, rank, main process, barrier)
+    module: Any  # the unwrapped PolicyAndValue: the policy and the value model or fused head
+    tokenizer: Any  # the processing class, saved beside the policy
+    optimizer: Any
+    lr_scheduler: Any
+    state: PPOTrainerState  # global_step, episode, log history (written, and read back on resume)
+    ref_model: Any  # the separate frozen reference, or None (fingerprinted in the run's identity)
+    reward_model: Any  # or None (reward functions)
+    num_train_prompts: int  # rows of train_dataset (the prompt order depends on them)
+    permutation: torch.Generator  # the PPO epochs' row-order generator (its state is saved and restored)
 
 
 @dataclass(frozen=True)
