@@ -30,7 +30,8 @@ from transformers import TrainerCallback
 import rapidfire_hf
 
 PACKAGE = Path(rapidfire_hf.__file__).resolve().parent
-STEP = ("ppo/stepper.py", "_step")  # the stepper's optimizer step (a no-op call inside an accumulation window)
+# the stepper's optimizer step (a no-op call inside an accumulation window)
+STEP = ("ppo/stepper.py", "_step")
 
 
 def _rel(filename: str) -> str | None:
@@ -61,7 +62,9 @@ class Walk:
                 return
             if self._step_frame is None and (rel, frame.f_code.co_name) == STEP:
                 self._step_frame, self.steps = frame, self.steps + 1
-            self.calls.append((rel, frame.f_code.co_name, self.steps if self._step_frame is not None else None))
+            self.calls.append(
+                (rel, frame.f_code.co_name, self.steps if self._step_frame is not None else None)
+            )
         elif event == "return" and frame is self._step_frame:
             self._step_frame = None
 
@@ -140,7 +143,9 @@ def run(out_dir: str) -> tuple[dict, Walk]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the numbers as JSON here")
-    p.add_argument("--sequence", action="store_true", help="also print the file sequence (consecutive merged)")
+    p.add_argument(
+        "--sequence", action="store_true", help="also print the file sequence (consecutive merged)"
+    )
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         result, walk = run(tmp)
