@@ -78,7 +78,14 @@ def replay(r: dict):
         asked=asked,
         eight_bit_available=plan["optimizer_state"] == "8-bit",
         fuse_projections=bool(plan.get("fuse_projections")),
+        host_offload=stored_offload(plan),
     )
+
+
+def stored_offload(plan: dict) -> str:
+    """The host offload a stored plan made, as card_plan's ``host_offload`` (rows before it: "off")."""
+    frozen, state = bool(plan.get("offload_frozen")), bool(plan.get("offload_state"))
+    return {(True, True): "on", (True, False): "frozen", (False, True): "state"}.get((frozen, state), "off")
 
 
 @pytest.mark.parametrize("folder,row", CASES)
@@ -116,18 +123,21 @@ def test_the_h100_run_of_issue_46():
     ran = card_plan(
         run, card, "aggressive",
         asked=Asked(scoring_rows=32, generation_rows=32, checkpointing="matmuls", train_rows=4),
-        fuse_projections=False,
+        fuse_projections=False, host_offload="off",
     )  # fmt: skip
     assert ran.optimizer_state == "8-bit"
     assert abs(ran.phase_peak_bytes["training"] / GIB - 77.4) <= TOLERANCE * 77.4
     whole = card_plan(
         run, card, "aggressive",
         asked=Asked(scoring_rows=32, generation_rows=32, checkpointing="matmuls", train_rows=8),
-        fuse_projections=False,
+        fuse_projections=False, host_offload="off",
     )  # fmt: skip
     assert whole.phase_peak_bytes["training"] > card and not whole.fits
-    now = card_plan(run, card, "aggressive")
+    now = card_plan(run, card, "aggressive", host_offload="off")
     assert now.fits and now.splits >= 1 and now.planned_peak_bytes <= now.target_bytes
+    # with the frozen weights offloaded outside scoring (host_offload="auto"), it trains whole
+    offloaded = card_plan(run, card, "aggressive")
+    assert offloaded.fits and offloaded.splits == 0 and offloaded.offload_frozen
 
 
 def test_analytic_activation_bytes_match_the_stored_probes():

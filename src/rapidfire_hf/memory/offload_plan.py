@@ -32,6 +32,8 @@ from rapidfire_hf.memory.planner import GIB, POLICIES, Budget, Plan, Workload, _
 HOST_LINK_BYTES_PER_S = 22e9
 
 HOST_OFFLOAD_VALUES = ("auto", "on", "off")
+# the planner also takes one part forced (replaying a stored plan's choice: tests, benchmarks)
+FORCED_PARTS = ("frozen", "state")
 
 
 def update_work(plan: Plan, work: Workload) -> tuple:
@@ -79,7 +81,7 @@ def choose_offload(
             rule reward with LoRA, or quantized frozen models).
         level: ``memory.optimization``.
         want: PPOConfig's ``host_offload``: ``"auto"`` (the plan decides), ``"on"`` (whatever can move moves),
-            ``"off"``.
+            ``"off"``; ``"frozen"`` or ``"state"``: that part only (replaying a stored plan).
         state_movable: the optimizer state lives where it can be offloaded (a CUDA device).
 
     Returns:
@@ -88,7 +90,7 @@ def choose_offload(
     Raises:
         ValueError: ``want`` not one of ``auto``, ``on``, ``off``.
     """
-    if want not in HOST_OFFLOAD_VALUES:
+    if want not in HOST_OFFLOAD_VALUES + FORCED_PARTS:
         raise ValueError(f"host_offload={want!r}: expected one of {', '.join(HOST_OFFLOAD_VALUES)}")
     state = budget.state_bytes if state_movable else 0
     frozen = max(0, frozen_bytes)
@@ -100,6 +102,9 @@ def choose_offload(
         why = "your host_offload='off'"
     elif want == "on":
         chosen, why = full, "your host_offload='on'"
+    elif want in FORCED_PARTS:
+        part = {"frozen": replace(budget, frozen_away=frozen), "state": replace(budget, state_away=state > 0)}
+        chosen, why = part[want], f"forced: {want} only"
     elif not level_target(level).offload:
         why = f"memory.optimization={getattr(level, 'value', level)} makes no host offload"
     elif copy_bytes(full) == 0:

@@ -183,11 +183,13 @@ class PhaseOffload:
 
     def before_generation(self) -> None:
         """Frozen weights and optimizer state away (neither is read by the rollout)."""
-        if self.frozen is not None:
-            self.frozen.offload()
+        freed = self.frozen.offload() if self.frozen is not None else 0
         if self.state is not None and not self._state_away:
-            self.state.offload()
+            freed += self.state.offload()
             self._state_away = True
+        if freed and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # the freed blocks back to the driver: the KV cache's large blocks need not fit between them
+            torch.cuda.empty_cache()
 
     def before_scoring(self) -> None:
         """Frozen weights copied in (each model waits for its own with :meth:`ready`)."""
