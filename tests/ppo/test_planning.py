@@ -240,7 +240,9 @@ def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, to
     assert fused.plan.fuse_projections is True and "held" in fused.plan.reasons["fuse_projections"]
     # allocated now: planning again counts nothing more (memory_allocated sees them on a GPU)
     assert fused.roller.engine.copy_bytes() == copies
-    assert planning.decode_copies(fused, fused.accelerator.unwrap_model(fused.model).policy, True) == (
+    assert planning.decode_copies(
+        fused.plan_inputs(), fused.accelerator.unwrap_model(fused.model).policy, True
+    ) == (
         True,
         0,
         copies,

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from rapidfire_hf.ppo.planning import measure, plan_run, policies, probe_identity, shape_estimate
+from rapidfire_hf.ppo.planning import measure, policies, probe_identity, shape_estimate
 from rapidfire_hf.ppo.probe_cache import PROBE_CACHE, ProbeCache, _seal, identity_key
 from tests.ppo.helpers import tiny_trainer
 
@@ -36,7 +36,7 @@ def probe(trainer, tokens=14, ctx=8):
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     models = [m for m in (unwrapped.policy, unwrapped.value_model) if m is not None]
     wanted = policies(trainer.rf_config.memory, "auto")
-    return measure(trainer, models, tokens, ctx, wanted), wanted
+    return measure(trainer.plan_inputs(), models, tokens, ctx, wanted), wanted
 
 
 def rewrite(path, change):
@@ -53,15 +53,15 @@ def test_a_verified_entry_is_used_and_said(trainer, capsys):
     assert not first.cached and second.cached and second.activation_bytes == first.activation_bytes
     assert "cached in" in second.source and "(verified)" in second.source
     queries = trainer.next_prompts(0)["input_ids"]
-    plan_run(trainer, queries)  # measures this row length and stores it
+    trainer.plan_update(queries)  # measures this row length and stores it
     assert "activation bytes per training row" not in capsys.readouterr().out  # measured: nothing to say
-    plan_run(trainer, queries)
+    trainer.plan_update(queries)
     assert "activation bytes per training row: cached in" in capsys.readouterr().out
 
 
 def test_the_tiny_models_probe_is_within_the_plausible_range_of_its_estimate(trainer):
     measured, wanted = probe(trainer)
-    estimate = shape_estimate(trainer, 14, 8, 4, wanted)
+    estimate = shape_estimate(trainer.plan_inputs(), 14, 8, 4, wanted)
     for policy, nbytes in measured.activation_bytes.items():
         assert estimate[policy] / 4 <= nbytes <= estimate[policy] * 4, (policy, nbytes, estimate[policy])
 
@@ -141,7 +141,7 @@ def test_garbage_is_ignored_with_a_warning(trainer, caplog, garbage):
 
 
 def test_identity_names_the_versions_and_the_device(trainer):
-    identity = probe_identity(trainer, 14, ("none",))
+    identity = probe_identity(trainer.plan_inputs(), 14, ("none",))
     assert identity["torch"] == torch.__version__ and identity["device"] == "cpu"
     assert {"transformers", "rapidfire_hf", "config", "tokens", "policies"} <= set(identity)
     assert ProbeCache(trainer.args.output_dir).get(identity, ("none",)) is None  # nothing stored yet

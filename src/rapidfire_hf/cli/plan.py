@@ -376,10 +376,9 @@ def _out_of_memory_said(args: argparse.Namespace):
 
 
 def plan_for(trainer, prompt_length: int):
-    """``plan_run`` on the trainer's first prompt batch, left-padded or cut to ``prompt_length`` tokens."""
+    """``trainer.plan_update`` (``ppo/planning.plan_run``) on the trainer's first prompt batch, left-padded
+    or cut to ``prompt_length`` tokens."""
     import torch
-
-    from rapidfire_hf.ppo.planning import plan_run
 
     ids = trainer.next_prompts(0)["input_ids"]
     if ids.shape[1] >= prompt_length:
@@ -387,7 +386,7 @@ def plan_for(trainer, prompt_length: int):
     else:
         pad = torch.full((ids.shape[0], prompt_length - ids.shape[1]), trainer.pad_token_id, dtype=ids.dtype)
         ids = torch.cat([pad, ids], dim=1)
-    return plan_run(trainer, ids.to(trainer.accelerator.device))
+    return trainer.plan_update(ids.to(trainer.accelerator.device))
 
 
 def _device():

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
@@ -50,6 +51,36 @@ from rapidfire_hf.rollout.engine import resolved_backend
 from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the plan reads of a PPOTrainer, built by ``PPOTrainer.plan_inputs()``: the planning functions take
+    this, never the trainer, and return the plan (:class:`PlannedRun`) that the trainer applies to itself."""
+
+    args: Any  # the PPOConfig
+    accelerator: Any  # device, mixed precision, processes, distributed type
+    module: Any  # the unwrapped PolicyAndValue (policy, value model or fused head)
+    model: Any  # the prepared model (its trained parameters)
+    memory: Any  # the rapidfire config's MemoryConfig, or None (no rapidfire config: nothing measured)
+    optimizer: Any  # the prepared optimizer
+    state_decision: tuple[bool, str] | None  # the 8-bit-state choice of a config-built optimizer
+    is_peft: bool
+    use_liger: bool
+    pad_token_id: int
+    engine_support: Any  # what the distributed engine supports (rollout backend)
+    engine: Any  # the rollout engine if a rollout already built it, else None
+    ref_model: Any  # the separate frozen reference, or None
+    reward_model: Any  # or None
+    host_offload_include_cpu: bool = False  # tests: a CPU model counts as movable for host offload
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """What :func:`plan_run` decided: the plan and what host offload moves between the phases (None: nothing)."""
+
+    plan: Plan
+    offload: PhaseOffload | None
 
 
 def workload(
@@ -105,25 +136,25 @@ def _apply(models, policy: str) -> None:
         apply_selective_checkpointing(m, POLICY_LEVEL[policy])
 
 
-def probe_identity(trainer, tokens: int, wanted: tuple[str, ...]) -> dict[str, str]:
+def probe_identity(run: PlanInputs, tokens: int, wanted: tuple[str, ...]) -> dict[str, str]:
     """What the measured bytes depend on: the models' shapes and kinds, the trained part, dtype, kernels,
     device, row length, policies, and the versions that measured them (``ppo.probe_cache``)."""
     import transformers
 
     from rapidfire_hf import __version__
 
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    unwrapped = run.module
     config = unwrapped.policy.config.to_json_string(use_diff=False)
-    device = trainer.accelerator.device
+    device = run.accelerator.device
     return {
         "policy": type(unwrapped.policy).__name__,
         "config": hashlib.sha256(config.encode()).hexdigest()[:24],
         "value": type(unwrapped.value_model).__name__ if unwrapped.value_model is not None else "fused",
-        "peft": str(trainer.is_peft),
+        "peft": str(run.is_peft),
         "dtype": str(next(unwrapped.parameters()).dtype),
-        "mixed_precision": str(trainer.accelerator.mixed_precision),
-        "liger": str(trainer._use_liger),
-        "compile": str(trainer.args.torch_compile),
+        "mixed_precision": str(run.accelerator.mixed_precision),
+        "liger": str(run.use_liger),
+        "compile": str(run.args.torch_compile),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "tokens": str(tokens),
         "policies": ",".join(wanted),
@@ -133,10 +164,10 @@ def probe_identity(trainer, tokens: int, wanted: tuple[str, ...]) -> dict[str, s
     }
 
 
-def shape_estimate(trainer, tokens: int, ctx: int, itemsize: int, wanted) -> dict[str, int] | None:
+def shape_estimate(run: PlanInputs, tokens: int, ctx: int, itemsize: int, wanted) -> dict[str, int] | None:
     """The activation bytes of one row from the policy's shape (:mod:`rapidfire_hf.memory.estimate`), for
     the policies it knows; None where the policy is not a Llama-like decoder it can read."""
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    unwrapped = run.module
     try:
         shape = DecoderShape.from_config(unwrapped.policy.config)
     except (AttributeError, TypeError):
@@ -146,25 +177,26 @@ def shape_estimate(trainer, tokens: int, ctx: int, itemsize: int, wanted) -> dic
     return analytic_probe(shape, tokens, tokens - ctx, itemsize, known, separate_value=separate)
 
 
-def measure(trainer, models, tokens: int, ctx: int, wanted: tuple[str, ...]) -> Probe:
+def measure(run: PlanInputs, models, tokens: int, ctx: int, wanted: tuple[str, ...]) -> Probe:
     """Activation bytes of one training row of ``tokens`` tokens under each of ``wanted`` (cached)."""
-    cache = ProbeCache(trainer.args.output_dir) if trainer.accelerator.is_local_main_process else None
-    identity = probe_identity(trainer, tokens, wanted)
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    device = trainer.accelerator.device
+    acc, pad = run.accelerator, run.pad_token_id
+    cache = ProbeCache(run.args.output_dir) if acc.is_local_main_process else None
+    identity = probe_identity(run, tokens, wanted)
+    unwrapped = run.module
+    device = acc.device
     if cache is not None:
-        mixed = trainer.accelerator.mixed_precision in ("bf16", "fp16")
+        mixed = acc.mixed_precision in ("bf16", "fp16")
         itemsize = 2 if mixed else next(unwrapped.parameters()).element_size()
-        hit = cache.get(identity, wanted, shape_estimate(trainer, tokens, ctx, itemsize, wanted))
+        hit = cache.get(identity, wanted, shape_estimate(run, tokens, ctx, itemsize, wanted))
         if hit is not None:
             return Probe(hit, cached=True, source=f"cached in {cache.path} (verified)")
     vocab = unwrapped.policy.config.vocab_size
     row = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    row[row == trainer.pad_token_id] = (trainer.pad_token_id + 1) % vocab  # no padding in the probe row
+    row[row == pad] = (pad + 1) % vocab  # no padding in the probe row
 
     def forward():
-        with trainer.accelerator.autocast():
-            return unwrapped(row, trainer.pad_token_id, ctx, trainer.args.temperature, with_entropy=True)
+        with acc.autocast():
+            return unwrapped(row, pad, ctx, run.args.temperature, with_entropy=True)
 
     was_training = unwrapped.training
     unwrapped.train()  # HF layers checkpoint only in training mode
@@ -197,18 +229,17 @@ def fuse_wanted(args, device) -> bool | str | None:
     return want
 
 
-def decode_copies(trainer, policy, static: bool) -> tuple[bool | str | None, int, int | None]:
+def decode_copies(run: PlanInputs, policy, static: bool) -> tuple[bool | str | None, int, int | None]:
     """``(want, bytes, built)`` of the fused decode projections' weight copies, which the rollout engine
     allocates at its first generation and keeps (static engine only): ``want`` None where they are not
     considered (another engine, or :func:`fuse_wanted` None); ``bytes`` what they would take; ``built`` the
     bytes an engine built before the plan already holds (None: no engine yet; that engine stays as it is)."""
-    want = fuse_wanted(trainer.args, trainer.accelerator.device) if static else None
+    want = fuse_wanted(run.args, run.accelerator.device) if static else None
     if want is None:
         return None, 0, None
-    engine = trainer.roller.engine
-    if engine is not None:  # built by a rollout before the plan: its projections stay as they are
-        return want, 0, engine.copy_bytes()
-    lora = trainer.args.rollout_decode_fuse_lora
+    if run.engine is not None:  # built by a rollout before the plan: its projections stay as they are
+        return want, 0, run.engine.copy_bytes()
+    lora = run.args.rollout_decode_fuse_lora
     return want, (fused_projection_bytes(policy, lora=lora) if want is not False else 0), None
 
 
@@ -221,35 +252,35 @@ def _fused(plan: Plan, want, copies: int, built: int | None, device) -> Plan:
     return unplanned_fused_copies(plan, want, copies, total, built)
 
 
-def first_step_reserve(trainer) -> int:
+def first_step_reserve(run: PlanInputs) -> int:
     """Bytes the first backward and optimizer step still allocate: the gradients not yet there, and
     AdamW's two moments while the optimizer holds no state (in the parameters' dtype; 1 byte each for an
     8-bit optimizer)."""
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    grads = first_step_gradients(trainer)
-    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    grads = first_step_gradients(run)
+    inner = getattr(run.optimizer, "optimizer", run.optimizer)
     if getattr(inner, "state", None):
         return grads
-    eight_bit = eight_bit_optimizer(trainer.optimizer)
+    eight_bit = eight_bit_optimizer(run.optimizer)
     return grads + sum(p.numel() * (2 if eight_bit else 2 * p.element_size()) for p in params)
 
 
-def first_step_gradients(trainer) -> int:
+def first_step_gradients(run: PlanInputs) -> int:
     """Bytes of the gradients the first backward still allocates (trained parameters without ``.grad``):
     the part of :func:`first_step_reserve` that training alone holds (each step's ``zero_grad`` frees them)."""
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    params = [p for p in run.model.parameters() if p.requires_grad]
     return sum(p.numel() * p.element_size() for p in params if p.grad is None)
 
 
-def offloadable_frozen(trainer, include_cpu: bool = False) -> dict:
+def offloadable_frozen(run: PlanInputs, include_cpu: bool = False) -> dict:
     """The frozen models whose weights host offload may move (name -> module): the separate reference and
     the reward model (never trained by the run), each on the device (a CPU one only with ``include_cpu``,
     tests) and not quantized (bitsandbytes' quantized weights carry their own state); none under DeepSpeed (its engine
     owns the weights)."""
-    if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
+    if run.accelerator.distributed_type == DistributedType.DEEPSPEED:
         return {}
     out = {}
-    for name, model in (("reference", trainer.ref_model), ("reward", trainer.reward_model)):
+    for name, model in (("reference", run.ref_model), ("reward", run.reward_model)):
         params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
         if not params or any(not p.is_floating_point() for p in params):
             continue
@@ -269,11 +300,11 @@ def frozen_weight_bytes(models: dict) -> int:
     return sum(seen.values())
 
 
-def build_offload(trainer, plan: Plan) -> PhaseOffload | None:
+def build_offload(run: PlanInputs, plan: Plan) -> PhaseOffload | None:
     """What the trainer moves between phases for ``plan`` (None: nothing)."""
-    include_cpu = getattr(trainer, "host_offload_include_cpu", False)
-    frozen = offloadable_frozen(trainer, include_cpu) if plan.offload_frozen else {}
-    optimizer = trainer.optimizer if plan.offload_state else None
+    include_cpu = run.host_offload_include_cpu
+    frozen = offloadable_frozen(run, include_cpu) if plan.offload_frozen else {}
+    optimizer = run.optimizer if plan.offload_state else None
     offload = PhaseOffload.build(frozen, optimizer, include_cpu=include_cpu)
     return offload if offload.active else None
 
@@ -299,37 +330,34 @@ def _agreed(acc, plan: Plan) -> Plan:
     return Plan(**shared)
 
 
-def unplanned_run(trainer, prompt_tokens: int) -> Plan:
+def unplanned_run(run: PlanInputs, prompt_tokens: int) -> Plan:
     """The plan before :func:`plan_run` (a phase called outside ``train()``): the user's settings."""
-    args, acc = trainer.args, trainer.accelerator
-    unwrapped = acc.unwrap_model(trainer.model)
+    args, acc, memory = run.args, run.accelerator, run.memory
+    unwrapped = run.module
     work = workload(args, unwrapped.policy.config, prompt_tokens, 2)
-    memory = trainer.rf_config.memory if trainer.rf_config is not None else None
     want = asked(args, None, False)
     plan = unplanned(work, want, "none", memory.optimization if memory is not None else "balanced")
-    static = resolved_backend(unwrapped.policy, rollout_backend(args, trainer.engine_support)) == "static"
-    fuse, copies, built = decode_copies(trainer, unwrapped.policy, static)
+    static = resolved_backend(unwrapped.policy, rollout_backend(args, run.engine_support)) == "static"
+    fuse, copies, built = decode_copies(run, unwrapped.policy, static)
     return _fused(plan, fuse, copies, built, acc.device)
 
 
-def plan_run(trainer, queries: torch.Tensor) -> Plan:
-    """Measure, plan and apply (module docstring); returns the plan, also kept as ``trainer.plan``."""
-    args, acc = trainer.args, trainer.accelerator
-    memory = trainer.rf_config.memory if trainer.rf_config is not None else None
-    unwrapped = acc.unwrap_model(trainer.model)
+def plan_run(run: PlanInputs, queries: torch.Tensor) -> PlannedRun:
+    """Measure, plan and apply to the models and the accelerator (module docstring); returns the plan and the
+    host offload it asks for, which the trainer takes (``PPOTrainer.plan_update``)."""
+    args, acc, memory = run.args, run.accelerator, run.memory
+    unwrapped = run.module
     models = [m for m in (unwrapped.policy, unwrapped.value_model) if m is not None]
     ctx = queries.shape[1]
     itemsize = 2 if acc.mixed_precision in ("bf16", "fp16") else next(unwrapped.parameters()).element_size()
-    static = resolved_backend(unwrapped.policy, rollout_backend(args, trainer.engine_support)) == "static"
+    static = resolved_backend(unwrapped.policy, rollout_backend(args, run.engine_support)) == "static"
     work = workload(args, unwrapped.policy.config, ctx, itemsize, cache_persists=static)
     want = asked(args, memory, acc.distributed_type == DistributedType.DEEPSPEED)
-    if pipeline_state(trainer.optimizer)[
-        1
-    ]:  # it counts backwards itself: pieces would count as micro-batches
+    if pipeline_state(run.optimizer)[1]:  # it counts backwards itself: pieces would count as micro-batches
         want = replace(want, split=False)
-    fuse, copies, built = decode_copies(trainer, unwrapped.policy, static)
-    include_cpu = getattr(trainer, "host_offload_include_cpu", False)
-    frozen = frozen_weight_bytes(offloadable_frozen(trainer, include_cpu))
+    fuse, copies, built = decode_copies(run, unwrapped.policy, static)
+    include_cpu = run.host_offload_include_cpu
+    frozen = frozen_weight_bytes(offloadable_frozen(run, include_cpu))
     if memory is None:
         plan = unplanned(work, want, "gradient_checkpointing" if user_checkpointing(args) else "none")
         plan = _forced_offload(_fused(plan, fuse, copies, built, acc.device), args.host_offload, frozen)
@@ -344,7 +372,7 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
     else:
         wanted = policies(memory, want.checkpointing)
         try:
-            probe = measure(trainer, models, work.tokens, ctx, wanted)
+            probe = measure(run, models, work.tokens, ctx, wanted)
         except Exception as err:  # a model the measuring dispatch mode cannot run: keep the user's split
             logger.warning(
                 "rapidfire: the throughput planner could not measure (%s); your split is kept", err
@@ -354,8 +382,8 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             )
             plan = _forced_offload(plan, args.host_offload, frozen)
         else:
-            budget = level_budget(acc.device, memory.optimization, first_step_reserve(trainer))
-            budget = replace(budget, grad_bytes=min(budget.reserve_bytes, first_step_gradients(trainer)))
+            budget = level_budget(acc.device, memory.optimization, first_step_reserve(run))
+            budget = replace(budget, grad_bytes=min(budget.reserve_bytes, first_step_gradients(run)))
             budget, plan = choose_offload(
                 lambda b: make_plan(work, want, probe, b, memory.optimization),
                 work,
@@ -374,7 +402,7 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
                 plan = with_offload_of(plan, decide_fused_copies(plan, held, fuse, copies, built))
         plan = _agreed(acc, plan)
         _apply(models, plan.checkpointing)
-        state = getattr(trainer, "state_decision", None)  # set when the trainer built the optimizer
+        state = run.state_decision  # set when the trainer built the optimizer
         if state is not None:
             plan.optimizer_state = "8-bit" if state[0] else "as built"
             plan.reasons["optimizer_state"] = state[1]
@@ -386,9 +414,4 @@ def plan_run(trainer, queries: torch.Tensor) -> Plan:
             print(plan.table(), flush=True)
     if plan.merge > 1:  # accelerate closes a window after this many (merged) micro-batches
         acc.gradient_accumulation_steps = args.micro_batches_per_step // plan.merge
-    # the pieces of a split micro-batch run in its window (OOM recovery's split, planned up front)
-    trainer.stepper.planned_splits = plan.splits
-    trainer.offload = build_offload(trainer, plan)  # what moves to host memory between the phases
-    trainer.plan = plan
-    trainer.checkpointing = None if plan.checkpointing == "none" else plan.checkpointing
-    return plan
+    return PlannedRun(plan, build_offload(run, plan))  # and what moves to host memory between the phases

@@ -40,7 +40,7 @@ from rapidfire_hf.ppo import checkpoint as ckpt
 from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
 from rapidfire_hf.ppo.memory_options import PromptPrefetch, prefetch_window
 from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
-from rapidfire_hf.ppo.planning import plan_run, unplanned_run
+from rapidfire_hf.ppo.planning import PlanInputs, plan_run, unplanned_run
 from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.reporting import Reporter
 from rapidfire_hf.ppo.rollout_phase import Roller, rollout_backend
@@ -215,7 +215,8 @@ class PPOTrainer:
             args, self.memory_callback, callbacks, self.model, tok, self.optimizer, self.lr_scheduler
         )
         self._perm_generator = permutation_generator(args.seed)  # the rule of ppo/seeds.py
-        self.plan = None  # the throughput plan, made at the first update (ppo/planning.py)
+        self.plan = None  # the throughput plan, made at the first update (ppo/planning.py, plan_update)
+        self.checkpointing = None  # the activation checkpointing the plan applied (None: none)
         # tests: host offload moves CPU tensors too (memory.phase_offload)
         self.host_offload_include_cpu = False
         self.offload = None  # what moves to host memory between the phases, set by the plan
@@ -446,6 +447,28 @@ class PPOTrainer:
             num_train_prompts=len(self.train_dataset), permutation=self._perm_generator,
         )  # fmt: skip
 
+    def plan_inputs(self) -> PlanInputs:
+        """What the throughput plan reads of this trainer (``ppo/planning.py``), as it is now."""
+        return PlanInputs(
+            args=self.args, accelerator=self.accelerator, module=self.accelerator.unwrap_model(self.model),
+            model=self.model, memory=self.rf_config.memory if self.rf_config is not None else None,
+            optimizer=self.optimizer, state_decision=getattr(self, "state_decision", None),
+            is_peft=self.is_peft, use_liger=self._use_liger, pad_token_id=self.pad_token_id,
+            engine_support=self.engine_support, engine=self.roller.engine, ref_model=self.ref_model,
+            reward_model=self.reward_model, host_offload_include_cpu=self.host_offload_include_cpu,
+        )  # fmt: skip
+
+    def plan_update(self, queries: torch.Tensor):
+        """Measure, plan and apply the run's throughput plan for prompts like ``queries``
+        (:func:`~rapidfire_hf.ppo.planning.plan_run`; at the first update); returns the plan, kept as ``plan``."""
+        planned = plan_run(self.plan_inputs(), queries)
+        # the pieces of a split micro-batch run in its window (OOM recovery's split, planned up front)
+        self.stepper.planned_splits = planned.plan.splits
+        self.offload = planned.offload  # what moves to host memory between the phases
+        self.plan = planned.plan
+        self.checkpointing = None if planned.plan.checkpointing == "none" else planned.plan.checkpointing
+        return planned.plan
+
     # ------------------------------------------------------------------ the phases
     def next_prompts(self, batch_index: int) -> dict:
         """The collated prompt batch number ``batch_index`` of this rank (the seeded prompt order)."""
@@ -454,7 +477,7 @@ class PPOTrainer:
 
     def rollout(self, batch: dict, sampling: bool = True) -> Rollout:
         """Generate responses for a batch of prompts with the current policy (greedy when not ``sampling``)."""
-        plan = self.plan or unplanned_run(self, batch["input_ids"].shape[1])
+        plan = self.plan or unplanned_run(self.plan_inputs(), batch["input_ids"].shape[1])
         generator = None
         if sampling:  # the noise of this update, from (seed, update, rank) alone (ppo/seeds.py)
             generator = sampling_generator(
@@ -469,7 +492,7 @@ class PPOTrainer:
 
     def score(self, rollout: Rollout) -> Experience:
         """Reference log-probs, values and scores of a rollout, then KL-shaped rewards and advantages."""
-        plan = self.plan or unplanned_run(self, rollout.queries.shape[1])
+        plan = self.plan or unplanned_run(self.plan_inputs(), rollout.queries.shape[1])
         if self._offload is not None:  # the frozen models' weights in (each model waits for its own)
             self._offload.before_scoring()
         return self.scorer.score(rollout, plan.scoring_rows)
@@ -483,7 +506,7 @@ class PPOTrainer:
             permutations: one row order per epoch (default: drawn from the trainer's seeded generator).
         """
         if self.plan is None:  # optimize() called outside train(): plan (and apply) now
-            plan_run(self, exp.rollout.queries)
+            self.plan_update(exp.rollout.queries)
         if self._offload is not None:  # the optimizer state in on a side stream (waited for before the step)
             self._offload.before_training()
         return self.epochs.optimize(exp, self.plan.train_rows, permutations)
@@ -624,7 +647,7 @@ class PPOTrainer:
         batch = self._prompts.take(update) if self._prompts is not None else self.next_prompts(update)
         planned_now = self.plan is None
         if planned_now:  # memory.optimization as a target: micro-batches, chunks, checkpointing
-            plan_run(self, batch["input_ids"])
+            self.plan_update(batch["input_ids"])
         if self._offload is not None:  # the frozen weights and the optimizer state are not read here
             self._offload.before_generation()
         with self.phase_peaks.phase("generation"):
