@@ -1,0 +1,40 @@
+"""benchmarks/rollout/kv_cache.py on the CPU with a tiny shape: every row runs, the files are written, the 8-bit
+caches hold fewer bytes, and the row plan puts the bf16 baseline and the 8-bit caches at its batch first."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from loader import load_benchmark
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_tiny_cpu_run_writes_every_row(tmp_path):
+    kv = load_benchmark("rollout/kv_cache.py", keep_on_path=True)
+    argv = ["--out", str(tmp_path), "--shape", "tiny", "--device", "cpu", "--base-batch", "2", "--batches",
+            "2,4", "--prompt-len", "8", "--new-tokens", "6", "--agree-rows", "2", "--agree-tokens", "6"]  # fmt: skip
+    assert kv.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["complete"] is True
+    rows = result["results"]
+    assert [(r["cache"], r["batch"]) for r in rows] == [
+        ("bf16", 2), ("fp8", 2), ("int8", 2), ("fp8", 4), ("int8", 4), ("bf16", 4)
+    ]  # fmt: skip
+    assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in rows), rows
+    mib = {(r["cache"], r["batch"]): r["cache_mib"] for r in rows}
+    # fp32 on the CPU: one byte plus a 4-byte scale per 32-wide head vector, against four bytes
+    assert mib[("int8", 2)] == pytest.approx(mib[("bf16", 2)] * (1 + 4 / 32) / 4, rel=0.02)
+    assert mib[("fp8", 4)] == pytest.approx(2 * mib[("fp8", 2)], rel=0.02)
+    agree = result["greedy_agreement"]["by_cache"]
+    assert set(agree) == {"fp8", "int8"} and all(
+        0 <= a["greedy_token_match_rate"] <= 1 for a in agree.values()
+    )
+    assert len(result["summary"]) == len(rows)
+    assert (tmp_path / "results.csv").read_text().count("\n") == 1 + len(rows)
+
+
+def test_bad_arguments_exit_with_status_2(tmp_path):
+    kv = load_benchmark("rollout/kv_cache.py", keep_on_path=True)
+    assert kv.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny", "--caches", "fp4"]) == 2
