@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rapidfire_hf.models import unwrap_peft
+from rapidfire_hf.rollout.sharded import ZERO3_PARTITIONED, zero3_partitioned
 
 # attention implementations whose masks are built from the 2-D mask and the cache's sizes (flash-attention's
 # varlen path reads the 2-D mask's padding itself and is not run here)
@@ -45,8 +46,8 @@ def generic_unsupported_reason(model) -> str | None:
         )
     if not (hasattr(lm, "can_generate") and lm.can_generate()):
         return f"{type(lm).__name__} cannot generate (not a causal LM head)"
-    if any(hasattr(p, "ds_id") for p in lm.parameters()):
-        return "DeepSpeed ZeRO-3 partitions the weights; generate through model.generate"
+    if zero3_partitioned(lm):
+        return ZERO3_PARTITIONED
     impl = getattr(cfg, "_attn_implementation", None)
     if impl not in ATTENTION_IMPLS:
         return f"attn_implementation {impl!r} is not one of {ATTENTION_IMPLS}"

@@ -28,6 +28,7 @@ from rapidfire_hf.rollout.families import (
     rotary_tables,
 )
 from rapidfire_hf.rollout.moe_decode import is_moe_block, moe_layout_reason, routed_moe
+from rapidfire_hf.rollout.sharded import ZERO3_PARTITIONED, zero3_partitioned
 
 DECODE_LINEARS = ("torch", "triton")
 
@@ -42,8 +43,8 @@ def unsupported_reason(model) -> str | None:
     reason = family_reason(lm)
     if reason is not None:
         return reason
-    if any(hasattr(p, "ds_id") for p in lm.parameters()):
-        return "DeepSpeed ZeRO-3 partitions the weights; generate through model.generate"
+    if zero3_partitioned(lm):
+        return ZERO3_PARTITIONED
     return None
 
 

@@ -25,3 +25,19 @@ def gathered(model):
     resharded and its ``reshard_after_forward`` put back (``distributed.generation.held_unsharded``; units an
     enclosing gather holds, as PPO's rollout does, are left to it). A no-op for a model without units."""
     return held_unsharded(fsdp_units(model))
+
+
+# why the engine refuses a ZeRO-3 model outside a gather (llama_forward / generic_forward say it)
+ZERO3_PARTITIONED = (
+    "DeepSpeed ZeRO-3 partitions the weights and they are not gathered now; build and run the engine inside a "
+    "gather of them (PPOTrainer's rollout gathers the policy once per rollout) or generate through model.generate"
+)
+
+
+def zero3_partitioned(model) -> bool:
+    """Whether some parameter of ``model`` is a DeepSpeed ZeRO-3 partition not gathered now (inside
+    ``deepspeed.zero.GatheredParameters`` every one is whole: ``ds_status`` AVAILABLE). DeepSpeed is not imported."""
+    return any(
+        hasattr(p, "ds_id") and getattr(getattr(p, "ds_status", None), "name", None) != "AVAILABLE"
+        for p in model.parameters()
+    )
