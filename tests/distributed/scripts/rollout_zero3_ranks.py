@@ -63,7 +63,7 @@ def main(out: Path) -> None:
         with gathered_for_generation(acc, ds, model):
             if engine is None:  # built once, on gathered weights, as PPOTrainer's rollout builds it
                 engine = RolloutEngine(model, 0, [], backend="static")
-                engine._static.step_callback = lambda t: seen.append(not zero3_partitioned(model))
+            engine._static.step_callback = lambda t, seen=seen: seen.append(not zero3_partitioned(model))
             tokens = engine.generate(ids, None, params).responses
         rollouts.append({
             "path": engine.path,
