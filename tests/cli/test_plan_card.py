@@ -56,7 +56,10 @@ def test_the_7b_reward_model_run_offloads_its_frozen_weights_to_train_whole(caps
     """Issue 46 item 2: on the 80 GB card the plan keeps the reference and reward weights in host memory
     outside scoring; the 24.9 GiB it frees trains the micro-batch of 8 whole without recompute and generates
     the batch in one chunk (the optimizer state stays: moving it too would change nothing more)."""
+    # PPOConfig's default (and the CLI's) is "off" until the CUDA path is measured: nothing moves
     assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["offload_frozen"] is False
+    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", "auto"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["offload_frozen"] is True and plan["offload_state"] is False
     assert (plan["splits"], plan["checkpointing"], plan["generation_rows"]) == (0, "none", 160)
@@ -69,7 +72,7 @@ def test_the_7b_reward_model_run_offloads_its_frozen_weights_to_train_whole(caps
 @pytest.mark.parametrize("card, level", [("192", "aggressive"), ("79.19", "conservative")])
 def test_no_offload_where_everything_fits_or_the_level_forbids_it(capsys, card, level):
     main(["plan", "--shape", "llama-7b", "--gpu-memory", card, "--batch", "160", "--value-mode", "fused",
-          "--config", level, "--reward", "model", "--json"])  # fmt: skip
+          "--config", level, "--reward", "model", "--json", "--host-offload", "auto"])  # fmt: skip
     plan = json.loads(capsys.readouterr().out)
     assert plan["offload_frozen"] is False and plan["offload_state"] is False
 

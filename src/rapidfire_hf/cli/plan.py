@@ -111,9 +111,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--host-offload",
         choices=("auto", "on", "off"),
-        default="auto",
+        default="off",
         help="PPOConfig's host_offload: the frozen models' weights and the optimizer state in host memory "
-        "between phases ('auto': where it pays; planned only with --gpu-memory or without a GPU).",
+        "between phases ('off', PPOConfig's default; 'auto': where it pays; planned only with --gpu-memory or without a GPU).",
     )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of the table.")
     p.set_defaults(func=plan_command)
