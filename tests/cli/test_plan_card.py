@@ -59,7 +59,9 @@ def test_the_7b_reward_model_run_offloads_its_frozen_weights_to_train_whole(caps
     # PPOConfig's default (and the CLI's) is "off" until the CUDA path is measured: nothing moves
     assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["offload_frozen"] is False
-    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", "auto"]) == 0
+    assert (
+        main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", "auto"]) == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["offload_frozen"] is True and plan["offload_state"] is False
     assert (plan["splits"], plan["checkpointing"], plan["generation_rows"]) == (0, "none", 160)
