@@ -285,9 +285,9 @@ class PPOSweep:
             decode_mode=self.args.rollout_decode_mode,
             # the generic path runs the model's own attention: the sweep's SDPA default is not asked of it
             decode_attention=(
-                sweep_decode_attention(self.args.rollout_decode_attention)
-                if path == "native"
-                else self.args.rollout_decode_attention
+                self.args.rollout_decode_attention
+                if path == "generic"
+                else sweep_decode_attention(self.args.rollout_decode_attention)
             ),
             decode_sampler=self.args.rollout_decode_sampler,
             # "auto" is off here: no sweep benchmark ran with fused projections, and layers carrying the
