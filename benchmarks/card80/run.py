@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=4, help="updates per row; the first is the warm-up")
     p.add_argument("--timeout", type=int, default=480, help="seconds per row")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny smoke shape, 8 + 8 tokens, batch 8")
+    p.add_argument("--cap-gib", type=float, default=None,
+                   help="cap the card to this many GiB (79.19: an H100 80 GB's size on a bigger card): memory "
+                        "only, the bigger card's speed stays; recorded in each row")  # fmt: skip
     args = p.parse_args(argv)
     args.rows = [r for r in args.rows.split(",") if r]
     unknown = [r for r in args.rows if r not in ROWS]
@@ -75,6 +78,8 @@ def worker_config(row: str, args: argparse.Namespace) -> dict:
     cfg["name"], cfg["row"] = f"{row}_b{cfg['batch']}", row
     if "host_offload" in spec:
         cfg["host_offload"] = spec["host_offload"]
+    if args.cap_gib:
+        cfg["gpu_cap_gib"] = args.cap_gib
     return cfg
 
 

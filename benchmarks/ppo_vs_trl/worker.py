@@ -605,10 +605,32 @@ def run_ours(cfg: dict, device: str) -> dict:
     }
 
 
+def cap_card(gib: float | None) -> None:
+    """A smaller card on a bigger one (``cfg["gpu_cap_gib"]``, e.g. 79.19 for an H100 80 GB on an H200): the
+    caching allocator refuses past ``gib`` (``torch.cuda.set_per_process_memory_fraction``), and every plan
+    reads the capped size (``rapidfire_hf.utils.device_memory``). Memory only: the bigger card's bandwidth
+    and clocks stay, so tokens/s of a capped row is not the smaller card's."""
+    if not gib:
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    if gib * 2**30 > total:
+        raise SystemExit(f"gpu_cap_gib={gib} is more than this card's {total / 2**30:.2f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+
+
+def card_gib() -> dict:
+    """The card's size as every plan reads it (capped), and its physical size."""
+    from rapidfire_hf.utils.device_memory import device_capacity_bytes
+
+    return {"gpu_total_gib": device_capacity_bytes() / 2**30,
+            "gpu_physical_gib": torch.cuda.get_device_properties(0).total_memory / 2**30}  # fmt: skip
+
+
 def main() -> None:
     cfg, result_path = json.loads(sys.argv[1]), sys.argv[2]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
+        cap_card(cfg.get("gpu_cap_gib"))
         torch.cuda.reset_peak_memory_stats()
     try:
         run = {"trl": run_trl, "sweep": run_sweep}.get(cfg["system"], run_ours)
@@ -629,7 +651,7 @@ def main() -> None:
             ),
         }
         if device == "cuda":
-            row["gpu_total_gib"] = torch.cuda.mem_get_info()[1] / 2**30
+            row.update(card_gib())
         row.pop("shape_kwargs", None)
         with open(result_path, "w") as f:
             json.dump(row, f)
@@ -667,7 +689,7 @@ def main() -> None:
             if device == "cuda"
             else None
         ),
-        **({"gpu_total_gib": torch.cuda.mem_get_info()[1] / 2**30} if device == "cuda" else {}),
+        **(card_gib() if device == "cuda" else {}),
         "reward_first": out["rewards"][0] if out["rewards"] else None,
         "reward_last": out["rewards"][-1] if out["rewards"] else None,
         "reward_max": max(out["rewards"]) if out["rewards"] else None,

@@ -20,6 +20,7 @@ from rapidfire_hf.memory.stats import (
     sample_memory,
 )
 from rapidfire_hf.memory.telemetry import TelemetryWriter, default_telemetry_dir, get_telemetry
+from rapidfire_hf.utils.device_memory import device_capacity_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class MemoryCompactionCallback(TrainerCallback):
             fraction = PRESSURE_FRACTION if self.pressure_fraction is None else self.pressure_fraction
             if not fraction or not torch.cuda.is_available() or not torch.cuda.is_initialized():
                 return None  # decided again once CUDA is up
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            total = device_capacity_bytes()
             self._min_reserved = int(fraction * total)
         return self._min_reserved
 

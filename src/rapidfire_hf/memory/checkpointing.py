@@ -44,6 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from rapidfire_hf.memory.levels import MEMORY_LEVELS
 from rapidfire_hf.memory.planner import LEVEL_POLICY, POLICY_LEVEL, TRAIN_PEAK_FACTOR, Budget, level_target
 from rapidfire_hf.models import unwrap_peft
+from rapidfire_hf.utils.device_memory import device_capacity_bytes, device_free_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -246,8 +247,7 @@ def free_device_bytes(device: torch.device | str | None) -> int:
     allocator's reserved-but-unallocated bytes; on a CPU the host's available RAM."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+        return device_free_bytes(device)
     import psutil
 
     return int(psutil.virtual_memory().available)
@@ -262,7 +262,7 @@ def level_budget(device, level, reserve_bytes: int = 0, free_bytes: int | None =
         return Budget(target_bytes=int(share * free_bytes), held_bytes=0, reserve_bytes=reserve_bytes)
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        total = device_capacity_bytes(device)
         held = int(torch.cuda.memory_allocated(device))
         # never plan with more than the driver can still give (another process may hold memory)
         target = min(int(share * total), held + free_device_bytes(device))

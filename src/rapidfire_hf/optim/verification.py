@@ -22,6 +22,7 @@ from rapidfire_hf.optim.health import HealthMonitor, OptimizerEvent, read_verdic
 from rapidfire_hf.optim.skips import SkipStreak
 from rapidfire_hf.optim.snapshot import RollbackPoint
 from rapidfire_hf.optim.spans import Rollback
+from rapidfire_hf.utils.device_memory import device_free_bytes
 from rapidfire_hf.utils.units import GIB
 
 # snapshot="auto": a device snapshot (plus optimizer state not allocated yet) may take at most this share
@@ -204,8 +205,7 @@ def device_snapshot_fits(params: list[torch.Tensor], optimizer: torch.optim.Opti
         return True, {}
     device = cuda[0].device
     need = snapshot_bytes(params, optimizer)
-    free, _ = torch.cuda.mem_get_info(device)
-    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    available = device_free_bytes(device)
     return need <= SNAPSHOT_DEVICE_SHARE * available, {"need": need, "available": available, "device": device}
 
 

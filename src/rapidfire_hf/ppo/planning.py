@@ -49,6 +49,7 @@ from rapidfire_hf.ppo.probe_cache import ProbeCache
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
 from rapidfire_hf.rollout.engine import resolved_backend
 from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
+from rapidfire_hf.utils.device_memory import device_capacity_bytes
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")
 
@@ -248,7 +249,7 @@ def _fused(plan: Plan, want, copies: int, built: int | None, device) -> Plan:
     if want is None:
         return plan
     device = torch.device(device)
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    total = device_capacity_bytes(device) if device.type == "cuda" else 0
     return unplanned_fused_copies(plan, want, copies, total, built)
 
 

@@ -25,6 +25,7 @@ from rapidfire_hf.ppo.modeling import PolicyAndValue, check_value_model, value_h
 from rapidfire_hf.ppo.quantized import is_quantized, quantized_copy
 from rapidfire_hf.ppo.seeds import init_lora, new_value_head, prompt_order
 from rapidfire_hf.ppo.speedups import KernelPatches, all_sdpa, apply_liger, compile_layers
+from rapidfire_hf.utils.device_memory import device_capacity_bytes
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")  # PPOTrainer's logger: one name for its messages
 
@@ -464,7 +465,7 @@ def plan_optimizer_state(rf_config, accelerator, params, models) -> tuple[bool, 
                 model_bytes += t.numel() * t.element_size()
     grads = sum(p.numel() * p.element_size() for p in params)
     level = rf_config.memory.optimization
-    target = int(LEVEL_TARGETS[level.value].device_share * torch.cuda.mem_get_info(device)[1])
+    target = int(LEVEL_TARGETS[level.value].device_share * device_capacity_bytes(device))
     available = is_available("bitsandbytes")
     return choose_optimizer_state(level, model_bytes, grads, 2 * grads, 2 * sum(p.numel() for p in params),
                                   target, available)  # fmt: skip
