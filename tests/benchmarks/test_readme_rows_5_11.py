@@ -304,3 +304,57 @@ def test_the_timing_note_counts_the_stored_updates():
         run = _load("distributed/results/h200x2/results.json")["throughput"][n]
         per = sorted(u["tokens_per_second"] for u in run["per_update"][1:])
         assert len(per) == 3 and run["tokens_per_second"] == per[1], n
+
+
+# The PPO rows' stored calls (the files the number tests read): README row -> (file, stored row names).
+PPO_ROWS = {
+    1: ("presets/results/h200/release8/results.json", ["trl_b8", "none_b8"]),
+    2: ("ppo_vs_trl/results/h200/table_1b/a/results.json", ["tp_trl_b32", "tp_rapidfire_b32"]),
+    3: ("ppo_vs_trl/results/h200/table_1b/a/results.json", ["tp_trl_b64", "tp_rapidfire_b64"]),
+    4: ("ppo_vs_trl/results/h200/best_b256/results.json", ["tp_trl_b256", "tp_fused_b256_liger_compile"]),
+    12: ("presets/results/h200/b64/results.json", ["none_b64"]),
+    13: ("presets/results/h200/b256/results.json", ["none_b256", "balanced_b256"]),
+    14: ("presets/results/h200/full7b_freecache_stock/results.json", ["trl_b4", "aggressive+freecache_b160"]),
+    15: ("ppo_vs_trl/results/h100/families_b8/gemma3-1b/results.json", ["tp_trl_b8", "tp_rapidfire_b8"]),
+}
+
+
+def test_the_ppo_rows_say_the_stored_workload():
+    """Each PPO row's rollout batch, value mode and card as its stored call ran them, and the table's "one H200
+    unless stated; 1.1B Llama shape, 128 + 384 tokens unless stated" holds for each row that states neither."""
+    for number, (path, names) in PPO_ROWS.items():
+        data = _load(path)
+        rows = {r["name"]: r for r in data["rows"]}
+        ours = rows[names[-1]]
+        what = _row(number)[1]
+        gpu = data["environment"]["gpu"]
+        assert ("H100" in what and "H100 80GB" in gpu) or ("H100" not in what and gpu == "NVIDIA H200"), (
+            number
+        )
+        assert {(rows[n]["prompt_len"], rows[n]["response_len"]) for n in names} == {(128, 384)}, number
+        shape = {rows[n]["shape"] for n in names}
+        assert shape == (
+            {"llama-7b"} if number == 14 else {"gemma3-1b"} if number == 15 else {"llama-1.1b"}
+        ), number
+        if number != 14:  # row 14: stock's largest batch against ours
+            assert f"rollout batch {ours['batch']}" in what, number
+        mode = {"separate": "separate value model", "fused": "fused value head"}[ours["value_mode"]]
+        assert mode in what, number
+        if ours.get("liger") and ours.get("compile"):
+            assert "Liger + " in what and "compile" in what, number
+    row3_fused = {r["name"]: r for r in _load("ppo_vs_trl/results/h200/table_1b/c/results.json")["rows"]}[
+        "tp_fused_b64"
+    ]
+    assert row3_fused["value_mode"] == "fused" and "fused value head (two calls)" in _row(3)[1]
+    olmo = _load("ppo_vs_trl/results/h100/families_b8/olmo2-1b/results.json")
+    assert {r["shape"] for r in olmo["rows"]} == {"olmo2-1b"} and "H100 80GB" in olmo["environment"]["gpu"]
+    generic = _load("rollout/results/h100/generic/results.json")
+    assert (
+        generic["model"]["shape"] == "llama-1.1b" and generic["batches"] == [8] and "H100" in generic["gpu"]
+    )
+    assert "at batch 8 on one H100, 1.1B Llama shape" in _row(16)[1]
+    lowmem = _load("grpo/results/h200/lowmem_switch/results.json")["variants"]["rapidfire_lowmem4"][
+        "settings"
+    ]
+    assert any("adamw_8bit" in s["effect"] and "max_grad_norm=0.0" in s["effect"] for s in lowmem)
+    assert "(8-bit AdamW, no clipping)" in _row(5)[1]
