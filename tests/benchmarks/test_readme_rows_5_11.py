@@ -358,3 +358,72 @@ def test_the_ppo_rows_say_the_stored_workload():
     ]
     assert any("adamw_8bit" in s["effect"] and "max_grad_norm=0.0" in s["effect"] for s in lowmem)
     assert "(8-bit AdamW, no clipping)" in _row(5)[1]
+
+
+def test_the_7b_tables_settings_are_the_stored_runs():
+    """ "Ours: micro-batch 8, scoring in chunks of 16, and for all but fused LoRA generation in chunks of 80 and
+    RapidFireOptimizer(optimizer="adamw8bit", ...)" and "LoRA r=16": each run of ours stored with its results."""
+    start = RESULTS.index("**7B PPO on one H200**")
+    text = " ".join(RESULTS[start : RESULTS.index("| mode |", start)].split())
+    m = re.search(r"Ours: micro-batch (\d+), scoring in chunks of (\d+), and for all but fused LoRA generation in "
+                  r"chunks of (\d+) and `RapidFireOptimizer\(optimizer=\"(\w+)\"", text)  # fmt: skip
+    assert m, text
+    with open(BENCH / "ppo_vs_trl" / "results" / "h200" / "size7b_table" / "summary.csv") as fh:
+        files = [
+            r["file"]
+            for r in csv.DictReader(fh)
+            if r["system"] == "rapidfire" and r["file"].endswith(".json")
+        ]
+    runs = [
+        (f, r)
+        for f in files
+        for r in _load(f"ppo_vs_trl/results/h200/{f}")["rows"]
+        if r["system"] == "rapidfire" and r["status"] == "ok"
+    ]
+    assert len(runs) >= 5
+    for f, r in runs:
+        assert (str(r["micro"]), str(r["score_chunk"])) == (m[1], m[2]), f
+        if r["peft"] == "lora":
+            assert f"three with LoRA r={r['lora']['r']})" in text, f
+        if r["peft"] == "lora" and r["value_mode"] == "fused":
+            continue
+        assert r["optimizer"] == m[4], f
+        if f.startswith(
+            "size7b_gen_chunks/"
+        ):  # the chunks the table's row says, "(generation in chunks of 128)"
+            assert f"generation in chunks of {r['rollout_generation_batch_size']})" in RESULTS[start:], f
+        else:
+            assert str(r["rollout_generation_batch_size"]) == m[3], f
+
+
+def test_the_commands_of_rows_5_to_11_are_the_stored_calls():
+    """The "# N ->" commands of rows 5-11 in docs/results.md: the stored call's arguments (its --out aside)."""
+    section = _headline_section()
+
+    def command(number: int) -> str:
+        lines = section.splitlines()
+        i = next(k for k, x in enumerate(lines) if x.startswith(f"# {number} -> "))
+        return lines[i + 1]
+
+    def args(cmd: str) -> list[str]:
+        words = cmd.split()
+        return words[words.index("--out") + 2 :]
+
+    stored = _load("trl_trainers/results/h200/results.json")["command"]
+    assert args(command(7)) == args(stored)
+    stored = _load("rollout/results/h200/results.json")["command"]
+    assert args(command(9)) == args(stored)
+    balanced = _load("grpo/results/h200/balanced/results.json")
+    assert f"--variants stock,rapidfire --steps {balanced['runs']['stock']['steps']}" in command(6)
+    assert set(balanced["runs"]) == {"stock", "rapidfire"}
+    lowmem = _load("grpo/results/h200/lowmem_switch/results.json")
+    assert args(lowmem["command"]) == ["--variants", "stock,rapidfire_lowmem4"]
+    assert args(command(5)) == [
+        "--variants",
+        "stock,rapidfire_lowmem",
+    ]  # the variant's name since, said there
+    assert "stored under the variant's earlier name, rapidfire_lowmem4" in section
+    fp8 = _load("precision/results/h200/fp8_loss/llama-7b_bf16/results.json")["env"]["command"]
+    entry = command(10).split()[-1]
+    reproduce = (BENCH / "reproduce_h200.sh").read_text()
+    assert entry == "precision_fp8_7b" and "--fp8-loss-shape llama-7b" in fp8 and entry in reproduce
