@@ -3,7 +3,8 @@
 1. Layers point one way: a package imports only packages of a lower layer (``LAYERS``); nothing but the
    ``python -m`` entry point imports ``cli``. ``kernels`` and ``optim`` need only torch (and triton).
 2. ``sweep/`` (the many-trial recipe) uses PPO components, not ``PPOTrainer``'s recipe modules
-   (``PPO_RECIPE``).
+   (``PPO_RECIPE``: the folder ``ppo/recipe/``). Inside ``ppo/`` the arrow points one way too: a component
+   module (``ppo/*.py``) never imports the recipe; the recipe imports components.
 3. No private name (``_x``) crosses packages, neither imported (``from m import _x``) nor read from an
    imported module (``m._x``).
 4. No mixins: a class has at most one base class of ours (parts are composed, each owning its state).
@@ -54,20 +55,22 @@ LAYERS = {
 # inside the function that needs them, which this rule leaves alone)
 TORCH_ONLY = {"kernels": {"torch", "triton"}, "optim": {"torch"}}
 
-# PPOTrainer's recipe (issue 44): the modules that put the trainer together. Importing the package
-# ``rapidfire_hf.ppo`` itself counts too: its __init__ imports the trainer.
-PPO_RECIPE = {
-    "rapidfire_hf.ppo",
-    "rapidfire_hf.ppo.trainer",
-    "rapidfire_hf.ppo.setup",
-    "rapidfire_hf.ppo.planning",
-    "rapidfire_hf.ppo.stepper",
-    "rapidfire_hf.ppo.checkpoint",
-    "rapidfire_hf.ppo.start_report",
-    "rapidfire_hf.ppo.memory_options",
-    "rapidfire_hf.ppo.export",
-    "rapidfire_hf.ppo.compat",
-}
+# PPOTrainer's recipe (issue 44): the modules that put the trainer together, all in the folder ``ppo/recipe/``;
+# the other modules of ``ppo/`` are the PPO components. Importing the package ``rapidfire_hf.ppo`` itself
+# counts as the recipe too: its __init__ imports the trainer.
+RECIPE_FOLDER = "ppo/recipe"
+
+
+def recipe_modules(src: Path = SRC) -> set[str]:
+    """``rapidfire_hf.ppo``, ``rapidfire_hf.ppo.recipe`` and every module under ``ppo/recipe/``."""
+    found = {"rapidfire_hf.ppo", "rapidfire_hf.ppo.recipe"}
+    for path in (src / RECIPE_FOLDER).rglob("*.py"):
+        rel = path.relative_to(src).with_suffix("")
+        found.add(".".join(["rapidfire_hf", *rel.parts]).removesuffix(".__init__"))
+    return found
+
+
+PPO_RECIPE = recipe_modules()
 
 # Allowlists of today's breaks as (importing file, what it imports). They may only shrink.
 UPWARD_ALLOWED: set[tuple[str, str]] = set()
@@ -81,7 +84,7 @@ class Import:
 
     file: str  # relative to src/rapidfire_hf
     line: int
-    module: str  # the imported module, e.g. ``rapidfire_hf.ppo.setup``
+    module: str  # the imported module, e.g. ``rapidfire_hf.ppo.recipe.setup``
     names: tuple[str, ...]  # the names taken from it (``from m import a, b``), empty for ``import m``
     top_level: bool  # at module level (runs at import), not inside a function
 
@@ -177,8 +180,19 @@ def upward_imports(imports: list[Import]) -> set[tuple[str, str]]:
     }
 
 
-def sweep_recipe_imports(imports: list[Import]) -> set[tuple[str, str]]:
-    return {(i.file, i.module) for i in imports if i.source == "sweep" and i.module in PPO_RECIPE}
+def sweep_recipe_imports(imports: list[Import], recipe: set[str] = PPO_RECIPE) -> set[tuple[str, str]]:
+    return {(i.file, i.module) for i in imports if i.source == "sweep" and i.module in recipe}
+
+
+def is_component(file: str) -> bool:
+    """A PPO component module: a file of ``ppo/`` outside ``ppo/recipe/`` (the package's __init__ is the
+    public face, which imports the trainer)."""
+    return file.startswith("ppo/") and not file.startswith(f"{RECIPE_FOLDER}/") and file != "ppo/__init__.py"
+
+
+def component_recipe_imports(imports: list[Import], recipe: set[str] = PPO_RECIPE) -> set[tuple[str, str]]:
+    """Imports of a recipe module by a component module of ``ppo/``, lazy and ``TYPE_CHECKING`` ones too."""
+    return {(i.file, i.module) for i in imports if is_component(i.file) and i.module in recipe}
 
 
 def private_crossings(imports: list[Import], reads: list[tuple[str, int, str]]) -> set[tuple[str, str]]:
@@ -230,7 +244,7 @@ def mixin_classes(src: Path = SRC) -> set[tuple[str, str]]:
 
 def trainer_private_names(src: Path = SRC) -> set[str]:
     """``PPOTrainer``'s private names: the ``self._x`` it uses and the ``_x`` methods and properties it defines."""
-    tree = ast.parse((src / "ppo" / "trainer.py").read_text(encoding="utf-8"))
+    tree = ast.parse((src / RECIPE_FOLDER / "trainer.py").read_text(encoding="utf-8"))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PPOTrainer")
     names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     names |= {
@@ -331,6 +345,16 @@ def test_sweep_imports_no_ppo_trainer_recipe(scanned):
     )
 
 
+def test_ppo_components_import_no_recipe_module(scanned):
+    imports, _ = scanned
+    assert (SRC / RECIPE_FOLDER / "trainer.py").is_file(), "PPOTrainer's recipe lives in ppo/recipe/"
+    found = sorted(component_recipe_imports(imports))
+    assert not found, (
+        "a PPO component imports PPOTrainer's recipe (move the shared piece into a component, or the user "
+        f"into ppo/recipe/): {found}"
+    )
+
+
 def test_no_private_name_crosses_packages(scanned):
     imports, reads = scanned
     check_against(
@@ -375,14 +399,19 @@ def test_the_checks_find_each_kind_of_break(tmp_path):
             "utils/start_table.py": "def f():\n    from rapidfire_hf.memory.telemetry import cache_dir\n",
             "memory/telemetry.py": "def _private(): ...\ndef cache_dir(): ...\n",
             "optim/verification.py": "import transformers\n\ndef f():\n    import bitsandbytes\n",
-            "ppo/setup.py": "from rapidfire_hf.memory.telemetry import _private\n",
+            "ppo/recipe/setup.py": "from rapidfire_hf.memory.telemetry import _private\n",
             "ppo/core.py": "",
-            "ppo/trainer.py": "",
+            "ppo/recipe/trainer.py": "from rapidfire_hf.ppo.core import y\n",  # recipe -> component: fine
+            "ppo/optimization.py": "from rapidfire_hf.ppo.recipe.setup import x\n",  # component -> recipe
+            "ppo/stepper.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .recipe import trainer\n"
+            ),
+            "ppo/__init__.py": "from rapidfire_hf.ppo.recipe.trainer import PPOTrainer\n",  # the public face
             "sweep/trial.py": (
-                "from rapidfire_hf.ppo.setup import x\nfrom rapidfire_hf.ppo.core import y\n"
+                "from rapidfire_hf.ppo.recipe.setup import x\nfrom rapidfire_hf.ppo.core import y\n"
                 "from rapidfire_hf.memory import telemetry\ntelemetry._private()\n"
             ),
-            "sweep/phases.py": "from ..ppo import trainer\n",  # relative, to the package
+            "sweep/phases.py": "from ..ppo.recipe import trainer\n",  # relative, to the package
             "cli/main.py": "",
             "rollout/engine.py": "from rapidfire_hf.cli.main import main\n",
             "rollout/families.py": "import rapidfire_hf\n",  # the whole package: not only its version
@@ -395,13 +424,25 @@ def test_the_checks_find_each_kind_of_break(tmp_path):
         ("rollout/engine.py", "rapidfire_hf.cli.main"),
         ("rollout/families.py", "rapidfire_hf"),
     }
-    assert sweep_recipe_imports(imports) == {
-        ("sweep/trial.py", "rapidfire_hf.ppo.setup"),
-        ("sweep/phases.py", "rapidfire_hf.ppo"),  # the package's __init__ imports the trainer
-        ("sweep/phases.py", "rapidfire_hf.ppo.trainer"),
+    recipe = recipe_modules(src)
+    assert recipe == {
+        "rapidfire_hf.ppo",
+        "rapidfire_hf.ppo.recipe",
+        "rapidfire_hf.ppo.recipe.setup",
+        "rapidfire_hf.ppo.recipe.trainer",
+    }
+    assert sweep_recipe_imports(imports, recipe) == {
+        ("sweep/trial.py", "rapidfire_hf.ppo.recipe.setup"),
+        ("sweep/phases.py", "rapidfire_hf.ppo.recipe"),  # the recipe folder itself
+        ("sweep/phases.py", "rapidfire_hf.ppo.recipe.trainer"),
+    }
+    assert component_recipe_imports(imports, recipe) == {
+        ("ppo/optimization.py", "rapidfire_hf.ppo.recipe.setup"),
+        ("ppo/stepper.py", "rapidfire_hf.ppo.recipe"),  # under TYPE_CHECKING: still an arrow up
+        ("ppo/stepper.py", "rapidfire_hf.ppo.recipe.trainer"),
     }
     assert private_crossings(imports, reads) == {
-        ("ppo/setup.py", "rapidfire_hf.memory.telemetry._private"),
+        ("ppo/recipe/setup.py", "rapidfire_hf.memory.telemetry._private"),
         ("sweep/trial.py", "rapidfire_hf.memory.telemetry._private"),
     }
     assert third_party_in_torch_only(src) == {("optim/verification.py", "transformers")}
@@ -425,10 +466,12 @@ def test_the_mixin_check_finds_two_bases_of_ours(tmp_path):
 
 
 def test_an_allowlist_fails_on_a_new_break_and_on_a_stale_entry():
-    allowed = {("sweep/trial.py", "rapidfire_hf.ppo.setup")}
-    check_against({("sweep/trial.py", "rapidfire_hf.ppo.setup")}, allowed, "x", "y")  # as listed: passes
-    with pytest.raises(AssertionError, match="sweep/sweep.py imports rapidfire_hf.ppo.trainer"):
-        check_against(allowed | {("sweep/sweep.py", "rapidfire_hf.ppo.trainer")}, allowed, "x", "y")
+    allowed = {("sweep/trial.py", "rapidfire_hf.ppo.recipe.setup")}
+    check_against(
+        {("sweep/trial.py", "rapidfire_hf.ppo.recipe.setup")}, allowed, "x", "y"
+    )  # as listed: passes
+    with pytest.raises(AssertionError, match="sweep/sweep.py imports rapidfire_hf.ppo.recipe.trainer"):
+        check_against(allowed | {("sweep/sweep.py", "rapidfire_hf.ppo.recipe.trainer")}, allowed, "x", "y")
     with pytest.raises(AssertionError, match="remove from the allowlist"):
         check_against(set(), allowed, "x", "y")
 
@@ -437,7 +480,7 @@ def test_the_private_trainer_read_check_finds_each_kind(tmp_path):
     src = _scratch(
         tmp_path,
         {
-            "ppo/trainer.py": (
+            "ppo/recipe/trainer.py": (
                 "class PPOTrainer:\n    def __init__(self):\n        self._oom = 0\n        self.plan = None\n"
                 "    @property\n    def _engine(self): ...\n    def one_update(self): ...\n"
             ),

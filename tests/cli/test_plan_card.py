@@ -165,7 +165,7 @@ def test_the_analytic_parameter_counts_are_the_meta_models(shape):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the measured path runs on this GPU")
 def test_a_measured_plan_that_does_not_fit_exits_1_with_one_line(monkeypatch, capsys, tmp_path):
-    import rapidfire_hf.ppo.planning as planning
+    import rapidfire_hf.ppo.recipe.planning as planning
     from rapidfire_hf.memory.planner import Budget
 
     monkeypatch.setattr(planning, "level_budget", lambda *a, **k: Budget(target_bytes=1024))  # 1 KiB device

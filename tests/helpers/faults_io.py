@@ -100,7 +100,7 @@ class KillSwitch:
         switch = KillSwitch(kill_at=3, log=None)
         for target in ("torch.save", "os.replace", "os.fsync"):
             switch.watch(target)
-        switch.arm_inside("rapidfire_hf.ppo.checkpoint.save", when=lambda parts: parts.state.global_step == 2)
+        switch.arm_inside("rapidfire_hf.ppo.recipe.checkpoint.save", when=lambda parts: parts.state.global_step == 2)
     """
 
     def __init__(self, kill_at: int | None, log: Path | None = None):

@@ -159,7 +159,7 @@ def test_release_after_rollout_waits_for_pressure_only_when_asked(release, reser
 
 def test_release_after_rollout_comes_from_the_config_and_bad_values_are_named():
     from rapidfire_hf.config import ConfigError, load_config
-    from rapidfire_hf.ppo.setup import make_memory_callback
+    from rapidfire_hf.ppo.recipe.setup import make_memory_callback
 
     args = types.SimpleNamespace(memory_management=True)
     cfg = load_config({"preset": "balanced", "memory": {"release_after_rollout": "pressure"}})

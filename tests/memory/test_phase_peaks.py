@@ -93,7 +93,7 @@ def test_on_a_gpu_the_phase_peak_is_the_allocators():
 def test_the_trainer_logs_each_phase_peak_beside_the_plans_prediction(fake, monkeypatch, tmp_path, tokenizer):
     """PPOTrainer measures its three phases every update (here on a fake CUDA allocator whose peak the
     phases raise by 1, 2 and 3 GiB) and logs them beside the plan's ``rapidfire/plan/<phase>_peak_gib``."""
-    import rapidfire_hf.ppo.trainer as trainer_module
+    import rapidfire_hf.ppo.recipe.trainer as trainer_module
     from tests.ppo.helpers import tiny_trainer
 
     raised = {"rollout": 1, "score": 2, "optimize": 3}

@@ -242,7 +242,9 @@ def child_main(out: str, kill_at: int, log: str) -> None:
     switch = faults_io.KillSwitch(None if kill_at < 0 else kill_at, Path(log))
     for target in SAVE_CALLS:
         switch.watch(target)
-    switch.arm_inside("rapidfire_hf.ppo.checkpoint.save", when=lambda parts: parts.state.global_step == 2)
+    switch.arm_inside(
+        "rapidfire_hf.ppo.recipe.checkpoint.save", when=lambda parts: parts.state.global_step == 2
+    )
     torch.set_num_threads(1)
     make_trainer(out, save_total_limit=1).train()
 

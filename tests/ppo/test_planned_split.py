@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import rapidfire_hf.ppo.planning as planning
+import rapidfire_hf.ppo.recipe.planning as planning
 from rapidfire_hf.demo import build_tiny_llama, build_tiny_value_model, make_prompt_dataset, vowel_reward
 from rapidfire_hf.memory.oom import OOMRecovery
 from rapidfire_hf.ppo import PPOTrainer

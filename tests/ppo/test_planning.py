@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from rapidfire_hf.ppo.probe_cache import PROBE_CACHE
+from rapidfire_hf.ppo.recipe.probe_cache import PROBE_CACHE
 from tests.ppo.helpers import tiny_trainer
 
 
@@ -88,7 +88,7 @@ def test_no_config_no_plan_printed_and_trl_chunks(tmp_path, tokenizer, capsys):
 def test_no_config_says_once_when_it_holds_fused_copies(tmp_path, tokenizer, capsys, monkeypatch):
     """Without a plan table, memory held for fused decode projections is said in one line, once; where "auto"
     holds nothing (here: no CUDA device, so no device share to fit in), nothing is said."""
-    import rapidfire_hf.ppo.planning as planning
+    import rapidfire_hf.ppo.recipe.planning as planning
 
     fused = tiny_trainer(
         tmp_path / "a", tokenizer, rollout_backend="static", rollout_decode_fuse_projections=True
@@ -127,7 +127,7 @@ def test_probe_is_cached_and_a_damaged_cache_is_measured_again(tmp_path, tokeniz
     assert cache.is_file()
     second = trainer_with(tmp_path, tokenizer, {})
     probes = []
-    import rapidfire_hf.ppo.planning as planning
+    import rapidfire_hf.ppo.recipe.planning as planning
 
     measure = planning.measure
 
@@ -153,7 +153,7 @@ def test_probe_is_cached_and_a_damaged_cache_is_measured_again(tmp_path, tokeniz
 def test_probe_cache_survives_hostile_folders_and_entries(tmp_path, caplog):
     """A folder name over the system's limit, a folder that cannot be created, negative or NaN entries:
     nothing raises, nothing bad is trusted, the probe is measured again."""
-    from rapidfire_hf.ppo.probe_cache import PROBE_CACHE_VERSION, ProbeCache, identity_key
+    from rapidfire_hf.ppo.recipe.probe_cache import PROBE_CACHE_VERSION, ProbeCache, identity_key
 
     me = {"policy": "P", "torch": "1", "transformers": "1", "rapidfire_hf": "1"}
     with caplog.at_level(logging.WARNING):
@@ -181,7 +181,7 @@ def test_the_plan_counts_the_kv_cache_only_where_the_engine_keeps_it(
 ):
     """The static engine keeps its KV cache between updates, so the planner holds it through scoring and
     training; model.generate frees it (and "auto" is model.generate on a CPU)."""
-    import rapidfire_hf.ppo.planning as planning
+    import rapidfire_hf.ppo.recipe.planning as planning
 
     seen = []
     make_plan = planning.make_plan
@@ -208,7 +208,7 @@ def test_the_plan_decides_the_fused_decode_copies_before_they_exist(tmp_path, to
     generation, after the plan. True: the plan holds them. "auto" (the default, on a GPU where the step is
     recorded; forced here): held only where the plan with them makes the same choices and fits, and the
     engine built at the first rollout follows the plan's decision."""
-    import rapidfire_hf.ppo.planning as planning
+    import rapidfire_hf.ppo.recipe.planning as planning
     from rapidfire_hf.memory.planner import Budget
     from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
 
@@ -281,7 +281,7 @@ def test_a_plan_that_frees_the_cache_releases_the_engine_after_each_rollout_and_
     generation (rebuilt at the next); the update's numbers are those of the run that keeps it."""
     from dataclasses import replace
 
-    import rapidfire_hf.ppo.planning as planning
+    import rapidfire_hf.ppo.recipe.planning as planning
 
     make_plan = planning.make_plan
     asked_free = []
@@ -317,7 +317,7 @@ def test_the_plan_may_free_the_kv_cache_by_default_and_keep_keeps_it(tmp_path):
     the plan is asked whether to free the cache unless the user says 'keep'."""
     from rapidfire_hf import PPOConfig
     from rapidfire_hf.config import load_config
-    from rapidfire_hf.ppo.planning import asked
+    from rapidfire_hf.ppo.recipe.planning import asked
 
     memory = load_config("balanced").memory
     default = PPOConfig(output_dir=str(tmp_path), report_to=[])

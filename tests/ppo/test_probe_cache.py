@@ -1,4 +1,4 @@
-"""The plan's probe cache is used only when verifiably this setup's, and says so (ppo/probe_cache.py).
+"""The plan's probe cache is used only when verifiably this setup's, and says so (ppo/recipe/probe_cache.py).
 
 Attacks on ``<output_dir>/rapidfire_plan_probe.json`` after a real trainer measured and stored its probe:
 numbers edited by hand, numbers forged with the check recomputed, an entry moved under another setup's key,
@@ -14,8 +14,8 @@ import logging
 import pytest
 import torch
 
-from rapidfire_hf.ppo.planning import measure, policies, probe_identity, shape_estimate
-from rapidfire_hf.ppo.probe_cache import PROBE_CACHE, ProbeCache, _seal, identity_key
+from rapidfire_hf.ppo.recipe.planning import measure, policies, probe_identity, shape_estimate
+from rapidfire_hf.ppo.recipe.probe_cache import PROBE_CACHE, ProbeCache, _seal, identity_key
 from tests.ppo.helpers import tiny_trainer
 
 CFG = {"memory": {"prefetch_window": 0}, "gradient": {"pipeline": False}, "precision": {"mode": "static"}}

@@ -86,8 +86,8 @@ def test_the_start_table_names_why_zero3_generates_with_model_generate(tokenizer
     import torch
 
     from rapidfire_hf.demo import build_tiny_llama
+    from rapidfire_hf.ppo.recipe.start_report import start_facts
     from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
-    from rapidfire_hf.ppo.start_report import start_facts
 
     policy = build_tiny_llama(tokenizer)
     args = SimpleNamespace(rollout_decode_mode="auto", rollout_decode_attention="auto", rollout_decode_sampler="torch",

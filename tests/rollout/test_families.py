@@ -160,7 +160,7 @@ def test_start_table_names_the_path_auto_takes_on_cuda(tokenizer, name, native):
 
     from family_cases import OUTSIDE, _outside_model
 
-    from rapidfire_hf.ppo.start_report import start_facts
+    from rapidfire_hf.ppo.recipe.start_report import start_facts
 
     if native:
         policy = build(case(name), len(tokenizer))

@@ -9,6 +9,6 @@
   adapter and value-head config) and the settings a resume must keep;
 - :mod:`rapidfire_hf.checkpoint.errors`: the errors.
 
-``rapidfire_hf.ppo.checkpoint`` and ``rapidfire_hf.sweep.checkpoint`` say what each entry point writes and
+``rapidfire_hf.ppo.recipe.checkpoint`` and ``rapidfire_hf.sweep.checkpoint`` say what each entry point writes and
 how it restores it; neither reads a file on its own.
 """

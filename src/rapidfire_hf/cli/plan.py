@@ -8,7 +8,7 @@ Two ways, one planner (``rapidfire_hf.memory.planner.make_plan``):
   hundred MiB of host memory; ``--model`` reads only its ``config.json``);
 - on this machine's GPU (no ``--gpu-memory``): the trainer `rapidfire demo` would build (its tokenizer,
   prompts and vowel reward) around a policy of a named Llama shape or a local HF causal LM, then the planner
-  of its first update (``rapidfire_hf.ppo.planning.plan_run``: a one-row probe of the models, the device's
+  of its first update (``rapidfire_hf.ppo.recipe.planning.plan_run``: a one-row probe of the models, the device's
   memory, the level's target). No rollout and no training step run.
 
 A plan that does not fit prints its table (or JSON) and one line on stderr saying what would make it fit,

@@ -9,11 +9,13 @@ from rapidfire_hf.models import (
     AutoModelForSeq2SeqLMWithValueHead,
     PreTrainedModelWrapper,
 )
-from rapidfire_hf.ppo import trainer as ppo_trainer  # TRL's module name, for `from ... import ppo_trainer`
 from rapidfire_hf.ppo.compat import batch_generation, masked_mean, masked_var, masked_whiten
 from rapidfire_hf.ppo.config import PPOConfig
 from rapidfire_hf.ppo.quantized import load_quantized
-from rapidfire_hf.ppo.trainer import PPOTrainer
+from rapidfire_hf.ppo.recipe import (
+    trainer as ppo_trainer,  # TRL's module name, for `from ... import ppo_trainer`
+)
+from rapidfire_hf.ppo.recipe.trainer import PPOTrainer
 from rapidfire_hf.ppo.types import Experience, Rollout
 
 __all__ = [

@@ -101,7 +101,7 @@ class TrainedParts:
 
 @dataclass(frozen=True)
 class RunState:
-    """What a :class:`~rapidfire_hf.ppo.trainer.PPOTrainer` holds and has done so far, read-only
+    """What a :class:`~rapidfire_hf.ppo.recipe.trainer.PPOTrainer` holds and has done so far, read-only
     (``trainer.run_state``; a fresh copy at each read): for benchmark scripts and ``rapidfire demo``."""
 
     rollout_backend: str | None  # the rollout engine's ("static" / "hf"); None before the first rollout

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import rapidfire_hf.ppo.trainer as ppo_trainer
+import rapidfire_hf.ppo.recipe.trainer as ppo_trainer
 from rapidfire_hf.demo.task import (
     build_char_tokenizer,
     build_tiny_llama,

@@ -45,7 +45,7 @@ from rapidfire_hf.memory.planner import (
     unplanned_fused_copies,
 )
 from rapidfire_hf.optim.step_health import eight_bit_optimizer
-from rapidfire_hf.ppo.probe_cache import ProbeCache
+from rapidfire_hf.ppo.recipe.probe_cache import ProbeCache
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
 from rapidfire_hf.rollout.engine import resolved_backend
 from rapidfire_hf.rollout.llama_forward import fused_projection_bytes

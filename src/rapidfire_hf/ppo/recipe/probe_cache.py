@@ -1,7 +1,7 @@
 """The throughput plan's probe cache: activation bytes of one training row, measured once per setup.
 
 PPOTrainer's plan measures what one training row keeps for backward under each checkpointing policy
-(``rapidfire_hf.ppo.planning.measure``) and keeps it in ``<output_dir>/rapidfire_plan_probe.json``, so a
+(``rapidfire_hf.ppo.recipe.planning.measure``) and keeps it in ``<output_dir>/rapidfire_plan_probe.json``, so a
 second run of the same setup plans at once. A plan is only as right as those numbers, so an entry is used
 only when it is verifiably this setup's, and the plan table says it was cached:
 

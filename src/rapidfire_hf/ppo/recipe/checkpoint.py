@@ -52,7 +52,7 @@ from rapidfire_hf.checkpoint.readers import read_pt, read_safetensors, require_f
 from rapidfire_hf.checkpoint.writer import fsync, latest_checkpoint, write_checkpoint
 from rapidfire_hf.ppo.types import PPOTrainerState, TrainedParts
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("rapidfire_hf.ppo.checkpoint")  # the name it had before the recipe folder
 
 
 def save_models(parts: TrainedParts, output_dir: str | os.PathLike) -> None:

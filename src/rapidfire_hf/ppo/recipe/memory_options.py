@@ -1,4 +1,4 @@
-"""What ``PPOTrainer`` does with ``memory.prefetch_window`` (``memory.optimization``: ``ppo/planning.py``).
+"""What ``PPOTrainer`` does with ``memory.prefetch_window`` (``memory.optimization``: ``ppo/recipe/planning.py``).
 
 - :class:`PromptPrefetch`: the prompt batches of the coming updates, collated and copied to the device
   ``prefetch_window`` updates ahead (``rapidfire_hf.memory.BatchPrefetcher``), in the order and with the
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from rapidfire_hf.memory.prefetch import BatchPrefetcher
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("rapidfire_hf.ppo.memory_options")  # the name it had before the recipe folder
 
 
 def prefetch_window(rf_config) -> int:

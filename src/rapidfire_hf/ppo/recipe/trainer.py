@@ -15,7 +15,7 @@ The trainer holds explicit components and calls them; one update is :meth:`PPOTr
   (:class:`~rapidfire_hf.optim.step_health.StepHealth`), clipping and the OOM split policy;
 * ``reporter`` (:class:`~rapidfire_hf.ppo.reporting.Reporter`): metrics, sample tables, telemetry.
 
-Construction helpers are in ``ppo/setup.py``.
+Construction helpers are in ``ppo/recipe/setup.py``.
 """
 
 from __future__ import annotations
@@ -36,18 +36,12 @@ from rapidfire_hf.memory.phase_offload import PhaseOffload
 from rapidfire_hf.memory.phase_peaks import PhasePeaks
 from rapidfire_hf.memory.stats import release_cached_memory
 from rapidfire_hf.optim.optimizer import RapidFireOptimizer
-from rapidfire_hf.ppo import checkpoint as ckpt
 from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
-from rapidfire_hf.ppo.memory_options import PromptPrefetch, prefetch_window
 from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
-from rapidfire_hf.ppo.planning import PlanInputs, plan_run, unplanned_run
-from rapidfire_hf.ppo.recovery import NoGradChunks
-from rapidfire_hf.ppo.reporting import Reporter
-from rapidfire_hf.ppo.rollout_phase import Roller, rollout_backend
-from rapidfire_hf.ppo.scoring import Scorer
-from rapidfire_hf.ppo.seeds import permutation_generator, sampling_generator
-from rapidfire_hf.ppo.settings_check import check_trainer_settings, check_unchanged, start_notes
-from rapidfire_hf.ppo.setup import (
+from rapidfire_hf.ppo.recipe import checkpoint as ckpt
+from rapidfire_hf.ppo.recipe.memory_options import PromptPrefetch, prefetch_window
+from rapidfire_hf.ppo.recipe.planning import PlanInputs, plan_run, unplanned_run
+from rapidfire_hf.ppo.recipe.setup import (
     _split_value_head_model,
     apply_peft,
     check_generation_gather,
@@ -63,8 +57,14 @@ from rapidfire_hf.ppo.setup import (
     reward_functions,
     select_adapters,
 )
+from rapidfire_hf.ppo.recipe.start_report import start_facts, start_lines
+from rapidfire_hf.ppo.recovery import NoGradChunks
+from rapidfire_hf.ppo.reporting import Reporter
+from rapidfire_hf.ppo.rollout_phase import Roller, rollout_backend
+from rapidfire_hf.ppo.scoring import Scorer
+from rapidfire_hf.ppo.seeds import permutation_generator, sampling_generator
+from rapidfire_hf.ppo.settings_check import check_trainer_settings, check_unchanged, start_notes
 from rapidfire_hf.ppo.speedups import check_liger_usable
-from rapidfire_hf.ppo.start_report import start_facts, start_lines
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
 from rapidfire_hf.ppo.types import (
     Experience,
@@ -215,7 +215,9 @@ class PPOTrainer:
             args, self.memory_callback, callbacks, self.model, tok, self.optimizer, self.lr_scheduler
         )
         self._perm_generator = permutation_generator(args.seed)  # the rule of ppo/seeds.py
-        self.plan = None  # the throughput plan, made at the first update (ppo/planning.py, plan_update)
+        self.plan = (
+            None  # the throughput plan, made at the first update (ppo/recipe/planning.py, plan_update)
+        )
         self.checkpointing = None  # the activation checkpointing the plan applied (None: none)
         # tests: host offload moves CPU tensors too (memory.phase_offload)
         self.host_offload_include_cpu = False
@@ -439,7 +441,7 @@ class PPOTrainer:
         )
 
     def trained_parts(self) -> TrainedParts:
-        """What saving, exporting and resuming read (``ppo/checkpoint.py``, ``ppo/export.py``), as they are now."""
+        """What saving, exporting and resuming read (``ppo/recipe/checkpoint.py``, ``ppo/recipe/export.py``), as they are now."""
         return TrainedParts(
             args=self.args, accelerator=self.accelerator, module=self.accelerator.unwrap_model(self.model),
             tokenizer=self.processing_class, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
@@ -448,7 +450,7 @@ class PPOTrainer:
         )  # fmt: skip
 
     def plan_inputs(self) -> PlanInputs:
-        """What the throughput plan reads of this trainer (``ppo/planning.py``), as it is now."""
+        """What the throughput plan reads of this trainer (``ppo/recipe/planning.py``), as it is now."""
         return PlanInputs(
             args=self.args, accelerator=self.accelerator, module=self.accelerator.unwrap_model(self.model),
             model=self.model, memory=self.rf_config.memory if self.rf_config is not None else None,
@@ -460,7 +462,7 @@ class PPOTrainer:
 
     def plan_update(self, queries: torch.Tensor):
         """Measure, plan and apply the run's throughput plan for prompts like ``queries``
-        (:func:`~rapidfire_hf.ppo.planning.plan_run`; at the first update); returns the plan, kept as ``plan``."""
+        (:func:`~rapidfire_hf.ppo.recipe.planning.plan_run`; at the first update); returns the plan, kept as ``plan``."""
         planned = plan_run(self.plan_inputs(), queries)
         # the pieces of a split micro-batch run in its window (OOM recovery's split, planned up front)
         self.stepper.planned_splits = planned.plan.splits
@@ -763,13 +765,13 @@ class PPOTrainer:
 
     def save_model(self, output_dir: str | None = None, dataset_name: str | None = None) -> None:
         """Save the policy where ``from_pretrained(output_dir)`` finds it, with the tokenizer, the value
-        model or head beside it, ``training_args.bin`` and a model card (``rapidfire_hf.ppo.export``)."""
-        from rapidfire_hf.ppo.export import save_for_hub
+        model or head beside it, ``training_args.bin`` and a model card (``rapidfire_hf.ppo.recipe.export``)."""
+        from rapidfire_hf.ppo.recipe.export import save_for_hub
 
         save_for_hub(self.trained_parts(), output_dir or self.args.output_dir, dataset_name)
 
     def push_to_hub(self, commit_message: str = "End of training", dataset_name: str | None = None) -> str:
         """Save to ``args.output_dir`` and upload it to ``args.hub_model_id``; returns the commit URL."""
-        from rapidfire_hf.ppo.export import push_to_hub
+        from rapidfire_hf.ppo.recipe.export import push_to_hub
 
         return push_to_hub(self.trained_parts(), commit_message, dataset_name)
