@@ -99,7 +99,7 @@ class Import:
 
 
 def package_of(file: str) -> str:
-    """``ppo/setup.py`` -> ``ppo``; the package's own ``__init__.py`` -> ``rapidfire_hf``."""
+    """``ppo/recipe/setup.py`` -> ``ppo``; the package's own ``__init__.py`` -> ``rapidfire_hf``."""
     parts = Path(file).parts
     if len(parts) > 1:
         return parts[0]
