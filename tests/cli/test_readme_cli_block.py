@@ -1,7 +1,8 @@
-"""README.md's Quickstart names what exists, and its CLI block ("Configuration and CLI") runs as written, each `rapidfire ...` line from the checkout
-root. The `rapidfire plan` and `rapidfire sweep ... --plan` lines run in their own tests
-(tests/cli/test_plan.py, tests/sweep/test_cli.py); the monitor line watches a process that registered a
-telemetry stream, with that process's pid in place of the README's 12345 and `--once` so that it returns."""
+"""README.md's Quickstart names what exists, and its CLI block ("Configuration and CLI") runs as written,
+each `rapidfire ...` line from the checkout root. The `rapidfire plan` and `rapidfire sweep ... --plan`
+lines run in their own tests (tests/cli/test_plan.py, tests/sweep/test_cli.py); the monitor line watches a
+process that registered a telemetry stream, with that process's pid in place of the README's 12345 and
+`--once` so that it returns."""
 
 from __future__ import annotations
 
