@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 GREEDY_TOKENS = 100  # greedy tokens compared with model.generate per case (CPU, fp32)
 LOGPROB_ATOL = 1e-5  # sampled log-probs against a fresh forward of the model
 DROP = object()  # a case value that removes a common config key
+# the attention a reference model with attention-logit soft-capping runs: the one that applies the cap
+REFERENCE_ATTENTION = "eager"
 
 COMMON = dict(
     hidden_size=64,
@@ -89,7 +91,12 @@ def build(c: Case, vocab_size: int, seed: int = 0, **overrides):
     import transformers
 
     kwargs = {**COMMON, **c.kwargs, **overrides, "vocab_size": vocab_size}
-    config = getattr(transformers, c.config)(**{k: v for k, v in kwargs.items() if v is not DROP})
+    kwargs = {k: v for k, v in kwargs.items() if v is not DROP}
+    config = getattr(transformers, c.config)(**kwargs)
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        # the reference must be the model's soft-capped forward: only eager attention applies the cap, and
+        # transformers 5.17 runs Gemma-2 on sdpa by default, which drops it without a word (5.25 refuses it)
+        config = getattr(transformers, c.config)(**kwargs, attn_implementation=REFERENCE_ATTENTION)
     torch.manual_seed(seed)
     model = getattr(transformers, c.model)(config).eval()
     model.generation_config.pad_token_id = 0

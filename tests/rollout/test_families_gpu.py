@@ -1,7 +1,12 @@
 """Every family of tests/rollout/family_cases.py on one GPU with the decode step the engine runs there
 (compiled, or recorded as a CUDA graph): fp32 greedy tokens equal ``model.generate`` (TF32 off); in bf16,
 where a random-init model's near-tied logits make exact equality a coin toss, every greedy token is the
-argmax of the model's own forward over the generated sequence up to a few bf16 roundings of the top logit."""
+argmax of the model's own forward over the generated sequence up to a few bf16 roundings of the top logit
+(or, in a routed MoE model, of its router's k-th expert: ``argmax_misses``).
+
+The references with attention soft-capping run eager attention (family_cases.build): transformers 5.17
+runs Gemma-2 on sdpa by default, which drops the cap, and the fp32 and bf16 gemma2 checks failed against
+that uncapped forward (issue 45: row 0 step 22, top-2 gap 0.057, reproduced on the CPU with 5.17)."""
 
 from __future__ import annotations
 
@@ -9,16 +14,13 @@ import warnings
 
 import pytest
 import torch
-from _rollout_helpers import fresh_logits, hf_greedy
+from _rollout_helpers import argmax_misses, fresh_logits, hf_greedy
 from family_cases import CASES, GREEDY_TOKENS, build, case
 
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 NAMES = [c.name for c in CASES]
-# bf16 keeps 8 significant bits (2**-8 relative); the engine's kernels and HF's round differently through
-# every layer, so a choice within a few roundings of the top logit is a tie, not an error
-BF16_TIE = 2**-5
 
 
 @pytest.fixture(autouse=True)
@@ -86,8 +88,6 @@ def test_bf16_greedy_tokens_are_the_models_argmax_on_cuda(tokenizer, prompts, na
     engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="auto")
     assert engine.path == "native"
     out = engine.generate(ids, mask, SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False))
-    logits = fresh_logits(model, out.sequences, mask)[:, out.prompt_length - 1 : -1]
-    chosen = logits.gather(-1, out.responses[..., None]).squeeze(-1)
-    top = logits.max(-1).values
-    assert ((top - chosen) <= BF16_TIE * top.abs().clamp_min(1.0)).all()
-    assert (chosen == top).float().mean() >= 0.95  # ties are the exception
+    misses, exact = argmax_misses(model, out, mask)
+    assert not misses, "\n".join(misses)
+    assert exact >= 0.95  # ties are the exception

@@ -231,6 +231,21 @@ def _band(valid: torch.Tensor, query_slot, window: int | None, length: int) -> t
     return valid & (keys > query_slot - window)
 
 
+def _warn_if_forward_drops_softcap(config, softcap: float | None) -> None:
+    """Say so when the model's own forward leaves out the attention soft-cap this forward applies: transformers'
+    sdpa attention has no cap (5.17 runs Gemma-2 on sdpa by default and drops it silently), so the rollout's
+    tokens and log-probs (capped, as the model is defined) would differ from the training forward's."""
+    impl = str(getattr(config, "_attn_implementation", None) or "")
+    if softcap is not None and "sdpa" in impl:
+        warnings.warn(
+            f"the model's own forward runs attn_implementation={impl!r}, which leaves out its attention "
+            f"soft-capping (attn_logit_softcapping={softcap}); the rollout engine applies the cap, as the model "
+            "is defined, so the rollout's log-probs differ from the training forward's (PPO's ratio and KL read "
+            "both): load the model with attn_implementation='eager'",
+            stacklevel=3,
+        )
+
+
 class StaticLlama:
     """Prefill and one-token decode for the supported decoder families, with the cache passed in explicitly.
 
@@ -335,6 +350,7 @@ class StaticLlama:
         self._table_of = [None if k is None else self._tables.index(k) for k in kinds]
         self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if fam.softcap else None
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if fam.softcap else None
+        _warn_if_forward_drops_softcap(cfg, self.attn_softcap)
         self.parallel = fam.parallel_residual and bool(getattr(cfg, "use_parallel_residual", True))
         self.embed_mult = float(cfg.embedding_multiplier) if fam.multipliers else 1.0
         self.residual_mult = float(cfg.residual_multiplier) if fam.multipliers else 1.0
