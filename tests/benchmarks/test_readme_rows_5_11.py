@@ -235,6 +235,12 @@ def test_the_7b_tables_out_of_memory_batches_are_size7b_table():
         and f"batch {chunks['batch']}: {float(chunks['tokens_per_s']):,.0f} tok/s" in full
     )
     assert "(generation in chunks of 128)" in full
+    call = {(r["system"], r["peft"], r["value_mode"], r["batch"]): r["file"].split("/")[0] for r in rows}
+    lora_sep, full_sep = (next(x for x in table.splitlines() if x.startswith(f"| {m}, separate")) for m in ("LoRA", "full"))  # fmt: skip
+    assert call["trl", "lora", "separate", "128"] == call["rapidfire", "lora", "separate", "160"]
+    assert "stock OOM at 128 in that call" in lora_sep and "batch 160:" in lora_sep
+    assert call["trl", "", "separate", "4"] != call["rapidfire", "", "separate", "160"]
+    assert "stock's batch 4 ran in another call" in full_sep and "batch 160:" in full_sep
     assert all(r["micro"] == "8" for r in rows if r["system"] == "rapidfire" and r["micro"])
     assert "Ours: micro-batch 8," in " ".join(table.split())
 
@@ -322,20 +328,28 @@ PPO_ROWS = {
 def test_the_ppo_rows_say_the_stored_workload():
     """Each PPO row's rollout batch, value mode and card as its stored call ran them, and the table's "one H200
     unless stated; 1.1B Llama shape, 128 + 384 tokens unless stated" holds for each row that states neither."""
+    header = next(x for x in README.splitlines() if x.startswith("| # | comparison ("))
+    m = re.search(
+        r"\(one (H\d+) unless stated; ([\d.]+)B Llama shape, (\d+) \+ (\d+) tokens unless stated\)", header
+    )
+    assert m, header
+    card, default_shape, tokens = f"NVIDIA {m[1]}", f"llama-{m[2]}b", (int(m[3]), int(m[4]))
     for number, (path, names) in PPO_ROWS.items():
         data = _load(path)
         rows = {r["name"]: r for r in data["rows"]}
         ours = rows[names[-1]]
         what = _row(number)[1]
         gpu = data["environment"]["gpu"]
-        assert ("H100" in what and "H100 80GB" in gpu) or ("H100" not in what and gpu == "NVIDIA H200"), (
-            number
-        )
-        assert {(rows[n]["prompt_len"], rows[n]["response_len"]) for n in names} == {(128, 384)}, number
+        assert ("H100" in what and "H100 80GB" in gpu) or ("H100" not in what and gpu == card), number
+        assert {(rows[n]["prompt_len"], rows[n]["response_len"]) for n in names} == {tokens}, number
         shape = {rows[n]["shape"] for n in names}
-        assert shape == (
-            {"llama-7b"} if number == 14 else {"gemma3-1b"} if number == 15 else {"llama-1.1b"}
-        ), number
+        if number == 14:
+            assert shape == {"llama-7b"} and {rows[n]["reward"] for n in names} == {"model"}, number
+            assert "7B full fine-tuning with a 7B reward model" in what and not ours["peft"]
+        elif number == 15:
+            assert shape == {"gemma3-1b"} and "H100 80 GB" in what, number
+        else:
+            assert shape == {default_shape}, number
         if number != 14:  # row 14: stock's largest batch against ours
             assert f"rollout batch {ours['batch']}" in what, number
         mode = {"separate": "separate value model", "fused": "fused value head"}[ours["value_mode"]]
@@ -350,7 +364,7 @@ def test_the_ppo_rows_say_the_stored_workload():
     assert {r["shape"] for r in olmo["rows"]} == {"olmo2-1b"} and "H100 80GB" in olmo["environment"]["gpu"]
     generic = _load("rollout/results/h100/generic/results.json")
     assert (
-        generic["model"]["shape"] == "llama-1.1b" and generic["batches"] == [8] and "H100" in generic["gpu"]
+        generic["model"]["shape"] == default_shape and generic["batches"] == [8] and "H100" in generic["gpu"]
     )
     assert "at batch 8 on one H100, 1.1B Llama shape" in _row(16)[1]
     lowmem = _load("grpo/results/h200/lowmem_switch/results.json")["variants"]["rapidfire_lowmem4"][
@@ -381,6 +395,14 @@ def test_the_7b_tables_settings_are_the_stored_runs():
         if r["system"] == "rapidfire" and r["status"] == "ok"
     ]
     assert len(runs) >= 5
+    head = re.search(
+        r"\(Llama-2-7B shape, (\d+) \+ (\d+) tokens, a 7B sequence-classification reward model", text
+    )
+    assert head, text
+    assert {(r["shape"], r["prompt_len"], r["response_len"]) for _, r in runs} == {
+        ("llama-7b", *map(int, head.groups()))
+    }
+    assert {r["reward_class"] for _, r in runs if r.get("reward_class")} == {"LlamaForSequenceClassification"}
     for f, r in runs:
         assert (str(r["micro"]), str(r["score_chunk"])) == (m[1], m[2]), f
         if r["peft"] == "lora":
