@@ -1,7 +1,7 @@
 """Llama model shapes shared by the benchmarks and demos (``LlamaConfig`` keyword arguments, random init).
 
 ``llama-1.1b`` is the shape the project's baseline numbers use (docs/results.md); ``llama-7b`` is Llama-2-7B's;
-``llama-15b`` (15.5B parameters: Llama-2-13B's width, 48 layers) is a policy too large to train with PPO on
+``llama-15b`` (15.6B parameters: Llama-2-13B's width, 48 layers) is a policy too large to train with PPO on
 one 141 GB GPU even in pure bf16 (weights, gradients, AdamW state and a reference copy: ~10 bytes per
 parameter) that two GPUs train sharded (``SET=bf16 benchmarks/distributed/largest_model.sh``); ``llama-160m`` is a small GQA shape for learning runs; ``llama-tiny`` and ``smoke`` are for CPU checks.
 """
