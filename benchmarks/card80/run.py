@@ -44,6 +44,8 @@ ROWS = {
     "lora7b": {"batch": 256, "peft": True},
     "full7b_off": {"batch": 160, "peft": False, "host_offload": "off"},
     "full7b_offload": {"batch": 160, "peft": False, "host_offload": "auto"},
+    "lora7b_off": {"batch": 256, "peft": True, "host_offload": "off"},
+    "lora7b_offload": {"batch": 256, "peft": True, "host_offload": "auto"},
 }
 
 
