@@ -3,7 +3,8 @@
 ``StaticLlama`` (rollout/llama_forward.py) is one forward over a static KV cache; everything a family does
 differently is one field of :class:`Family` (module names, where the norms sit, how q/k/v are laid out) or
 a number read from the model's config where the family declares it (soft-capping, Granite's multipliers,
-sliding windows, no-RoPE layers). Norms, projections, MLPs and MoE blocks stay the model's own modules.
+sliding windows, no-RoPE layers). Norms, projections, MLPs and MoE blocks stay the model's own modules
+(Gemma's ``1 + w`` norms are computed from their weights in the modules' arithmetic: ``offset_norm``).
 The arithmetic of each switch follows the family's modeling file in ``transformers`` (5.x).
 """
 
@@ -47,6 +48,9 @@ class Family:
         softcap: attention-logit and final-logit soft-capping from the config (Gemma-2/3).
         multipliers: Granite's embedding / residual multipliers and logits scaling from the config.
         nope_layers: the config's ``no_rope_layers`` marks layers without rotary embeddings (SmolLM3).
+        offset_norm: the RMSNorms scale by ``1 + w`` in fp32 and cast after (Gemma 1/2/3): the static forward
+            computes them from their weights with ``1 + w`` precomputed once per generation, and a layer's
+            per-head q and k norms in one pass (rollout/llama_forward.py, ``offset_rms_norm``).
     """
 
     final_norm: str = "norm"
@@ -61,6 +65,7 @@ class Family:
     softcap: bool = False
     multipliers: bool = False
     nope_layers: bool = False
+    offset_norm: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -68,9 +73,9 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "qwen2": Family(),
     "qwen3": Family(qk_norm="head"),
-    "gemma": Family(embed_scale=True),
-    "gemma2": Family(embed_scale=True, norms=SANDWICH, softcap=True),
-    "gemma3_text": Family(embed_scale=True, norms=SANDWICH, qk_norm="head", softcap=True),
+    "gemma": Family(embed_scale=True, offset_norm=True),
+    "gemma2": Family(embed_scale=True, norms=SANDWICH, softcap=True, offset_norm=True),
+    "gemma3_text": Family(embed_scale=True, norms=SANDWICH, qk_norm="head", softcap=True, offset_norm=True),
     "olmo2": Family(norms=POST_NORM, qk_norm="proj"),
     "phi3": Family(qkv="fused"),
     "gpt_neox": Family(

@@ -199,6 +199,9 @@ class GenericNet:
     def fused_weights(self) -> tuple[torch.Tensor, ...]:
         return ()
 
+    def norm_scales(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
     def fused_bytes(self) -> int:
         return 0
 

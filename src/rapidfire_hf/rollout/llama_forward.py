@@ -3,8 +3,10 @@ weights (the families' differences are the switches of rollout/families.py; docs
 
 Only attention is re-implemented (so no HF cache object or mask builder is in the loop); embeddings,
 norms, projections and MLPs are the model's modules, called directly (a routed MoE block at decode:
-rollout/moe_decode.py, on its own router and expert weights, so the step can be recorded), so PEFT LoRA layers
-wrapped around ``q_proj`` etc. keep working and generation always sees the current training weights.
+rollout/moe_decode.py, on its own router and expert weights, so the step can be recorded; Gemma's ``1 + w``
+RMSNorms from their weights, :func:`offset_rms_norm`, the module's arithmetic with ``1 + w`` precomputed per
+generation), so PEFT LoRA layers wrapped around ``q_proj`` etc. keep working and generation always sees the
+current training weights.
 """
 
 from __future__ import annotations
@@ -191,6 +193,13 @@ def _concat_into(out: torch.Tensor | None, weights: tuple[torch.Tensor, ...]) ->
     return out
 
 
+def _offset_into(out: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """``1 + weight.float()`` into ``out`` (reallocated when its shape or device no longer fit)."""
+    if out is None or out.shape != weight.shape or out.device != weight.device:
+        return 1.0 + weight.detach().float()
+    return out.copy_(weight.detach()).add_(1.0)  # fp32 copy of the weight (exact), then + 1 in fp32
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -205,6 +214,32 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
         return (x * cos + _rotate_half(x) * sin).to(x.dtype)
     rot = x[..., :d]
     return torch.cat([(rot * cos + _rotate_half(rot) * sin).to(x.dtype), x[..., d:]], dim=-1)
+
+
+# the (1 + w) RMSNorm classes of transformers whose forward :func:`offset_rms_norm` computes
+OFFSET_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
+
+def is_offset_norm(module) -> bool:
+    """Whether ``module`` is one of transformers' Gemma RMSNorms, unpatched (a kernel library's replacement
+    class or an instance-level ``forward`` keeps its module call)."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "eps", None)
+    return (
+        type(module).__name__ in OFFSET_NORMS
+        and "forward" not in vars(module)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and isinstance(eps, (int, float))
+        and not isinstance(eps, bool)
+    )
+
+
+def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm in the arithmetic of its module (fp32 normalisation, times ``1 + w`` in fp32, cast
+    back), with ``scale = 1 + w.float()`` computed beforehand: two kernels fewer per norm, the same bits.
+    ``scale`` broadcasts over ``x``'s last dims (``[H]``, or ``[heads, D]`` for q and k normed together)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
 
 
 def _capped_attention(q, k, v, allowed, scale: float, softcap: float) -> torch.Tensor:
@@ -382,7 +417,50 @@ class StaticLlama:
         # LoRA factors of a fused group: (A stacked [R, H], B * scaling block-diagonal [out, R]) or None
         self._qkv_lora: list[tuple | None] = [None] * len(self.layers)
         self._gu_lora: list[tuple | None] = [None] * len(self.layers)
+        # offset (Gemma) norms: per layer the four norm positions' ``1 + w`` (None: a module call), the final
+        # norm's, and the q and k norms' stacked per head ``[Hq + KV, D]`` (None: separate module calls)
+        self._offset = [
+            tuple(fam.offset_norm and n is not None and is_offset_norm(n) for n in norms)
+            for norms in self.norms
+        ]
+        self._final_offset = fam.offset_norm and is_offset_norm(self.final_norm)
+        self._qk_offset = [
+            fam.offset_norm
+            and self.qk_norm == "head"
+            and is_offset_norm(a.q_norm)
+            and is_offset_norm(a.k_norm)
+            and float(a.q_norm.eps) == float(a.k_norm.eps)
+            for a in self.attns
+        ]
+        self._norm_scale: list[list] = [[None] * 4 for _ in self.layers]
+        self._final_scale = None
+        self._qk_scale: list = [None] * len(self.layers)
         self._refresh_embed_scale()
+        self._refresh_norm_scales()
+
+    def _refresh_norm_scales(self) -> None:
+        """``1 + w`` in fp32 of every offset norm, from its current weight (in place where the shape, dtype and
+        device still fit, so recorded graphs stay valid)."""
+        with torch.no_grad():
+            for i, norms in enumerate(self.norms):
+                for j, module in enumerate(norms):
+                    if self._offset[i][j]:
+                        self._norm_scale[i][j] = _offset_into(self._norm_scale[i][j], module.weight)
+            if self._final_offset:
+                self._final_scale = _offset_into(self._final_scale, self.final_norm.weight)
+            for i, attn in enumerate(self.attns):
+                if self._qk_offset[i]:
+                    w = torch.cat(
+                        [
+                            attn.q_norm.weight.detach()[None].expand(self.n_heads, -1),
+                            attn.k_norm.weight.detach()[None].expand(self.n_kv, -1),
+                        ]
+                    )
+                    self._qk_scale[i] = _offset_into(self._qk_scale[i], w)
+
+    def _norm(self, module, scale, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``, or its offset form from the precomputed ``scale`` (see :func:`offset_rms_norm`)."""
+        return module(x) if scale is None else offset_rms_norm(x, scale, module.eps)
 
     def _refresh_embed_scale(self) -> None:
         """Gemma's sqrt(hidden), rounded to the embedding dtype as the model's own multiplication rounds it
@@ -395,6 +473,7 @@ class StaticLlama:
         concatenated ones (allocated on first use or when a weight's shape, dtype or device changed; in place
         otherwise, so recorded graphs stay valid)."""
         self._refresh_embed_scale()
+        self._refresh_norm_scales()
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
                 if not self.fused[i]:
@@ -418,6 +497,11 @@ class StaticLlama:
         """The concatenated weights in use (their addresses are part of what a recorded graph reads)."""
         lora = [t for pair in (*self._qkv_lora, *self._gu_lora) if pair is not None for t in pair]
         return tuple(w for w in (*self._qkv_w, *self._gu_w, *lora) if w is not None)
+
+    def norm_scales(self) -> tuple[torch.Tensor, ...]:
+        """The offset norms' precomputed ``1 + w`` in use (their addresses, too, are read by a recorded graph)."""
+        scales = [s for row in self._norm_scale for s in row] + [self._final_scale, *self._qk_scale]
+        return tuple(s for s in scales if s is not None)
 
     def _project(self, h: torch.Tensor, weight: torch.Tensor, lora: tuple | None) -> torch.Tensor:
         """A fused group's projections of ``h``: the base matmul, plus its LoRA term in the factors' dtype
@@ -519,15 +603,21 @@ class StaticLlama:
         return self.head(hidden).float()
 
     # ----- per-layer pieces ------------------------------------------------------------------------
-    def _heads(self, attn, q, k, v, lead: tuple[int, ...]):
-        """Flat projections -> per-head ``[*lead, heads, D]``, with the family's q/k norms."""
+    def _heads(self, i: int, q, k, v, lead: tuple[int, ...]):
+        """Flat projections of layer ``i`` -> per-head ``[*lead, heads, D]``, with the family's q/k norms (offset
+        per-head norms in one pass over q and k together: the same per-row arithmetic, one set of kernels)."""
+        attn = self.attns[i]
         if self.qk_norm == "proj":
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
         if self.qk_norm == "head":
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            if self._qk_scale[i] is not None:
+                qk = offset_rms_norm(torch.cat([q, k], dim=-2), self._qk_scale[i], attn.q_norm.eps)
+                q, k = qk.split([self.n_heads, self.n_kv], dim=-2)
+            else:
+                q, k = attn.q_norm(q), attn.k_norm(k)
         return q, k, v
 
     def _qkv(self, i: int, h: torch.Tensor, lead: tuple[int, ...]):
@@ -540,7 +630,7 @@ class StaticLlama:
             q, k, v = attn.qkv_proj(h).split(self._qkv_sizes, dim=-1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        return self._heads(attn, q, k, v, lead)
+        return self._heads(i, q, k, v, lead)
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP on ``h``. A routed MoE block at decode (``h`` is ``[B, H]``) runs
@@ -562,15 +652,16 @@ class StaticLlama:
         """One decoder layer around ``attention(h)`` and ``mlp(h)``, with the family's norm positions and
         residual form (the order of additions of the family's own layer)."""
         pre_a, post_a, pre_m, post_m = self.norms[i]
-        a = attention(pre_a(x) if pre_a is not None else x)
+        s_pre_a, s_post_a, s_pre_m, s_post_m = self._norm_scale[i]
+        a = attention(self._norm(pre_a, s_pre_a, x) if pre_a is not None else x)
         if post_a is not None:
-            a = post_a(a)
+            a = self._norm(post_a, s_post_a, a)
         if self.parallel:  # GPT-NeoX: mlp_output + attn_output + hidden_states
-            return mlp(pre_m(x)) + a + x
+            return mlp(self._norm(pre_m, s_pre_m, x)) + a + x
         x = self._residual(x, a)
-        m = mlp(pre_m(x) if pre_m is not None else x)
+        m = mlp(self._norm(pre_m, s_pre_m, x) if pre_m is not None else x)
         if post_m is not None:
-            m = post_m(m)
+            m = self._norm(post_m, s_post_m, m)
         return self._residual(x, m)
 
     # ----- prefill and decode ----------------------------------------------------------------------
@@ -625,7 +716,7 @@ class StaticLlama:
                 return self.out_projs[i](o.transpose(1, 2).reshape(b, p, -1))
 
             x = self._layer(i, x, attention, lambda h, i=i: self._mlp(i, h))
-        return self.final_norm(x[:, -1])
+        return self._norm(self.final_norm, self._final_scale, x[:, -1])
 
     def decode(
         self, tokens, slot, cos, sin, key_valid, k_cache, v_cache, kv_len: int | None = None, scales=None
@@ -660,7 +751,7 @@ class StaticLlama:
             def attention(h, i=i, fused=fused):
                 if fused:
                     qkv = self._project(h, self._qkv_w[i], self._qkv_lora[i])
-                    q, k, v = self._heads(self.attns[i], *qkv.split(self._qkv_sizes, dim=-1), (b,))
+                    q, k, v = self._heads(i, *qkv.split(self._qkv_sizes, dim=-1), (b,))
                 else:
                     q, k, v = self._qkv(i, h, (b,))
                 q = q.view(b, self.n_kv, self.group, self.head_dim)
@@ -695,4 +786,4 @@ class StaticLlama:
                 return out(act, down.weight) if out else down(act)
 
             x = self._layer(i, x, attention, mlp)
-        return self.final_norm(x)
+        return self._norm(self.final_norm, self._final_scale, x)

@@ -430,7 +430,8 @@ class StaticEngine:
             (bool(m.disable_adapters), bool(getattr(m, "merged", False)), tuple(m.active_adapters))
             for m in self._adapter_layers
         )
-        weights = tuple(q.data_ptr() for q in (*self.model.parameters(), *self.net.fused_weights()))
+        held = (*self.model.parameters(), *self.net.fused_weights(), *self.net.norm_scales())
+        weights = tuple(q.data_ptr() for q in held)
         return weights, adapters
 
     def _all_stopped(self, buf: _Buffers, t: int) -> bool:
