@@ -1,7 +1,9 @@
 """README.md's one-H100 numbers are the stored results': row 15 (PPO with Gemma-3 / OLMo-2 policies) from
 benchmarks/ppo_vs_trl/results/h100/families_b8, row 16 (the generic decode path) from
 benchmarks/rollout/results/h100/generic, and the 80 GB 7B numbers (README's 7B paragraph; docs/results.md's
-paragraph and per-phase table, "7B") from benchmarks/presets/results/h100/full7b_plan. A re-run that
+paragraph and per-phase table, "7B") from benchmarks/card80/results/h100_2026-12-06/full7b_trades (its
+``full7b_offload`` row, PPOConfig's default ``host_offload="auto"``, and the ``full7b_off`` row of the same
+call). A re-run that
 changes a stored file, or a README or docs edit, that leaves the two apart fails here."""
 
 from __future__ import annotations
@@ -58,8 +60,13 @@ def test_row_16_is_the_generic_call():
     assert f"{dyn['ms_per_step'] / gen['ms_per_step']:.1f}×" in ratio
 
 
-def _full7b_plan() -> dict:
-    (row,) = _load("presets/results/h100/full7b_plan/results.json")["rows"]
+TRADES = "card80/results/h100_2026-12-06/full7b_trades/results.json"
+
+
+def _full7b_plan(name: str = "full7b_offload") -> dict:
+    data = _load(TRADES)
+    assert "H100 80GB" in data["environment"]["gpu"]
+    (row,) = [r for r in data["rows"] if r["row"] == name]
     return row
 
 
@@ -82,6 +89,10 @@ def test_80gb_paragraph_is_full7b_plan():
     assert row["status"] == "ok" and row["batch"] == 160 and row["rapidfire_config"] == "aggressive"
     assert f"**{round(row['tokens_per_s']):,} tokens/s**" in text
     assert f"peak {row['peak_gib']:.1f} GiB" in text
+    assert row["host_offload"] == "auto" and 'with `host_offload="auto"` (the default)' in " ".join(text.split())
+    off = _full7b_plan("full7b_off")
+    assert off["status"] == "ok" and off["host_offload"] == "off" and off["oom_splits"] == 0
+    assert f'In the same call `host_offload="off"` ran {round(off["tokens_per_s"]):,} tokens/s, also with 0 splits' in " ".join(text.split())
     assert (
         f"**{row['oom_splits']}\nout-of-memory splits**" in text
         or f"**{row['oom_splits']} out-of-memory" in text

@@ -246,16 +246,23 @@ def test_the_7b_tables_out_of_memory_batches_are_size7b_table():
 
 
 def test_the_80gb_paragraphs_plan_is_full7b_plan():
-    (row,) = _load("presets/results/h100/full7b_plan/results.json")["rows"]
-    plan = row["plan"]
+    rows = _load("card80/results/h100_2026-12-06/full7b_trades/results.json")["rows"]
+    (row,) = [r for r in rows if r["row"] == "full7b_offload"]
+    (off,) = [r for r in rows if r["row"] == "full7b_off"]
+    plan, off_plan = row["plan"], off["plan"]
     start = RESULTS.index("**7B full fine-tuning on one H100 80 GB**")
     text = " ".join(RESULTS[start : RESULTS.index("### Commands", start)].split())
     assert f"`aggressive` given only the rollout batch {row['batch']};" in text
-    pieces = re.search(r"(\d+) pieces of (\d+) rows", plan["reasons"]["train_rows"])
-    assert pieces and f"({pieces[1]} pieces of {pieces[2]} rows, same optimizer steps)" in text
-    assert plan["optimizer_state"] == "8-bit" and "chose 8-bit AdamW state" in text
-    assert plan["checkpointing"] == "elementwise" and "element-wise recompute" in text
-    assert f"| generation (chunks of {plan['generation_rows']}) |" in text
+    assert plan["offload_frozen"] and not plan["offload_state"] and "keeps the frozen reference and reward weights" in text
+    assert plan["splits"] == 0 and plan["checkpointing"] == "none" and plan["train_rows"] == 8
+    assert "the micro-batch of 8 trains whole without recompute" in text
+    assert plan["generation_rows"] == row["batch"] and f"the batch of {row['batch']} generates in one chunk" in text
+    assert plan["optimizer_state"] == "8-bit" and "it chose 8-bit AdamW state" in text
+    pieces = re.search(r"(\d+) pieces of (\d+) rows", off_plan["reasons"]["train_rows"])
+    assert pieces and f"({pieces[1]} pieces of {pieces[2]} rows, same optimizer steps" in text
+    assert off_plan["checkpointing"] == "elementwise" and "element-wise recompute" in text
+    assert f"generation in chunks of {off_plan['generation_rows']})" in text
+    assert f"| generation (chunk of {plan['generation_rows']}) |" in text
     assert f"| scoring (chunk of {plan['scoring_rows']}) |" in text
 
 
