@@ -27,5 +27,6 @@ for x in rows:
           "updates", x.get("update_times"), "score", x.get("score_times"), x.get("error", "")[:200])
 PY
 done
-TOTAL_S=$(( 560 - (SECONDS - T0) )) bash benchmarks/rollout/gpu_diag_families.sh $OUT/diag > $OUT/diag.log 2>&1
+left=$(( 560 - (SECONDS - T0) )); (( left > 145 )) && left=145
+TOTAL_S=$left bash benchmarks/rollout/gpu_diag_families.sh $OUT/diag > $OUT/diag.log 2>&1
 tail -25 $OUT/diag.log
