@@ -56,8 +56,8 @@ def test_the_7b_reward_model_run_offloads_its_frozen_weights_to_train_whole(caps
     """Issue 46 item 2: on the 80 GB card the plan keeps the reference and reward weights in host memory
     outside scoring; the 24.9 GiB it frees trains the micro-batch of 8 whole without recompute and generates
     the batch in one chunk (the optimizer state stays: moving it too would change nothing more)."""
-    # PPOConfig's default (and the CLI's) is "off" until the CUDA path is measured: nothing moves
-    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json"]) == 0
+    # with "off" nothing moves
+    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", "off"]) == 0
     assert json.loads(capsys.readouterr().out)["offload_frozen"] is False
     assert (
         main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", "auto"]) == 0
@@ -202,3 +202,15 @@ def test_frozen_models_in_8_bits_are_counted_and_suggested_where_they_make_it_fi
                  "fused", "--reward", "model", "--config", "balanced"]) == 1  # fmt: skip
     line = capsys.readouterr().err.strip()
     assert "--config aggressive" in line and "--frozen-quantization" in line, line
+
+
+def test_the_plan_command_plans_ppoconfigs_host_offload_default(capsys):
+    """`rapidfire plan` without --host-offload plans what PPOConfig would run (its default, read from there)."""
+    from rapidfire_hf.ppo.config import PPOConfig
+
+    default = PPOConfig.__dataclass_fields__["host_offload"].default
+    assert default == "auto"
+    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", default]) == 0
+    assert json.loads(capsys.readouterr().out) == plain

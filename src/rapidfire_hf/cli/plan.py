@@ -111,9 +111,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--host-offload",
         choices=("auto", "on", "off"),
-        default="off",
+        default=None,
         help="PPOConfig's host_offload: the frozen models' weights and the optimizer state in host memory "
-        "between phases ('off', PPOConfig's default; 'auto': where it pays; planned only with --gpu-memory or without a GPU).",
+        "between phases (default: PPOConfig's, 'auto': where it pays; 'off': never; planned only with "
+        "--gpu-memory or without a GPU).",
     )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of the table.")
     p.set_defaults(func=plan_command)
@@ -125,6 +126,10 @@ def plan_command(args: argparse.Namespace) -> int:
     from rapidfire_hf.config import ConfigError
 
     try:
+        if args.host_offload is None:  # PPOConfig's default, from its one home
+            from rapidfire_hf.memory.offload_plan import HOST_OFFLOAD_DEFAULT
+
+            args.host_offload = HOST_OFFLOAD_DEFAULT
         _check_args(args)
         if _analytic(args):
             return _card_plan_and_print(args)

@@ -32,6 +32,9 @@ from rapidfire_hf.memory.planner import GIB, POLICIES, Budget, Plan, Workload, _
 HOST_LINK_BYTES_PER_S = 22e9
 
 HOST_OFFLOAD_VALUES = ("auto", "on", "off")
+# PPOConfig's default and `rapidfire plan`'s: "auto" since one H100 80 GB measured 3,857 against 2,559 tokens/s
+# with "off" (7B full fine-tuning, batch 160, same call: benchmarks/card80/results/h100_2026-12-06)
+HOST_OFFLOAD_DEFAULT = "auto"
 # the planner also takes one part forced (replaying a stored plan's choice: tests, benchmarks)
 FORCED_PARTS = ("frozen", "state")
 

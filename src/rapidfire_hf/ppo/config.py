@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 
 from rapidfire_hf.config.checks import Among, AutoOr, Bool, Check, Float, FloatList, Int, Optional, Str
 from rapidfire_hf.config.errors import ConfigError, ConfigErrors
+from rapidfire_hf.memory.offload_plan import HOST_OFFLOAD_DEFAULT
 
 _POSITIVE = Float(0.0, math.inf, open_low=True)
 _NON_NEGATIVE = Float(0.0, math.inf)
@@ -434,7 +435,7 @@ class PPOConfig(TrainingArguments):
         },
     )
     host_offload: str = field(
-        default="auto",
+        default=HOST_OFFLOAD_DEFAULT,
         metadata={
             "help": "Host memory between the phases of an update: the reference and reward models' weights "
             "kept in pinned host memory outside scoring (copied in on a side stream before it), the optimizer "
