@@ -6,10 +6,21 @@ call into a function of the package during the second one (a steady update: plan
 ``on_step_begin`` to the next one (rollout -> scoring -> PPO epochs -> optimizer steps -> log). Only call
 events of frames whose code lives under ``src/rapidfire_hf`` are kept, in order, as their file.
 
-Printed (and written as JSON with ``--out``):
+Three rules count the walk (all printed, and written as JSON with ``--out``):
+
+- ``every call`` (the first rule, 2026-12-06): every call event in the package, nested helpers and generator
+  resumptions included.
+- ``package`` (the walk as a reader follows it from part to part): only calls that cross a package
+  boundary: the caller's file is in another package than the callee's (the packages of the import contract:
+  ``ppo``, ``optim``, ``memory``, ...), or outside rapidfire_hf (torch calling a module's forward or a hook,
+  transformers calling a callback). A call inside its package (``ppo/scoring.py`` -> ``ppo/core.py``,
+  ``optim/optimizer.py`` -> ``optim/pipeline.py``) stays inside the part the walk entered.
+- ``folder``: as ``package``, with every folder its own part (``ppo/recipe/`` apart from ``ppo/``).
+
+For each rule:
 
 - ``files``: distinct source files entered; ``packages``: distinct packages (``ppo``, ``optim``, ...);
-- ``changes``: how often a call entered another file than the previous call;
+- ``changes``: how often a counted call entered another file than the previous counted call;
 - ``returns``: changes into a file already entered before in the update;
 - the same within one optimizer step (the ``Stepper._step`` call that stepped: the largest one).
 
@@ -41,11 +52,22 @@ def _rel(filename: str) -> str | None:
         return None
 
 
+def folder(rel: str | None) -> str | None:
+    """``ppo/recipe/trainer.py`` -> ``ppo/recipe``; a file at the package's top -> ``""``; outside -> None."""
+    return None if rel is None else rel.rpartition("/")[0]
+
+
+def package(rel: str | None) -> str | None:
+    """``ppo/recipe/trainer.py`` -> ``ppo``; a file at the package's top -> ``""``; outside -> None."""
+    return None if rel is None else rel.partition("/")[0] if "/" in rel else ""
+
+
 class Walk:
-    """The in-package calls of the main thread while on: ``(file, function, optimizer step number or None)``."""
+    """The in-package calls of the main thread while on:
+    ``(file, function, optimizer step number or None, the caller's file or None when outside the package)``."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str, int | None]] = []
+        self.calls: list[tuple[str, str, int | None, str | None]] = []
         self.steps = 0
         self._step_frame = None
         self._rel_cache: dict[str, str | None] = {}
@@ -62,8 +84,10 @@ class Walk:
                 return
             if self._step_frame is None and (rel, frame.f_code.co_name) == STEP:
                 self._step_frame, self.steps = frame, self.steps + 1
+            caller = frame.f_back
+            by = self._file(caller.f_code.co_filename) if caller is not None else None
             self.calls.append(
-                (rel, frame.f_code.co_name, self.steps if self._step_frame is not None else None)
+                (rel, frame.f_code.co_name, self.steps if self._step_frame is not None else None, by)
             )
         elif event == "return" and frame is self._step_frame:
             self._step_frame = None
@@ -126,18 +150,28 @@ def run(out_dir: str) -> tuple[dict, Walk]:
     trainer.add_callback(TraceUpdate(walk, index=1))
     trainer.train()
     sys.setprofile(None)
-    files = [f for f, _, _ in walk.calls]
-    steps = Counter(s for _, _, s in walk.calls if s is not None)
+    steps = Counter(s for _, _, s, _ in walk.calls if s is not None)
     step = max(steps, key=steps.get) if steps else None
-    in_step = [f for f, _, s in walk.calls if s == step]
-    result = {
-        "update": measures(files),
-        "optimizer_step": {**measures(in_step), "steps_in_update": len(steps)},
-        "calls": len(files),
-        "most_entered": Counter(f for i, f in enumerate(files) if not i or f != files[i - 1]).most_common(8),
-        "torch": torch.__version__,
-    }
+    result = {"calls": len(walk.calls), "torch": torch.__version__}
+    for rule, kept in RULES.items():
+        files = [f for f, _, _, by in walk.calls if kept(f, by)]
+        in_step = [f for f, _, s, by in walk.calls if s == step and kept(f, by)]
+        result[rule] = {
+            "update": measures(files),
+            "optimizer_step": {**measures(in_step), "steps_in_update": len(steps)},
+            "most_entered": Counter(f for i, f in enumerate(files) if not i or f != files[i - 1]).most_common(
+                8
+            ),
+        }
     return result, walk
+
+
+# which call events each rule counts: ``kept(callee file, caller file or None)``
+RULES = {
+    "every_call": lambda f, by: True,
+    "package": lambda f, by: by is None or package(by) != package(f),
+    "folder": lambda f, by: by is None or folder(by) != folder(f),
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -149,15 +183,19 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         result, walk = run(tmp)
-    u, s = result["update"], result["optimizer_step"]
-    print(f"one steady update: {u['files']} files in {u['packages']} packages ({', '.join(u['package_names'])}), "
-          f"{u['changes']} file changes, {u['returns']} returns to a file already entered")  # fmt: skip
-    print(f"one optimizer step (of {s['steps_in_update']}): {s['files']} files, {s['changes']} file changes, "
-          f"{s['returns']} returns")  # fmt: skip
-    print("entered most often:", ", ".join(f"{f} x{n}" for f, n in result["most_entered"]))
-    if a.sequence:
-        files = [f for f, _, _ in walk.calls]
-        print(" -> ".join(f for i, f in enumerate(files) if not i or f != files[i - 1]))
+    for rule, kept in RULES.items():
+        u, s = result[rule]["update"], result[rule]["optimizer_step"]
+        print(f"[{rule}] one steady update: {u['files']} files in {u['packages']} packages "
+              f"({', '.join(u['package_names'])}), {u['changes']} file changes, "
+              f"{u['returns']} returns to a file already entered")  # fmt: skip
+        print(f"[{rule}] one optimizer step (of {s['steps_in_update']}): {s['files']} files, "
+              f"{s['changes']} file changes, {s['returns']} returns")  # fmt: skip
+        print(
+            f"[{rule}] entered most often:", ", ".join(f"{f} x{n}" for f, n in result[rule]["most_entered"])
+        )
+        if a.sequence:
+            files = [f for f, _, _, by in walk.calls if kept(f, by)]
+            print(f"[{rule}]", " -> ".join(f for i, f in enumerate(files) if not i or f != files[i - 1]))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -62,3 +62,38 @@ def test_an_unknown_level_is_refused_naming_the_table():
         level_name("turbo")
     with pytest.raises(ValueError, match="turbo"):
         planner.level_target("turbo")
+
+
+def _preset_texts(name: str) -> list[tuple[str, str]]:
+    """Where a preset's memory level is described in words: its description, the first line of each of
+    its YAML files, its row of the table in ``config/presets.py``'s docstring."""
+    import re
+
+    from rapidfire_hf.config import presets
+
+    texts = [("PRESET_DESCRIPTIONS", presets.PRESET_DESCRIPTIONS[name])]
+    texts += [(str(p), p.read_text().splitlines()[0]) for p in PRESET_FILES if p.stem == name]
+    row = re.search(rf"^{name} .*?(?=^\S)", presets.__doc__, flags=re.M | re.S)
+    texts.append(("config/presets.py docstring", row.group(0)))
+    return texts
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_what_the_preset_texts_say_of_the_level_is_the_table(name):
+    """A share of the device, 8-bit AdamW state or 'no recompute' written in a preset's words (its YAML
+    files' first line included) agrees with the level's row of ``memory/levels.py``."""
+    import re
+
+    level = MEMORY_LEVELS[level_name(PRESETS[name].memory.optimization)]
+    texts = _preset_texts(name)
+    assert len(texts) == 4, f"{name}: expected a description, two YAML files and a docstring row: {texts}"
+    shares = 0
+    for where, text in texts:
+        for share in re.findall(r"plan(?: within)? (\d+)%", " ".join(text.split())):
+            shares += 1
+            assert int(share) == round(level.device_share * 100), f"{where}: {share}% for {name}: {level}"
+        if re.search(r"8[- ]bit", text):
+            assert level.eight_bit_state, f"{where} says 8-bit state for {name}, the table does not: {level}"
+        if "no recompute" in text:
+            assert not level.recompute, f"{where} says no recompute for {name}, the table does: {level}"
+    assert shares, f"{name}: no text states the level's share of the device (the check would check nothing)"

@@ -97,3 +97,16 @@ def test_rapidfire_health_reaches_the_optimizer_as_it_is_at_call_time():
     assert health.stats() == stats and stats["steps"] == 2
     assert health.skipped() == stats["skipped"] - stats["clip_misses"] == 1
     assert health.verify_now() is None and health.last_rollback() is rf.last_rollback
+
+
+@pytest.mark.parametrize("kind", ["rapidfire", "guarded", "unchecked"])
+def test_steps_is_the_step_counter_of_stats_skipped_steps_included(kind):
+    """``steps()`` (what PPOEpochs keys its windows by) equals ``stats()["steps"]`` after every window."""
+    model = make_model()
+    opt = _rapidfire(model) if kind == "rapidfire" else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    health = step_health(opt, guard=kind == "guarded", max_consecutive_skips=5)
+    assert health.steps() == health.stats()["steps"] == 0
+    for i, nan in enumerate([False, kind != "unchecked", False]):  # a skipped step counts as a step
+        _window(model, health, opt, i, nan=nan)
+        health.verify_now()
+        assert health.steps() == health.stats()["steps"] == i + 1

@@ -265,6 +265,11 @@ class RapidFireOptimizer(torch.optim.Optimizer):
     last_rollback = property(lambda self: self._verifier.last_rollback, doc="what the last step undid")
 
     @property
+    def step_count(self) -> int:
+        """Steps taken so far, skipped and rolled-back ones included (``stats()["steps"]``)."""
+        return self._verifier.step
+
+    @property
     def last_step_skipped(self) -> bool:
         """Whether the latest step's batch was not applied (skip the scheduler step then)."""
         return self._verifier.last_step_skipped

@@ -1,8 +1,8 @@
 """One interface in front of an optimizer's step health, whatever the optimizer.
 
-A training loop asks the same five things of every optimizer: take the window's losses (and other device
-metrics) for the health check, step (or skip) the window, say how many steps were skipped, give its
-counters, and verify what is still unverified. :class:`StepHealth` is that interface; three adapters
+A training loop asks the same six things of every optimizer: take the window's losses (and other device
+metrics) for the health check, step (or skip) the window, say how many steps were taken and how many
+skipped, give its counters, and verify what is still unverified. :class:`StepHealth` is that interface; three adapters
 satisfy it:
 
 * :class:`RapidFireHealth`: a :class:`~rapidfire_hf.optim.RapidFireOptimizer`, which verifies its own
@@ -49,6 +49,10 @@ class StepHealth(Protocol):
     def step(self, optimizer, params: list[torch.Tensor], grad_norm: torch.Tensor | None = None) -> None:
         """Step ``optimizer`` (the one to call, e.g. accelerate's wrapper) for a closed window, or skip it."""
 
+    def steps(self) -> int:
+        """Optimizer steps taken so far, skipped ones included (``stats()["steps"]``; a host counter, no
+        device read): what a loop keys a window by, without building the logging counters."""
+
     def skipped(self) -> int:
         """Optimizer steps skipped so far as unhealthy (may read the device once; may raise
         :class:`~rapidfire_hf.optim.skips.ConsecutiveSkipsError`)."""
@@ -81,6 +85,9 @@ class RapidFireHealth:
     def step(self, optimizer, params: list[torch.Tensor], grad_norm: torch.Tensor | None = None) -> None:
         optimizer.step()  # the optimizer checks the window itself (and rolls back a failed one)
 
+    def steps(self) -> int:
+        return self.rapidfire.step_count
+
     def skipped(self) -> int:
         stats = self.rapidfire.stats()
         return stats["skipped"] - stats["clip_misses"]  # a missed clip prediction is replayed, not lost
@@ -112,6 +119,9 @@ class GuardedHealth:
     def step(self, optimizer, params: list[torch.Tensor], grad_norm: torch.Tensor | None = None) -> None:
         self.guard.step(optimizer, params, grad_norm)
 
+    def steps(self) -> int:
+        return self.guard.steps
+
     def skipped(self) -> int:
         self.guard.drain()  # one host read of the flags since the last call
         return self.guard.skipped
@@ -132,7 +142,7 @@ class UncheckedHealth:
     rapidfire = None
 
     def __init__(self):
-        self.steps = 0
+        self._steps = 0
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         pass
@@ -142,13 +152,16 @@ class UncheckedHealth:
 
     def step(self, optimizer, params: list[torch.Tensor], grad_norm: torch.Tensor | None = None) -> None:
         optimizer.step()
-        self.steps += 1
+        self._steps += 1
+
+    def steps(self) -> int:
+        return self._steps
 
     def skipped(self) -> int:
         return 0
 
     def stats(self) -> dict[str, Any]:
-        return {"steps": self.steps, "skipped": 0}
+        return {"steps": self._steps, "skipped": 0}
 
     def verify_now(self) -> Rollback | None:
         return None

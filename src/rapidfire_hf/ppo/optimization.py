@@ -148,7 +148,7 @@ class PPOEpochs:
         budget = 4 * max(1, self.args.num_ppo_epochs * self.args.num_mini_batches)  # replays per call
         while queue:
             epoch, m, mb_idx = queue.pop(0)
-            self._window_rows[self.stepper.health.stats()["steps"]] = (epoch, m, mb_idx)
+            self._window_rows[self.stepper.health.steps()] = (epoch, m, mb_idx)
             for u, start in enumerate(micro_batch_starts(self.args, micro)):
                 idx = mb_idx[start : start + micro].to(qr.device)
                 out, ent = self._micro_step(qr[idx], ctx, adv, idx)

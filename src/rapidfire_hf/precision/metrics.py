@@ -19,6 +19,20 @@ import torch
 from torch import nn
 
 
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor in a module's output (a tensor, or tuples, lists and mappings of them), or None."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            found = first_tensor(o)
+            if found is not None:
+                return found
+    return None
+
+
 @dataclass
 class _Pending:
     step: int
@@ -199,11 +213,9 @@ class OutputProbe:
 
     def _hook(self, index: int):
         def hook(module, args, out):
-            from rapidfire_hf.precision.sensitivity import _first_tensor
-
             if not torch.is_grad_enabled():
                 return  # rollout/scoring forwards: no training step to protect, and decode is latency-bound
-            t = _first_tensor(out)
+            t = first_tensor(out)
             if t is None or not t.is_floating_point():
                 return
             if self.flags is None or self.flags.device != t.device:

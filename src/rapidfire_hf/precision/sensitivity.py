@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rapidfire_hf.precision.metrics import first_tensor
 from rapidfire_hf.precision.schedule import Precision, _cast_floats, original_forward
 
 
@@ -49,19 +50,6 @@ def _detach(obj: Any) -> Any:
     if type(obj) is dict:
         return {k: _detach(v) for k, v in obj.items()}
     return obj
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            found = _first_tensor(o)
-            if found is not None:
-                return found
-    return None
 
 
 def _relative_error(low: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
@@ -98,7 +86,7 @@ def _run_layer(module: nn.Module, inputs, grad_out: torch.Tensor, precision: Pre
     else:
         ctx = torch.autocast(device_type, dtype=precision.dtype)
     with ctx:
-        out = _first_tensor(original_forward(module)(*args, **kwargs))
+        out = first_tensor(original_forward(module)(*args, **kwargs))
     targets = ([x] if x is not None else []) + [p for p in module.parameters() if p.requires_grad]
     grads = torch.autograd.grad(out, targets, grad_outputs=grad_out.to(out.dtype), allow_unused=True)
     return out, list(grads)
@@ -114,7 +102,7 @@ def default_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     out = model(**batch)
     loss = getattr(out, "loss", None)
     if loss is None:
-        loss = _first_tensor(out).float().pow(2).mean()
+        loss = first_tensor(out).float().pow(2).mean()
     return loss
 
 
@@ -154,7 +142,7 @@ def measure_sensitivity(
 
     def post_hook(name):
         def hook(module, args, kwargs, out):
-            outputs[name] = _first_tensor(out)
+            outputs[name] = first_tensor(out)
 
         return hook
 
