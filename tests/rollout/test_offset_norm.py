@@ -101,12 +101,14 @@ def _decode_ops(net, b: int = 2, length: int = 8) -> int:
 
 def test_the_offset_form_issues_fewer_ops_per_decode_step(tokenizer):
     """What the switch is for (issue 45: Gemma-3-1B's recorded step was 1.63x Llama's per weight byte, six
-    unfused norms a layer): per bf16 layer, 2 ops fewer per norm and one q/k norm pass instead of two."""
+    unfused norms a layer): per bf16 layer, 2 ops fewer per norm, one q/k norm pass instead of two and one
+    rotary pass over q and k together."""
     model = build(case("gemma3_text"), len(tokenizer)).to(torch.bfloat16)
     net = StaticLlama(model)
     fast = _decode_ops(net)
     net._norm_scale = [[None] * 4 for _ in net.layers]
     net._final_scale, net._qk_scale = None, [None] * len(net.layers)
     modules = _decode_ops(net)
-    # 4 layers: (4 sandwich norms x 2) + (q/k: 2 x 2 + one pass's 7 ops saved, less the cat), final norm 2
-    assert modules - fast >= len(net.layers) * (4 * 2 + 2 * 2 + 7 - 1) + 2, (modules, fast)
+    # per layer: 4 sandwich norms x 2; q/k norms 2 x 2 and one pass's 7 less the cat; a rotary pass (5);
+    # the final norm 2 (493 -> 367 aten ops on the CPU, torch 2.13, views included)
+    assert modules - fast >= len(net.layers) * (4 * 2 + 2 * 2 + 7 - 1 + 5) + 2, (modules, fast)

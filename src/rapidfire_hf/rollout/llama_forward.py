@@ -242,6 +242,13 @@ def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.T
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
 
 
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by ``rope = (cos, sin)`` (:func:`_rope`); unchanged for None."""
+    if rope is None:
+        return q, k
+    return _rope(q, *rope), _rope(k, *rope)
+
+
 def _capped_attention(q, k, v, allowed, scale: float, softcap: float) -> torch.Tensor:
     """Attention with tanh soft-capped logits (Gemma-2/3), in the order of HF's eager attention: logits in
     the inputs' dtype, scaled, capped, masked, an fp32 softmax cast back. No fused kernel takes the cap.
@@ -603,34 +610,40 @@ class StaticLlama:
         return self.head(hidden).float()
 
     # ----- per-layer pieces ------------------------------------------------------------------------
-    def _heads(self, i: int, q, k, v, lead: tuple[int, ...]):
-        """Flat projections of layer ``i`` -> per-head ``[*lead, heads, D]``, with the family's q/k norms (offset
-        per-head norms in one pass over q and k together: the same per-row arithmetic, one set of kernels)."""
+    def _heads(self, i: int, q, k, v, lead: tuple[int, ...], rope=None):
+        """Flat projections of layer ``i`` -> per-head ``[*lead, heads, D]``, with the family's q/k norms and
+        the rotary embedding ``rope = (cos, sin)`` (broadcast over the heads; None: no rotation). Offset
+        per-head norms run in one pass over q and k together, rotated together: the same per-row and
+        per-element arithmetic as two passes, one set of kernels."""
         attn = self.attns[i]
         if self.qk_norm == "proj":
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
+        if self.qk_norm == "head" and self._qk_scale[i] is not None:
+            qk = offset_rms_norm(torch.cat([q, k], dim=-2), self._qk_scale[i], attn.q_norm.eps)
+            if rope is not None:
+                qk = _rope(qk, *rope)
+            q, k = qk.split([self.n_heads, self.n_kv], dim=-2)
+            return q, k, v
         if self.qk_norm == "head":
-            if self._qk_scale[i] is not None:
-                qk = offset_rms_norm(torch.cat([q, k], dim=-2), self._qk_scale[i], attn.q_norm.eps)
-                q, k = qk.split([self.n_heads, self.n_kv], dim=-2)
-            else:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-        return q, k, v
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return (*_rope_qk(q, k, rope), v)
 
-    def _qkv(self, i: int, h: torch.Tensor, lead: tuple[int, ...]):
-        """q, k, v ``[*lead, heads, D]`` of layer ``i`` through its own projection modules."""
+    def _qkv(self, i: int, h: torch.Tensor, lead: tuple[int, ...], rope=None):
+        """q, k, v ``[*lead, heads, D]`` of layer ``i`` through its own projection modules, q and k rotated
+        by ``rope`` (see :meth:`_heads`)."""
         attn, layout = self.attns[i], self.family.qkv
         if layout == "neox":  # per head [q | k | v], all heads equal (no GQA)
             qkv = attn.query_key_value(h).view(*lead, self.n_heads, 3 * self.head_dim)
-            return qkv.chunk(3, dim=-1)
+            q, k, v = qkv.chunk(3, dim=-1)
+            return (*_rope_qk(q, k, rope), v)
         if layout == "fused":
             q, k, v = attn.qkv_proj(h).split(self._qkv_sizes, dim=-1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        return self._heads(i, q, k, v, lead)
+        return self._heads(i, q, k, v, lead, rope)
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP on ``h``. A routed MoE block at decode (``h`` is ``[B, H]``) runs
@@ -699,10 +712,8 @@ class StaticLlama:
         for i in range(len(self.layers)):
 
             def attention(h, i=i):
-                q, k, v = self._qkv(i, h, (b, p))
                 t = self._table_of[i]
-                if t is not None:
-                    q, k = _rope(q, cos[t], sin[t]), _rope(k, cos[t], sin[t])
+                q, k, v = self._qkv(i, h, (b, p), None if t is None else (cos[t], sin[t]))
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
                 self._write(k_cache, ks, i, k)
                 self._write(v_cache, vs, i, v)
@@ -749,16 +760,14 @@ class StaticLlama:
             fused = self.fused[i] and self.fused_now[i]
 
             def attention(h, i=i, fused=fused):
+                t = self._table_of[i]
+                rope = None if t is None else (cos[t][:, None, :], sin[t][:, None, :])  # over [B, heads, D]
                 if fused:
                     qkv = self._project(h, self._qkv_w[i], self._qkv_lora[i])
-                    q, k, v = self._heads(i, *qkv.split(self._qkv_sizes, dim=-1), (b,))
+                    q, k, v = self._heads(i, *qkv.split(self._qkv_sizes, dim=-1), (b,), rope)
                 else:
-                    q, k, v = self._qkv(i, h, (b,))
+                    q, k, v = self._qkv(i, h, (b,), rope)
                 q = q.view(b, self.n_kv, self.group, self.head_dim)
-                t = self._table_of[i]
-                if t is not None:
-                    q = _rope(q, cos[t][:, None, None, :], sin[t][:, None, None, :])
-                    k = _rope(k, cos[t][:, None, :], sin[t][:, None, :])
                 self._write(k_cache, ks, i, k[:, :, None, :], slot)
                 self._write(v_cache, vs, i, v[:, :, None, :], slot)
                 kc, vc, mask = k_cache[i][:, :, :n], v_cache[i][:, :, :n], masks[self.windows[i]]
