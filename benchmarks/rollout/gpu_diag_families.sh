@@ -12,7 +12,8 @@ set -u
 PY=${PYTHON:-python3}
 OUT=${1:-${OUT:?output folder: the first argument or \$OUT}}
 mkdir -p "$OUT"
-source benchmarks/common/gpu_env.sh
+# the wheels once per call: a caller that sourced gpu_env.sh already has /tmp/site on PYTHONPATH
+[[ ":${PYTHONPATH:-}:" == *":/tmp/site:"* ]] || source benchmarks/common/gpu_env.sh
 TOTAL_S=${TOTAL_S:-145}
 SECONDS=0
 
