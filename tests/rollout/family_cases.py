@@ -105,11 +105,13 @@ def build(c: Case, vocab_size: int, seed: int = 0, **overrides):
 
 
 CHECKS = [
-    f"greedy tokens equal `model.generate` for {GREEDY_TOKENS} tokens (5 left-padded prompts; CPU, fp32)",
+    f"greedy tokens equal `model.generate` for {GREEDY_TOKENS} tokens (5 left-padded prompts; CPU, fp32; "
+    "a model with attention soft-capping runs eager attention there, the one transformers applies the cap in)",
     f"sampled log-probs (temperature 0.8, 40 tokens, past every window) within {LOGPROB_ATOL:g} of a forward "
     "of the model itself",
     "bf16 (CPU): every greedy token of 40 is the argmax of the model's own bf16 forward over the generated "
-    "sequence, up to 2**-5 of the top logit (exact equality with `generate` is a coin toss on near-ties)",
+    "sequence, up to 2**-5 of the top logit or, in a routed MoE model, of its router's k-th expert at that "
+    "position (exact equality with `generate` is a coin toss on near-ties)",
     'one PPO update (`PPOTrainer`, `rollout_backend="static"`) runs with it as the policy and changes it',
 ]
 # what the engine does with models outside the table (rows rendered from choose_decode_path)
