@@ -105,6 +105,7 @@ SAMPLES = {  # a non-default value for fields whose type alone does not give one
     "rollout_decode_fuse_projections": True,
     "rollout_decode_linear": "torch",
     "rollout_cache": "keep",
+    "rollout_kv_cache_dtype": "int8",
     "host_offload": "on",
     "rollout_generation_batch_size": 4,
     "local_rollout_forward_batch_size": 4,

@@ -279,6 +279,10 @@ PPO_ROWS: dict[str, dict[str, Use]] = {
         A, refused("the trials' adapters sit on the projections the sweep's decode would fuse; not implemented")
     ),
     "rollout_cache": _row(A, refused("a sweep keeps its engine's cache between updates", ("auto",))),
+    "rollout_kv_cache_dtype": _both(
+        applied("'fp8' / 'int8' by the static engine's native decode path, in the plan's KV-cache bytes and "
+                "its table; refused by name where the rollout runs model.generate or the generic path")
+    ),  # fmt: skip
     "host_offload": _row(
         applied("'auto' acts through the plan (a rapidfire config); 'on' also without one"),
         refused("a sweep keeps its base, reward model and optimizer state on the device", ("auto", "off")),

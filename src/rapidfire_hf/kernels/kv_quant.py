@@ -72,6 +72,14 @@ def element_bytes(kv_cache_dtype: str | None, itemsize: int, head_dim: int) -> f
     return 1.0 + SCALE_BYTES / head_dim
 
 
+def vector_bytes(kv_cache_dtype: str | None, itemsize: int, head_dim: int) -> int:
+    """Bytes one cached K (or V) vector of one head and token costs: ``head_dim`` elements of ``itemsize``
+    bytes (the model's dtype), or one byte each plus its fp32 scale (the planner's KV-cache term)."""
+    if kv_format(kv_cache_dtype) is None:
+        return head_dim * itemsize
+    return head_dim + SCALE_BYTES
+
+
 def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[..., D]`` -> ``(q [..., D] in fmt.dtype, scale [...] fp32)`` with ``x ~ q * scale[..., None]``.
 

@@ -59,6 +59,8 @@ class RunShape:
         itemsize: bytes per weight and activation element (2: bf16).
         static_engine: the static rollout engine runs (the CUDA default for Llama): it keeps its KV cache
             between updates unless ``cache_kept`` is False (the plan may still free it, ``Asked.free_cache``).
+        kv_cache_dtype: the rollout KV cache's elements, None (the model's dtype), ``"fp8"`` or ``"int8"``
+            (``PPOConfig.rollout_kv_cache_dtype``; the static engine's native path only).
     """
 
     shape: DecoderShape
@@ -76,6 +78,7 @@ class RunShape:
     static_engine: bool = True
     cache_kept: bool = True
     frozen_quantization: str | None = None  # the reference and reward models in "8bit" or "4bit"
+    kv_cache_dtype: str | None = None  # the rollout KV cache: None (the model's dtype), "fp8" or "int8"
 
     def workload(self) -> Workload:
         s = self.shape
@@ -88,10 +91,11 @@ class RunShape:
             hidden=s.hidden,
             layers=s.layers,
             vocab=s.vocab,
-            kv_bytes_per_token=s.kv_bytes_per_token(self.itemsize),
+            kv_bytes_per_token=s.kv_bytes_per_token(self.itemsize, self.kv_cache_dtype),
             itemsize=self.itemsize,
             cache_persists=self.static_engine and self.cache_kept,
             intermediate=s.intermediate,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def memory(self, eight_bit_state: bool = False) -> RunMemory:
@@ -154,7 +158,7 @@ def card_plan(
         host_offload: PPOConfig's ``host_offload`` (``"auto"``: where it pays, :mod:`rapidfire_hf.memory.
             offload_plan`; ``"on"``; ``"off"``).
     """
-    asked = asked or Asked(free_cache=True)
+    asked = asked or Asked(free_cache=True, kv_cache_dtype=run.kv_cache_dtype or "auto")
     target = int(level_target(level).device_share * device_bytes)
     full = run.memory()
     eight, why_state = choose_optimizer_state(

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rapidfire_hf.kernels.kv_quant import vector_bytes
+
 GIB = 1024**3
 
 # FLOPs per byte above which the aggressive policy keeps a matmul's output (checkpointing.RECOMPUTE_BELOW)
@@ -92,8 +94,10 @@ class DecoderShape:
         lm = 0 if self.tied else self.vocab * self.hidden
         return body + lm + (self.hidden + 1 if head == "value" else 0)
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.layers * self.kv * itemsize
+    def kv_bytes_per_token(self, itemsize: int, kv_cache_dtype: str | None = None) -> int:
+        """K and V of every layer for one token of one row: ``itemsize`` bytes per element, or an 8-bit cache
+        (``"fp8"`` / ``"int8"``) with one fp32 scale per head vector (``kernels/kv_quant.py``)."""
+        return 2 * self.layers * self.kv_heads * vector_bytes(kv_cache_dtype, itemsize, self.head_dim)
 
 
 def _kept_matmul_outputs(shape: DecoderShape, itemsize: int, threshold: float) -> int:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from rapidfire_hf.kernels.kv_quant import vector_bytes
 from rapidfire_hf.memory.levels import MEMORY_LEVELS, LevelTarget, level_name
 
 GIB = 1024**3
@@ -92,12 +93,15 @@ class Workload:
         micro_rows: the user's micro-batch (``per_device_train_batch_size``).
         prompt_tokens, response_tokens: tokens per row.
         hidden, layers, vocab: the policy's shape.
-        kv_bytes_per_token: K and V of every layer for one token of one row, in the cache's dtype.
+        kv_bytes_per_token: K and V of every layer for one token of one row, in the cache's dtype (an 8-bit
+            cache with its scales: :func:`kv_bytes_per_token`).
         itemsize: bytes per activation element (2 for bf16/fp16, 4 for fp32).
         intermediate: the MLP's width (None: 8/3 of ``hidden``, Llama's ratio).
         cache_persists: the rollout engine keeps its KV cache between generations (the static engine
             reuses it, and its recorded or compiled decode step, every update), so the cache of a generation
             chunk is held through scoring and training too.
+        kv_cache_dtype: the cache's elements: None (the model's dtype), ``"fp8"`` or ``"int8"``
+            (``PPOConfig.rollout_kv_cache_dtype``); ``kv_bytes_per_token`` is already in it, this names it.
     """
 
     rollout_rows: int
@@ -112,6 +116,7 @@ class Workload:
     itemsize: int = 2
     cache_persists: bool = False
     intermediate: int | None = None
+    kv_cache_dtype: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -148,13 +153,15 @@ class Workload:
         return cache + prefill + 2 * self.vocab * 4
 
 
-def kv_bytes_per_token(config, itemsize: int) -> int:
+def kv_bytes_per_token(config, itemsize: int, kv_cache_dtype: str | None = None) -> int:
     """K and V of every layer for one token of one row of a model of ``config`` (a HF config: grouped-query
-    heads and an explicit ``head_dim`` respected), in a cache of ``itemsize`` bytes per element."""
+    heads and an explicit ``head_dim`` respected), in a cache of ``itemsize`` bytes per element, or 8-bit
+    (``kv_cache_dtype`` ``"fp8"`` / ``"int8"``: one byte per element plus one fp32 scale per head vector,
+    ``kernels/kv_quant.py``; 0.516x of bf16 at head width 128)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
+    return 2 * config.num_hidden_layers * kv_heads * vector_bytes(kv_cache_dtype, itemsize, head_dim)
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,8 @@ class Asked:
         split: the planner may split the user's micro-batch into pieces run one after another in the same
             accumulation window when it cannot fit whole even with the level's recompute (not under
             DeepSpeed, nor with a gradient pipeline that counts backwards itself, nor in a sweep's packs).
+        kv_cache_dtype: ``PPOConfig.rollout_kv_cache_dtype`` as the user gave it, for the table (what the
+            cache is in, and so its bytes, is the workload's: ``Workload.kv_cache_dtype``).
         free_cache: where the engine keeps its KV cache between generations, it may instead free it after
             each generation when keeping it would split generation into more chunks (``PPOConfig``'s
             ``rollout_cache="auto"``, its default). The cache and the recorded decode graphs are then rebuilt
@@ -193,6 +202,7 @@ class Asked:
     merge_any: bool = False
     free_cache: bool = False
     split: bool = True
+    kv_cache_dtype: str = "auto"  # PPOConfig.rollout_kv_cache_dtype as given (the plan table's "asked")
 
 
 # what "auto" means with the planner off (TRL's defaults)
@@ -302,6 +312,10 @@ class Plan:
     # in host memory during generation and scoring (memory.phase_offload; None: not considered)
     offload_frozen: bool | None = None
     offload_state: bool | None = None
+    # the rollout KV cache's elements ("model dtype", "fp8", "int8": Workload.kv_cache_dtype) and its bytes
+    # per token of a row (K and V of every layer; an 8-bit cache with its fp32 scales)
+    kv_cache_dtype: str = "model dtype"
+    kv_bytes_per_token: int = 0
     title: str = "rapidfire plan"  # the table's first words (PPOSweep: "PPOSweep plan")
     train_label: str = "training micro-batch (rows)"  # (PPOSweep: rows of all trials per training forward)
 
@@ -329,6 +343,8 @@ class Plan:
              self.reasons.get("generation_rows", "")),
             ("optimizer state", str(self.asked.get("optimizer_state", "auto")), self.optimizer_state,
              self.reasons.get("optimizer_state", "")),
+            ("rollout KV cache dtype", str(self.asked.get("kv_cache_dtype", "auto")), self.kv_cache_dtype,
+             self.reasons.get("kv_cache_dtype", "")),
             *([("rollout KV cache", "auto", "freed after generation", self.reasons.get("free_cache", ""))]
               if self.free_cache else []),
             *([("offload frozen weights", str(self.asked.get("host_offload", "auto")),
@@ -387,11 +403,39 @@ class Plan:
         return asdict(self)
 
 
+def kv_cache_view(work: Workload, asked: Asked) -> dict:
+    """The plan's KV-cache fields: what the cache is in, its bytes per token of a row, and why (the table's
+    row "rollout KV cache dtype")."""
+    per_token = f"{work.kv_bytes_per_token / 1024:,.1f} KiB a token of a row"
+    if work.kv_cache_dtype is None:
+        why = f"the model's dtype: {per_token}"
+        if asked.kv_cache_dtype == "auto":
+            why += " ('auto' keeps the model's dtype until a GPU benchmark shows an 8-bit cache pays)"
+    else:
+        why = (
+            f"your rollout_kv_cache_dtype: {per_token} (8-bit elements, one fp32 scale per head vector; "
+            "changes the arithmetic)"
+        )
+    return {
+        "kv_cache_dtype": work.kv_cache_dtype or "model dtype",
+        "kv_bytes_per_token": work.kv_bytes_per_token,
+        "why": why,
+    }
+
+
+def _with_kv_cache(plan: Plan, work: Workload, asked: Asked) -> Plan:
+    view = kv_cache_view(work, asked)
+    plan.kv_cache_dtype, plan.kv_bytes_per_token = view["kv_cache_dtype"], view["kv_bytes_per_token"]
+    plan.asked["kv_cache_dtype"] = asked.kv_cache_dtype
+    plan.reasons["kv_cache_dtype"] = view["why"]
+    return plan
+
+
 def unplanned(work: Workload, asked: Asked, checkpointing: str, level="balanced") -> Plan:
     """The plan of a run without a planner (no rapidfire config): the user's split, TRL's chunks."""
     scoring = asked.scoring_rows or UNPLANNED_SCORING_ROWS
     generation = asked.generation_rows or work.rollout_rows
-    return Plan(
+    plan = Plan(
         level=getattr(level, "value", level),
         train_rows=work.micro_rows,
         merge=1,
@@ -405,6 +449,7 @@ def unplanned(work: Workload, asked: Asked, checkpointing: str, level="balanced"
         reasons={},
         planned=False,
     )
+    return _with_kv_cache(plan, work, asked)
 
 
 # Without a plan (no rapidfire config, or the planner could not measure), ``"auto"`` holds the fused decode
@@ -760,7 +805,7 @@ def make_plan(
             else ("all" if asked.generation_rows == 0 else "auto")
         ),
     }
-    return Plan(
+    plan = Plan(
         level=name,
         train_rows=train_rows,
         merge=merge,
@@ -781,3 +826,4 @@ def make_plan(
         splits=training.splits,
         probe=probe.source if probe.source != "measured" else "",
     )
+    return _with_kv_cache(plan, work, asked)

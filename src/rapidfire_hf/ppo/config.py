@@ -18,6 +18,15 @@ from rapidfire_hf.memory.offload_plan import HOST_OFFLOAD_DEFAULT
 _POSITIVE = Float(0.0, math.inf, open_low=True)
 _NON_NEGATIVE = Float(0.0, math.inf)
 _QUANTIZATION = Optional(Among(("8bit", "4bit")), "kept as given")
+# rollout_kv_cache_dtype: "auto" and "model" keep the model's dtype (None to the engine); "fp8" / "int8" are
+# RolloutEngine's kv_cache_dtype (kernels/kv_quant.py)
+KV_CACHE_CHOICES = ("auto", "model", "fp8", "int8")
+
+
+def engine_kv_cache_dtype(value: str) -> str | None:
+    """``RolloutEngine``'s ``kv_cache_dtype`` for ``PPOConfig.rollout_kv_cache_dtype``: None for ``"auto"``
+    (the model's dtype until a GPU benchmark shows an 8-bit cache pays) and ``"model"``, else the value."""
+    return None if value in ("auto", "model") else value
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "rollout_decode_linear": Among(("torch", "triton")),
     "rollout_decode_fuse_lora": Bool(),
     "rollout_cache": Among(("keep", "auto")),
+    "rollout_kv_cache_dtype": Among(KV_CACHE_CHOICES),
     "host_offload": Among(("auto", "on", "off")),
     "rollout_generation_batch_size": AutoOr(Optional(Int(min=1), "the whole rollout batch at once")),
 }
@@ -432,6 +442,18 @@ class PPOConfig(TrainingArguments):
             "recorded once), the generation chunk shrunk to fit beside training. At 7B full fine-tuning, batch "
             "160, 'aggressive': 4,147 against 3,824 tokens/s, stock TRL 222 (same call, "
             "benchmarks/presets/results/h200/full7b_freecache_stock)."
+        },
+    )
+    rollout_kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "The fast engine's KV cache: 'model' (the model's dtype), 'fp8' (e4m3) or 'int8': one byte "
+            "per element plus one fp32 scale per (row, K/V head, token), 0.516x the bytes of bf16 at head "
+            "width 128, so the plan's generation chunks grow (changes the arithmetic: greedy tokens may differ "
+            "from the model dtype's cache). 'auto' (the default) is 'model' until a GPU benchmark shows the "
+            "bigger chunk decodes faster per token (benchmarks/rollout/kv_cache.py). 8-bit needs the static "
+            "engine's native decode path: refused by name at start where the rollout runs model.generate "
+            "(rollout_backend='hf', 'auto' on the CPU, ZeRO-3) or the generic path. Said in the plan table."
         },
     )
     host_offload: str = field(

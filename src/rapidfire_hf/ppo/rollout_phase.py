@@ -9,6 +9,7 @@ import torch
 
 from rapidfire_hf.distributed.features import Engine
 from rapidfire_hf.distributed.generation import gathered_for_generation
+from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.types import Rollout
 
@@ -145,6 +146,9 @@ class Roller:
             decode_linear=args.rollout_decode_linear,
             # LoRA layers join the fused projections only where the plan fuses at all
             decode_fuse_lora=fuse and args.rollout_decode_fuse_lora,
+            # an 8-bit cache the engine cannot keep was refused at start (ppo/settings_check.py); the engine
+            # refuses it again by name if its path changed since
+            kv_cache_dtype=engine_kv_cache_dtype(args.rollout_kv_cache_dtype),
         )
 
 

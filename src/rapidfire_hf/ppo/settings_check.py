@@ -74,6 +74,70 @@ def static_engine_refusal(args, model) -> list[ConfigError]:
     ]
 
 
+def kv_cache_refusal(args, model, auto_runs_hf: str | None = None) -> list[ConfigError]:
+    """``rollout_kv_cache_dtype="fp8"`` / ``"int8"`` where the rollout cannot keep an 8-bit cache: only the
+    static engine's native decode path writes one (``model.generate`` keeps its own cache; the generic path
+    runs the model's own attention over it). Asked before any work, so the run never generates with the
+    model's dtype in its place.
+
+    Args:
+        args: the PPOConfig.
+        model: the policy as passed (None: nothing to check yet).
+        auto_runs_hf: why ``rollout_backend="auto"`` runs ``model.generate`` for this entry point whatever
+            the model (PPOTrainer: not on CUDA, or ZeRO-3), or None (it runs the static engine where the
+            model's family allows).
+    """
+    from rapidfire_hf.ppo.config import engine_kv_cache_dtype
+
+    asked = args.rollout_kv_cache_dtype
+    if model is None or engine_kv_cache_dtype(asked) is None:
+        return []
+    from rapidfire_hf.rollout.engine import choose_decode_path
+
+    path, reason = choose_decode_path(getattr(model, "pretrained_model", model))
+    if args.rollout_backend == "hf":
+        why = "rollout_backend='hf' runs model.generate, which keeps its own cache"
+    elif args.rollout_backend == "auto" and auto_runs_hf is not None:
+        why = f"rollout_backend='auto' runs model.generate here ({auto_runs_hf})"
+    elif path is None:
+        why = f"model.generate runs this model ({reason})"
+    elif path == "generic":
+        why = f"this model runs the generic path, the model's own attention over the cache ({reason})"
+    else:
+        return []
+    return [
+        ConfigError(
+            f"an 8-bit KV cache needs the static engine's native decode path: {why}",
+            key="rollout_kv_cache_dtype",
+            value=asked,
+            allowed="'auto' or 'model' (the model's dtype) for this run",
+        )
+    ]
+
+
+def check_trainer_kv_cache(args, model, accelerator) -> None:
+    """PPOTrainer, once its accelerator says the device and the engine (no model moved yet): refuse an 8-bit
+    KV cache its rollout cannot keep (:func:`kv_cache_refusal`).
+
+    Raises:
+        ConfigError: naming ``rollout_kv_cache_dtype``.
+    """
+    from rapidfire_hf.distributed.features import Engine, detect_engine
+
+    # why "auto" runs model.generate whatever the model (ppo.rollout_phase.rollout_backend, resolved_backend)
+    device = accelerator.device
+    if detect_engine(accelerator) is Engine.ZERO3:
+        auto_runs_hf = "DeepSpeed ZeRO-3"
+    elif device.type != "cuda":
+        auto_runs_hf = (
+            f"the static engine records CUDA graphs and this run is on {device.type}; "
+            "rollout_backend='static' runs it there"
+        )
+    else:
+        auto_runs_hf = None
+    raise_refusals(kv_cache_refusal(args, model, auto_runs_hf), TRAINER)
+
+
 def check_trainer_settings(args, model=None, optimizer=None) -> None:
     """PPOTrainer: every PPOConfig field, rapidfire config field and variable applied or refused by name.
 
@@ -126,6 +190,7 @@ def check_sweep_settings(args, model=None) -> None:
     errors = ppo_refusals(args, SWEEP)
     errors += env_refusals(SWEEP, args.rapidfire_config is not None)
     errors += static_engine_refusal(args, model)
+    errors += kv_cache_refusal(args, model)  # the sweep's "auto" runs the static engine on any device
     on_cuda = torch.cuda.is_available() and not args.use_cpu
     for name in ("bf16", "fp16"):
         if getattr(args, name) and not on_cuda:

@@ -87,10 +87,11 @@ class SweepPlanner:
         self._probe: dict[int, int] = {}  # tokens per row -> activation bytes of one training row
 
     def workload(self, trials, prompt_tokens: int, response_tokens: int, decode_rows: int, model,
-                 static: bool, itemsize: int) -> Workload:  # fmt: skip
+                 static: bool, itemsize: int, kv_cache_dtype: str | None = None) -> Workload:  # fmt: skip
         """The workload of one update of ``trials``: all their rows, one micro-step of every trial as the
         micro-batches a training forward may pack (``decode_rows``: rows of the one decode, padded;
-        ``itemsize``: bytes per activation element; the KV cache is in the model's dtype)."""
+        ``itemsize``: bytes per activation element; the KV cache is in the model's dtype, or 8-bit with
+        ``kv_cache_dtype``)."""
         cfg = model.config
         cache_itemsize = next(model.parameters()).element_size()
         micro = max(t.args.per_device_train_batch_size for t in trials)
@@ -103,10 +104,11 @@ class SweepPlanner:
             hidden=cfg.hidden_size,
             layers=cfg.num_hidden_layers,
             vocab=cfg.vocab_size,
-            kv_bytes_per_token=kv_bytes_per_token(cfg, cache_itemsize),
+            kv_bytes_per_token=kv_bytes_per_token(cfg, cache_itemsize, kv_cache_dtype),
             itemsize=itemsize,
             cache_persists=static,
             intermediate=getattr(cfg, "intermediate_size", None),
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     def update(self, phases, trials, shared, prompt_tokens: int) -> Plan | None:
@@ -115,9 +117,11 @@ class SweepPlanner:
         static = phases.engine.backend == "static"
         autocast = (shared.bf16 or shared.fp16) and phases.device.type == "cuda"  # as SweepPhases' forwards
         itemsize = 2 if autocast else next(phases.model.parameters()).element_size()
+        kv_cache = getattr(phases.engine, "kv_cache_dtype", None)  # the engine's (None: the model's dtype)
         work = self.workload(
-            trials, prompt_tokens, shared.response_length, phases.decode_rows, phases.model, static, itemsize
-        )
+            trials, prompt_tokens, shared.response_length, phases.decode_rows, phases.model, static, itemsize,
+            kv_cache,
+        )  # fmt: skip
         key = (work, tuple(t.args.per_device_train_batch_size for t in trials))
         if key == self._key:
             return None
@@ -130,6 +134,7 @@ class SweepPlanner:
             train_rows=self.train_rows,
             merge_any=True,  # packs of any number of trials (pack_in_order): 5 trials may pack 4 + 1
             split=False,  # packs are split by the sweep's OOM recovery, not planned in pieces
+            kv_cache_dtype=shared.rollout_kv_cache_dtype,
         )
         probe = self._measure(phases, trials[0], work.tokens, prompt_tokens) if self.planner else None
         if probe is None:

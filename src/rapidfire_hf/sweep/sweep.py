@@ -14,7 +14,7 @@ import torch
 from rapidfire_hf.memory.planner import Plan
 from rapidfire_hf.models.plumbing import causal_lm_parts, disable_dropout
 from rapidfire_hf.optim.skips import ConsecutiveSkipsError
-from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
+from rapidfire_hf.ppo.config import PPOConfig, engine_kv_cache_dtype, load_rapidfire_config
 from rapidfire_hf.ppo.data import prepare_prompt_dataset
 from rapidfire_hf.ppo.settings_check import check_sweep_settings, check_unchanged
 from rapidfire_hf.ppo.types import PPOStats, sync_time
@@ -294,6 +294,8 @@ class PPOSweep:
             # trials' adapters on q/k/v or gate/up keep their modules anyway
             decode_fuse_projections=self.args.rollout_decode_fuse_projections is True,
             decode_linear=self.args.rollout_decode_linear,
+            # an 8-bit cache off the native path was refused at construction (ppo/settings_check.py)
+            kv_cache_dtype=engine_kv_cache_dtype(self.args.rollout_kv_cache_dtype),
         )
 
     def _add(self, name: str, overrides: dict, source: Trial | None = None, parent_overrides=None) -> Trial:

@@ -45,6 +45,7 @@ from rapidfire_hf.memory.planner import (
     unplanned_fused_copies,
 )
 from rapidfire_hf.optim.step_health import eight_bit_optimizer
+from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.recipe.probe_cache import ProbeCache
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
 from rapidfire_hf.rollout.engine import resolved_backend
@@ -88,7 +89,9 @@ def workload(
     args, policy_config, prompt_tokens: int, itemsize: int, cache_persists: bool = False
 ) -> Workload:
     """The :class:`Workload` of one update of ``args`` on a policy of ``policy_config`` (``cache_persists``:
-    the rollout runs the static engine, which keeps its KV cache between updates)."""
+    the rollout runs the static engine, which keeps its KV cache between updates; the cache is in
+    ``args.rollout_kv_cache_dtype``, refused at start where the engine cannot keep it)."""
+    kv_cache = engine_kv_cache_dtype(args.rollout_kv_cache_dtype)
     return Workload(
         rollout_rows=args.local_batch_size,
         mini_rows=args.local_mini_batch_size,
@@ -98,10 +101,11 @@ def workload(
         hidden=policy_config.hidden_size,
         layers=policy_config.num_hidden_layers,
         vocab=policy_config.vocab_size,
-        kv_bytes_per_token=kv_bytes_per_token(policy_config, itemsize),
+        kv_bytes_per_token=kv_bytes_per_token(policy_config, itemsize, kv_cache),
         itemsize=itemsize,
         cache_persists=cache_persists,
         intermediate=getattr(policy_config, "intermediate_size", None),
+        kv_cache_dtype=kv_cache,
     )
 
 
@@ -120,6 +124,7 @@ def asked(args, memory, deepspeed: bool) -> Asked:
         planner=bool(memory is not None and memory.planner),
         merge=not deepspeed,
         free_cache=args.rollout_cache == "auto",
+        kv_cache_dtype=args.rollout_kv_cache_dtype,
     )
 
 

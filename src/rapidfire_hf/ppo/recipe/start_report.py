@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
 from rapidfire_hf.rollout.engine import choose_decode_path
 
@@ -56,6 +57,8 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
         skipped += [unused] if kernels else []
     else:
         kernels = [k for k in kernels if not k.startswith("mode=")]
+        kv_cache = engine_kv_cache_dtype(args.rollout_kv_cache_dtype)  # elsewhere refused at start
+        kernels += [f"kv_cache_dtype={kv_cache}"] if kv_cache is not None else []
         extra = f", {', '.join(kernels)}" if kernels else ""
         # which forward the engine runs, and why not the native one (rollout.engine.choose_decode_path)
         forward = "native forward" if path == "native" else f"generic path: the model's own forward, {reason}"

@@ -63,7 +63,12 @@ from rapidfire_hf.ppo.reporting import Reporter
 from rapidfire_hf.ppo.rollout_phase import Roller, rollout_backend
 from rapidfire_hf.ppo.scoring import Scorer
 from rapidfire_hf.ppo.seeds import permutation_generator, sampling_generator
-from rapidfire_hf.ppo.settings_check import check_trainer_settings, check_unchanged, start_notes
+from rapidfire_hf.ppo.settings_check import (
+    check_trainer_kv_cache,
+    check_trainer_settings,
+    check_unchanged,
+    start_notes,
+)
 from rapidfire_hf.ppo.speedups import check_liger_usable
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
 from rapidfire_hf.ppo.types import (
@@ -167,6 +172,9 @@ class PPOTrainer:
         if self._use_liger:  # fail before any model is copied or moved
             check_liger_usable(acc.device)
         check_generation_gather(args, acc)
+        # the rollout's path is known once the device and the engine are: an 8-bit KV cache it cannot keep
+        # is refused by name before any model moves
+        check_trainer_kv_cache(args, model, acc)
         self.rf_config = load_rapidfire_config(args.rapidfire_config)
         # Created before any model reaches the GPU, so expandable segments cover every allocation.
         self.memory_callback = self._make_memory_callback()

@@ -1,0 +1,109 @@
+"""``PPOConfig.rollout_kv_cache_dtype``: checked at the config boundary, handed to PPOTrainer's rollout engine,
+counted by its plan, and refused by name at start wherever the rollout cannot keep an 8-bit cache.
+
+On the CPU the static engine runs when asked (``rollout_backend="static"``), fp8 included, so the applied
+path is tested here end to end; ``"auto"`` there runs ``model.generate``, which is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rapidfire_hf.config.errors import ConfigError
+from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
+from rapidfire_hf.kernels.kv_quant import SCALE_BYTES
+from rapidfire_hf.ppo import PPOConfig, PPOTrainer
+from tests.ppo.helpers import ppo_args
+
+
+def _trainer(tmp_path, tokenizer, model=None, **overrides):
+    args = ppo_args(tmp_path, value_mode="fused", max_steps=1, num_ppo_epochs=1, **overrides)
+    return PPOTrainer(args=args, processing_class=tokenizer, model=model or build_tiny_llama(tokenizer),
+                      reward_funcs=vowel_reward, train_dataset=make_prompt_dataset(16))  # fmt: skip
+
+
+def _keys(err: ConfigError) -> set:
+    return {e.key for e in getattr(err, "errors", [err])}
+
+
+@pytest.mark.parametrize("bad", ["bf16", "FP8", "int4", "", 8, True, None, torch.int8])
+def test_a_bad_value_is_refused_by_name_with_the_allowed_ones(tmp_path, bad):
+    with pytest.raises(ConfigError) as info:
+        PPOConfig(output_dir=str(tmp_path), report_to=[], rollout_kv_cache_dtype=bad)
+    text = str(info.value)
+    assert "rollout_kv_cache_dtype" in text and "'auto', 'model', 'fp8', 'int8'" in text
+    assert "Traceback" not in text
+
+
+def test_a_bad_value_set_after_construction_is_refused_by_the_trainer(tmp_path, tokenizer):
+    args = ppo_args(tmp_path, value_mode="fused")
+    args.rollout_kv_cache_dtype = "int4"
+    with pytest.raises(ConfigError, match="rollout_kv_cache_dtype") as info:
+        PPOTrainer(args=args, processing_class=tokenizer, model=build_tiny_llama(tokenizer),
+                   reward_funcs=vowel_reward, train_dataset=make_prompt_dataset(16))  # fmt: skip
+    assert _keys(info.value) == {"rollout_kv_cache_dtype"}
+
+
+def test_the_default_keeps_the_models_dtype(tmp_path):
+    args = PPOConfig(output_dir=str(tmp_path), report_to=[])
+    assert args.rollout_kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_auto_on_the_cpu_runs_model_generate_and_an_8bit_cache_is_refused_at_start(tmp_path, tokenizer, kv):
+    model = build_tiny_llama(tokenizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError) as info:
+        _trainer(tmp_path, tokenizer, model, rollout_kv_cache_dtype=kv)
+    assert _keys(info.value) == {"rollout_kv_cache_dtype"}
+    text = str(info.value)
+    assert "native decode path" in text and "model.generate" in text and "rollout_backend='static'" in text
+    assert all((a == b).all() for a, b in zip(before, model.parameters()))  # nothing moved or trained
+
+
+def test_the_hf_backend_is_refused_by_name(tmp_path, tokenizer):
+    with pytest.raises(ConfigError, match=r"rollout_backend='hf' runs model\.generate") as info:
+        _trainer(tmp_path, tokenizer, rollout_backend="hf", rollout_kv_cache_dtype="int8")
+    assert _keys(info.value) == {"rollout_kv_cache_dtype"}
+
+
+def test_the_generic_path_is_refused_by_name(tmp_path, tokenizer):
+    from tests.sweep.test_generic_path import tiny_opt
+
+    with pytest.raises(ConfigError, match="generic path") as info:
+        _trainer(tmp_path, tokenizer, tiny_opt(tokenizer), rollout_backend="static", rollout_kv_cache_dtype="fp8")
+    assert _keys(info.value) == {"rollout_kv_cache_dtype"}
+
+
+@pytest.mark.parametrize("asked", ["auto", "model"])
+def test_the_models_dtype_is_accepted_on_every_path(tmp_path, tokenizer, asked):
+    trainer = _trainer(tmp_path, tokenizer, rollout_kv_cache_dtype=asked)  # model.generate on the CPU
+    trainer.train()
+    assert trainer.roller.engine.backend == "hf" and trainer.roller.engine.kv_cache_dtype is None
+
+
+def _held_cache(tmp_path, tokenizer, kv: str):
+    trainer = _trainer(tmp_path / kv, tokenizer, rollout_backend="static", rollout_kv_cache_dtype=kv,
+                       rapidfire_config="balanced")  # fmt: skip
+    trainer.train()
+    return trainer, trainer.roller.engine.held_bytes()
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_the_trainer_hands_the_8bit_cache_to_its_engine_and_its_plan(tmp_path, tokenizer, kv, capsys):
+    model_dtype, held_full = _held_cache(tmp_path, tokenizer, "model")
+    trainer, held_8bit = _held_cache(tmp_path, tokenizer, kv)
+    engine = trainer.roller.engine
+    assert (engine.backend, engine.path, engine.kv_cache_dtype) == ("static", "native", kv)
+    # the cache itself: one byte an element plus an fp32 scale per head vector, against fp32 (4 bytes) here
+    d = trainer.accelerator.unwrap_model(trainer.model).policy.config.head_dim
+    assert held_8bit < held_full
+    # the plan counts the same bytes per token as the engine holds
+    full, small = model_dtype.plan, trainer.plan
+    assert (full.kv_cache_dtype, small.kv_cache_dtype) == ("model dtype", kv)
+    assert small.kv_bytes_per_token / full.kv_bytes_per_token == pytest.approx((d + SCALE_BYTES) / (4 * d))
+    table = capsys.readouterr().out
+    assert f"kv_cache_dtype={kv}" in table  # the start table's rollout line
+    assert "rollout KV cache dtype" in table and f"your rollout_kv_cache_dtype" in table
