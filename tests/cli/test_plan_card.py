@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -214,3 +215,34 @@ def test_the_plan_command_plans_ppoconfigs_host_offload_default(capsys):
     plain = json.loads(capsys.readouterr().out)
     assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", default]) == 0
     assert json.loads(capsys.readouterr().out) == plain
+
+
+def test_an_8bit_kv_cache_grows_the_generation_chunk_and_the_table_names_it(capsys):
+    """Issue 46 item 2: the 7B batch of 160 generates in 2 chunks of 80 with the model's dtype, at once with int8."""
+    assert main([*TARGET, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*TARGET, "--json", "--kv-cache-dtype", "int8"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert (plain["generation_rows"], small["generation_rows"]) == (80, 160)
+    assert (plain["kv_cache_dtype"], small["kv_cache_dtype"]) == ("model dtype", "int8")
+    assert small["kv_bytes_per_token"] / plain["kv_bytes_per_token"] == (128 + 4) / 256
+    assert main([*TARGET, "--kv-cache-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"KV cache dtype +int8 +int8 +your rollout_kv_cache_dtype: 264\.0 KiB", out)
+
+
+@pytest.mark.parametrize("bad", ["int4", "INT8", ""])
+def test_an_unknown_kv_cache_dtype_is_one_line_and_exit_2(capsys, bad):
+    assert main([*TARGET, "--kv-cache-dtype", bad]) == 2
+    err = capsys.readouterr().err
+    assert f"--kv-cache-dtype {bad!r}: expected one of 'auto', 'model', 'fp8', 'int8'" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_fit_hint_offers_an_8bit_kv_cache_where_it_makes_the_plan_fit(capsys):
+    # 7B LoRA with 4,096-token responses on a 40 GiB card: the KV cache of one generated row is 2.1 GiB
+    long = ["plan", "--shape", "llama-7b", "--gpu-memory", "40", "--batch", "8", "--micro", "1", "--peft",
+            "--response-length", "4096", "--value-mode", "fused", "--config", "aggressive"]  # fmt: skip
+    assert main(long) == 1
+    assert "an 8-bit KV cache (--kv-cache-dtype int8; changes the arithmetic)" in capsys.readouterr().err
+    assert main([*long, "--kv-cache-dtype", "int8"]) == 0

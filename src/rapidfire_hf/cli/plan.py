@@ -116,6 +116,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "between phases (default: PPOConfig's, 'auto': where it pays; 'off': never; planned only with "
         "--gpu-memory or without a GPU).",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="PPOConfig's rollout_kv_cache_dtype: the rollout KV cache in the model's dtype ('auto', the "
+        "default, and 'model') or 8-bit ('fp8', 'int8': about half the bytes, so the generation chunk "
+        "may grow; changes the arithmetic). Said in the plan table.",
+    )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of the table.")
     p.set_defaults(func=plan_command)
     return p
@@ -225,11 +232,13 @@ def _card_plan_and_print(args: argparse.Namespace) -> int:
         peft=args.peft,
         reward_model=args.reward == "model",
         frozen_quantization=args.frozen_quantization,
+        kv_cache_dtype=None if args.kv_cache_dtype in ("auto", "model") else args.kv_cache_dtype,
     )
     asked = Asked(
         scoring_rows=None if args.score_chunk == "auto" else args.score_chunk,
         generation_rows=None if args.generation_chunk == "auto" else args.generation_chunk,
         free_cache=True,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     device = int(gib * GIB)
     plan = card_plan(run, device, level, asked=asked, label=f"{name}, bf16", host_offload=args.host_offload)
@@ -299,6 +308,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.gpu_memory is not None:
         _gpu_gib(args.gpu_memory)
     args.score_chunk = _chunk("--score-chunk", args.score_chunk)
+    from rapidfire_hf.ppo.config import KV_CACHE_CHOICES
+
+    if args.kv_cache_dtype not in KV_CACHE_CHOICES:
+        allowed = ", ".join(repr(c) for c in KV_CACHE_CHOICES)
+        raise PlanUsageError(f"--kv-cache-dtype {args.kv_cache_dtype!r}: expected one of {allowed}")
     args.generation_chunk = _chunk("--generation-chunk", args.generation_chunk)
     if args.model is None:
         args.shape = args.shape or DEFAULT_SHAPE
@@ -443,6 +457,7 @@ def _build_trainer(args: argparse.Namespace, out_dir: Path):
         use_cpu=device.type == "cpu",
         bf16=dtype == torch.bfloat16,
         rapidfire_config=args.config,
+        rollout_kv_cache_dtype=args.kv_cache_dtype,  # refused by name where the rollout cannot keep it
     )
     with _quiet_datasets():
         trainer = PPOTrainer(

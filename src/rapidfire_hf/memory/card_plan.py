@@ -226,8 +226,8 @@ def smallest_card(run: RunShape, level, **kwargs) -> int | None:
 
 def fit_hint(run: RunShape, device_bytes: int, level, **kwargs) -> str:
     """One sentence saying what would make a plan that does not fit on ``device_bytes`` fit, each option
-    planned: the smallest card, ``aggressive``, LoRA, a halved response. (Smaller micro-batches are the plan's
-    own: it already tried pieces down to one row.)"""
+    planned: the smallest card, ``aggressive``, the frozen models or the KV cache in 8 bits, LoRA, a halved
+    response. (Smaller micro-batches are the plan's own: it already tried pieces down to one row.)"""
     card = smallest_card(run, level, **kwargs)
     hints = [f"a card of at least {card} GiB (--gpu-memory)" if card else "no card up to 64 TiB"]
     if (
@@ -242,6 +242,12 @@ def fit_hint(run: RunShape, device_bytes: int, level, **kwargs) -> str:
                     f"the frozen models in {bits} (--frozen-quantization {bits}; changes their arithmetic)"
                 )
                 break
+    if (
+        run.kv_cache_dtype is None
+        and run.static_engine
+        and card_plan(replace(run, kv_cache_dtype="int8"), device_bytes, level, **kwargs).fits
+    ):
+        hints.append("an 8-bit KV cache (--kv-cache-dtype int8; changes the arithmetic)")
     if not run.peft and card_plan(replace(run, peft=True), device_bytes, level, **kwargs).fits:
         hints.append("LoRA (--peft)")
     if run.response_tokens > 64:

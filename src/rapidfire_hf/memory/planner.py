@@ -343,7 +343,7 @@ class Plan:
              self.reasons.get("generation_rows", "")),
             ("optimizer state", str(self.asked.get("optimizer_state", "auto")), self.optimizer_state,
              self.reasons.get("optimizer_state", "")),
-            ("rollout KV cache dtype", str(self.asked.get("kv_cache_dtype", "auto")), self.kv_cache_dtype,
+            ("KV cache dtype", str(self.asked.get("kv_cache_dtype", "auto")), self.kv_cache_dtype,
              self.reasons.get("kv_cache_dtype", "")),
             *([("rollout KV cache", "auto", "freed after generation", self.reasons.get("free_cache", ""))]
               if self.free_cache else []),
@@ -405,7 +405,7 @@ class Plan:
 
 def kv_cache_view(work: Workload, asked: Asked) -> dict:
     """The plan's KV-cache fields: what the cache is in, its bytes per token of a row, and why (the table's
-    row "rollout KV cache dtype")."""
+    row "KV cache dtype")."""
     per_token = f"{work.kv_bytes_per_token / 1024:,.1f} KiB a token of a row"
     if work.kv_cache_dtype is None:
         why = f"the model's dtype: {per_token}"
