@@ -109,3 +109,35 @@ def test_the_trainer_hands_the_8bit_cache_to_its_engine_and_its_plan(tmp_path, t
     table = capsys.readouterr().out
     assert f"kv_cache_dtype={kv}" in table  # the start table's rollout line
     assert "KV cache dtype" in table and "your rollout_kv_cache_dtype" in table
+
+
+@pytest.mark.parametrize(
+    ("kv", "capability", "refused"),
+    [
+        ("fp8", (8, 0), True),  # A100: Triton compiles no e4m3 there (the attention kernel, torch.compile's)
+        ("fp8", (8, 6), True),
+        ("fp8", (8, 9), False),  # Ada
+        ("fp8", (9, 0), False),  # Hopper
+        ("int8", (8, 0), False),
+        ("int8", (7, 5), False),
+        ("fp8", None, False),  # not CUDA: torch's own fp8 casts run on the CPU
+    ],
+)
+def test_fp8_is_refused_on_a_gpu_whose_triton_cannot_compile_it(tmp_path, tokenizer, kv, capability, refused):
+    from rapidfire_hf.ppo.settings_check import kv_cache_refusal
+
+    args = ppo_args(tmp_path, rollout_backend="static", rollout_kv_cache_dtype=kv)
+    errors = kv_cache_refusal(args, build_tiny_llama(tokenizer), None, capability)
+    assert bool(errors) == refused
+    if refused:
+        assert errors[0].key == "rollout_kv_cache_dtype" and "compute capability 8.9" in str(errors[0])
+        assert "'int8' (any GPU)" in str(errors[0])
+
+
+def test_the_trainer_asks_its_devices_capability(tmp_path, tokenizer, monkeypatch):
+    from rapidfire_hf.ppo import settings_check
+
+    monkeypatch.setattr(settings_check, "cuda_capability", lambda device: (8, 0))  # as on an A100
+    with pytest.raises(ConfigError, match="this GPU is 8.0") as info:
+        _trainer(tmp_path, tokenizer, rollout_backend="static", rollout_kv_cache_dtype="fp8")
+    assert _keys(info.value) == {"rollout_kv_cache_dtype"}

@@ -453,7 +453,8 @@ class PPOConfig(TrainingArguments):
             "from the model dtype's cache). 'auto' (the default) is 'model' until a GPU benchmark shows the "
             "bigger chunk decodes faster per token (benchmarks/rollout/kv_cache.py). 8-bit needs the static "
             "engine's native decode path: refused by name at start where the rollout runs model.generate "
-            "(rollout_backend='hf', 'auto' on the CPU, ZeRO-3) or the generic path. Said in the plan table."
+            "(rollout_backend='hf', 'auto' on the CPU, ZeRO-3) or the generic path, and 'fp8' on a GPU below "
+            "compute capability 8.9 (Triton compiles no e4m3 there). Said in the plan and start tables."
         },
     )
     host_offload: str = field(

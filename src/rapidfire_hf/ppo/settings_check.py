@@ -74,7 +74,15 @@ def static_engine_refusal(args, model) -> list[ConfigError]:
     ]
 
 
-def kv_cache_refusal(args, model, auto_runs_hf: str | None = None) -> list[ConfigError]:
+# Triton compiles fp8 e4m3 (``tl.float8e4nv``) for compute capability 8.9 and later only (Ada, Hopper): on an
+# A100 neither the flash-decoding kernel nor torch.compile's generated kernels of the decode step can read or
+# write an fp8 cache ("fp8e4nv data type is not supported on CUDA arch < 89", triton-lang/triton#4319)
+FP8_TRITON_CAPABILITY = (8, 9)
+
+
+def kv_cache_refusal(
+    args, model, auto_runs_hf: str | None = None, capability: tuple[int, int] | None = None
+) -> list[ConfigError]:
     """``rollout_kv_cache_dtype="fp8"`` / ``"int8"`` where the rollout cannot keep an 8-bit cache: only the
     static engine's native decode path writes one (``model.generate`` keeps its own cache; the generic path
     runs the model's own attention over it). Asked before any work, so the run never generates with the
@@ -86,6 +94,8 @@ def kv_cache_refusal(args, model, auto_runs_hf: str | None = None) -> list[Confi
         auto_runs_hf: why ``rollout_backend="auto"`` runs ``model.generate`` for this entry point whatever
             the model (PPOTrainer: not on CUDA, or ZeRO-3), or None (it runs the static engine where the
             model's family allows).
+        capability: the CUDA device's compute capability (None: not a CUDA device; torch's own fp8 casts
+            run on the CPU).
     """
     from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 
@@ -103,6 +113,17 @@ def kv_cache_refusal(args, model, auto_runs_hf: str | None = None) -> list[Confi
         why = f"model.generate runs this model ({reason})"
     elif path == "generic":
         why = f"this model runs the generic path, the model's own attention over the cache ({reason})"
+    elif asked == "fp8" and capability is not None and tuple(capability) < FP8_TRITON_CAPABILITY:
+        major, minor = capability
+        return [
+            ConfigError(
+                "the decode step's Triton code (the attention kernel, torch.compile's kernels) reads and writes "
+                f"fp8 (e4m3) on compute capability 8.9 or later; this GPU is {major}.{minor}",
+                key="rollout_kv_cache_dtype",
+                value=asked,
+                allowed="'int8' (any GPU), 'auto' or 'model'",
+            )
+        ]
     else:
         return []
     return [
@@ -113,6 +134,16 @@ def kv_cache_refusal(args, model, auto_runs_hf: str | None = None) -> list[Confi
             allowed="'auto' or 'model' (the model's dtype) for this run",
         )
     ]
+
+
+def cuda_capability(device) -> tuple[int, int] | None:
+    """The compute capability of ``device`` when it is a CUDA device, else None."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device.index if device.index is not None else None)
 
 
 def check_trainer_kv_cache(args, model, accelerator) -> None:
@@ -135,7 +166,8 @@ def check_trainer_kv_cache(args, model, accelerator) -> None:
         )
     else:
         auto_runs_hf = None
-    raise_refusals(kv_cache_refusal(args, model, auto_runs_hf), TRAINER)
+    errors = kv_cache_refusal(args, model, auto_runs_hf, cuda_capability(device))
+    raise_refusals(errors, TRAINER)
 
 
 def check_trainer_settings(args, model=None, optimizer=None) -> None:
@@ -190,8 +222,10 @@ def check_sweep_settings(args, model=None) -> None:
     errors = ppo_refusals(args, SWEEP)
     errors += env_refusals(SWEEP, args.rapidfire_config is not None)
     errors += static_engine_refusal(args, model)
-    errors += kv_cache_refusal(args, model)  # the sweep's "auto" runs the static engine on any device
     on_cuda = torch.cuda.is_available() and not args.use_cpu
+    # the sweep's "auto" backend runs the static engine on any device
+    capability = torch.cuda.get_device_capability() if on_cuda else None
+    errors += kv_cache_refusal(args, model, None, capability)
     for name in ("bf16", "fp16"):
         if getattr(args, name) and not on_cuda:
             errors.append(
