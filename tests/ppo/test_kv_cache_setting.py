@@ -141,3 +141,17 @@ def test_the_trainer_asks_its_devices_capability(tmp_path, tokenizer, monkeypatc
     with pytest.raises(ConfigError, match="this GPU is 8.0") as info:
         _trainer(tmp_path, tokenizer, rollout_backend="static", rollout_kv_cache_dtype="fp8")
     assert _keys(info.value) == {"rollout_kv_cache_dtype"}
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_enable_rapidfire_on_a_ppo_trainer_plans_with_the_trainers_cache(tmp_path, tokenizer):
+    """enable_rapidfire receives PPOConfig only inside a PPOTrainer (the contract's n/a): the trainer applied
+    the field when built, and the plan the config then makes counts the 8-bit cache."""
+    from rapidfire_hf import enable_rapidfire
+
+    trainer = enable_rapidfire(
+        _trainer(tmp_path, tokenizer, rollout_backend="static", rollout_kv_cache_dtype="int8"), "balanced"
+    )
+    trainer.train()
+    assert trainer.roller.engine.kv_cache_dtype == "int8"
+    assert trainer.plan.planned and trainer.plan.kv_cache_dtype == "int8"
