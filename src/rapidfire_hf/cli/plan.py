@@ -118,10 +118,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        default="auto",
-        help="PPOConfig's rollout_kv_cache_dtype: the rollout KV cache in the model's dtype ('auto', the "
-        "default, and 'model') or 8-bit ('fp8', 'int8': about half the bytes, so the generation chunk "
-        "may grow; changes the arithmetic). Said in the plan table.",
+        default=None,
+        help="PPOConfig's rollout_kv_cache_dtype: the rollout KV cache in the model's dtype ('auto', "
+        "PPOConfig's default, and 'model') or 8-bit ('fp8', 'int8': about half the bytes, so the generation "
+        "chunk may grow; changes the arithmetic). Said in the plan table.",
     )
     p.add_argument("--json", action="store_true", help="Print the plan as JSON instead of the table.")
     p.set_defaults(func=plan_command)
@@ -232,7 +232,7 @@ def _card_plan_and_print(args: argparse.Namespace) -> int:
         peft=args.peft,
         reward_model=args.reward == "model",
         frozen_quantization=args.frozen_quantization,
-        kv_cache_dtype=None if args.kv_cache_dtype in ("auto", "model") else args.kv_cache_dtype,
+        kv_cache_dtype=_engine_kv_cache(args),
     )
     asked = Asked(
         scoring_rows=None if args.score_chunk == "auto" else args.score_chunk,
@@ -276,6 +276,13 @@ def _card_plan_and_print(args: argparse.Namespace) -> int:
     return EXIT_DOES_NOT_FIT
 
 
+def _engine_kv_cache(args: argparse.Namespace) -> str | None:
+    """The rollout engine's ``kv_cache_dtype`` for ``--kv-cache-dtype`` (None: the model's dtype)."""
+    from rapidfire_hf.ppo.config import engine_kv_cache_dtype
+
+    return engine_kv_cache_dtype(args.kv_cache_dtype)
+
+
 def _one_line(err: Exception) -> str:
     return " ".join(str(err).split())
 
@@ -308,8 +315,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.gpu_memory is not None:
         _gpu_gib(args.gpu_memory)
     args.score_chunk = _chunk("--score-chunk", args.score_chunk)
-    from rapidfire_hf.ppo.config import KV_CACHE_CHOICES
+    from rapidfire_hf.ppo.config import KV_CACHE_CHOICES, KV_CACHE_DEFAULT
 
+    if args.kv_cache_dtype is None:  # PPOConfig's default, from its one home
+        args.kv_cache_dtype = KV_CACHE_DEFAULT
     if args.kv_cache_dtype not in KV_CACHE_CHOICES:
         allowed = ", ".join(repr(c) for c in KV_CACHE_CHOICES)
         raise PlanUsageError(f"--kv-cache-dtype {args.kv_cache_dtype!r}: expected one of {allowed}")
@@ -362,7 +371,8 @@ def _measured_hint(args: argparse.Namespace, level: str) -> str:
         return "fits with " + generic
     run = RunShape(shape, args.batch, args.micro, args.prompt_length, args.response_length,
                    mini_batches=args.mini_batches,
-                   value_mode=args.value_mode or ("separate" if args.model is None else "fused"))  # fmt: skip
+                   value_mode=args.value_mode or ("separate" if args.model is None else "fused"),
+                   kv_cache_dtype=_engine_kv_cache(args))  # fmt: skip
     card = smallest_card(run, level, asked=Asked(free_cache=True))
     return (
         f"fits with a GPU of at least {card} GiB (planned from the shape), or {generic}"

@@ -21,6 +21,7 @@ _QUANTIZATION = Optional(Among(("8bit", "4bit")), "kept as given")
 # rollout_kv_cache_dtype: "auto" and "model" keep the model's dtype (None to the engine); "fp8" / "int8" are
 # RolloutEngine's kv_cache_dtype (kernels/kv_quant.py)
 KV_CACHE_CHOICES = ("auto", "model", "fp8", "int8")
+KV_CACHE_DEFAULT = "auto"  # the model's dtype until a GPU benchmark shows an 8-bit cache pays
 
 
 def engine_kv_cache_dtype(value: str) -> str | None:
@@ -445,7 +446,7 @@ class PPOConfig(TrainingArguments):
         },
     )
     rollout_kv_cache_dtype: str = field(
-        default="auto",
+        default=KV_CACHE_DEFAULT,
         metadata={
             "help": "The fast engine's KV cache: 'model' (the model's dtype), 'fp8' (e4m3) or 'int8': one byte "
             "per element plus one fp32 scale per (row, K/V head, token), 0.516x the bytes of bf16 at head "
