@@ -55,16 +55,27 @@ def test_soft_capped_references_run_the_attention_that_applies_the_cap(tokenizer
     assert build(case("gemma2"), len(tokenizer)).config._attn_implementation == REFERENCE_ATTENTION
 
 
-def test_the_engine_says_when_the_models_own_attention_drops_its_soft_cap(tokenizer):
-    model = build(case("gemma2"), len(tokenizer))
+def test_the_engine_follows_a_models_attention_that_drops_its_soft_cap(tokenizer, prompts):
+    """transformers 5.17's sdpa attention drops Gemma-2's attention soft-cap (the training forward then runs
+    uncapped); the engine follows the model it was given, and says so once. Its sdpa forward is the eager one
+    without the cap (this transformers refuses sdpa with a cap, so the uncapped eager model is the reference)."""
+    ids, mask = prompts
+    model = build(case("gemma2"), len(tokenizer), seed=1)
+    params = SamplingParams(max_new_tokens=40, do_sample=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
-    # eager applies the cap: nothing to say
-    assert not [w for w in caught if "soft-capping" in str(w.message)]
+        capped = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
+        capped_out = capped.generate(ids, mask, params)
+    assert not [w for w in caught if "soft-capping" in str(w.message)]  # eager applies the cap: nothing to say
     model.config._attn_implementation = "sdpa"  # what transformers 5.17 picks for Gemma-2 by default
     with pytest.warns(UserWarning, match=r"attn_implementation='sdpa'.*attn_logit_softcapping=2\.0.*'eager'"):
-        RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
+        engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
+    out = engine.generate(ids, mask, params)
+    reference = build(case("gemma2"), len(tokenizer), seed=1)
+    for layer in reference.model.layers:  # sdpa's forward: the eager one without the attention cap
+        layer.self_attn.attn_logit_softcapping = None
+    assert torch.equal(out.responses, hf_greedy(reference, ids, mask, 40, stop=None))
+    assert not torch.equal(out.responses, capped_out.responses)  # the cap matters on this model
 
 
 @pytest.mark.parametrize("name", NAMES)

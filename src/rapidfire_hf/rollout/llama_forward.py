@@ -273,19 +273,23 @@ def _band(valid: torch.Tensor, query_slot, window: int | None, length: int) -> t
     return valid & (keys > query_slot - window)
 
 
-def _warn_if_forward_drops_softcap(config, softcap: float | None) -> None:
-    """Say so when the model's own forward leaves out the attention soft-cap this forward applies: transformers'
-    sdpa attention has no cap (5.17 runs Gemma-2 on sdpa by default and drops it silently), so the rollout's
-    tokens and log-probs (capped, as the model is defined) would differ from the training forward's."""
+def attention_softcap(config, softcap: float | None) -> float | None:
+    """The attention soft-cap the model's own forward applies: ``softcap`` (the config's
+    ``attn_logit_softcapping``), or None where the model attends through transformers' sdpa, which has no cap
+    (transformers 5.17 runs Gemma-2 on sdpa by default and drops the cap silently; later releases refuse sdpa
+    with a cap). The engine follows the model the user brought, so the rollout's tokens and log-probs are the
+    training forward's (PPO's ratio and KL read both); said once, with how to get the capped model."""
     impl = str(getattr(config, "_attn_implementation", None) or "")
-    if softcap is not None and "sdpa" in impl:
-        warnings.warn(
-            f"the model's own forward runs attn_implementation={impl!r}, which leaves out its attention "
-            f"soft-capping (attn_logit_softcapping={softcap}); the rollout engine applies the cap, as the model "
-            "is defined, so the rollout's log-probs differ from the training forward's (PPO's ratio and KL read "
-            "both): load the model with attn_implementation='eager'",
-            stacklevel=3,
-        )
+    if softcap is None or "sdpa" not in impl:
+        return softcap
+    warnings.warn(
+        f"the model's own forward runs attn_implementation={impl!r}, which leaves out its attention "
+        f"soft-capping (attn_logit_softcapping={softcap}); the rollout engine follows it (no attention cap), so "
+        "rollout and training log-probs agree. For the model as defined, load it with "
+        "attn_implementation='eager'",
+        stacklevel=3,
+    )
+    return None
 
 
 class StaticLlama:
@@ -390,9 +394,9 @@ class StaticLlama:
         self.rope_kinds = kinds
         self._tables = list(dict.fromkeys(k for k in kinds if k is not None))  # rotary tables, in this order
         self._table_of = [None if k is None else self._tables.index(k) for k in kinds]
-        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if fam.softcap else None
+        cap = getattr(cfg, "attn_logit_softcapping", None) if fam.softcap else None
+        self.attn_softcap = attention_softcap(cfg, cap)  # None where the model's own attention drops it
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if fam.softcap else None
-        _warn_if_forward_drops_softcap(cfg, self.attn_softcap)
         self.parallel = fam.parallel_residual and bool(getattr(cfg, "use_parallel_residual", True))
         self.embed_mult = float(cfg.embedding_multiplier) if fam.multipliers else 1.0
         self.residual_mult = float(cfg.residual_multiplier) if fam.multipliers else 1.0
