@@ -9,9 +9,9 @@ date -u | tee -a $OUT/gpu.txt
 T0=$SECONDS
 row() {  # row NAME DIR(. or .prev)
   local name=$1 dir=$2
-  if (( SECONDS - T0 > 400 )); then echo "$name skipped (time)"; return; fi
+  if (( SECONDS - T0 > 250 )); then echo "$name skipped (time)"; return; fi
   ( cd $dir && PYTHONPATH=$PWD/src:$PWD:/tmp/site timeout 130 python3 benchmarks/ppo_vs_trl/run.py --out $OUT/$name \
-      --part throughput --timeout 110 --fused-batches "" --updates 4 --trl-batches "" --our-batches 8 \
+      --part throughput --timeout 110 --fused-batches "" --updates 3 --trl-batches "" --our-batches 8 \
       > $OUT/$name.log 2>&1; echo "$name rc=$?" )
 }
 row main1 .; row prev1 .prev; row main2 .; row prev2 .prev
@@ -27,6 +27,6 @@ for x in rows:
           "updates", x.get("update_times"), "score", x.get("score_times"), x.get("error", "")[:200])
 PY
 done
-left=$(( 560 - (SECONDS - T0) )); (( left > 145 )) && left=145
+left=$(( 340 - (SECONDS - T0) )); (( left > 100 )) && left=100
 TOTAL_S=$left bash benchmarks/rollout/gpu_diag_families.sh $OUT/diag > $OUT/diag.log 2>&1
 tail -25 $OUT/diag.log
