@@ -16,7 +16,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 for part in "$@"; do
   case "$part" in
-    full7b|lora7b|lora7b_offload|lora7b_off) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows "$part" --updates ${UPDATES_80:-4} ${CAP_GIB:+--cap-gib $CAP_GIB} \
+    full7b|lora7b|lora7b_offload|lora7b_off|lora7b_int8kv) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows "$part" --updates ${UPDATES_80:-4} ${CAP_GIB:+--cap-gib $CAP_GIB} \
                      --timeout 500 ;;
     full7b_trades) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows full7b_off,full7b_offload \
                      --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;

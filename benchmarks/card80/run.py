@@ -46,6 +46,7 @@ ROWS = {
     "full7b_offload": {"batch": 160, "peft": False, "host_offload": "auto"},
     "lora7b_off": {"batch": 256, "peft": True, "host_offload": "off"},
     "lora7b_offload": {"batch": 256, "peft": True, "host_offload": "auto"},
+    "lora7b_int8kv": {"batch": 256, "peft": True, "host_offload": "auto", "rollout_kv_cache_dtype": "int8"},
 }
 
 
@@ -78,8 +79,9 @@ def worker_config(row: str, args: argparse.Namespace) -> dict:
         flags.append("--smoke")
     cfg = row_config("aggressive", preset_args(flags))
     cfg["name"], cfg["row"] = f"{row}_b{cfg['batch']}", row
-    if "host_offload" in spec:
-        cfg["host_offload"] = spec["host_offload"]
+    for key in ("host_offload", "rollout_kv_cache_dtype"):
+        if key in spec:
+            cfg[key] = spec[key]
     if args.cap_gib:
         cfg["gpu_cap_gib"] = args.cap_gib
     return cfg

@@ -374,6 +374,8 @@ def speedup_args(cfg: dict) -> dict:
         out["rollout_generation_batch_size"] = cfg["rollout_generation_batch_size"]
     if cfg.get("host_offload"):
         out["host_offload"] = cfg["host_offload"]
+    if cfg.get("rollout_kv_cache_dtype"):
+        out["rollout_kv_cache_dtype"] = cfg["rollout_kv_cache_dtype"]
     for kernel in decode_options(cfg):
         if kernel not in MEMORY_RELEASE:
             out.update(DECODE_KERNELS[kernel])
