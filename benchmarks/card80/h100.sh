@@ -5,6 +5,8 @@
 #   bash benchmarks/card80/h100.sh OUT lora7b   # 7B LoRA, batch 256 (~5 min)
 #   bash benchmarks/card80/h100.sh OUT full7b_trades  # full7b without and with host offload, 3 updates each
 #                                                     # (~2 x 3.5 min; each row its own worker process)
+#   bash benchmarks/card80/h100.sh OUT lora7b_kv      # lora7b_offload and lora7b_int8kv (the KV cache in int8)
+#   bash benchmarks/card80/h100.sh OUT full7b_kv      # full7b_offload and full7b_int8kv, 3 updates each
 # UPDATES_80 (default 4) sets the updates of a row; the first is the warm-up. CAP_GIB=79.19 caps a bigger
 # card to an H100 80 GB's memory (the allocator refuses past it; speed stays the bigger card's).
 set -u
@@ -16,10 +18,13 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 for part in "$@"; do
   case "$part" in
-    full7b|lora7b|lora7b_offload|lora7b_off|lora7b_int8kv) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows "$part" --updates ${UPDATES_80:-4} ${CAP_GIB:+--cap-gib $CAP_GIB} \
+    full7b|lora7b|lora7b_offload|lora7b_off|lora7b_int8kv|full7b_int8kv) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows "$part" --updates ${UPDATES_80:-4} ${CAP_GIB:+--cap-gib $CAP_GIB} \
                      --timeout 500 ;;
     full7b_trades) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows full7b_off,full7b_offload \
                      --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
-    *) echo "unknown part $part (full7b, lora7b, full7b_trades)"; exit 2 ;;
+    lora7b_kv|full7b_kv) base=${part%_kv}
+                 $PY benchmarks/card80/run.py --out "$OUT/$part" --rows ${base}_offload,${base}_int8kv \
+                     --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
+    *) echo "unknown part $part (full7b, lora7b, full7b_trades, lora7b_kv, full7b_kv)"; exit 2 ;;
   esac
 done

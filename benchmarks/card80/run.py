@@ -9,7 +9,10 @@ tokens, fused value head, ``memory.optimization=aggressive``, chunks and micro-b
 - ``full7b_off`` / ``full7b_offload``: ``full7b`` with PPOConfig's ``host_offload="off"`` (the plan without
   host offload, as before issue 46 item 2) and ``"auto"`` (the plan may keep the frozen reference and reward
   weights, and the optimizer state, in host memory between phases: ``rapidfire_hf.memory.offload_plan``).
-  ``bash benchmarks/card80/h100.sh OUT full7b_trades`` runs the two in one device call.
+  ``bash benchmarks/card80/h100.sh OUT full7b_trades`` runs the two in one device call;
+- ``lora7b_int8kv`` / ``full7b_int8kv``: ``lora7b_offload`` / ``full7b_offload`` with an 8-bit KV cache
+  (``rollout_kv_cache_dtype="int8"``); ``h100.sh OUT lora7b_kv`` (or ``full7b_kv``) runs each beside its
+  model-dtype row in one device call.
 
 For each row the results hold, per phase (generation, scoring, training): the peak the trainer's plan
 predicted (``plan.phase_peak_bytes``, from its one-row probe on the card), the peak the same plan predicts
@@ -46,7 +49,11 @@ ROWS = {
     "full7b_offload": {"batch": 160, "peft": False, "host_offload": "auto"},
     "lora7b_off": {"batch": 256, "peft": True, "host_offload": "off"},
     "lora7b_offload": {"batch": 256, "peft": True, "host_offload": "auto"},
+    # PPOConfig.rollout_kv_cache_dtype="int8": the plan counts the 8-bit cache (0.516x bf16's bytes), so the
+    # generation chunk grows (LoRA b256: 2 chunks of 128 -> one of 256) or other trades fit (full b160: the
+    # fused decode projections); PPOConfig's defaults otherwise
     "lora7b_int8kv": {"batch": 256, "peft": True, "host_offload": "auto", "rollout_kv_cache_dtype": "int8"},
+    "full7b_int8kv": {"batch": 160, "peft": False, "host_offload": "auto", "rollout_kv_cache_dtype": "int8"},
 }
 
 
@@ -98,7 +105,8 @@ def shape_prediction(row: dict) -> dict | None:
         return None
     shape = DecoderShape.from_config(llama_config(llama_shape(row["shape"]), 520))
     run = RunShape(shape, row["batch"], row["micro"], row["prompt_len"], row["response_len"],
-                   value_mode=row["value_mode"], peft=row["peft"], reward_model=row["reward"] == "model")  # fmt: skip
+                   value_mode=row["value_mode"], peft=row["peft"], reward_model=row["reward"] == "model",
+                   kv_cache_dtype=row.get("rollout_kv_cache_dtype"))  # fmt: skip
     plan = card_plan(
         run, int(row["gpu_total_gib"] * GIB), "aggressive", host_offload=row.get("host_offload") or "auto"
     )
@@ -106,7 +114,8 @@ def shape_prediction(row: dict) -> dict | None:
         "peaks": {p: b / GIB for p, b in plan.phase_peak_bytes.items()},
         "choices": {k: getattr(plan, k) for k in ("train_rows", "splits", "checkpointing", "scoring_rows",
                                                    "generation_rows", "free_cache", "optimizer_state",
-                                                   "offload_frozen", "offload_state")},
+                                                   "offload_frozen", "offload_state", "kv_cache_dtype",
+                                                   "fuse_projections")},
     }  # fmt: skip
 
 
@@ -139,7 +148,9 @@ def summary(row: dict) -> list[dict]:
             "plan": (f"{plan.get('train_rows')} rows in {2 ** plan.get('splits', 0)} piece(s), "
                      f"{plan.get('checkpointing')}, score {plan.get('scoring_rows')}, generate "
                      f"{plan.get('generation_rows')}, {plan.get('optimizer_state')} state, cache "
-                     f"{'freed' if plan.get('free_cache') else 'kept'}, offload: {offloaded(plan)}") if plan else None,
+                     f"{'freed' if plan.get('free_cache') else 'kept'}, offload: {offloaded(plan)}, KV "
+                     f"{plan.get('kv_cache_dtype', 'model dtype')}, fused projections "
+                     f"{'on' if plan.get('fuse_projections') else 'off'}") if plan else None,
         })  # fmt: skip
     return out
 

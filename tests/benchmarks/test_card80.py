@@ -67,3 +67,36 @@ def test_the_trades_rows_differ_only_in_host_offload_and_reach_the_trainer():
     assert chosen["offload_frozen"] is True and chosen["splits"] == 0
     script = (Path(__file__).resolve().parents[2] / "benchmarks/card80/h100.sh").read_text()
     assert "full7b_trades) $PY benchmarks/card80/run.py" in script and "full7b_off,full7b_offload" in script
+
+
+@pytest.mark.parametrize("base", ["lora7b", "full7b"])
+def test_the_kv_rows_differ_only_in_the_kv_cache_and_reach_the_trainer(base):
+    """``h100.sh OUT lora7b_kv`` / ``full7b_kv``: the model-dtype cache and the int8 cache, same run otherwise."""
+    from benchmarks.ppo_vs_trl.worker import speedup_args
+
+    args = parse_args(["--out", "x", "--rows", f"{base}_offload,{base}_int8kv", "--updates", "3"])
+    plain, small = worker_config(f"{base}_offload", args), worker_config(f"{base}_int8kv", args)
+    assert speedup_args(small)["rollout_kv_cache_dtype"] == "int8"
+    assert "rollout_kv_cache_dtype" not in speedup_args(plain)  # PPOConfig's default
+    strip = {"name", "row", "rollout_kv_cache_dtype"}
+    assert {k: v for k, v in plain.items() if k not in strip} == {
+        k: v for k, v in small.items() if k not in strip
+    }
+    card = {"gpu_total_gib": 79.19, "shape": "llama-7b", "batch": plain["batch"], "micro": 8, "prompt_len": 128,
+            "response_len": 384, "value_mode": "fused", "peft": plain["peft"], "reward": "model",
+            "host_offload": "auto"}  # fmt: skip
+    a, b = (
+        shape_prediction(card)["choices"],
+        shape_prediction({**card, "rollout_kv_cache_dtype": "int8"})["choices"],
+    )
+    assert (a["kv_cache_dtype"], b["kv_cache_dtype"]) == ("model dtype", "int8")
+    # what the plan from the shape expects the int8 row to change: LoRA generates at once, full fine-tuning
+    # (already at once) holds the fused decode projections
+    if base == "lora7b":
+        assert (a["generation_rows"], b["generation_rows"]) == (128, 256)
+    else:
+        assert (a["generation_rows"], b["generation_rows"], a["fuse_projections"], b["fuse_projections"]) == (
+            160, 160, False, True
+        )  # fmt: skip
+    script = (Path(__file__).resolve().parents[2] / "benchmarks/card80/h100.sh").read_text()
+    assert "lora7b_kv|full7b_kv)" in script and "${base}_offload,${base}_int8kv" in script
