@@ -121,3 +121,33 @@ def test_values_alone_equal_the_training_forwards(fused):
         alone = module.values(qr, tok.pad_token_id, 5)
     assert values.shape == alone.shape == (3, 7)
     assert torch.equal(values, alone.float())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_models_parts_are_looked_up_once_and_not_registered(fused, monkeypatch):
+    """The decoder, LM head and value model's backbone/score are found at the first forward, not at each one
+    (issue 44: a steady update no longer calls into models/plumbing.py per forward), and the kept parts are
+    no submodules of their own (the state dict and the module tree are the models')."""
+    module = _module(fused, 64)
+    keys = list(module.state_dict())
+    calls = []
+    for name in ("causal_lm_parts", "classifier_parts"):
+        real = getattr(modeling, name)
+        monkeypatch.setattr(modeling, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
+    qr = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = module(qr, 0, 5, 1.0)
+        for _ in range(3):
+            again = module(qr, 0, 5, 1.0)
+            module.values(qr, 0, 5)
+    assert sorted(calls) == (["causal_lm_parts"] if fused else ["causal_lm_parts", "classifier_parts"])
+    assert all(torch.equal(a, b) for a, b in zip(first[:2], again[:2]))
+    assert list(module.state_dict()) == keys and not any("_parts" in n for n, _ in module.named_modules())
+
+
+def test_a_policy_that_is_not_a_causal_lm_is_refused_at_its_forward():
+    """The lookup raises where it did (the first forward), naming the requirement."""
+    tok = build_char_tokenizer()
+    module = PolicyAndValue(build_tiny_value_model(tok), value_head=ValueHead(64))
+    with pytest.raises(TypeError, match="not a supported causal LM"):
+        module(torch.randint(3, 40, (1, 6)), 0, 3, 1.0)

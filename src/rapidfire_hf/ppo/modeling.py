@@ -174,10 +174,21 @@ class PolicyAndValue(nn.Module):
         self.value_model = value_model
         self.value_head = value_head
         self.full_mask = False  # see sequence_inputs; set by the trainer when its layers are compiled
+        # the models' parts, looked up at the first forward instead of at every one (a plain tuple: not
+        # registered as submodules); the lookup raises there, as before, for a model that is not a causal LM
+        self._parts: tuple[nn.Module, nn.Module, tuple[nn.Module, nn.Module] | None] | None = None
 
     @property
     def fused(self) -> bool:
         return self.value_head is not None
+
+    def parts(self) -> tuple[nn.Module, nn.Module, tuple[nn.Module, nn.Module] | None]:
+        """``(decoder, lm_head, (backbone, score) of the value model or None when fused)``, found once."""
+        if self._parts is None:
+            decoder, lm_head = causal_lm_parts(self.policy)
+            value = None if self.fused else classifier_parts(self.value_model, "value_model")
+            self._parts = (decoder, lm_head, value)
+        return self._parts
 
     def forward(
         self,
@@ -188,7 +199,7 @@ class PolicyAndValue(nn.Module):
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns ``(logprobs [B, R], values [B, R], entropy [B, R] or None)`` for the response part."""
-        decoder, lm_head = causal_lm_parts(self.policy)
+        decoder, lm_head, _ = self.parts()
         inputs, resp_hidden, logprobs, entropy = policy_outputs(
             decoder, lm_head, query_responses, pad_token_id, context_length, temperature, self.full_mask,
             with_entropy,
@@ -205,10 +216,11 @@ class PolicyAndValue(nn.Module):
     ) -> torch.Tensor:
         """The one place values are computed: the value head on the policy's hidden states of the response
         positions (``resp_hidden`` when the caller already ran the policy), or the separate value model."""
-        if not self.fused:
-            return value_positions(self.value_model, inputs, context_length)
+        decoder, _, value_parts = self.parts()
+        if value_parts is not None:
+            return classifier_positions(*value_parts, inputs, context_length)
         if resp_hidden is None:
-            resp_hidden = response_hidden(causal_lm_parts(self.policy)[0], inputs, context_length)
+            resp_hidden = response_hidden(decoder, inputs, context_length)
         return block_values([self.value_head], [resp_hidden.shape[0]], resp_hidden)
 
 
@@ -253,7 +265,13 @@ def value_positions(
     value_model: nn.Module, inputs: dict[str, torch.Tensor], context_length: int
 ) -> torch.Tensor:
     """Values of the states before each response token from a sequence-classification model. [B, R]"""
-    backbone, score = classifier_parts(value_model, "value_model")
+    return classifier_positions(*classifier_parts(value_model, "value_model"), inputs, context_length)
+
+
+def classifier_positions(
+    backbone: nn.Module, score: nn.Module, inputs: dict[str, torch.Tensor], context_length: int
+) -> torch.Tensor:
+    """:func:`value_positions` from the model's parts (:func:`~rapidfire_hf.models.plumbing.classifier_parts`)."""
     hidden = backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
     return score(hidden[:, context_length - 1 : -1]).squeeze(-1)
 
