@@ -10,10 +10,12 @@ import torch
 
 from rapidfire_hf.optim import RapidFireOptimizer
 from rapidfire_hf.optim.step_health import (
+    ClosedWindow,
     GuardedHealth,
     RapidFireHealth,
     StepHealth,
     UncheckedHealth,
+    close_window,
     rapidfire_optimizer,
     step_health,
 )
@@ -110,3 +112,33 @@ def test_steps_is_the_step_counter_of_stats_skipped_steps_included(kind):
         _window(model, health, opt, i, nan=nan)
         health.verify_now()
         assert health.steps() == health.stats()["steps"] == i + 1
+
+
+@pytest.mark.parametrize("kind", ["rapidfire", "guarded"])
+def test_close_window_hands_over_the_loss_and_metrics_steps_and_says_what_the_step_left(kind):
+    """One call closes a window: its loss and records reach the health before the step (a NaN loss skips
+    it), and the result is the step counter and rollback the health gives right after."""
+    model = make_model()
+    opt = _rapidfire(model) if kind == "rapidfire" else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    health = step_health(opt, guard=True, max_consecutive_skips=5)
+    recorded = []
+    record = health.record
+    health.record = lambda name, value, reduce="mean": (
+        recorded.append((name, reduce)),
+        record(name, value, reduce),
+    )
+    params = list(model.parameters())
+    loss_of(model, 0).backward()
+    first = close_window(
+        health, opt, params, loss=torch.tensor(1.0), records=(("approx_kl", torch.zeros(()), "max"),)
+    )
+    assert first == ClosedWindow(steps=1, rollback=health.last_rollback()) and recorded == [
+        ("approx_kl", "max")
+    ]
+    opt.zero_grad(set_to_none=True)
+    loss_of(model, 1).backward()  # finite gradients, a non-finite loss
+    before = [p.detach().clone() for p in params]
+    second = close_window(health, opt, params, loss=torch.tensor(float("nan")))
+    health.verify_now()
+    assert all(torch.equal(a, b) for a, b in zip(before, params)) and health.skipped() == 1
+    assert second.steps == 2 == health.steps()

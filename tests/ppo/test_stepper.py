@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 
 from rapidfire_hf.optim import RapidFireOptimizer
-from rapidfire_hf.optim.step_health import GuardedHealth, RapidFireHealth
+from rapidfire_hf.optim.step_health import ClosedWindow, GuardedHealth, RapidFireHealth
 from rapidfire_hf.ppo.stepper import StepEvents, Stepper
 
 
@@ -46,13 +46,14 @@ def _stepper(max_grad_norm=None, accumulate=2):
     return stepper, model, seen
 
 
-def _micro(stepper, model, scale=1.0):
+def _micro(stepper, model, scale=1.0, reported_loss=None):
     x = torch.arange(8.0).reshape(2, 4) * scale
 
     def forward_backward(chunk, weight):
         loss = model(chunk["x"]).pow(2).mean()
         stepper.accelerator.backward(loss)
-        return SimpleNamespace(loss=loss.detach(), approx_kl=torch.zeros(())), torch.zeros(2)
+        told = loss.detach() if reported_loss is None else torch.tensor(reported_loss)
+        return SimpleNamespace(loss=told, approx_kl=torch.zeros(())), torch.zeros(2)
 
     return stepper.micro_step(forward_backward, {"x": x, "idx": torch.arange(2), "offset": 0})
 
@@ -105,3 +106,35 @@ def test_a_non_finite_window_never_reaches_the_weights():
     _micro(stepper, model)
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
     assert stepper.health.skipped() == 1
+
+
+@pytest.mark.parametrize("nan_at", [0, 1])
+def test_every_micro_batchs_loss_reaches_the_health(nan_at):
+    """A non-finite loss (finite gradients) of either micro-batch of a window skips its step: the first
+    one's is observed at once, the closing one's with the step, in the one close call (``close_window``)."""
+    stepper, model, _ = _stepper()
+    start = [p.detach().clone() for p in model.parameters()]
+    for i in range(2):
+        _micro(stepper, model, reported_loss=float("nan") if i == nan_at else None)
+    assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))
+    assert stepper.health.skipped() == 1
+
+
+def test_a_closed_window_keys_the_next_without_asking_the_health_again():
+    """The close leaves the step count (skipped steps included) and the rollback; the next window's key is
+    read from it within an update, and asked of the health again after a new update or a verification."""
+    stepper, model, _ = _stepper()
+    assert stepper.closed is None and stepper.window_key() == 0
+    _micro(stepper, model)
+    assert stepper.closed is None  # inside the window: nothing closed yet
+    _micro(stepper, model, reported_loss=float("nan"))
+    assert stepper.closed == ClosedWindow(steps=1, rollback=None)
+    asked = []
+    stepper.health.steps = lambda: asked.append(1) or 7  # the instance's counter, patched
+    assert stepper.window_key() == 1 and asked == []
+    assert stepper.verify_now() is None and stepper.closed is None
+    assert stepper.window_key() == 7 and asked == [1]
+    _micro(stepper, model)
+    _micro(stepper, model)
+    stepper.new_update()
+    assert stepper.closed is None and stepper.window_key() == 7

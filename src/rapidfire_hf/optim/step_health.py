@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -168,6 +169,41 @@ class UncheckedHealth:
 
     def last_rollback(self) -> Rollback | None:
         return None
+
+
+@dataclass(frozen=True)
+class ClosedWindow:
+    """What the step of one closed accumulation window left (:func:`close_window`)."""
+
+    #: optimizer steps taken so far, this one and skipped ones included (``StepHealth.steps()``)
+    steps: int
+    #: what this step undid and asks to replay (``StepHealth.last_rollback()``), or None
+    rollback: Rollback | None
+
+
+def close_window(
+    health: StepHealth,
+    optimizer,
+    params: list[torch.Tensor],
+    grad_norm: torch.Tensor | None = None,
+    *,
+    loss: torch.Tensor | None = None,
+    records: tuple[tuple[str, torch.Tensor, str], ...] = (),
+) -> ClosedWindow:
+    """A loop's window closed in one call: the last micro-batch's ``loss`` and device metrics
+    (``(name, value, reduce)``) handed to ``health``, the optimizer stepped or skipped, and what the step
+    left. No host read beyond the ones ``health.step`` makes.
+
+    Example:
+        >>> closed = close_window(health, optimizer, params, grad_norm, loss=loss.detach())
+        >>> closed.steps, closed.rollback  # the next window's key; what to replay (None: nothing)
+    """
+    if loss is not None:
+        health.observe_loss(loss)
+    for name, value, reduce in records:
+        health.record(name, value, reduce=reduce)
+    health.step(optimizer, params, grad_norm)
+    return ClosedWindow(health.steps(), health.last_rollback())
 
 
 def rapidfire_optimizer(optimizer) -> RapidFireOptimizer | None:

@@ -136,7 +136,7 @@ class PPOEpochs:
         for window in mini_batches(self.args, self.generator, permutations):
             self._train_windows(exp, stats, train_rows, [window])
         # the rollout of the next update uses these weights: verify what is still unverified now
-        self._train_windows(exp, stats, train_rows, self._replays(self.stepper.health.verify_now()))
+        self._train_windows(exp, stats, train_rows, self._replays(self.stepper.verify_now()))
         self._window_rows = {}
         return stats
 
@@ -148,12 +148,16 @@ class PPOEpochs:
         budget = 4 * max(1, self.args.num_ppo_epochs * self.args.num_mini_batches)  # replays per call
         while queue:
             epoch, m, mb_idx = queue.pop(0)
-            self._window_rows[self.stepper.health.steps()] = (epoch, m, mb_idx)
+            self._window_rows[self.stepper.window_key()] = (epoch, m, mb_idx)
+            before = self.stepper.closed
             for u, start in enumerate(micro_batch_starts(self.args, micro)):
                 idx = mb_idx[start : start + micro].to(qr.device)
                 out, ent = self._micro_step(qr[idx], ctx, adv, idx)
                 stats.record((epoch, m, u), out, ent)
-            replays = self._replays(self.stepper.health.last_rollback())
+            closed = self.stepper.closed
+            # what the step that closed this window undid (or, when none closed here, the latest step)
+            rollback = closed.rollback if closed is not before else self.stepper.health.last_rollback()
+            replays = self._replays(rollback)
             if replays and budget > 0:
                 budget -= len(replays)
                 queue[:0] = replays

@@ -18,7 +18,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from rapidfire_hf.memory.oom import OOMRecovery, accelerate_hold
-from rapidfire_hf.optim.step_health import StepHealth, step_health
+from rapidfire_hf.optim.spans import Rollback
+from rapidfire_hf.optim.step_health import ClosedWindow, StepHealth, close_window, step_health
 from rapidfire_hf.ppo.recovery import train_recovery
 
 
@@ -83,6 +84,8 @@ class Stepper:
         self.planned_splits = 0  # halvings of every micro-batch the plan asked for (plan.splits)
         # called before the micro-batch whose window steps the optimizer (an offloaded state's copy waited for)
         self.before_window_step: Callable[[], None] | None = None
+        # what the latest window's step left in this update (None: none yet, or the health was asked since)
+        self.closed: ClosedWindow | None = None
 
     @property
     def optimizer(self):
@@ -92,6 +95,7 @@ class Stepper:
     @optimizer.setter
     def optimizer(self, optimizer) -> None:
         self._optimizer = optimizer
+        self.closed = None
         self.health = step_health(
             optimizer, guard=self._guard, max_consecutive_skips=self.max_consecutive_skips, owner="PPOTrainer"
         )
@@ -109,8 +113,19 @@ class Stepper:
 
     def new_update(self) -> None:
         """Memory may differ after a rollout: try whole micro-batches again."""
+        self.closed = None
         if self._recovery is not None:
             self._recovery.reset()
+
+    def window_key(self) -> int:
+        """Optimizer steps taken so far (skipped included): what a loop keys its next window by. Within an
+        update, read from the latest window's close (no second call into the step health)."""
+        return self.closed.steps if self.closed is not None else self.health.steps()
+
+    def verify_now(self) -> Rollback | None:
+        """Verify every step still unverified (``StepHealth.verify_now``)."""
+        self.closed = None
+        return self.health.verify_now()
 
     def micro_step(self, forward_backward: Callable[[dict, float], tuple], chunk: dict) -> tuple:
         """``forward_backward(chunk, weight) -> (LossOutput, entropy)`` of one micro-batch (split in pieces
@@ -129,14 +144,16 @@ class Stepper:
             if self.before_window_step is not None and self.accelerator.sync_gradients:
                 self.before_window_step()  # a gradient pipeline steps inside this backward
             out, entropy = self._recovery(forward_backward, chunk)
-            self.health.observe_loss(out.loss)  # device tensors only: verified at the end of the window
-            self.health.record("approx_kl", out.approx_kl, reduce="max")
-            self._step()
+            self._step(out.loss, out.approx_kl)
         return out, entropy
 
-    def _step(self) -> None:
+    def _step(self, loss: torch.Tensor, approx_kl: torch.Tensor) -> None:
         acc = self.accelerator
+        # the loss and approx-KL of every micro-batch go to the step health (device tensors only: verified
+        # at the end of the window); the window's last ones with its step, in one call (close_window)
         if not acc.sync_gradients:
+            self.health.observe_loss(loss)
+            self.health.record("approx_kl", approx_kl, reduce="max")
             self.optimizer.step()  # accelerate's wrapper: a no-op inside the window
             self.optimizer.zero_grad(set_to_none=True)
             return
@@ -146,6 +163,13 @@ class Stepper:
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.events.gradients_ready()
         # a NaN/inf loss or gradient never reaches the weights (skipped on the device when it can be)
-        self.health.step(self.optimizer, self.params, grad_norm)
+        self.closed = close_window(
+            self.health,
+            self.optimizer,
+            self.params,
+            grad_norm,
+            loss=loss,
+            records=(("approx_kl", approx_kl, "max"),),
+        )
         self.optimizer.zero_grad(set_to_none=True)
         self.events.after_step()
