@@ -41,6 +41,15 @@ CASES = [
 ]
 
 
+# one H100 80 GB (benchmarks/card80, 2026-12-06): host offload off and auto, and LoRA at batch 256
+H100_80 = Path(__file__).resolve().parents[2] / "benchmarks" / "card80" / "results" / "h100_2026-12-06"
+H100_CASES = [
+    ("full7b_trades", "full7b_off"),
+    ("full7b_trades", "full7b_offload"),
+    ("lora7b_offload", "lora7b_offload"),
+]
+
+
 def shape(name: str) -> DecoderShape:
     return DecoderShape.from_config(llama_config(LLAMA_SHAPES[name], 520))
 
@@ -68,7 +77,7 @@ def replay(r: dict):
         scoring_rows=plan["scoring_rows"],
         generation_rows=plan["generation_rows"],
         checkpointing=plan["checkpointing"],
-        train_rows=plan["train_rows"],
+        train_rows=plan["train_rows"] >> plan.get("splits", 0),  # the pieces a split micro-batch ran in
     )
     level = r["rapidfire_config"] if isinstance(r["rapidfire_config"], str) else plan["level"]
     return card_plan(
@@ -97,6 +106,21 @@ def test_each_phase_peak_is_within_10_percent_of_the_stored_measurement(folder, 
         measured = r["phase_peak_gib"][key][-1]
         predicted = plan.phase_peak_bytes[phase] / GIB
         assert abs(predicted - measured) <= TOLERANCE * measured, (phase, predicted, measured)
+
+
+@pytest.mark.parametrize("folder,row", H100_CASES)
+def test_the_80_gb_rows_plans_are_within_10_percent_of_what_ran(folder, row):
+    """Issue 46's card: the plan the trainer printed (from its probe on the card) and the same plan replayed
+    from the shape alone, each phase within 10% of the allocator's peak of the last update; 0 OOM splits."""
+    rows = json.loads((H100_80 / folder / "results.json").read_text())["rows"]
+    r = next(x for x in rows if x["row"] == row)
+    assert r["status"] == "ok" and not r["liger"] and r["oom_splits"] == 0
+    assert 79 < r["gpu_total_gib"] < 80  # an H100 80 GB
+    plan = replay(r)
+    for phase, key in PHASES.items():
+        measured = r["phase_peak_gib"][key][-1]
+        for predicted in (plan.phase_peak_bytes[phase] / GIB, r["plan"]["phase_peak_bytes"][phase] / GIB):
+            assert abs(predicted - measured) <= TOLERANCE * measured, (phase, predicted, measured)
 
 
 def test_the_old_estimate_was_off_where_the_new_one_is_not():
