@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "only, the bigger card's speed stays; recorded in each row")  # fmt: skip
     args = p.parse_args(argv)
     args.rows = [r for r in args.rows.split(",") if r]
+    if args.cap_gib is not None and not 0 < args.cap_gib < 1024:
+        p.error(f"--cap-gib {args.cap_gib}: expected the GiB of the card to plan for, e.g. 79.19")
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown:
         p.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROWS)}")

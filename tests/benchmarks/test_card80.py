@@ -100,3 +100,16 @@ def test_the_kv_rows_differ_only_in_the_kv_cache_and_reach_the_trainer(base):
         )  # fmt: skip
     script = (Path(__file__).resolve().parents[2] / "benchmarks/card80/h100.sh").read_text()
     assert "lora7b_kv|full7b_kv)" in script and "${base}_offload,${base}_int8kv" in script
+
+
+def test_a_card_cap_that_is_no_card_is_refused(capsys):
+    """--cap-gib plans an 80 GB card on a bigger one; a cap of no size is refused with the flag named."""
+    import pytest
+
+    from benchmarks.card80.run import parse_args
+
+    for bad in ("-3", "0", "5000"):
+        with pytest.raises(SystemExit):
+            parse_args(["--out", "x", "--cap-gib", bad])
+        assert "--cap-gib" in capsys.readouterr().err
+    assert parse_args(["--out", "x", "--cap-gib", "79.19"]).cap_gib == 79.19
