@@ -215,3 +215,11 @@ def test_default_message_names_only_what_the_caller_controls(tiny_policy):
     with pytest.raises(OOMRecoveryError, match="Lower rows_per_chunk") as err:
         recover(lm_step(tiny_policy, limit=1), batch())
     assert "memory.optimization" not in str(err.value)
+
+
+def test_unit_weight_weighs_every_piece_one():
+    """``unit_weight``: the step normalises each piece by the whole micro-batch itself (PPO's training chunks,
+    whose OOM splits are exact: tests/ppo/test_oom_recovery.py)."""
+    from rapidfire_hf.memory.oom import unit_weight
+
+    assert unit_weight({"x": [1]}, 8) == 1.0 and unit_weight(None, 1) == 1.0

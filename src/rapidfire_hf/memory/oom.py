@@ -58,6 +58,12 @@ def batch_size(batch: Any) -> int:
     raise TypeError(f"cannot split a batch of type {type(batch).__name__}: pass split_fn and size_fn")
 
 
+def unit_weight(chunk: Any, total: int) -> float:
+    """``weight_fn`` of a step that normalises every piece by the whole micro-batch itself (its loss takes
+    the whole's counts): each piece weighs 1."""
+    return 1.0
+
+
 def split_batch(batch: Any) -> tuple[Any, Any]:
     """Split a batch in two halves along dim 0 (the first half gets the odd sample).
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidfire_hf.memory.oom import OOMRecovery, run_in_chunks
+from rapidfire_hf.memory.oom import OOMRecovery, batch_size, run_in_chunks, unit_weight
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +56,19 @@ def train_recovery(
     *,
     split_fn: Callable = _split_rows,
     combine: Callable = _merge_pieces,
-    size_fn: Callable = lambda chunk: len(chunk["idx"]),
+    size_fn: Callable = batch_size,
     advice: str = TRAIN_ADVICE,
 ) -> OOMRecovery:
     """The split-and-retry policy of training micro-batches: by default pieces of PPOTrainer's chunk
-    ``{"qr", "idx", "offset"}``, each loss normalised by the whole micro-batch (``ppo_loss(counts=...)``), so
-    every piece weighs 1. ``split_fn`` / ``combine`` / ``size_fn`` give another chunk layout the same policy
+    ``{"qr", "idx", "offset"}`` (its size: the rows of ``qr``, one per ``idx``), each loss normalised by the
+    whole micro-batch (``ppo_loss(counts=...)``), so every piece weighs 1. ``split_fn`` / ``combine`` / ``size_fn`` give another chunk layout the same policy
     (:func:`pack_recovery`)."""
     return OOMRecovery(
         max_splits=max_splits,
         params=params,
         split_fn=split_fn,
         size_fn=size_fn,
-        weight_fn=lambda chunk, total: 1.0,  # ppo_loss(counts=...) normalises by the whole micro-batch
+        weight_fn=unit_weight,  # ppo_loss(counts=...) normalises by the whole micro-batch
         combine=combine,
         hold=hold,
         release=release,
