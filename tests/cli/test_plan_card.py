@@ -211,6 +211,7 @@ def test_the_plan_command_plans_ppoconfigs_host_offload_default(capsys):
 
     default = PPOConfig.__dataclass_fields__["host_offload"].default
     assert default == "auto"
+    capsys.readouterr()  # what this test's own import printed (transformers' WANDB [INFO] line when first)
     assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*TARGET, "--reward", "model", "--gpu-memory", "79.19", "--json", "--host-offload", default]) == 0

@@ -11,9 +11,10 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from rapidfire_hf.cli.json_output import JsonStdout
 
 EXIT_INVALID = 2
 DESCRIPTION = "Validate a rapidfire_hf config file, show a resolved config, or list the presets."
@@ -95,17 +96,18 @@ def validate_command(args: argparse.Namespace) -> int:
 
 def show_command(args: argparse.Namespace) -> int:
     """Print the config resolved from ``--preset``/``--file`` plus environment overrides."""
-    from rapidfire_hf.config import ConfigError, env_overrides, env_variables, load_config
-
     src = Path(args.file) if args.file else args.preset
-    try:
-        cfg = load_config(src)
-        overridden = env_overrides()
-    except ConfigError as err:
-        return _fail(err)
-    if args.format == "json":
-        print(json.dumps(cfg.to_dict(), indent=2))
-        return 0
+    with JsonStdout(args.format == "json") as out:  # what libraries print while loading goes to stderr
+        from rapidfire_hf.config import ConfigError, env_overrides, env_variables, load_config
+
+        try:
+            cfg = load_config(src)
+            overridden = env_overrides()
+        except ConfigError as err:
+            return _fail(err)
+        if args.format == "json":
+            out.emit(cfg.to_dict())
+            return 0
     names = {key: name for name, key in env_variables().items()}
     for section, values in overridden.items():
         for key in values:

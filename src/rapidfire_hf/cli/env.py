@@ -9,13 +9,13 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 from importlib import metadata
 from typing import Any
 
+from rapidfire_hf.cli.json_output import JsonStdout
 from rapidfire_hf.utils.units import GIB
 
 # packages rapidfire_hf needs, by distribution name
@@ -54,8 +54,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def env_command(args: argparse.Namespace) -> int:
     """Print :func:`collect_env` as text or JSON."""
-    info = collect_env()
-    print(json.dumps(info, indent=2) if args.json else format_env(info))
+    if not args.json:
+        print(format_env(collect_env()))
+        return 0
+    with JsonStdout() as out:  # what the libraries print as they are imported goes to stderr
+        out.emit(collect_env())
     return 0
 
 

@@ -17,11 +17,11 @@ anything is printed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import time
 
+from rapidfire_hf.cli.json_output import JsonStdout
 from rapidfire_hf.utils.units import GIB, MIB
 
 EXIT_OK, EXIT_NO_PROCESS, EXIT_NOT_RAPIDFIRE, EXIT_ENDED, EXIT_STREAM = 0, 3, 4, 5, 6
@@ -205,9 +205,9 @@ def render(view: dict):
     return table
 
 
-def _emit(view: dict, as_json: bool, console) -> None:
-    if as_json:
-        print(json.dumps(view), flush=True)
+def _emit(view: dict, out: JsonStdout, console) -> None:
+    if out.active:
+        out.emit(view, indent=None)  # one line per refresh
     else:
         console.print(render(view))
 
@@ -227,6 +227,11 @@ def _stdout_console():
 
 def run(args) -> int:
     """Body of ``rapidfire monitor``; returns the exit status."""
+    with JsonStdout(args.json) as out:  # with --json, what libraries print goes to stderr
+        return _run(args, out)
+
+
+def _run(args, out: JsonStdout) -> int:
     from rich.console import Console
 
     from rapidfire_hf.memory.summary import (
@@ -258,10 +263,10 @@ def run(args) -> int:
     try:
         _fold(summary, tail.read_new())
         if args.once:
-            _emit(_snapshot(summary, args.pid), args.json, console)
+            _emit(_snapshot(summary, args.pid), out, console)
             return EXIT_OK
         created = entry.get("create_time") if _number(entry.get("create_time")) else None
-        return _watch(args, tail, summary, console, err, lambda: is_running(args.pid, created))
+        return _watch(args, out, tail, summary, console, err, lambda: is_running(args.pid, created))
     except BrokenPipeError:  # `rapidfire monitor | head`: stdout's reader left (main exits 0 quietly)
         raise
     except OSError as e:  # deleted, moved, or another user's private stream
@@ -273,19 +278,19 @@ def run(args) -> int:
         return EXIT_STREAM
 
 
-def _watch(args, tail, summary, console, err, alive) -> int:
+def _watch(args, out: JsonStdout, tail, summary, console, err, alive) -> int:
     def ended() -> int:
         _fold(summary, tail.read_new())  # the last records it wrote before exiting
         view = _snapshot(summary, args.pid)
         view["nvml"] = None
-        _emit(view, args.json, console)
+        _emit(view, out, console)
         err.print(f"rapidfire monitor: process {args.pid} ended (last step {summary.step})")
         return EXIT_ENDED
 
     if args.json:
         while alive():
             _fold(summary, tail.read_new())
-            _emit(_snapshot(summary, args.pid), True, console)
+            _emit(_snapshot(summary, args.pid), out, console)
             time.sleep(args.interval)
         return ended()
     if not console.is_terminal:  # a file or a pipe: a live view would only be written when it stops

@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import sys
 import tempfile
 from pathlib import Path
+
+from rapidfire_hf.cli.json_output import JsonStdout
 
 EXIT_USAGE = 2
 EXIT_DOES_NOT_FIT = 1
@@ -130,6 +131,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def plan_command(args: argparse.Namespace) -> int:
     """Check the flags, build the trainer, plan; print the table (or JSON). Exit 2 on a user mistake."""
+    with JsonStdout(args.json) as out:  # what libraries print while planning goes to stderr
+        return _plan_command(args, out)
+
+
+def _plan_command(args: argparse.Namespace, out: JsonStdout) -> int:
     from rapidfire_hf.config import ConfigError
 
     try:
@@ -139,11 +145,11 @@ def plan_command(args: argparse.Namespace) -> int:
             args.host_offload = HOST_OFFLOAD_DEFAULT
         _check_args(args)
         if _analytic(args):
-            return _card_plan_and_print(args)
+            return _card_plan_and_print(args, out)
         if args.output_dir is not None:
-            return _plan_and_print(args, Path(args.output_dir))
+            return _plan_and_print(args, Path(args.output_dir), out)
         with tempfile.TemporaryDirectory(prefix="rapidfire_plan_") as tmp:
-            return _plan_and_print(args, Path(tmp))
+            return _plan_and_print(args, Path(tmp), out)
     except (PlanUsageError, ConfigError) as err:
         print(f"rapidfire plan: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
@@ -211,7 +217,7 @@ def _decoder_shape(args: argparse.Namespace):
         raise PlanUsageError(f"--model {args.model}: no decoder shape in its config.json ({first})") from None
 
 
-def _card_plan_and_print(args: argparse.Namespace) -> int:
+def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
     """The plan for a card of ``--gpu-memory`` GiB from the shape alone (module docstring)."""
     from rapidfire_hf.config import load_config
     from rapidfire_hf.memory.card_plan import RunShape, card_plan, fit_hint
@@ -244,16 +250,17 @@ def _card_plan_and_print(args: argparse.Namespace) -> int:
     plan = card_plan(run, device, level, asked=asked, label=f"{name}, bf16", host_offload=args.host_offload)
     mem = run.memory(eight_bit_state=plan.optimizer_state == "8-bit")
     if args.json:
-        out = {
-            **plan.to_dict(),
-            "gpu_memory_gib": gib,
-            "held_gib": {
-                "weights": round(mem.weights / GIB, 3),
-                "gradients": round(mem.gradients / GIB, 3),
-                "optimizer_state": round(mem.state / GIB, 3),
-            },
-        }
-        print(json.dumps(out, indent=2))
+        out.emit(
+            {
+                **plan.to_dict(),
+                "gpu_memory_gib": gib,
+                "held_gib": {
+                    "weights": round(mem.weights / GIB, 3),
+                    "gradients": round(mem.gradients / GIB, 3),
+                    "optimizer_state": round(mem.state / GIB, 3),
+                },
+            }
+        )
     else:
         print(
             f"policy {name} ({shape.params() / 1e6:,.1f}M parameters, bf16, {run.value_mode} value"
@@ -336,7 +343,7 @@ def _check_args(args: argparse.Namespace) -> None:
     load_config(args.config)  # a ConfigError now, before minutes of model building
 
 
-def _plan_and_print(args: argparse.Namespace, out_dir: Path) -> int:
+def _plan_and_print(args: argparse.Namespace, out_dir: Path, out: JsonStdout) -> int:
     from rapidfire_hf.memory.planner import GIB
 
     sink = io.StringIO()
@@ -347,7 +354,7 @@ def _plan_and_print(args: argparse.Namespace, out_dir: Path) -> int:
                 print(about, flush=True)
             plan = plan_for(trainer, args.prompt_length)  # prints the table on the main process
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        out.emit(plan.to_dict())
     if plan.fits or not plan.planned:
         return 0
     print(
