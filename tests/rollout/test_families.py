@@ -252,6 +252,7 @@ def test_start_table_names_the_path_auto_takes_on_cuda(tokenizer, name, native):
         rollout_decode_fuse_projections="auto",
         rollout_decode_linear="torch",
         rollout_decode_fuse_lora=False,
+        rollout_kv_cache_dtype="auto",
     )
     patches = SimpleNamespace(summary=lambda: {"compiled_layers": {}, "liger": False})
     opt = torch.optim.SGD(policy.parameters(), lr=0.1)
