@@ -220,13 +220,13 @@ def _decoder_shape(args: argparse.Namespace):
 def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
     """The plan for a card of ``--gpu-memory`` GiB from the shape alone (module docstring)."""
     from rapidfire_hf.config import load_config
+    from rapidfire_hf.config.schema import to_plain
     from rapidfire_hf.memory.card_plan import RunShape, card_plan, fit_hint
     from rapidfire_hf.memory.planner import GIB, Asked
 
     gib = _gpu_gib(str(args.gpu_memory))
     shape, name = _decoder_shape(args)
-    level = load_config(args.config).memory.optimization
-    level = getattr(level, "value", level)
+    level = to_plain(load_config(args.config).memory.optimization)
     run = RunShape(
         shape,
         rollout_rows=args.batch,

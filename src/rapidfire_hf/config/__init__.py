@@ -22,6 +22,7 @@ from rapidfire_hf.config.schema import (
     PrecisionConfig,
     PrecisionMode,
     RapidFireConfig,
+    to_plain,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "env_variables",
     "load_config",
     "read_yaml",
+    "to_plain",
 ]

@@ -140,7 +140,15 @@ def _field(default: Any, help: str, check: Check) -> Any:
 
 
 def to_plain(value: Any) -> Any:
-    """A value as YAML/JSON-friendly data (enum -> its value, rule -> dict)."""
+    """A value as YAML/JSON-friendly data (enum -> its value, rule -> dict): the one conversion of the
+    config's option enums to the plain strings the rest of the package reads. The enums stay on the config
+    (``cfg.memory.optimization.value`` works); a function that takes a setting either as the config's enum or
+    as a string (a level from the CLI) calls this once.
+
+    Example:
+        >>> to_plain(MemoryLevel.AGGRESSIVE), to_plain("balanced"), to_plain([DType.BF16, "fp32"]), to_plain(None)
+        ('aggressive', 'balanced', ['bf16', 'fp32'], None)
+    """
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, FallbackRule):

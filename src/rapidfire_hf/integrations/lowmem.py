@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.memory.chunked_checkpoint import apply_chunked_checkpointing
 from rapidfire_hf.memory.offload import HostOffloader
 from rapidfire_hf.models import decoder_layers
@@ -49,8 +50,7 @@ def lowmem_options(options: dict | None) -> dict[str, int]:
 
 
 def _optim_name(args) -> str:
-    optim = args.optim
-    return str(getattr(optim, "value", optim))
+    return str(to_plain(args.optim))  # transformers' OptimizerNames (a str enum) or a string
 
 
 def _explicit_optimizer(trainer) -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.memory.allocator import setup_allocator
 from rapidfire_hf.memory.levels import MEMORY_LEVELS
 from rapidfire_hf.memory.stats import (
@@ -40,10 +41,6 @@ RELEASE_AFTER_ROLLOUT = ("always", "pressure")
 # allocator at the aggressive level; the caching allocator itself frees its cache and retries before an
 # OOM. Away from pressure, compacting only costs time.
 PRESSURE_FRACTION = 0.85
-
-
-def _plain(value):
-    return getattr(value, "value", value)  # str enums of rapidfire_hf.config -> their string
 
 
 class MemoryCompactionCallback(TrainerCallback):
@@ -103,7 +100,7 @@ class MemoryCompactionCallback(TrainerCallback):
             if compaction_threshold is not None
             else getattr(config, "compaction_threshold", 0.3)
         )
-        level = _plain(
+        level = to_plain(
             optimization if optimization is not None else getattr(config, "optimization", "balanced")
         )
         if level not in LEVELS:
@@ -121,7 +118,7 @@ class MemoryCompactionCallback(TrainerCallback):
         if pressure_fraction is not None and not 0.0 <= pressure_fraction <= 1.0:
             raise ValueError(f"pressure_fraction={pressure_fraction!r}: expected a number in [0, 1]")
         self.pressure_fraction = pressure_fraction
-        release = _plain(
+        release = to_plain(
             release_after_rollout
             if release_after_rollout is not None
             else getattr(config, "release_after_rollout", "pressure")

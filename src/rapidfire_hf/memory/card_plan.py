@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.memory.estimate import (
     DecoderShape,
     RunMemory,
@@ -230,10 +231,7 @@ def fit_hint(run: RunShape, device_bytes: int, level, **kwargs) -> str:
     response. (Smaller micro-batches are the plan's own: it already tried pieces down to one row.)"""
     card = smallest_card(run, level, **kwargs)
     hints = [f"a card of at least {card} GiB (--gpu-memory)" if card else "no card up to 64 TiB"]
-    if (
-        getattr(level, "value", level) != "aggressive"
-        and card_plan(run, device_bytes, "aggressive", **kwargs).fits
-    ):
+    if to_plain(level) != "aggressive" and card_plan(run, device_bytes, "aggressive", **kwargs).fits:
         hints.append("--config aggressive")
     if run.frozen_quantization is None and (run.reward_model or not run.peft):
         for bits in ("8bit", "4bit"):

@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.memory.levels import MEMORY_LEVELS
 from rapidfire_hf.memory.planner import LEVEL_POLICY, POLICY_LEVEL, TRAIN_PEAK_FACTOR, Budget, level_target
 from rapidfire_hf.models import unwrap_peft
@@ -107,10 +108,6 @@ def selective_context_fn(level: str) -> Callable:
     return functools.partial(_contexts, RECOMPUTE_BELOW[level])
 
 
-def _plain(level) -> str:
-    return getattr(level, "value", level)
-
-
 def _set(model, kwargs: dict | None) -> None:
     """Enable HF checkpointing with ``kwargs`` (``None``: disable it)."""
     target = unwrap_peft(model)
@@ -152,7 +149,7 @@ def apply_selective_checkpointing(model, level: str) -> str | None:
         ValueError: For an unknown level, or ``auto``.
         TypeError: For a model without HF checkpointing support.
     """
-    level = POLICY_LEVEL.get(_plain(level), _plain(level))
+    level = POLICY_LEVEL.get(to_plain(level), to_plain(level))
     if level not in ORDER:
         allowed = ", ".join(ORDER)
         raise ValueError(
@@ -275,7 +272,7 @@ def level_budget(device, level, reserve_bytes: int = 0, free_bytes: int | None =
 def allowed_levels(level, checkpointing="auto") -> tuple[str, ...]:
     """The cost-policy levels a run may apply: the one ``memory.checkpointing`` forces, else none and
     (when ``memory.optimization`` allows recompute) the two recompute levels, least recompute first."""
-    forced = _plain(checkpointing)
+    forced = to_plain(checkpointing)
     if forced != "auto":
         return (POLICY_LEVEL[forced],)
     return ORDER if level_target(level).recompute else ("conservative",)
@@ -325,7 +322,7 @@ def auto_checkpointing(
     except Exception as err:  # e.g. a model whose forward refuses the measuring dispatch mode
         logger.warning(
             "rapidfire: memory.optimization=%s could not measure activations (%s); no checkpointing",
-            _plain(level),
+            to_plain(level),
             err,
         )
         for m in models:
@@ -338,7 +335,7 @@ def auto_checkpointing(
     logger.info(
         "rapidfire: memory.optimization=%s chose checkpointing %s (activation bytes per row %s x %d rows, "
         "room %d)",
-        _plain(level),
+        to_plain(level),
         LEVEL_POLICY[chosen],
         measured,
         rows,
@@ -374,7 +371,7 @@ def configure_checkpointing(models: list, level, args=None, checkpointing="auto"
         :func:`auto_checkpointing` once a training forward can be measured). A level that may not
         recompute (``conservative``) turns checkpointing off at once.
     """
-    level = _plain(level)
+    level = to_plain(level)
     if level not in LEVELS:
         raise ValueError(f"memory.optimization={level!r}: expected one of {', '.join(LEVELS)}")
     if args is not None and user_checkpointing(args):

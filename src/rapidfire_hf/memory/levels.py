@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rapidfire_hf.config.schema import to_plain
+
 
 @dataclass(frozen=True)
 class LevelTarget:
@@ -60,7 +62,7 @@ def level_name(level) -> str:
     Raises:
         ValueError: an unknown level, naming the allowed ones.
     """
-    name = getattr(level, "value", level)  # the config's MemoryLevel enum is a str Enum
+    name = to_plain(level)  # the config's MemoryLevel enum or a string
     if name not in MEMORY_LEVELS:
         raise ValueError(f"memory.optimization={name!r}: expected one of {', '.join(MEMORY_LEVELS)}")
     return name

@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.kernels.kv_quant import vector_bytes
 from rapidfire_hf.memory.levels import MEMORY_LEVELS, LevelTarget, level_name
 
@@ -436,7 +437,7 @@ def unplanned(work: Workload, asked: Asked, checkpointing: str, level="balanced"
     scoring = asked.scoring_rows or UNPLANNED_SCORING_ROWS
     generation = asked.generation_rows or work.rollout_rows
     plan = Plan(
-        level=getattr(level, "value", level),
+        level=to_plain(level),
         train_rows=work.micro_rows,
         merge=1,
         checkpointing=checkpointing,
@@ -751,7 +752,7 @@ def make_plan(
     trials' pieces into chunks of at most that many rows, so an equal split would only add forwards).
     """
     level_target(level)  # validates the name
-    name = getattr(level, "value", level)
+    name = to_plain(level)
     reasons, fits, free_cache = {}, True, False
     if asked.generation_rows:
         generation_rows, reasons["generation_rows"] = (

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.memory.checkpointing import level_budget
 from rapidfire_hf.memory.levels import DEFAULT_LEVEL
 from rapidfire_hf.memory.planner import (
@@ -52,8 +53,7 @@ def sweep_memory(rf_config) -> tuple[str, bool]:
     memory = getattr(rf_config, "memory", None)
     if memory is None:
         return DEFAULT_LEVEL, True
-    level = getattr(memory.optimization, "value", memory.optimization)
-    return str(level), bool(memory.planner)
+    return str(to_plain(memory.optimization)), bool(memory.planner)
 
 
 def reserve_bytes(trials) -> int:

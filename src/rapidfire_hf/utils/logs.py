@@ -20,7 +20,7 @@ def set_log_level(level) -> logging.Logger:
         The library logger.
     """
     library = logging.getLogger(LIBRARY_LOGGER)
-    library.setLevel(str(getattr(level, "value", level)).upper())
+    library.setLevel(level.upper())  # a str, or the config's LogLevel (a str enum: its value's upper())
     return library
 
 

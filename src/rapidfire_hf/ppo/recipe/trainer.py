@@ -32,6 +32,7 @@ from transformers import TrainerCallback, TrainerControl
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import PrinterCallback
 
+from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.memory.phase_offload import PhaseOffload
 from rapidfire_hf.memory.phase_peaks import PhasePeaks
 from rapidfire_hf.memory.stats import release_cached_memory
@@ -263,7 +264,7 @@ class PPOTrainer:
     def _make_precision_plugin(self):
         """The adaptive precision plugin when the rapidfire config asks for it (precision.mode adaptive)."""
         cfg = self.rf_config
-        if cfg is None or str(getattr(cfg.precision.mode, "value", cfg.precision.mode)) != "adaptive":
+        if cfg is None or to_plain(cfg.precision.mode) != "adaptive":
             return None
         from rapidfire_hf.precision import AdaptivePrecisionPlugin
         from rapidfire_hf.precision.schedule import accelerator_precision
