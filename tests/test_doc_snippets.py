@@ -10,6 +10,7 @@ also run without the warnings a trainer user cannot act on.
 from __future__ import annotations
 
 import logging
+import random
 import re
 import warnings
 from pathlib import Path
@@ -53,16 +54,51 @@ def unmet_needs(code: str) -> list[str]:
     return unmet
 
 
+# torch's intra-op threads when this module was imported: what a reader's fresh process has
+START_THREADS = torch.get_num_threads()
+
+
 def run(path: Path, code: str, tmp_path, monkeypatch) -> dict:
+    """Run ``code`` as a reader's fresh process would: from ``tmp_path``, with torch's global RNG seeded
+    and START_THREADS threads whatever ran before, and with neither left changed for what runs after
+    (docs/configuration.md's block calls ``torch.set_num_threads(1)`` and draws ids from the global RNG;
+    several test modules leave one thread set)."""
     monkeypatch.chdir(tmp_path)
     scope = {"__name__": "__main__"}
-    exec(compile(code, str(path), "exec"), scope)
+    threads, py_random = torch.get_num_threads(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        random.seed(0)
+        torch.set_num_threads(START_THREADS)
+        try:
+            exec(compile(code, str(path), "exec"), scope)
+        finally:
+            torch.set_num_threads(threads)
+            random.setstate(py_random)
     return scope
 
 
 def test_every_python_block_is_found():
     ids = [p.id for p in snippets()]
     assert len(ids) >= 8 and any(i.startswith("docs/distributed.md") for i in ids)
+
+
+def test_a_block_starts_from_the_same_torch_state_and_leaves_none_behind(tmp_path, monkeypatch):
+    block = "import random, torch\nseen = (torch.get_num_threads(), torch.rand(1).item(), random.random())\n"
+    block += "torch.set_num_threads(1)\n"  # as docs/configuration.md's block does
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(START_THREADS + 1)  # as a test before may leave it
+        torch.rand(3), random.random()
+        torch_rng, py_rng = torch.get_rng_state(), random.getstate()
+        first = run(ROOT / "docs", block, tmp_path, monkeypatch)["seen"]
+        assert torch.get_num_threads() == START_THREADS + 1
+        assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == py_rng
+        torch.rand(5), random.random()  # other draws before the next block
+        second = run(ROOT / "docs", block, tmp_path, monkeypatch)["seen"]
+        assert first == second and first[0] == START_THREADS
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
