@@ -336,6 +336,29 @@ def test_adaptive_precision_runs_the_sensitivity_pass(tmp_path, tokenizer):
     assert trainer.state.global_step == 2
 
 
+def test_the_precision_probe_is_unhooked_while_generating_and_hooked_while_training(tmp_path, tokenizer):
+    """The adaptive plugin's output probe records only under gradients: its layer hooks are off during the
+    rollout's generation (issue 44: no call per decode step) and on in the PPO epochs and after."""
+    trainer = _trainer(tmp_path, tokenizer, rapidfire_config={"precision": {"mode": "adaptive"}}, max_steps=2)
+    layers = list(trainer.precision_plugin.layers.values())
+    assert layers and all(len(m._forward_hooks) == 1 for m in layers)
+    seen = {}
+
+    def hooks():
+        return sum(len(m._forward_hooks) for m in layers)
+
+    rollout, optimize = trainer.roller.rollout, trainer.epochs.optimize
+    trainer.roller.rollout = lambda *a, **k: (
+        seen.setdefault("rollout", []).append(hooks()) or rollout(*a, **k)
+    )
+    trainer.epochs.optimize = lambda *a, **k: (
+        seen.setdefault("train", []).append(hooks()) or optimize(*a, **k)
+    )
+    trainer.train()
+    assert seen == {"rollout": [0, 0], "train": [len(layers)] * 2}
+    assert hooks() == len(layers)
+
+
 def test_adaptive_precision_without_fp32_weights_skips_the_pass(tmp_path, tokenizer, caplog):
     cfg = {"precision": {"mode": "adaptive"}}
     policy = build_tiny_llama(tokenizer).to(torch.bfloat16)

@@ -89,3 +89,45 @@ def test_no_gradients_gives_no_statistics():
         for p in layer.parameters():
             p.grad = None
     assert GradientMonitor(layers).collect() == {}
+
+
+def _two_layers():
+    layers = {"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)}
+    return layers, nn.Sequential(*layers.values())
+
+
+def test_a_paused_output_probe_has_no_hooks_and_records_nothing_then_records_again():
+    """``OutputProbe.paused()``: the layer hooks are off inside (a generation's no-grad forwards would only
+    call them), back after, and the probe flags a non-finite output again; a removed probe stays removed."""
+    from rapidfire_hf.precision.metrics import OutputProbe
+
+    layers, model = _two_layers()
+    probe = OutputProbe(layers)
+    bad = torch.full((2, 3), float("inf"))
+    with probe.paused():
+        assert all(not m._forward_hooks for m in layers.values())
+        model(bad)  # under gradients: a hooked probe would flag it
+        assert probe.collect() == {}
+    assert all(len(m._forward_hooks) == 1 for m in layers.values())
+    model(bad)
+    flags = probe.collect()
+    assert (
+        flags["layer:a.nonfinite_outputs"].item() == 1.0 and flags["layer:b.nonfinite_outputs"].item() == 1.0
+    )
+    probe.remove()
+    with probe.paused():
+        pass
+    assert all(not m._forward_hooks for m in layers.values())
+
+
+def test_a_probe_paused_by_an_error_is_hooked_again():
+    from rapidfire_hf.precision.metrics import OutputProbe
+
+    layers, _ = _two_layers()
+    probe = OutputProbe(layers)
+    try:
+        with probe.paused():
+            raise RuntimeError("generation failed")
+    except RuntimeError:
+        pass
+    assert all(len(m._forward_hooks) == 1 for m in layers.values())

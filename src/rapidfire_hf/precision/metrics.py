@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,7 +210,25 @@ class OutputProbe:
     def __init__(self, layers: dict[str, nn.Module]):
         self.names = list(layers)
         self.flags: torch.Tensor | None = None
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(layers.values())]
+        self._layers = list(layers.values())
+        self._handles = []
+        self._install()
+
+    def _install(self) -> None:
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self._layers)]
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The hooks off inside (forwards without gradients, e.g. generation, where they record nothing and
+        would only be called), on again after; a removed probe stays removed."""
+        if not self._handles:
+            yield
+            return
+        self.remove()
+        try:
+            yield
+        finally:
+            self._install()
 
     def _hook(self, index: int):
         def hook(module, args, out):

@@ -462,6 +462,12 @@ class AdaptivePrecisionPlugin:
         logger.info("precision schedule:\n%s", render_table(self.table()))
         return {n: self.precision_of(n).value for n in self.layers}
 
+    def unprobed(self) -> contextlib.AbstractContextManager:
+        """Forwards without gradients that train nothing (a PPO rollout's generation): the output probe's
+        layer hooks are off inside, since they record only under gradients; nothing changes without a
+        probe (``precision.mode`` static, or ``auto_switch_layers`` off)."""
+        return self._probe.paused() if self._probe is not None else contextlib.nullcontext()
+
     @property
     def calibration_done(self) -> bool:
         return self.calibrated_batches >= self.sensitivity_batches

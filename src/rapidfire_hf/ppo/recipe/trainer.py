@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -494,9 +495,12 @@ class PPOTrainer:
             generator = sampling_generator(
                 self.args.seed, self.state.global_step, self.accelerator.process_index
             )
-        rollout = self.roller.rollout(
-            batch, plan.generation_rows, sampling, generator, fuse_projections=bool(plan.fuse_projections)
-        )
+        # the precision probe's layer hooks record only under gradients: off while generating
+        unprobed = self.precision_plugin.unprobed() if self.precision_plugin is not None else nullcontext()
+        with unprobed:
+            rollout = self.roller.rollout(
+                batch, plan.generation_rows, sampling, generator, fuse_projections=bool(plan.fuse_projections)
+            )
         if plan.free_cache:  # the plan gave the kept cache's memory to bigger generation chunks
             self.roller.engine.release()
         return rollout
