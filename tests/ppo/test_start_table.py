@@ -92,7 +92,8 @@ def test_the_start_table_names_why_zero3_generates_with_model_generate(tokenizer
     policy = build_tiny_llama(tokenizer)
     args = SimpleNamespace(rollout_decode_mode="auto", rollout_decode_attention="auto", rollout_decode_sampler="torch",
                            rollout_decode_fuse_projections="auto", rollout_decode_linear="torch",
-                           rollout_decode_fuse_lora=False, rollout_backend="auto")  # fmt: skip
+                           rollout_decode_fuse_lora=False, rollout_backend="auto",
+                           rollout_kv_cache_dtype="auto")  # fmt: skip
     patches = SimpleNamespace(summary=lambda: {"compiled_layers": {}, "liger": False})
     opt = torch.optim.SGD(policy.parameters(), lr=0.1)
     cuda = torch.device("cuda")

@@ -230,6 +230,7 @@ def test_the_sweep_keeps_sdpa_for_auto_and_a_named_attention(monkeypatch):
     for key, value in dict(
         stop_token="eos", stop_token_id=None, rollout_decode_mode="auto", rollout_decode_attention="auto",
         rollout_decode_sampler="torch", rollout_decode_fuse_projections=False, rollout_decode_linear="torch",
+        rollout_kv_cache_dtype="auto",
     ).items():  # fmt: skip
         setattr(fake.args, key, value)
     PPOSweep._make_engine(fake)
