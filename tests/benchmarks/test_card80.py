@@ -104,12 +104,22 @@ def test_the_kv_rows_differ_only_in_the_kv_cache_and_reach_the_trainer(base):
 
 def test_a_card_cap_that_is_no_card_is_refused(capsys):
     """--cap-gib plans an 80 GB card on a bigger one; a cap of no size is refused with the flag named."""
-    import pytest
-
-    from benchmarks.card80.run import parse_args
-
     for bad in ("-3", "0", "5000"):
         with pytest.raises(SystemExit):
             parse_args(["--out", "x", "--cap-gib", bad])
         assert "--cap-gib" in capsys.readouterr().err
     assert parse_args(["--out", "x", "--cap-gib", "79.19"]).cap_gib == 79.19
+
+
+def test_the_chart_draws_a_stored_call_and_refuses_one_where_nothing_ran(tmp_path):
+    from benchmarks.card80.chart import chart
+
+    stored = Path(__file__).resolve().parents[2] / "benchmarks" / "card80" / "results" / "h100_2026-12-06" / "full7b_trades" / "results.json"
+    png = chart(stored, tmp_path / "chart.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    data = json.loads(stored.read_text())
+    for row in data["rows"]:
+        row["status"] = "oom"
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="no row ran"):
+        chart(tmp_path / "results.json")
