@@ -22,8 +22,11 @@ PHASES = (("generation", "gen_times", "rollout"), ("scoring", "score_times", "sc
 
 def chart(results: Path, out: Path | None = None) -> Path:
     """Write ``chart.png`` beside ``results`` (or at ``out``) and return its path."""
-    data = json.loads(Path(results).read_text())
-    rows = [r for r in data["rows"] if r.get("status") == "ok"]
+    try:
+        data = json.loads(Path(results).read_text())
+        rows = [r for r in data["rows"] if r.get("status") == "ok"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SystemExit(f"{results}: not a benchmarks/card80 results.json ({type(err).__name__}: {err})") from None
     if not rows:
         raise SystemExit(f"{results}: no row ran (status ok), nothing to draw")
     plt = pyplot()

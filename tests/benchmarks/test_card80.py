@@ -123,3 +123,9 @@ def test_the_chart_draws_a_stored_call_and_refuses_one_where_nothing_ran(tmp_pat
     (tmp_path / "results.json").write_text(json.dumps(data))
     with pytest.raises(SystemExit, match="no row ran"):
         chart(tmp_path / "results.json")
+    for garbage in ("not json", "[1, 2]", '{"rows": 3}'):
+        (tmp_path / "bad.json").write_text(garbage)
+        with pytest.raises(SystemExit, match="not a benchmarks/card80 results.json"):
+            chart(tmp_path / "bad.json")
+    with pytest.raises(SystemExit, match="not a benchmarks/card80 results.json"):
+        chart(tmp_path / "missing.json")
