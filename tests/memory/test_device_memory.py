@@ -52,3 +52,8 @@ def test_level_budget_targets_a_share_of_the_capped_card(card):
     card["fraction"] = 0.5
     half = level_budget("cuda:0", "aggressive").target_bytes
     assert half == pytest.approx(full / 2, rel=1e-6)
+
+
+def test_a_torch_that_cannot_read_the_cap_plans_for_the_whole_card(card, monkeypatch):
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")
+    assert device_capacity_bytes("cuda:0") == TOTAL

@@ -20,7 +20,8 @@ def device_capacity_bytes(device=None) -> int:
     141 GB card thus plans for 80 GiB instead of planning past what the allocator will give."""
     device = _cuda(device)
     total = torch.cuda.get_device_properties(device).total_memory
-    fraction = float(torch.cuda.get_per_process_memory_fraction(device))
+    read = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # an older torch cannot read the cap
+    fraction = float(read(device)) if read is not None else 1.0
     return int(total * min(fraction, 1.0))
 
 
