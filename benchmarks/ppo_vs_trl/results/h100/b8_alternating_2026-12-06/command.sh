@@ -15,18 +15,7 @@ row() {  # row NAME DIR(. or .prev)
       > $OUT/$name.log 2>&1; echo "$name rc=$?" )
 }
 row main1 .; row prev1 .prev; row main2 .; row prev2 .prev
-for n in main1 prev1 main2 prev2; do
-  python3 - "$OUT/$n/results.json" "$n" <<'PY'
-import json, sys
-try:
-    rows = json.load(open(sys.argv[1]))["rows"]
-except Exception as e:
-    print(sys.argv[2], "no results", type(e).__name__); sys.exit()
-for x in rows:
-    print(sys.argv[2], x.get("status"), "s/update", x.get("s_per_update"), "tok/s", x.get("tokens_per_s"),
-          "updates", x.get("update_times"), "score", x.get("score_times"), x.get("error", "")[:200])
-PY
-done
+python3 benchmarks/ppo_vs_trl/results/h100/b8_alternating_2026-12-06/summarize.py $OUT main1 prev1 main2 prev2
 left=$(( 340 - (SECONDS - T0) )); (( left > 100 )) && left=100
 TOTAL_S=$left bash benchmarks/rollout/gpu_diag_families.sh $OUT/diag > $OUT/diag.log 2>&1
 tail -25 $OUT/diag.log

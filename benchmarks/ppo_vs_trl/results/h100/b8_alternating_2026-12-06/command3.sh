@@ -9,14 +9,5 @@ for pair in "main1 ." "prev1 .prev"; do
   ( cd $2 && PYTHONPATH=$PWD/src:$PWD:/tmp/site timeout 85 python3 benchmarks/ppo_vs_trl/run.py --out $OUT/$1 \
       --part throughput --timeout 80 --fused-batches "" --updates 3 --trl-batches "" --our-batches 8 \
       > $OUT/$1.log 2>&1; echo "$1 rc=$?" )
-  python3 - "$OUT/$1/results.json" "$1" <<'PY'
-import json, sys
-try:
-    rows = json.load(open(sys.argv[1]))["rows"]
-except Exception as e:
-    print(sys.argv[2], "no results", type(e).__name__); sys.exit()
-for x in rows:
-    print(sys.argv[2], x.get("status"), "s/update", x.get("s_per_update"), "tok/s", x.get("tokens_per_s"),
-          "updates", x.get("update_times"), "score", x.get("score_times"), "gen", x.get("gen_times"), x.get("error", "")[:200])
-PY
+  python3 benchmarks/ppo_vs_trl/results/h100/b8_alternating_2026-12-06/summarize.py $OUT $1
 done
