@@ -107,6 +107,32 @@ def test_gathered_for_generation_is_reentrant(monkeypatch):
     assert len(events) == 4
 
 
+def test_nothing_to_gather_is_a_plain_nullcontext(monkeypatch):
+    """Engines that hold full weights (one device, DDP) get a plain ``nullcontext`` yielding the unwrapped
+    model: no context of the package is entered around a rollout or a scoring pass that gathers nothing."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from rapidfire_hf.distributed import features, generation
+
+    model, unwrapped = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    class Acc:
+        @staticmethod
+        def unwrap_model(m):
+            return unwrapped if m is model else m
+
+    for engine in (features.Engine.SINGLE, features.Engine.DDP):
+        monkeypatch.setattr(features, "detect_engine", lambda acc, engine=engine: engine)
+        context = generation.gathered_for_generation(Acc(), model)
+        assert isinstance(context, nullcontext), engine
+        with context as yielded:
+            assert yielded is unwrapped
+    monkeypatch.setattr(features, "detect_engine", lambda acc: features.Engine.ZERO3)
+    assert not isinstance(generation.gathered_for_generation(Acc(), model), nullcontext)
+
+
 def test_gathered_for_generation_passes_the_submodule_to_gather(monkeypatch):
     """PPO's rollout gathers the policy alone: the engine's gather receives it."""
     from contextlib import contextmanager

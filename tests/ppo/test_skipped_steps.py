@@ -98,6 +98,19 @@ def test_pipeline_runs_under_the_default_clipping(tmp_path, tok):
     assert all(torch.isfinite(p).all() for p in policy.parameters())
 
 
+def test_an_update_reads_the_optimizers_counters_once(tmp_path, tok):
+    """The update's metrics (rollbacks, skips, clip misses and miss rate, pipelined steps) come from one
+    ``StepHealth.stats()`` per update."""
+    trainer, _ = _train(tmp_path, tok, vowel_reward, rapidfire_config="balanced", max_steps=3)
+    health, calls = trainer.stepper.health, []
+    read = health.stats
+    health.stats = lambda: calls.append(1) or read()
+    trainer.train()
+    assert len(calls) == 3
+    last, stats = trainer.state.log_history[-1], trainer.rapidfire_optimizer.stats()
+    assert last["rapidfire/clip_miss_rate"] == stats["clip_misses"] / max(1, stats["clip_checks"])
+
+
 def test_sync_interval_equals_verifying_every_step(tmp_path, tok):
     """gradient.sync_interval=2 verifies two optimizer steps with one read and undoes a failed pair; the
     trainer replays the healthy windows, so with NaN scores in update 2 of 3 the weights equal those of

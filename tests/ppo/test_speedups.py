@@ -179,3 +179,26 @@ def test_full_mask_is_the_mask_transformers_builds(tokenizer, padded):
         b = model.model(**full, use_cache=False).last_hidden_state
     real = plain["attention_mask"]
     assert torch.equal(a[real], b[real])  # pad positions are never read
+
+
+def test_the_rollout_undoes_nothing_when_nothing_is_patched():
+    """``KernelPatches.original()`` is a plain ``nullcontext`` without patched forwards or compiled layers (the
+    rollout enters no context of the package then); with a patched forward, the module's own ``forward``
+    runs inside and the patch is back after."""
+    from contextlib import nullcontext
+
+    from rapidfire_hf.ppo.speedups import KernelPatches
+
+    assert isinstance(KernelPatches().original(), nullcontext)
+    module = torch.nn.Linear(2, 2)
+
+    def fast(x):
+        return x
+
+    module.__dict__["forward"] = fast
+    patches = KernelPatches(_forwards=[(module, None, fast)])
+    context = patches.original()
+    assert not isinstance(context, nullcontext)
+    with context:
+        assert "forward" not in module.__dict__
+    assert module.__dict__["forward"] is fast

@@ -218,6 +218,19 @@ def test_lora_reference_is_the_adapter_disabled_base(tmp_path, tokenizer):
     assert (lora_lp - base_lp).abs().max() > 1e-6  # init_lora_weights=False: the adapter changes outputs
 
 
+def test_a_separate_reference_is_yielded_by_a_plain_nullcontext(tmp_path, tokenizer):
+    """Scoring switches no adapter with a separate reference model: ``Scorer.reference()`` is a plain
+    ``nullcontext`` yielding it (no context of the package entered per scoring chunk)."""
+    from contextlib import nullcontext
+
+    trainer = _trainer(tmp_path, tokenizer, max_steps=1)
+    assert trainer.ref_model is not None
+    context = trainer.scorer.reference()
+    assert isinstance(context, nullcontext)
+    with context as ref:
+        assert ref is trainer.ref_model
+
+
 def test_rapidfire_optimizer_pipeline_matches_plain_step(tmp_path, tokenizer):
     from rapidfire_hf.optim import RapidFireOptimizer
 

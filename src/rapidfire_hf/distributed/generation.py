@@ -8,17 +8,20 @@ each GPU for the duration of generation and turns R all-gathers into one.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
 
-@contextmanager
-def gathered_for_generation(accelerator, model: torch.nn.Module, submodule: torch.nn.Module | None = None):
-    """Yield the unwrapped model with all of its weights (or those of ``submodule``) present on this rank.
+def gathered_for_generation(
+    accelerator, model: torch.nn.Module, submodule: torch.nn.Module | None = None
+) -> AbstractContextManager[torch.nn.Module]:
+    """A context that yields the unwrapped model with all of its weights (or those of ``submodule``) present
+    on this rank.
 
-    DDP and single-device models are yielded as they are. A collective under ZeRO-3 and FSDP2:
-    every rank must enter it (generate on every rank, even with nothing to generate).
+    DDP and single-device models are yielded as they are, by a plain ``nullcontext``: nothing is gathered, so
+    no context of this module is entered (the engine is read when this is called). A collective under ZeRO-3
+    and FSDP2: every rank must enter it (generate on every rank, even with nothing to generate).
 
     Args:
         accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
@@ -28,8 +31,9 @@ def gathered_for_generation(accelerator, model: torch.nn.Module, submodule: torc
             unsharded. With a separate 7B value model this leaves ~13 GiB per GPU ungathered during
             the rollout. None gathers everything.
 
-    Yields:
-        The unwrapped ``nn.Module`` to call ``generate``/forward on; its weights must not be modified.
+    Returns:
+        A context manager yielding the unwrapped ``nn.Module`` to call ``generate``/forward on; its weights
+        must not be modified.
     """
     from rapidfire_hf.distributed.features import Engine, detect_engine
 
@@ -39,9 +43,15 @@ def gathered_for_generation(accelerator, model: torch.nn.Module, submodule: torc
         # nested use (a subclass gathering around rollout(), which gathers itself) is a no-op: DeepSpeed
         # refuses overlapping GatheredParameters (seen under ZeRO-3 on 2x H200), and an inner FSDP2
         # exit would reshard under the outer context
-        yield unwrapped
-        return
-    gather = _zero3_gathered if engine is Engine.ZERO3 else _fsdp2_unsharded
+        return nullcontext(unwrapped)
+    return _gathered(
+        model, submodule, _zero3_gathered if engine is Engine.ZERO3 else _fsdp2_unsharded, unwrapped
+    )
+
+
+@contextmanager
+def _gathered(model: torch.nn.Module, submodule, gather, unwrapped: torch.nn.Module):
+    """``gather``'s context around ``model`` (marked gathered inside, so that a nested call gathers nothing)."""
     with gather(model, submodule):
         setattr(model, _GATHERED, True)
         try:

@@ -73,18 +73,20 @@ class Reporter:
         health: StepHealth, oom_splits: int,
     ) -> dict:  # fmt: skip
         """The metrics of one update: device metrics read with one host sync, host metrics, the step
-        health's counters (a RapidFireOptimizer's rollbacks, skips, clip misses, pipelined steps), OOM splits
-        and skipped steps."""
+        health's counters read once (a RapidFireOptimizer's rollbacks, skips, clip misses and miss rate,
+        pipelined steps), OOM splits and skipped steps."""
         acc = self.accelerator
         device_metrics = update_device_metrics(exp, stats, self.processing_class.eos_token_id)
         stacked = acc.gather_for_metrics(torch.stack(list(device_metrics.values())).unsqueeze(0)).mean(0)
         metrics = dict(zip(device_metrics, stacked.tolist()))  # the one host sync of the update
         metrics["val/num_eos_tokens"] *= acc.num_processes
         metrics.update(update_host_metrics(exp, times, episode, train_start, scheduler, acc.num_processes))
-        if health.rapidfire is not None:
+        if health.rapidfire is not None:  # its counters read once
             opt_stats = health.stats()
             for key in ("rollbacks", "skipped", "clip_misses", "pipelined_steps"):
                 metrics[f"rapidfire/{key}"] = opt_stats[key]
+            # predicted clip coefficients checked, and the share that missed
+            metrics["rapidfire/clip_miss_rate"] = opt_stats["clip_misses"] / max(1, opt_stats["clip_checks"])
         metrics["rapidfire/oom_splits"] = oom_splits
         metrics["rapidfire/skipped_steps"] = health.skipped()
         return metrics

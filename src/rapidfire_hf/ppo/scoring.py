@@ -3,8 +3,8 @@ gradients in large batches, then KL-shaped rewards and advantages (``rapidfire_h
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,13 +66,15 @@ class Scorer:
     def policy(self):
         return self.accelerator.unwrap_model(self.model).policy
 
+    def reference(self) -> AbstractContextManager[torch.nn.Module]:
+        """A context yielding the reference policy: the separate reference model (a plain ``nullcontext``:
+        nothing to switch); with LoRA, the policy with the ``ref_adapter_name`` adapter active (the training
+        adapter again afterwards), or with its adapters off."""
+        return nullcontext(self.ref_model) if self.ref_model is not None else self._adapter_reference()
+
     @contextmanager
-    def reference(self):
-        """The reference policy: the separate reference model; with LoRA, the policy with the
-        ``ref_adapter_name`` adapter active (the training adapter again afterwards), or with its adapters off."""
-        if self.ref_model is not None:
-            yield self.ref_model
-        elif self.args.ref_adapter_name is not None:
+    def _adapter_reference(self) -> Iterator[torch.nn.Module]:
+        if self.args.ref_adapter_name is not None:
             self.policy.set_adapter(self.args.ref_adapter_name)
             try:
                 yield self.policy

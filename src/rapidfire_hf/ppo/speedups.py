@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +55,13 @@ class KernelPatches:
     def summary(self) -> dict:
         return {"liger": self.liger, "compiled_layers": self.compiled}
 
+    def original(self) -> AbstractContextManager[None]:
+        """Inside: the patched modules run their own ``forward`` and compiled layers run eagerly (a plain
+        ``nullcontext`` when nothing is patched or compiled: there is nothing to undo)."""
+        return self._unpatched() if self._forwards or self._layers else nullcontext()
+
     @contextmanager
-    def original(self):
-        """Inside: the patched modules run their own ``forward`` and compiled layers run eagerly."""
+    def _unpatched(self) -> Iterator[None]:
         for module, before, _ in self._forwards:
             _set_forward(module, before)
         for layer, _ in self._layers:

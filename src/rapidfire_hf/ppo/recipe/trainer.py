@@ -696,9 +696,6 @@ class PPOTrainer:
         if planned_now and self.plan.planned:
             metrics.update(self.plan.metrics())
         metrics.update(self.phase_peaks.metrics())
-        if health.rapidfire is not None:  # predicted clip coefficients checked, and the share that missed
-            opt_stats = health.stats()
-            metrics["rapidfire/clip_miss_rate"] = opt_stats["clip_misses"] / max(1, opt_stats["clip_checks"])
         if self.memory_callback is not None:
             self.reporter.to_telemetry(update + 1, metrics)
         return metrics
