@@ -27,6 +27,23 @@ def _prompts(batch: int, prompt_len: int, vocab: int, device: str, mixed: bool):
     return ids.to(device), mask.to(device)
 
 
+def random_model(config, device: str, dtype: torch.dtype):
+    """A random-init causal LM of ``config`` built on ``device`` directly in ``dtype`` (seed 0, eval mode, no
+    stop token: every row runs every step). The one builder of families.py and kv_cache.py."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(before)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
 def _first_divergence(a: torch.Tensor, b: torch.Tensor) -> list[int]:
     diff = (a != b).int()
     return [int(d.argmax()) if d.any() else a.shape[1] for d in diff]

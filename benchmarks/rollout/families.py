@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import _prompts, time_config  # noqa: E402
+from _timing import _prompts, random_model, time_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 from benchmarks.common import write_json  # noqa: E402
@@ -75,16 +75,7 @@ def build_model(name: str, device: str, dtype: torch.dtype, smoke: bool, max_pos
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(before)
-    model.generation_config.eos_token_id = None  # every row runs every step
-    return model.eval()
+    return random_model(config, device, dtype)
 
 
 def weight_bytes(model) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import _prompts  # noqa: E402
+from _timing import _prompts, random_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 from benchmarks.common import environment, write_csv, write_json  # noqa: E402
@@ -63,16 +63,7 @@ def build_model(shape: str, device: str, dtype: torch.dtype, max_positions: int)
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(before)
-    model.generation_config.eos_token_id = None  # every row runs every step
-    return model.eval()
+    return random_model(config, device, dtype)
 
 
 def _engine(model, cache: str, mode: str, attention: str):
