@@ -75,6 +75,6 @@ def test_the_offloaded_phases_hold_less_only_where_the_weights_are_away():
 def test_a_quantized_or_lora_run_moves_only_what_is_a_separate_frozen_model():
     from dataclasses import replace
 
-    assert replace(FULL, frozen_quantization="8bit").frozen_weight_bytes() == 0
+    assert FULL.with_frozen("8bit").frozen_weight_bytes() == 0
     lora = replace(FULL, peft=True)  # the reference is the adapter-disabled policy: only the reward model
     assert lora.frozen_weight_bytes() == pytest.approx(SHAPE.params("score") * 2)

@@ -104,10 +104,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--frozen-quantization",
-        choices=("8bit", "4bit"),
+        choices=("8bit", "4bit", "auto"),
         default=None,
         help="The reference and reward models held in 8 or 4 bits (PPOConfig's ref_model_quantization / "
-        "reward_model_quantization; planned only with --gpu-memory or without a GPU).",
+        "reward_model_quantization; planned only with --gpu-memory or without a GPU). 'auto': as PPOTrainer "
+        "chooses for 'auto' (8 bits, else 4, under --config aggressive only and only where the plan pays; "
+        "said in the table's 'frozen models' row).",
     )
     p.add_argument(
         "--host-offload",
@@ -222,6 +224,7 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
     from rapidfire_hf.config import load_config
     from rapidfire_hf.config.schema import to_plain
     from rapidfire_hf.memory.card_plan import RunShape, card_plan, fit_hint
+    from rapidfire_hf.memory.frozen_choice import AUTO, plan_frozen
     from rapidfire_hf.memory.planner import GIB, Asked
 
     gib = _gpu_gib(str(args.gpu_memory))
@@ -237,9 +240,11 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
         value_mode=args.value_mode or ("separate" if args.model is None else "fused"),
         peft=args.peft,
         reward_model=args.reward == "model",
-        frozen_quantization=args.frozen_quantization,
         kv_cache_dtype=_engine_kv_cache(args),
     )
+    auto = args.frozen_quantization == AUTO
+    if args.frozen_quantization is not None and not auto:
+        run = run.with_frozen(args.frozen_quantization)
     asked = Asked(
         scoring_rows=None if args.score_chunk == "auto" else args.score_chunk,
         generation_rows=None if args.generation_chunk == "auto" else args.generation_chunk,
@@ -247,7 +252,13 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     device = int(gib * GIB)
+    choice = None
+    if auto:  # PPOTrainer's own choice for "auto" (memory.frozen_choice), then the plan of what it chose
+        choice = plan_frozen(run, device, level, asked=asked, host_offload=args.host_offload)
+        run = run.with_frozen(choice.bits) if choice.bits else run
     plan = card_plan(run, device, level, asked=asked, label=f"{name}, bf16", host_offload=args.host_offload)
+    if choice is not None:
+        plan = choice.on(plan)
     mem = run.memory(eight_bit_state=plan.optimizer_state == "8-bit")
     if args.json:
         out.emit(

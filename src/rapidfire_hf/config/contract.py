@@ -265,10 +265,16 @@ PPO_ROWS: dict[str, dict[str, Use]] = {
         ),
     ),
     "ref_model_quantization": _row(
-        applied("refused by name with LoRA (the reference is the adapter-disabled policy)"),
+        applied(
+            "refused by name with LoRA (the reference is the adapter-disabled policy); 'auto' quantizes only "
+            "under aggressive where the plan pays, said in the plan table and the start table"
+        ),
         refused("the sweep's reference is the shared base with adapters off; quantize the base when loading it"),
     ),
-    "reward_model_quantization": _row(A, refused("a sweep scores with the reward model as given")),
+    "reward_model_quantization": _row(
+        applied("'auto' as ref_model_quantization's"),
+        refused("a sweep scores with the reward model as given ('auto' too: the sweep has no frozen-model plan)"),
+    ),
     "rollout_backend": _both(applied("'static' is refused by name for a model the static engine cannot run")),
     "rollout_decode_mode": _both(A),
     "rollout_decode_attention": _row(A, applied("'auto' runs SDPA in a sweep (said in the sweep's start line)")),

@@ -78,7 +78,8 @@ class RunShape:
     itemsize: int = 2
     static_engine: bool = True
     cache_kept: bool = True
-    frozen_quantization: str | None = None  # the reference and reward models in "8bit" or "4bit"
+    ref_quantization: str | None = None  # the separate reference in "8bit" or "4bit" (None: as given)
+    reward_quantization: str | None = None  # the reward model in "8bit" or "4bit" (None: as given)
     kv_cache_dtype: str | None = None  # the rollout KV cache: None (the model's dtype), "fp8" or "int8"
 
     def workload(self) -> Workload:
@@ -109,17 +110,34 @@ class RunShape:
             reward_model=self.reward_model,
             itemsize=self.itemsize,
             eight_bit_state=eight_bit_state,
-            ref_quantization=self.frozen_quantization,
-            reward_quantization=self.frozen_quantization,
+            ref_quantization=self.ref_quantization,
+            reward_quantization=self.reward_quantization,
+        )
+
+    @property
+    def has_frozen(self) -> bool:
+        """A separate frozen model exists: the reference (full fine-tuning; LoRA's is the adapter-disabled
+        policy) or a reward model."""
+        return not self.peft or self.reward_model
+
+    def with_frozen(self, bits: str | None, ref: bool = True, reward: bool = True) -> RunShape:
+        """This run with its separate frozen models (the reference where ``ref``, the reward model where
+        ``reward``) held in ``bits``; the others as they are."""
+        return replace(
+            self,
+            ref_quantization=bits if ref and not self.peft else self.ref_quantization,
+            reward_quantization=bits if reward and self.reward_model else self.reward_quantization,
         )
 
     def frozen_weight_bytes(self) -> int:
         """The frozen models' weights host offload may move: the reference (full fine-tuning) and the reward
         model, each unless quantized (bitsandbytes' quantized weights stay where they are)."""
-        if self.frozen_quantization is not None:
-            return 0
-        ref = 0 if self.peft else frozen_bytes(self.shape, "lm", None, self.itemsize)
-        reward = frozen_bytes(self.shape, "score", None, self.itemsize) if self.reward_model else 0
+        ref = 0 if self.peft or self.ref_quantization else frozen_bytes(self.shape, "lm", None, self.itemsize)
+        reward = (
+            frozen_bytes(self.shape, "score", None, self.itemsize)
+            if self.reward_model and not self.reward_quantization
+            else 0
+        )
         return ref + reward
 
     def fused_copy_bytes(self) -> int:
@@ -233,9 +251,9 @@ def fit_hint(run: RunShape, device_bytes: int, level, **kwargs) -> str:
     hints = [f"a card of at least {card} GiB (--gpu-memory)" if card else "no card up to 64 TiB"]
     if to_plain(level) != "aggressive" and card_plan(run, device_bytes, "aggressive", **kwargs).fits:
         hints.append("--config aggressive")
-    if run.frozen_quantization is None and (run.reward_model or not run.peft):
+    if run.ref_quantization is None and run.reward_quantization is None and run.has_frozen:
         for bits in ("8bit", "4bit"):
-            if card_plan(replace(run, frozen_quantization=bits), device_bytes, level, **kwargs).fits:
+            if card_plan(run.with_frozen(bits), device_bytes, level, **kwargs).fits:
                 hints.append(
                     f"the frozen models in {bits} (--frozen-quantization {bits}; changes their arithmetic)"
                 )

@@ -25,6 +25,8 @@ class LevelTarget:
         offload: may move the frozen models' weights and the optimizer state to host memory while a phase
             does not read them (:mod:`rapidfire_hf.memory.phase_offload`; exact: the arithmetic is unchanged,
             the copies cost time), chosen only where the room it frees changes the plan.
+        frozen_quantization: may hold the frozen reference and reward models in 8 or 4 bits where PPOConfig
+            asks ``"auto"`` (changes their arithmetic: :mod:`rapidfire_hf.memory.frozen_choice`).
         compaction_interval: fewest optimizer steps between two threshold compactions (a compaction makes
             the next step cudaMalloc its activations again, so lazier levels wait longer).
         checkpoint_policy: the selective-checkpointing policy the level stands for (``"none"``,
@@ -41,6 +43,7 @@ class LevelTarget:
     checkpoint_policy: str | None
     recompute_below: float | None
     offload: bool = False
+    frozen_quantization: bool = False
 
 
 # least recompute first: the order selective checkpointing tries the policies in
@@ -49,7 +52,9 @@ MEMORY_LEVELS: dict[str, LevelTarget] = {
     for level in (
         LevelTarget("conservative", 0.80, False, False, 50, "none", None),
         LevelTarget("balanced", 0.85, True, False, 20, "elementwise", 16.0, offload=True),
-        LevelTarget("aggressive", 0.92, True, True, 5, "matmuls", 4096.0, offload=True),
+        LevelTarget(
+            "aggressive", 0.92, True, True, 5, "matmuls", 4096.0, offload=True, frozen_quantization=True
+        ),
         LevelTarget("auto", 0.85, True, False, 20, None, None, offload=True),
     )
 }

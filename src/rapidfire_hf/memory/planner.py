@@ -317,6 +317,9 @@ class Plan:
     # per token of a row (K and V of every layer; an 8-bit cache with its fp32 scales)
     kv_cache_dtype: str = "model dtype"
     kv_bytes_per_token: int = 0
+    # the frozen models' precision chosen for PPOConfig's "auto" ("8bit", "4bit", "as given"; why in
+    # reasons["frozen_quantization"]); None: not asked (memory.frozen_choice)
+    frozen: str | None = None
     title: str = "rapidfire plan"  # the table's first words (PPOSweep: "PPOSweep plan")
     train_label: str = "training micro-batch (rows)"  # (PPOSweep: rows of all trials per training forward)
 
@@ -354,6 +357,8 @@ class Plan:
             *([("offload optimizer state", str(self.asked.get("host_offload", "auto")),
                 "on" if self.offload_state else "off", self.reasons.get("offload_state", ""))]
               if self.offload_state is not None else []),
+            *([("frozen models", "auto", self.frozen, self.reasons.get("frozen_quantization", ""))]
+              if self.frozen is not None else []),
             *([("fused decode projections", str(self.asked.get("fuse_projections", "auto")),
                 "on" if self.fuse_projections else "off", self.reasons.get("fuse_projections", ""))]
               if self.fuse_projections is not None else []),

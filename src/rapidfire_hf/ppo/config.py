@@ -17,7 +17,8 @@ from rapidfire_hf.memory.offload_plan import HOST_OFFLOAD_DEFAULT
 
 _POSITIVE = Float(0.0, math.inf, open_low=True)
 _NON_NEGATIVE = Float(0.0, math.inf)
-_QUANTIZATION = Optional(Among(("8bit", "4bit")), "kept as given")
+# "auto": 8 or 4 bits where the plan pays for it, under memory.optimization=aggressive only (memory.frozen_choice)
+_QUANTIZATION = Optional(Among(("8bit", "4bit", "auto")), "kept as given")
 # rollout_kv_cache_dtype: "auto" and "model" keep the model's dtype (None to the engine); "fp8" / "int8" are
 # RolloutEngine's kv_cache_dtype (kernels/kv_quant.py)
 KV_CACHE_CHOICES = ("auto", "model", "fp8", "int8")
@@ -354,12 +355,17 @@ class PPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Hold the frozen reference policy in '8bit' or '4bit' (bitsandbytes NF4); None keeps it as "
-            "given. Not with LoRA (the reference is then the adapter-disabled policy itself)."
+            "given. Not with LoRA (the reference is then the adapter-disabled policy itself). 'auto': 8 bits, "
+            "else 4, only under memory.optimization=aggressive and only where the plan as given does not fit "
+            "or makes a trade the quantized plan avoids (said in the plan table); else as given."
         },
     )
     reward_model_quantization: str | None = field(
         default=None,
-        metadata={"help": "Hold the frozen reward model in '8bit' or '4bit' (bitsandbytes); None keeps it."},
+        metadata={
+            "help": "Hold the frozen reward model in '8bit' or '4bit' (bitsandbytes); None keeps it. 'auto': "
+            "as ref_model_quantization's."
+        },
     )
     rollout_backend: str = field(
         default="auto",

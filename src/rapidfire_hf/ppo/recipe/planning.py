@@ -75,6 +75,7 @@ class PlanInputs:
     ref_model: Any  # the separate frozen reference, or None
     reward_model: Any  # or None
     host_offload_include_cpu: bool = False  # tests: a CPU model counts as movable for host offload
+    frozen_choice: Any = None  # the FrozenChoice of "auto" frozen precision (memory.frozen_choice), or None
 
 
 @dataclass(frozen=True)
@@ -416,6 +417,8 @@ def plan_run(run: PlanInputs, queries: torch.Tensor) -> PlannedRun:
                 plan.fits = False
         else:
             plan.reasons["optimizer_state"] = "your optimizer"
+        if run.frozen_choice is not None:  # the table's "frozen models" row
+            plan = run.frozen_choice.on(replace(plan, reasons=dict(plan.reasons), asked=dict(plan.asked)))
         if acc.is_main_process:
             print(plan.table(), flush=True)
     if plan.merge > 1:  # accelerate closes a window after this many (merged) micro-batches

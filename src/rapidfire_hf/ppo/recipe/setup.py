@@ -215,10 +215,9 @@ def check_generation_gather(args, accelerator) -> None:
         )
 
 
-def make_reference(args, policy, ref_model, is_peft: bool, device):
-    """The frozen reference: ``ref_model``, a (maybe quantized) copy of the policy, or None with LoRA (the
-    adapter-disabled policy)."""
-    bits = args.ref_model_quantization
+def make_reference(args, policy, ref_model, is_peft: bool, device, bits: str | None = None):
+    """The frozen reference: ``ref_model``, a copy of the policy (in ``bits``: ``ref_model_quantization`` with
+    ``"auto"`` resolved, ``ppo/recipe/frozen_auto.py``), or None with LoRA (the adapter-disabled policy)."""
     if is_peft:
         if bits is not None:
             raise ValueError(

@@ -41,6 +41,7 @@ from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
 from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
 from rapidfire_hf.ppo.recipe import checkpoint as ckpt
+from rapidfire_hf.ppo.recipe.frozen_auto import decide_frozen, prompt_tokens, resolved_bits
 from rapidfire_hf.ppo.recipe.memory_options import PromptPrefetch, prefetch_window
 from rapidfire_hf.ppo.recipe.planning import PlanInputs, plan_run, unplanned_run
 from rapidfire_hf.ppo.recipe.setup import (
@@ -196,16 +197,22 @@ class PPOTrainer:
         policy = apply_peft(model, peft_config, args.seed)
         self.is_peft = hasattr(policy, "peft_config")
         self._train_adapter = select_adapters(args, policy, ref_model, self.is_peft)
-        self.ref_model = make_reference(args, policy, ref_model, self.is_peft, acc.device)
-        self.reward_model = maybe_quantize(
-            reward_model, args.reward_model_quantization, "reward_model_quantization", acc.device
+        prompts = prepare_prompts(
+            args, acc, tok, self.pad_token_id, policy, train_dataset, eval_dataset, data_collator
         )
+        # "auto" frozen precision: planned for this card before the frozen models are copied or quantized
+        self.frozen_choice = decide_frozen(
+            args, self.rf_config.memory if self.rf_config is not None else None, policy, reward_model,
+            self.is_peft, acc.device, prompt_tokens(args, prompts.train_dataset),
+        )  # fmt: skip
+        ref_bits, reward_bits = resolved_bits(
+            args, self.frozen_choice, self.is_peft, reward_model is not None
+        )
+        self.ref_model = make_reference(args, policy, ref_model, self.is_peft, acc.device, ref_bits)
+        self.reward_model = maybe_quantize(reward_model, reward_bits, "reward_model_quantization", acc.device)
         self.reward_funcs = reward_functions(args, reward_funcs)
         module, self.kernel_patches = make_module(  # dropout off, kernels patched
             args, acc, policy, value_model, given_head, self.ref_model, self.reward_model, self._use_liger
-        )
-        prompts = prepare_prompts(
-            args, acc, tok, self.pad_token_id, policy, train_dataset, eval_dataset, data_collator
         )
         self.train_dataset, self.eval_dataset = prompts.train_dataset, prompts.eval_dataset
         self.data_collator, self.prompt_order = prompts.data_collator, prompts.prompt_order
@@ -468,6 +475,7 @@ class PPOTrainer:
             is_peft=self.is_peft, use_liger=self._use_liger, pad_token_id=self.pad_token_id,
             engine_support=self.engine_support, engine=self.roller.engine, ref_model=self.ref_model,
             reward_model=self.reward_model, host_offload_include_cpu=self.host_offload_include_cpu,
+            frozen_choice=self.frozen_choice,
         )  # fmt: skip
 
     def plan_update(self, queries: torch.Tensor):
@@ -648,6 +656,7 @@ class PPOTrainer:
         )  # fmt: skip
         on, skipped, watched = start_lines(facts)
         on += start_notes(self.args, cfg, self.rapidfire_optimizer, str(self.accelerator.mixed_precision))
+        on += [self.frozen_choice.line()] if self.frozen_choice is not None else []
         print(start_table("rapidfire PPOTrainer:", on, skipped, watched), flush=True)
 
     def one_update(self, update: int) -> dict:
