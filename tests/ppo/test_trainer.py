@@ -349,6 +349,27 @@ def test_adaptive_precision_runs_the_sensitivity_pass(tmp_path, tokenizer):
     assert trainer.state.global_step == 2
 
 
+def test_the_precision_plugin_is_the_one_registered_gradient_observer(tmp_path, tokenizer):
+    """The stepper calls the precision plugin's ``observe_gradients`` itself, once per window with the
+    window's gradients present; the trainer registers it when the plugin is set (again when replaced), and
+    nothing without a plugin."""
+    plain = _trainer(tmp_path / "plain", tokenizer, max_steps=1)
+    assert plain.precision_plugin is None and plain.stepper.events.gradients_ready is None
+    trainer = _trainer(tmp_path, tokenizer, rapidfire_config={"precision": {"mode": "adaptive"}}, max_steps=1)
+    plugin = trainer.precision_plugin
+    assert trainer.stepper.events.gradients_ready == plugin.observe_gradients
+    seen, observe = [], plugin.observe_gradients
+    plugin.observe_gradients = lambda: (
+        seen.append(any(p.grad is not None for p in trainer.model.parameters())) or observe()
+    )
+    trainer.precision_plugin = plugin  # registered again: the patched method
+    trainer.train()
+    args = trainer.args
+    assert seen == [True] * (args.num_ppo_epochs * args.num_mini_batches)
+    trainer.precision_plugin = None
+    assert trainer.stepper.events.gradients_ready is None
+
+
 def test_the_precision_probe_is_unhooked_while_generating_and_hooked_while_training(tmp_path, tokenizer):
     """The adaptive plugin's output probe records only under gradients: its layer hooks are off during the
     rollout's generation (issue 44: no call per decode step) and on in the PPO epochs and after."""

@@ -25,10 +25,13 @@ from rapidfire_hf.ppo.recovery import train_recovery
 
 @dataclass
 class StepEvents:
-    """What happens around a window's optimizer step outside the stepper (the trainer's callbacks)."""
+    """What happens around a window's optimizer step outside the stepper: the trainer's callbacks, and the
+    one observer of the clipped gradients, registered by its owner (None: nothing observes them, and
+    nothing is called)."""
 
     before_step: Callable[[], None]  # before clipping (``on_pre_optimizer_step``)
-    gradients_ready: Callable[[], None]  # after clipping, before the step (the precision plugin)
+    # after clipping, before the step: the precision plugin's ``observe_gradients`` (device work, no host read)
+    gradients_ready: Callable[[], None] | None
     after_step: Callable[[], None]  # after ``zero_grad`` (``on_optimizer_step``)
 
 
@@ -161,7 +164,8 @@ class Stepper:
         grad_norm = None
         if self.max_grad_norm and self.max_grad_norm > 0 and not self.clips_itself:
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.events.gradients_ready()
+        if self.events.gradients_ready is not None:
+            self.events.gradients_ready()
         # a NaN/inf loss or gradient never reaches the weights (skipped on the device when it can be)
         self.closed = close_window(
             self.health,

@@ -189,7 +189,8 @@ class PPOTrainer:
             max_grad_norm=args.max_grad_norm,
             max_oom_splits=args.max_oom_splits,
             max_consecutive_skips=args.max_consecutive_skips,
-            events=StepEvents(self._before_optimizer_step, self._gradients_ready, self._after_optimizer_step),
+            # the precision plugin observes the clipped gradients once it is set (``precision_plugin``)
+            events=StepEvents(self._before_optimizer_step, None, self._after_optimizer_step),
             release=self._release_after_oom,
         )
 
@@ -268,6 +269,18 @@ class PPOTrainer:
             frozen=(self.ref_model, self.reward_model),
         )  # fmt: skip
         return optimizer, scheduler
+
+    @property
+    def precision_plugin(self):
+        """The :class:`~rapidfire_hf.precision.AdaptivePrecisionPlugin` (None: precision.mode static). Setting it
+        registers its ``observe_gradients`` with the stepper (after clipping, before each step); None
+        registers nothing."""
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        self._precision_plugin = plugin
+        self.stepper.events.gradients_ready = plugin.observe_gradients if plugin is not None else None
 
     def _make_precision_plugin(self):
         """The adaptive precision plugin when the rapidfire config asks for it (precision.mode adaptive)."""
@@ -537,10 +550,6 @@ class PPOTrainer:
     # ------------------------------------------------------------------ the stepper's events
     def _before_optimizer_step(self) -> None:
         self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
-
-    def _gradients_ready(self) -> None:
-        if self.precision_plugin is not None:
-            self.precision_plugin.observe_gradients()
 
     def _after_optimizer_step(self) -> None:
         self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
