@@ -349,6 +349,25 @@ def test_adaptive_precision_runs_the_sensitivity_pass(tmp_path, tokenizer):
     assert trainer.state.global_step == 2
 
 
+def test_the_rollouts_sampling_settings_are_built_once(tmp_path, tokenizer, monkeypatch):
+    """The Roller builds (and validates) the sampling settings of a rollout and of a greedy one when it is
+    made; rollouts reuse them."""
+    from rapidfire_hf.ppo.rollout_phase import sampling_params
+    from rapidfire_hf.rollout.types import SamplingParams
+
+    trainer = _trainer(tmp_path, tokenizer, max_steps=1)
+    assert trainer.roller.sampling == {
+        True: sampling_params(trainer.args),
+        False: sampling_params(trainer.args, False),
+    }
+    built, check = [], SamplingParams.__post_init__
+    monkeypatch.setattr(SamplingParams, "__post_init__", lambda self: built.append(self) or check(self))
+    batch = trainer.next_prompts(0)
+    trainer.rollout(batch)
+    trainer.rollout(batch, sampling=False)
+    assert built == []
+
+
 def test_the_precision_plugin_is_the_one_registered_gradient_observer(tmp_path, tokenizer):
     """The stepper calls the precision plugin's ``observe_gradients`` itself, once per window with the
     window's gradients present; the trainer registers it when the plugin is set (again when replaced), and

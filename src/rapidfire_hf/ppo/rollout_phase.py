@@ -72,6 +72,9 @@ class Roller:
         self.engine_support = engine_support
         self.chunks = chunks
         self.engine = None
+        # the sampling settings of a rollout (True) and of a greedy one (False): built once from the config,
+        # which a trainer never changes after construction (train() refuses it)
+        self.sampling = {s: sampling_params(args, s) for s in (True, False)}
 
     def rollout(
         self,
@@ -85,10 +88,10 @@ class Roller:
         prompts at a time (all at once when None), the noise drawn from ``generator`` (chunk after chunk;
         None: the global RNG). ``fuse_projections``: the engine's ``decode_fuse_projections`` when this call
         builds it (the plan's decision, ``Plan.fuse_projections``)."""
-        args, device = self.args, self.accelerator.device
+        device = self.accelerator.device
         policy = self.accelerator.unwrap_model(self.model).policy
         queries = batch["input_ids"].to(device)
-        params = sampling_params(args, sampling)
+        params = self.sampling[bool(sampling)]
         # rollout_generation_batch_size (or the plan) bounds the KV cache: chunks of prompts, one after another
         chunk = generation_rows or queries.shape[0]
         replay = _ChunkReplay(generator)
