@@ -387,6 +387,9 @@ def test_the_precision_plugin_is_the_one_registered_gradient_observer(tmp_path, 
     assert seen == [True] * (args.num_ppo_epochs * args.num_mini_batches)
     trainer.precision_plugin = None
     assert trainer.stepper.events.gradients_ready is None
+    with pytest.raises(TypeError, match="AdaptivePrecisionPlugin .* or None, got str"):
+        trainer.precision_plugin = "adaptive"
+    assert trainer.precision_plugin is None and trainer.stepper.events.gradients_ready is None
 
 
 def test_the_precision_probe_is_unhooked_while_generating_and_hooked_while_training(tmp_path, tokenizer):

@@ -279,6 +279,11 @@ class PPOTrainer:
 
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:
+        if plugin is not None and not callable(getattr(plugin, "observe_gradients", None)):
+            raise TypeError(
+                "PPOTrainer.precision_plugin must be an AdaptivePrecisionPlugin (attached to this trainer) or "
+                f"None, got {type(plugin).__name__}"
+            )
         self._precision_plugin = plugin
         self.stepper.events.gradients_ready = plugin.observe_gradients if plugin is not None else None
 
