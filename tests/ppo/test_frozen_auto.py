@@ -169,3 +169,21 @@ def test_the_sweep_refuses_auto_by_name(tmp_path):
             check_sweep_settings(args)
         keys = {e.key for e in getattr(err.value, "errors", [err.value])}
         assert keys == {name} and "PPOSweep does not apply it" in str(err.value), str(err.value)
+
+
+@needs_bnb
+def test_a_config_applied_to_a_built_trainer_says_what_its_plan_would_choose(tmp_path, tok, monkeypatch):
+    """enable_rapidfire(trainer, config) after construction: the frozen models stay as built, and where the
+    config's plan would choose otherwise the start table says so (not a silent stale reason)."""
+    from rapidfire_hf import enable_rapidfire
+
+    card = _card_where_8bit_pays(tok, tmp_path)
+    monkeypatch.setattr(frozen_auto, "card_bytes", lambda device: card)
+    trainer = _trainer(tmp_path, tok, **AUTO)
+    assert trainer.frozen_choice.bits is None
+    enable_rapidfire(trainer, "aggressive")
+    assert trainer.frozen_choice.bits is None and not is_quantized(trainer.ref_model)
+    assert "whose plan would choose 8bit" in trainer.frozen_choice.reason, trainer.frozen_choice
+    trainer = _trainer(tmp_path, tok, **AUTO)
+    enable_rapidfire(trainer, "balanced")  # the same choice: its own reason
+    assert "memory.optimization=balanced keeps their arithmetic" in trainer.frozen_choice.reason

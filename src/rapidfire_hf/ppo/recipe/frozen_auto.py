@@ -117,3 +117,20 @@ def resolved_bits(args, choice: FrozenChoice | None, is_peft: bool, has_reward_m
         (None if is_peft else bits) if ref == AUTO else ref,
         (bits if has_reward_model else None) if reward == AUTO else reward,
     )
+
+
+def after_new_config(choice: FrozenChoice | None, args, memory, policy, reward_model, is_peft: bool, device,
+                     prompts: int) -> FrozenChoice | None:  # fmt: skip
+    """The choice to report once a rapidfire config is applied to a built trainer (``enable_rapidfire``): the
+    frozen models were built with the trainer and stay as they are, so where the new config's plan would
+    choose otherwise, that is said instead of the new reason (None: no ``"auto"`` field)."""
+    if choice is None:
+        return None
+    new = decide_frozen(args, memory, policy, reward_model, is_peft, device, prompts)
+    if new is None or new.bits == choice.bits:
+        return new
+    return FrozenChoice(
+        choice.bits,
+        f"{choice.reason}; kept: the frozen models were built with the trainer, before this rapidfire config, "
+        f"whose plan would choose {new.label} (give the config as PPOConfig(rapidfire_config=...) to plan them)",
+    )

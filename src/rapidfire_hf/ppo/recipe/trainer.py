@@ -41,7 +41,7 @@ from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
 from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
 from rapidfire_hf.ppo.recipe import checkpoint as ckpt
-from rapidfire_hf.ppo.recipe.frozen_auto import decide_frozen, prompt_tokens, resolved_bits
+from rapidfire_hf.ppo.recipe.frozen_auto import after_new_config, decide_frozen, prompt_tokens, resolved_bits
 from rapidfire_hf.ppo.recipe.memory_options import PromptPrefetch, prefetch_window
 from rapidfire_hf.ppo.recipe.planning import PlanInputs, plan_run, unplanned_run
 from rapidfire_hf.ppo.recipe.setup import (
@@ -354,6 +354,10 @@ class PPOTrainer:
                 "if it is a RapidFireOptimizer built with those settings"
             )
         self.precision_plugin = self._make_precision_plugin()
+        self.frozen_choice = after_new_config(  # built with the trainer: a different choice now is said
+            self.frozen_choice, self.args, cfg.memory, self.policy, self.reward_model, self.is_peft,
+            self.accelerator.device, prompt_tokens(self.args, self.train_dataset),
+        )  # fmt: skip
         self._config_applied = True
 
     def _replace_memory_callback(self) -> None:
