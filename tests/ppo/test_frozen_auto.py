@@ -187,3 +187,9 @@ def test_a_config_applied_to_a_built_trainer_says_what_its_plan_would_choose(tmp
     trainer = _trainer(tmp_path, tok, **AUTO)
     enable_rapidfire(trainer, "balanced")  # the same choice: its own reason
     assert "memory.optimization=balanced keeps their arithmetic" in trainer.frozen_choice.reason
+
+
+def test_auto_with_hf_checkpointing_plans_without_a_traceback(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(frozen_auto, "card_bytes", lambda device: 80 * GIB)
+    trainer = _trainer(tmp_path, tok, config="aggressive", gradient_checkpointing=True, **AUTO)
+    assert trainer.frozen_choice.bits is None and "the plan fits" in trainer.frozen_choice.reason

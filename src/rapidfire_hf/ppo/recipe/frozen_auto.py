@@ -9,11 +9,14 @@ on a CUDA GPU with the static engine where it can run the policy."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from rapidfire_hf.memory.card_plan import LORA_TARGETS, RunShape
 from rapidfire_hf.memory.estimate import DecoderShape
-from rapidfire_hf.memory.frozen_choice import AUTO, FrozenChoice, plan_frozen
+from rapidfire_hf.memory.frozen_choice import AUTO, FrozenChoice, choose_frozen, plan_frozen
+from rapidfire_hf.memory.planner import Asked, level_target
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.utils.device_memory import device_capacity_bytes
 from rapidfire_hf.utils.imports import is_available
@@ -84,14 +87,16 @@ def decide_frozen(
     if not (ref_auto or reward_auto):
         return None
     level = memory.optimization if memory is not None else None
+    has = bool((ref_auto and not is_peft) or (reward_auto and reward_model is not None))
+    if not has or level is None or not level_target(level).frozen_quantization:
+        return choose_frozen(level, None, {}, has_frozen=has)  # said without a plan
     card = card_bytes(device)
-    run = trainer_run_shape(args, policy, reward_model, is_peft, prompts)
-    if card is None and level is not None:
-        has = (ref_auto and not run.peft) or (reward_auto and run.reward_model)
-        if has:
-            return FrozenChoice(
-                None, f"auto: no GPU to plan for (this run is on {torch.device(device).type})"
-            )
+    if card is None:
+        return FrozenChoice(None, f"auto: no GPU to plan for (this run is on {torch.device(device).type})")
+    try:
+        run = trainer_run_shape(args, policy, reward_model, is_peft, prompts)
+    except (AttributeError, TypeError) as err:  # not a decoder config the planner reads
+        return FrozenChoice(None, f"auto: the planner cannot read {type(policy).__name__}'s shape ({err})")
     from rapidfire_hf.ppo.recipe.planning import asked
 
     return plan_frozen(
@@ -100,11 +105,20 @@ def decide_frozen(
         level,
         ref_auto=ref_auto,
         reward_auto=reward_auto,
-        asked=asked(args, memory, deepspeed=False),
+        asked=_card_asked(asked(args, memory, deepspeed=False)),
         eight_bit_available=is_available("bitsandbytes"),
         fuse_projections=args.rollout_decode_fuse_projections,
         host_offload=args.host_offload,
     )
+
+
+# the analytic probe knows the selective policies: HF's own checkpointing (everything recomputed) plans as the
+# most recompute it knows, memory.checkpointing=off as none
+_CARD_POLICY = {"gradient_checkpointing": "matmuls", "off": "none"}
+
+
+def _card_asked(want: Asked) -> Asked:
+    return replace(want, checkpointing=_CARD_POLICY.get(want.checkpointing, want.checkpointing))
 
 
 def resolved_bits(args, choice: FrozenChoice | None, is_peft: bool, has_reward_model: bool) -> tuple:
