@@ -449,7 +449,9 @@ def main(argv: list[str] | None = None) -> dict:
             except subprocess.CalledProcessError as err:
                 raise SystemExit(f"--rev {a.rev}: {err.stderr.decode().strip()}") from None
             with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-                tar.extractall(tmp, filter="data")
+                # the "data" filter (refuses links and paths out of tmp) exists from Python 3.10.12 / 3.11.4
+                safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                tar.extractall(tmp, **safe)
             src, commit = Path(tmp) / "src", a.commit or a.rev
         else:
             src = a.src or ROOT / "src"
