@@ -76,12 +76,13 @@ def trainer_run_shape(args, policy, reward_model, is_peft: bool, prompts: int, i
 
 
 def decide_frozen(
-    args, memory, policy, reward_model, is_peft: bool, device, prompts: int
+    args, memory, policy, reward_model, is_peft: bool, device, train_dataset
 ) -> FrozenChoice | None:
     """What ``"auto"`` holds the frozen models in on ``device`` (None: neither field asks ``"auto"``).
 
     Args:
         memory: the rapidfire config's ``MemoryConfig`` (None: no config, nothing planned).
+        train_dataset: the tokenized prompts (their longest is read only where a plan is made).
     """
     ref_auto, reward_auto = args.ref_model_quantization == AUTO, args.reward_model_quantization == AUTO
     if not (ref_auto or reward_auto):
@@ -94,7 +95,7 @@ def decide_frozen(
     if card is None:
         return FrozenChoice(None, f"auto: no GPU to plan for (this run is on {torch.device(device).type})")
     try:
-        run = trainer_run_shape(args, policy, reward_model, is_peft, prompts)
+        run = trainer_run_shape(args, policy, reward_model, is_peft, prompt_tokens(args, train_dataset))
     except (AttributeError, TypeError) as err:  # not a decoder config the planner reads
         return FrozenChoice(None, f"auto: the planner cannot read {type(policy).__name__}'s shape ({err})")
     from rapidfire_hf.ppo.recipe.planning import asked
@@ -134,13 +135,13 @@ def resolved_bits(args, choice: FrozenChoice | None, is_peft: bool, has_reward_m
 
 
 def after_new_config(choice: FrozenChoice | None, args, memory, policy, reward_model, is_peft: bool, device,
-                     prompts: int) -> FrozenChoice | None:  # fmt: skip
+                     train_dataset) -> FrozenChoice | None:  # fmt: skip
     """The choice to report once a rapidfire config is applied to a built trainer (``enable_rapidfire``): the
     frozen models were built with the trainer and stay as they are, so where the new config's plan would
     choose otherwise, that is said instead of the new reason (None: no ``"auto"`` field)."""
     if choice is None:
         return None
-    new = decide_frozen(args, memory, policy, reward_model, is_peft, device, prompts)
+    new = decide_frozen(args, memory, policy, reward_model, is_peft, device, train_dataset)
     if new is None or new.bits == choice.bits:
         return new
     return FrozenChoice(

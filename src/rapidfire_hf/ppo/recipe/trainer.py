@@ -41,7 +41,7 @@ from rapidfire_hf.optim.optimizer import RapidFireOptimizer
 from rapidfire_hf.ppo.config import PPOConfig, load_rapidfire_config
 from rapidfire_hf.ppo.optimization import PPOEpochs, calibrate_precision
 from rapidfire_hf.ppo.recipe import checkpoint as ckpt
-from rapidfire_hf.ppo.recipe.frozen_auto import after_new_config, decide_frozen, prompt_tokens, resolved_bits
+from rapidfire_hf.ppo.recipe.frozen_auto import after_new_config, decide_frozen, resolved_bits
 from rapidfire_hf.ppo.recipe.memory_options import PromptPrefetch, prefetch_window
 from rapidfire_hf.ppo.recipe.planning import PlanInputs, plan_run, unplanned_run
 from rapidfire_hf.ppo.recipe.setup import (
@@ -204,7 +204,7 @@ class PPOTrainer:
         # "auto" frozen precision: planned for this card before the frozen models are copied or quantized
         self.frozen_choice = decide_frozen(
             args, self.rf_config.memory if self.rf_config is not None else None, policy, reward_model,
-            self.is_peft, acc.device, prompt_tokens(args, prompts.train_dataset),
+            self.is_peft, acc.device, prompts.train_dataset,
         )  # fmt: skip
         ref_bits, reward_bits = resolved_bits(
             args, self.frozen_choice, self.is_peft, reward_model is not None
@@ -356,7 +356,7 @@ class PPOTrainer:
         self.precision_plugin = self._make_precision_plugin()
         self.frozen_choice = after_new_config(  # built with the trainer: a different choice now is said
             self.frozen_choice, self.args, cfg.memory, self.policy, self.reward_model, self.is_peft,
-            self.accelerator.device, prompt_tokens(self.args, self.train_dataset),
+            self.accelerator.device, self.train_dataset,
         )  # fmt: skip
         self._config_applied = True
 
