@@ -7,11 +7,11 @@ import torch
 from rapidfire_hf.checkpoint.identity import (
     adapter_identity,
     compare_identity,
-    compare_settings,
     model_fingerprint,
     tokenizer_identity,
 )
 from rapidfire_hf.demo import build_char_tokenizer, build_tiny_llama
+from rapidfire_hf.ppo.field_facts import compare_settings
 
 
 def frozen(seed: int = 0, tok=None):

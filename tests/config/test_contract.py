@@ -18,7 +18,6 @@ from rapidfire_hf.config.contract import (
     CONFIG_ROWS,
     ENABLE,
     ENTRY_POINTS,
-    PPO_ROWS,
     SWEEP,
     TRAINER,
     env_rows,
@@ -27,6 +26,7 @@ from rapidfire_hf.config.errors import ConfigError
 from rapidfire_hf.config.schema import SECTIONS
 from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
 from rapidfire_hf.ppo import PPOConfig, PPOTrainer
+from rapidfire_hf.ppo.field_facts import PPO_ROWS
 from rapidfire_hf.ppo.settings_check import (
     check_enable_settings,
     check_sweep_settings,

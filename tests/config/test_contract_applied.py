@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from rapidfire_hf.config.contract import PPO_ROWS, SWEEP, TRAINER
+from rapidfire_hf.config.contract import SWEEP, TRAINER
 from rapidfire_hf.demo import build_tiny_llama, make_prompt_dataset, vowel_reward
 from rapidfire_hf.ppo import PPOConfig, PPOTrainer
+from rapidfire_hf.ppo.field_facts import PPO_ROWS
 
 NAMES = frozenset(f.name for f in dataclasses.fields(PPOConfig))
 # reads that check or copy every field, not apply one

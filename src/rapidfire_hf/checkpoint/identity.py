@@ -13,8 +13,8 @@ config continues a different run without an error: the shapes all fit. So a chec
 - ``adapters``: the LoRA settings that change the computation (``r``, ``lora_alpha``, targets, ...);
 - ``value_head``: how values are computed (fused head or a separate model) and its parameter shapes.
 
-:func:`compare_identity` names each difference; :func:`compare_settings` compares the settings an entry
-point must keep with those it was saved with.
+:func:`compare_identity` names each difference. The PPOConfig settings an entry point must keep on resume are
+compared by :func:`rapidfire_hf.ppo.field_facts.compare_settings` (each field declares what another value changes).
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ ADAPTER_FIELDS = (
 )
 
 
-def _plain(value):
+def plain_value(value):
     """A JSON value for ``value``: sets and tuples as sorted lists, enums by value, the rest as text."""
     if isinstance(value, (set, frozenset)):
-        return sorted(_plain(v) for v in value)
+        return sorted(plain_value(v) for v in value)
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        return {str(k): plain_value(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -129,7 +129,7 @@ def adapter_identity(peft_config) -> dict | None:
         return {str(name): adapter_identity(cfg) for name, cfg in sorted(peft_config.items())}
     return {
         "type": type(peft_config).__name__,
-        **{k: _plain(getattr(peft_config, k)) for k in ADAPTER_FIELDS if hasattr(peft_config, k)},
+        **{k: plain_value(getattr(peft_config, k)) for k in ADAPTER_FIELDS if hasattr(peft_config, k)},
     }
 
 
@@ -213,57 +213,3 @@ def _flatten(value, prefix: str = "") -> dict:
     for k, v in value.items():
         out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
     return out
-
-
-# --------------------------------------------------------------------------------------------- settings
-# The PPOConfig settings that change what an update computes: a resume with another value would continue a
-# different run, so each is refused (the reason said). Shared by PPOTrainer and every PPOSweep trial.
-UPDATE_SETTINGS = {
-    "response_length": "every rollout's length, hence the tokens trained on",
-    "temperature": "the sampling distribution of every rollout",
-    "top_k": "the sampling distribution of every rollout",
-    "top_p": "the sampling distribution of every rollout",
-    "stop_token": "where responses end",
-    "stop_token_id": "where responses end",
-    "max_prompt_length": "how prompts are cut",
-    "missing_eos_penalty": "the rewards",
-    "kl_coef": "the KL-shaped rewards",
-    "kl_estimator": "the KL-shaped rewards",
-    "cliprange": "the policy loss",
-    "cliprange_value": "the value loss",
-    "vf_coef": "the loss",
-    "gamma": "the advantages",
-    "lam": "the advantages",
-    "whiten_rewards": "the advantages",
-    "num_ppo_epochs": "the optimizer steps of every update",
-    "reward_weights": "the rewards",
-}
-# Settings a restored optimizer carries in its state (its param_groups): the checkpoint's value is kept,
-# and a resume that sets another one is told so.
-OPTIMIZER_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
-
-
-def update_settings(args) -> dict:
-    """The values of :data:`UPDATE_SETTINGS` and :data:`OPTIMIZER_SETTINGS` in ``args`` (a PPOConfig)."""
-    keys = [*UPDATE_SETTINGS, *OPTIMIZER_SETTINGS]
-    return {k: _plain(getattr(args, k)) for k in keys if hasattr(args, k)}
-
-
-def compare_settings(saved: dict, now: dict) -> tuple[list[str], list[str]]:
-    """``(refused, kept)``: one line per update setting that differs (the resume must be refused) and one
-    per optimizer setting that differs (the checkpoint's value is kept). Keys absent from either side are
-    not compared."""
-    refused, kept = [], []
-    for key, why in UPDATE_SETTINGS.items():
-        if key in saved and key in now and saved[key] != now[key]:
-            refused.append(
-                f"{key}: saved {saved[key]!r}, this run {now[key]!r}; it sets {why}, so the resumed run would "
-                f"not continue the saved one. Resume with {key}={saved[key]!r}"
-            )
-    for key in OPTIMIZER_SETTINGS:
-        if key in saved and key in now and saved[key] != now[key]:
-            kept.append(
-                f"{key}: this run sets {now[key]!r}, the checkpoint was saved with {saved[key]!r}; the "
-                f"checkpoint's {saved[key]!r} is kept (the restored optimizer state carries it)"
-            )
-    return refused, kept

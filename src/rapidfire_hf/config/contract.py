@@ -1,7 +1,9 @@
 """The settings contract: what ``PPOTrainer``, ``PPOSweep`` and ``enable_rapidfire`` do with every setting.
 
-One row per ``PPOConfig`` field (``PPO_ROWS``), per rapidfire config field (``CONFIG_ROWS``, keyed
-``section.field``) and per ``RAPIDFIRE_*`` environment variable (``ENV_ROWS``). Each row says, for each
+One row per ``PPOConfig`` field (:func:`field_rows`, ``rapidfire_hf.ppo.field_facts.PPO_ROWS``: the fields
+PPOConfig declares carry their rows in their metadata, those it inherits from ``TrainingArguments`` have theirs
+in ``TRAINING_ARGS_ROWS``), per
+rapidfire config field (``CONFIG_ROWS``, keyed ``section.field``) and per ``RAPIDFIRE_*`` environment variable (``ENV_ROWS``). Each row says, for each
 entry point, one of:
 
 - ``applied``: the entry point acts on the value (``how`` says where, or what it caps or rewrites; a cap or
@@ -58,284 +60,197 @@ _VIA_TRAINER = na("reaches enable_rapidfire only inside a PPOTrainer, which appl
 _NO_EVAL = "PPOTrainer has no evaluation loop (eval_dataset serves the num_sample_generations tables)"
 _NO_LOADER = "prompts are indexed, not loaded by a DataLoader (memory.prefetch_window prefetches them)"
 _NO_DIST_ARGS = "the accelerator is built from `accelerate launch`'s configuration, not from these arguments"
-_SWEEP_ONE = "a sweep trains every trial in one process on one device"
+SWEEP_ONE_PROCESS = "a sweep trains every trial in one process on one device"
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
 
 
-def _row(trainer: Use, sweep: Use, enable: Use = _VIA_TRAINER) -> dict[str, Use]:
+def row(trainer: Use, sweep: Use, enable: Use = _VIA_TRAINER) -> dict[str, Use]:
     return {TRAINER: trainer, SWEEP: sweep, ENABLE: enable}
 
 
-def _both(use: Use) -> dict[str, Use]:
-    return _row(use, use)
+def both(use: Use) -> dict[str, Use]:
+    return row(use, use)
 
 
-A = applied()
+APPLIED = applied()
 
-PPO_ROWS: dict[str, dict[str, Use]] = {
-    # ------------------------------------------------------------ transformers.TrainingArguments
-    "output_dir": _both(A),
-    "per_device_train_batch_size": _both(A),
-    "num_train_epochs": _both(A),
-    "max_steps": _both(A),
-    "learning_rate": _both(A),
-    "lr_scheduler_type": _both(A),
-    "lr_scheduler_kwargs": _both(A),
-    "warmup_steps": _both(A),
-    "optim": _row(
+# The metadata key under which a dataclass field declares its own row (PPOConfig's fields: ``contract=`` in
+# ``facts(...)``, rapidfire_hf/ppo/config.py); :func:`field_rows` reads it.
+CONTRACT_KEY = "contract"
+
+# The rows of the ``transformers.TrainingArguments`` fields PPOConfig inherits without declaring them again. A
+# field PPOConfig declares carries its own row (under ``CONTRACT_KEY`` in its metadata); :func:`field_rows`
+# puts the two together, one row per PPOConfig field (``rapidfire_hf.ppo.field_facts.PPO_ROWS``).
+TRAINING_ARGS_ROWS: dict[str, dict[str, Use]] = {
+    "output_dir": both(APPLIED),
+    "per_device_train_batch_size": both(APPLIED),
+    "num_train_epochs": both(APPLIED),
+    "max_steps": both(APPLIED),
+    "lr_scheduler_type": both(APPLIED),
+    "lr_scheduler_kwargs": both(APPLIED),
+    "warmup_steps": both(APPLIED),
+    "optim": row(
         refused("PPOTrainer trains with torch AdamW: pass optimizer=... for another one", _ADAMW),
         refused("every sweep trial trains with torch AdamW", _ADAMW),
     ),
-    "optim_args": _both(refused("only transformers' Trainer reads it; pass optimizer=... instead")),
-    "optim_target_modules": _both(refused("only transformers' Trainer reads it (GaLore / APOLLO)")),
-    "weight_decay": _both(A),
-    "adam_beta1": _both(A),
-    "adam_beta2": _both(A),
-    "adam_epsilon": _both(A),
-    "gradient_accumulation_steps": _both(A),
-    "average_tokens_across_devices": _both(refused("the PPO losses are averaged per mini-batch, as in TRL")),
-    "max_grad_norm": _both(A),
-    "label_smoothing_factor": _both(refused("the PPO loss has no labels to smooth")),
-    "bf16": _row(applied("accelerate's mixed precision"), applied("autocast on CUDA; refused on the CPU")),
-    "fp16": _row(applied("accelerate's mixed precision"), applied("autocast on CUDA; refused on the CPU")),
-    "bf16_full_eval": _both(refused(_NO_EVAL)),
-    "fp16_full_eval": _both(refused(_NO_EVAL)),
-    "tf32": _both(applied("transformers sets torch's TF32 switches when the PPOConfig is built")),
-    "activation_checkpointing": _row(
+    "optim_args": both(refused("only transformers' Trainer reads it; pass optimizer=... instead")),
+    "optim_target_modules": both(refused("only transformers' Trainer reads it (GaLore / APOLLO)")),
+    "weight_decay": both(APPLIED),
+    "adam_beta1": both(APPLIED),
+    "adam_beta2": both(APPLIED),
+    "adam_epsilon": both(APPLIED),
+    "gradient_accumulation_steps": both(APPLIED),
+    "average_tokens_across_devices": both(refused("the PPO losses are averaged per mini-batch, as in TRL")),
+    "max_grad_norm": both(APPLIED),
+    "label_smoothing_factor": both(refused("the PPO loss has no labels to smooth")),
+    "bf16": row(applied("accelerate's mixed precision"), applied("autocast on CUDA; refused on the CPU")),
+    "fp16": row(applied("accelerate's mixed precision"), applied("autocast on CUDA; refused on the CPU")),
+    "bf16_full_eval": both(refused(_NO_EVAL)),
+    "fp16_full_eval": both(refused(_NO_EVAL)),
+    "tf32": both(applied("transformers sets torch's TF32 switches when the PPOConfig is built")),
+    "activation_checkpointing": row(
         applied("transformers copies it to gradient_checkpointing"),
         refused("the sweep's forwards do not recompute activations"),
     ),
-    "activation_checkpointing_kwargs": _row(
+    "activation_checkpointing_kwargs": row(
         applied("transformers copies it to gradient_checkpointing_kwargs"),
         refused("the sweep's forwards do not recompute activations"),
     ),
-    "gradient_checkpointing": _row(A, refused("the sweep's forwards do not recompute activations")),
-    "gradient_checkpointing_kwargs": _row(A, refused("the sweep's forwards do not recompute activations")),
-    "torch_compile": _row(A, refused("the sweep's forwards are not compiled")),
-    "torch_compile_backend": _row(A, refused("the sweep's forwards are not compiled")),
-    "torch_compile_mode": _row(A, refused("the sweep's forwards are not compiled")),
-    "use_liger_kernel": _row(A, refused("the sweep's forwards run the model's own kernels")),
-    "liger_kernel_config": _row(A, refused("the sweep's forwards run the model's own kernels")),
-    "use_cache": _both(refused("the rollout engine keeps its own KV cache; training forwards use none")),
-    "neftune_noise_alpha": _both(refused("no noise is added to the embeddings of a PPO run")),
-    "torch_empty_cache_steps": _both(
+    "gradient_checkpointing": row(APPLIED, refused("the sweep's forwards do not recompute activations")),
+    "gradient_checkpointing_kwargs": row(APPLIED, refused("the sweep's forwards do not recompute activations")),
+    "torch_compile": row(APPLIED, refused("the sweep's forwards are not compiled")),
+    "torch_compile_backend": row(APPLIED, refused("the sweep's forwards are not compiled")),
+    "torch_compile_mode": row(APPLIED, refused("the sweep's forwards are not compiled")),
+    "use_liger_kernel": row(APPLIED, refused("the sweep's forwards run the model's own kernels")),
+    "liger_kernel_config": row(APPLIED, refused("the sweep's forwards run the model's own kernels")),
+    "use_cache": both(refused("the rollout engine keeps its own KV cache; training forwards use none")),
+    "neftune_noise_alpha": both(refused("no noise is added to the embeddings of a PPO run")),
+    "torch_empty_cache_steps": both(
         refused("a rapidfire config's memory section decides when the allocator cache is released")
     ),
-    "auto_find_batch_size": _both(refused("max_oom_splits halves a micro-batch that runs out of memory")),
-    "logging_strategy": _row(
+    "auto_find_batch_size": both(refused("max_oom_splits halves a micro-batch that runs out of memory")),
+    "logging_strategy": row(
         applied("transformers' flow callback"), refused("a sweep logs every logging_steps", ("steps",))
     ),
-    "logging_steps": _both(A),
-    "logging_first_step": _row(applied("transformers' flow callback"), refused("a sweep logs every logging_steps")),
-    "log_on_each_node": _both(refused("metrics are logged from the main process")),
-    "logging_nan_inf_filter": _both(refused("PPO metrics are logged as they are")),
-    "include_num_input_tokens_seen": _both(refused("not counted by PPO", accepts=("no", False))),  # False: "no"
-    "log_level": _both(refused("logging.level of a rapidfire config sets rapidfire's logger")),
-    "log_level_replica": _both(refused("logging.level of a rapidfire config sets rapidfire's logger")),
-    "disable_tqdm": _row(A, na("PPOSweep(progress=...) decides whether the sweep's live table is drawn")),
-    "report_to": _both(A),
-    "run_name": _row(A, refused("each trial's tracker run is named after the trial")),
-    "project": _row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
-    "trackio_space_id": _row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
-    "trackio_bucket_id": _row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
-    "trackio_static_space_id": _row(
+    "logging_first_step": row(applied("transformers' flow callback"), refused("a sweep logs every logging_steps")),
+    "log_on_each_node": both(refused("metrics are logged from the main process")),
+    "logging_nan_inf_filter": both(refused("PPO metrics are logged as they are")),
+    "include_num_input_tokens_seen": both(refused("not counted by PPO", accepts=("no", False))),  # False: "no"
+    "log_level": both(refused("logging.level of a rapidfire config sets rapidfire's logger")),
+    "log_level_replica": both(refused("logging.level of a rapidfire config sets rapidfire's logger")),
+    "disable_tqdm": row(APPLIED, na("PPOSweep(progress=...) decides whether the sweep's live table is drawn")),
+    "report_to": both(APPLIED),
+    "run_name": row(APPLIED, refused("each trial's tracker run is named after the trial")),
+    "project": row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
+    "trackio_space_id": row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
+    "trackio_bucket_id": row(applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")),
+    "trackio_static_space_id": row(
         applied("transformers' trackio callback"), refused("a sweep logs to TensorBoard or W&B")
     ),
-    "eval_strategy": _both(refused(_NO_EVAL)),
-    "eval_steps": _both(refused(_NO_EVAL)),
-    "eval_delay": _both(refused(_NO_EVAL)),
-    "per_device_eval_batch_size": _row(
+    "eval_strategy": both(refused(_NO_EVAL)),
+    "eval_steps": both(refused(_NO_EVAL)),
+    "eval_delay": both(refused(_NO_EVAL)),
+    "per_device_eval_batch_size": row(
         applied("prompts per sample-table generation"), refused("a sweep writes no sample tables")
     ),
-    "prediction_loss_only": _both(refused(_NO_EVAL)),
-    "eval_on_start": _both(refused(_NO_EVAL)),
-    "eval_do_concat_batches": _both(refused(_NO_EVAL)),
-    "eval_use_gather_object": _both(refused(_NO_EVAL)),
-    "eval_accumulation_steps": _both(refused(_NO_EVAL)),
-    "include_for_metrics": _both(refused(_NO_EVAL)),
-    "batch_eval_metrics": _both(refused(_NO_EVAL)),
-    "save_only_model": _both(refused("a checkpoint holds what a resume needs, optimizer included")),
-    "save_strategy": _row(
-        refused("PPOTrainer saves every save_steps updates ('steps') or not at all ('no')", ("no", "steps")),
-        refused("a sweep saves every save_steps updates ('steps') and at the end", ("no", "steps")),
-    ),
-    "save_steps": _both(A),
-    "save_on_each_node": _both(refused("checkpoints are written by the main process")),
-    "save_total_limit": _both(A),
-    "enable_jit_checkpoint": _both(refused("checkpoints are written every save_steps updates")),
-    "push_to_hub": _row(
+    "prediction_loss_only": both(refused(_NO_EVAL)),
+    "eval_on_start": both(refused(_NO_EVAL)),
+    "eval_do_concat_batches": both(refused(_NO_EVAL)),
+    "eval_use_gather_object": both(refused(_NO_EVAL)),
+    "eval_accumulation_steps": both(refused(_NO_EVAL)),
+    "include_for_metrics": both(refused(_NO_EVAL)),
+    "batch_eval_metrics": both(refused(_NO_EVAL)),
+    "save_only_model": both(refused("a checkpoint holds what a resume needs, optimizer included")),
+    "save_steps": both(APPLIED),
+    "save_on_each_node": both(refused("checkpoints are written by the main process")),
+    "save_total_limit": both(APPLIED),
+    "enable_jit_checkpoint": both(refused("checkpoints are written every save_steps updates")),
+    "push_to_hub": row(
         refused("nothing is pushed during training: call trainer.push_to_hub() after train()"),
         refused("a sweep writes its trials to output_dir only"),
     ),
-    "hub_token": _row(applied("trainer.push_to_hub()"), refused("a sweep writes its trials to output_dir only")),
-    "hub_private_repo": _row(
+    "hub_token": row(applied("trainer.push_to_hub()"), refused("a sweep writes its trials to output_dir only")),
+    "hub_private_repo": row(
         applied("trainer.push_to_hub()"), refused("a sweep writes its trials to output_dir only")
     ),
-    "hub_model_id": _row(applied("trainer.push_to_hub()"), refused("a sweep writes its trials to output_dir only")),
-    "hub_strategy": _both(refused("trainer.push_to_hub() uploads output_dir once, when called")),
-    "hub_always_push": _both(refused("trainer.push_to_hub() uploads output_dir once, when called")),
-    "hub_revision": _both(refused("trainer.push_to_hub() uploads to the main branch")),
-    "load_best_model_at_end": _both(refused(_NO_EVAL)),
-    "metric_for_best_model": _both(refused(_NO_EVAL)),
-    "greater_is_better": _both(refused(_NO_EVAL)),
-    "ignore_data_skip": _both(refused("a resume continues the prompt order where it stopped")),
-    "restore_callback_states_from_checkpoint": _both(refused("callback states are not saved")),
-    "full_determinism": _both(refused("runs are seeded from seed (rapidfire_hf.ppo.seeds); not applied")),
-    "seed": _both(A),
-    "data_seed": _both(refused("the prompt order is drawn from seed")),
-    "use_cpu": _both(A),
-    "accelerator_config": _both(refused(_NO_DIST_ARGS)),
-    "parallelism_config": _both(refused(_NO_DIST_ARGS)),
-    "dataloader_drop_last": _both(refused(_NO_LOADER)),
-    "dataloader_num_workers": _both(refused(_NO_LOADER)),
-    "dataloader_pin_memory": _both(refused(_NO_LOADER)),
-    "dataloader_persistent_workers": _both(refused(_NO_LOADER)),
-    "dataloader_prefetch_factor": _both(refused(_NO_LOADER)),
-    "dataloader_multiprocessing_context": _both(refused(_NO_LOADER)),
-    "dataloader_in_order": _both(refused(_NO_LOADER)),
-    "remove_unused_columns": _both(refused("dataset columns are kept for the reward functions")),
-    "label_names": _both(refused("the PPO loss has no labels")),
-    "train_sampling_strategy": _both(refused("the prompt order is a seeded permutation per pass")),
-    "length_column_name": _both(refused("the prompt order is a seeded permutation per pass")),
-    "ddp_find_unused_parameters": _both(refused(_NO_DIST_ARGS)),
-    "ddp_bucket_cap_mb": _both(refused(_NO_DIST_ARGS)),
-    "ddp_broadcast_buffers": _both(refused(_NO_DIST_ARGS)),
-    "ddp_static_graph": _both(refused(_NO_DIST_ARGS)),
-    "ddp_backend": _both(refused(_NO_DIST_ARGS)),
-    "ddp_timeout": _both(refused(_NO_DIST_ARGS)),
-    "fsdp": _both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
-    "fsdp_config": _both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
-    "deepspeed": _both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
-    "debug": _both(refused("transformers' debug options are not run")),
-    "skip_memory_metrics": _both(refused("memory is reported by the memory callback (rapidfire/memory/*)")),
-    "do_train": _both(na("a flag for your script; transformers' trainers do not read it either")),
-    "do_eval": _both(na("a flag for your script; transformers' trainers do not read it either")),
-    "do_predict": _both(na("a flag for your script; transformers' trainers do not read it either")),
-    "resume_from_checkpoint": _both(na("a flag for your script: pass train(resume_from_checkpoint=...)")),
-    "local_rank": _both(na("set by the launcher")),
-    # ------------------------------------------------------------ PPO (TRL 1.12)
-    "num_mini_batches": _both(A),
-    "total_episodes": _both(A),
-    "local_rollout_forward_batch_size": _both(A),
-    "response_length": _both(A),
-    "stop_token": _both(A),
-    "stop_token_id": _both(A),
-    "temperature": _both(A),
-    "top_k": _both(A),
-    "top_p": _both(A),
-    "missing_eos_penalty": _both(A),
-    "num_ppo_epochs": _both(A),
-    "whiten_rewards": _both(A),
-    "kl_coef": _both(A),
-    "kl_estimator": _both(A),
-    "cliprange": _both(A),
-    "vf_coef": _both(A),
-    "cliprange_value": _both(A),
-    "gamma": _both(A),
-    "lam": _both(A),
-    "reward_weights": _both(A),
-    "max_prompt_length": _both(A),
-    "dataset_text_field": _both(A),
-    "num_sample_generations": _row(A, refused("a sweep writes no sample tables", (0, 10))),
-    "dataset_num_proc": _row(A, refused("a sweep tokenizes its prompts in this process")),
-    "sft_model_path": _both(na("read by scripts such as examples/ppo.py; the entry points take the model")),
-    "reward_model_path": _both(na("read by scripts such as examples/ppo.py; the entry points take the model")),
-    "model_adapter_name": _row(
-        A, refused("each trial trains its own adapter on the shared base, whose reference is the base")
-    ),
-    "ref_adapter_name": _row(
-        A, refused("each trial trains its own adapter on the shared base, whose reference is the base")
-    ),
-    "ds3_gather_for_generation": _row(A, refused(_SWEEP_ONE)),
-    "exp_name": _row(applied("names run_name"), na("names run_name only, which a sweep replaces by trial names")),
-    # ------------------------------------------------------------ rapidfire_hf
-    "memory_management": _row(A, na("a sweep attaches no memory callback either way")),
-    "max_oom_splits": _both(A),
-    "approx_kl_limit": _row(
-        applied("a RapidFireOptimizer rule; refused by name with another optimizer"),
-        refused("sweep trials train with torch AdamW, which cannot roll a step back"),
-    ),
-    "max_consecutive_skips": _both(A),
-    "value_mode": _row(
-        A,
-        refused(
-            "every sweep trial trains a fused value head on the shared base (a separate value model per trial "
-            "is not implemented): set value_mode='fused' or leave it out",
-            ("fused",),
-        ),
-    ),
-    "ref_model_quantization": _row(
-        applied(
-            "refused by name with LoRA (the reference is the adapter-disabled policy); 'auto' quantizes only "
-            "under aggressive where the plan pays, said in the plan table and the start table"
-        ),
-        refused("the sweep's reference is the shared base with adapters off; quantize the base when loading it"),
-    ),
-    "reward_model_quantization": _row(
-        applied("'auto' as ref_model_quantization's"),
-        refused("a sweep scores with the reward model as given ('auto' too: the sweep has no frozen-model plan)"),
-    ),
-    "rollout_backend": _both(applied("'static' is refused by name for a model the static engine cannot run")),
-    "rollout_decode_mode": _both(A),
-    "rollout_decode_attention": _row(A, applied("'auto' runs SDPA in a sweep (said in the sweep's start line)")),
-    "rollout_decode_sampler": _both(A),
-    "rollout_decode_fuse_projections": _row(A, applied("'auto' is off in a sweep; True fuses")),
-    "rollout_decode_linear": _both(A),
-    "rollout_decode_fuse_lora": _row(
-        A, refused("the trials' adapters sit on the projections the sweep's decode would fuse; not implemented")
-    ),
-    "rollout_cache": _row(A, refused("a sweep keeps its engine's cache between updates", ("auto",))),
-    "rollout_kv_cache_dtype": _both(
-        applied("'fp8' / 'int8' by the static engine's native decode path, in the plan's KV-cache bytes and "
-                "its table; refused by name where the rollout runs model.generate or the generic path")
-    ),  # fmt: skip
-    "host_offload": _row(
-        applied("'auto' acts through the plan (a rapidfire config); 'on' also without one"),
-        refused("a sweep keeps its base, reward model and optimizer state on the device", ("auto", "off")),
-    ),
-    "rollout_generation_batch_size": _row(
-        A, refused("the sweep decodes every trial's prompts in one call of the rollout engine", ("auto", None))
-    ),
-    "rapidfire_config": _row(
-        A, applied("memory.optimization, memory.planner and logging.level; other fields refused by name"),
-        applied("its config replaces the PPOTrainer's rapidfire_config"),
-    ),
+    "hub_model_id": row(applied("trainer.push_to_hub()"), refused("a sweep writes its trials to output_dir only")),
+    "hub_strategy": both(refused("trainer.push_to_hub() uploads output_dir once, when called")),
+    "hub_always_push": both(refused("trainer.push_to_hub() uploads output_dir once, when called")),
+    "hub_revision": both(refused("trainer.push_to_hub() uploads to the main branch")),
+    "load_best_model_at_end": both(refused(_NO_EVAL)),
+    "metric_for_best_model": both(refused(_NO_EVAL)),
+    "greater_is_better": both(refused(_NO_EVAL)),
+    "ignore_data_skip": both(refused("a resume continues the prompt order where it stopped")),
+    "restore_callback_states_from_checkpoint": both(refused("callback states are not saved")),
+    "full_determinism": both(refused("runs are seeded from seed (rapidfire_hf.ppo.seeds); not applied")),
+    "seed": both(APPLIED),
+    "data_seed": both(refused("the prompt order is drawn from seed")),
+    "use_cpu": both(APPLIED),
+    "accelerator_config": both(refused(_NO_DIST_ARGS)),
+    "parallelism_config": both(refused(_NO_DIST_ARGS)),
+    "dataloader_drop_last": both(refused(_NO_LOADER)),
+    "dataloader_num_workers": both(refused(_NO_LOADER)),
+    "dataloader_pin_memory": both(refused(_NO_LOADER)),
+    "dataloader_persistent_workers": both(refused(_NO_LOADER)),
+    "dataloader_prefetch_factor": both(refused(_NO_LOADER)),
+    "dataloader_multiprocessing_context": both(refused(_NO_LOADER)),
+    "dataloader_in_order": both(refused(_NO_LOADER)),
+    "remove_unused_columns": both(refused("dataset columns are kept for the reward functions")),
+    "label_names": both(refused("the PPO loss has no labels")),
+    "train_sampling_strategy": both(refused("the prompt order is a seeded permutation per pass")),
+    "length_column_name": both(refused("the prompt order is a seeded permutation per pass")),
+    "ddp_find_unused_parameters": both(refused(_NO_DIST_ARGS)),
+    "ddp_bucket_cap_mb": both(refused(_NO_DIST_ARGS)),
+    "ddp_broadcast_buffers": both(refused(_NO_DIST_ARGS)),
+    "ddp_static_graph": both(refused(_NO_DIST_ARGS)),
+    "ddp_backend": both(refused(_NO_DIST_ARGS)),
+    "ddp_timeout": both(refused(_NO_DIST_ARGS)),
+    "fsdp": both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
+    "fsdp_config": both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
+    "deepspeed": both(refused(_NO_DIST_ARGS + " (accelerate launch --config_file)")),
+    "debug": both(refused("transformers' debug options are not run")),
+    "skip_memory_metrics": both(refused("memory is reported by the memory callback (rapidfire/memory/*)")),
+    "do_train": both(na("a flag for your script; transformers' trainers do not read it either")),
+    "do_eval": both(na("a flag for your script; transformers' trainers do not read it either")),
+    "do_predict": both(na("a flag for your script; transformers' trainers do not read it either")),
+    "resume_from_checkpoint": both(na("a flag for your script: pass train(resume_from_checkpoint=...)")),
+    "local_rank": both(na("set by the launcher")),
 }
 
 _SWEEP_RF = "a sweep applies memory.optimization, memory.planner and logging.level of a rapidfire config only"
 _NO_REPLAY = "enable_rapidfire's trainers cannot replay a rolled-back window"
 
 CONFIG_ROWS: dict[str, dict[str, Use]] = {
-    "gradient.pipeline": _row(A, refused(_SWEEP_RF), A),
-    "gradient.pipeline_depth": _row(A, refused(_SWEEP_RF), A),
-    "gradient.overlap_factor": _row(A, refused(_SWEEP_RF), A),
-    "gradient.sync_interval": _row(
+    "gradient.pipeline": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "gradient.pipeline_depth": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "gradient.overlap_factor": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "gradient.sync_interval": row(
         applied("capped at one update's optimizer steps (num_ppo_epochs x num_mini_batches), said at start"),
         refused(_SWEEP_RF),
         refused(_NO_REPLAY + ", so they verify every step (a config file's value is capped at 1, said at start)", (1,)),
     ),
-    "gradient.bucket_mb": _row(A, refused(_SWEEP_RF), A),
-    "gradient.clip_prediction": _row(
+    "gradient.bucket_mb": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "gradient.clip_prediction": row(
         applied("'scale' runs as 'exact' without max_grad_norm, said at start"),
         refused(_SWEEP_RF),
         refused(_NO_REPLAY + ": pass optimizer_kwargs={'clip_prediction': 'scale'} to ask for it", ("exact",)),
     ),
-    "gradient.clip_tolerance": _row(A, refused(_SWEEP_RF), A),
-    "memory.optimization": _both(A) | {ENABLE: A},
-    "memory.checkpointing": _row(A, refused(_SWEEP_RF), A),
-    "memory.planner": _row(
-        A, A, refused("the throughput planner plans PPOTrainer's and PPOSweep's batches only", (True,))
+    "gradient.clip_tolerance": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "memory.optimization": both(APPLIED) | {ENABLE: APPLIED},
+    "memory.checkpointing": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "memory.planner": row(
+        APPLIED, APPLIED, refused("the throughput planner plans PPOTrainer's and PPOSweep's batches only", (True,))
     ),
-    "memory.compaction_threshold": _row(A, refused(_SWEEP_RF), A),
-    "memory.release_after_rollout": _row(A, refused(_SWEEP_RF), A),
-    "memory.prefetch_window": _row(A, refused(_SWEEP_RF), A),
-    "memory.lowmem": _row(
+    "memory.compaction_threshold": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "memory.release_after_rollout": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "memory.prefetch_window": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "memory.lowmem": row(
         refused("the low-memory stack is for TRL's GRPOTrainer/RLOOTrainer through enable_rapidfire", ("off",)),
         refused(_SWEEP_RF, ("off",)),
-        A,
+        APPLIED,
     ),
-    "precision.mode": _row(A, refused(_SWEEP_RF), A),
-    "precision.initial": _row(
+    "precision.mode": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "precision.initial": row(
         applied("the trainer computes in PPOConfig's bf16/fp16: a dtype asked by name (`precision: bf16`, "
                 "RAPIDFIRE_PRECISION_INITIAL) it does not compute in is refused, a different full-form initial is "
                 "said in the start table"),
@@ -343,18 +258,18 @@ CONFIG_ROWS: dict[str, dict[str, Use]] = {
         applied("the trainer computes in its own bf16/fp16 (it owns autocast); a different initial is said in "
                 "the start table"),
     ),
-    "precision.fallback": _row(A, refused(_SWEEP_RF), A),
-    "logging.level": _both(A) | {ENABLE: A},
-    "logging.log_every": _row(A, refused(_SWEEP_RF), A),
-    "logging.report_to": _row(
-        refused("PPOTrainer logs to PPOConfig's report_to: set it there", ([],)), refused(_SWEEP_RF), A
+    "precision.fallback": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "logging.level": both(APPLIED) | {ENABLE: APPLIED},
+    "logging.log_every": row(APPLIED, refused(_SWEEP_RF), APPLIED),
+    "logging.report_to": row(
+        refused("PPOTrainer logs to PPOConfig's report_to: set it there", ([],)), refused(_SWEEP_RF), APPLIED
     ),
-    "logging.wandb_project": _row(
+    "logging.wandb_project": row(
         refused("PPOTrainer logs to PPOConfig's report_to (W&B reads WANDB_PROJECT)", (None,)),
         refused(_SWEEP_RF),
-        A,
+        APPLIED,
     ),
-    "logging.telemetry_dir": _row(applied("the memory callback's telemetry stream"), refused(_SWEEP_RF), A),
+    "logging.telemetry_dir": row(applied("the memory callback's telemetry stream"), refused(_SWEEP_RF), APPLIED),
 }
 
 _NO_CONFIG = "is read only together with a rapidfire config"
@@ -365,18 +280,18 @@ _SWEEP_NO_TELEMETRY = na("a sweep writes no telemetry and registers no process")
 
 # RAPIDFIRE_* variables other than RAPIDFIRE_<SECTION>_<FIELD> (those follow CONFIG_ROWS: see env_row)
 OTHER_ENV_ROWS: dict[str, dict[str, Use]] = {
-    "RAPIDFIRE_CACHE_DIR": _row(applied("the memory callback's process registry"), _SWEEP_NO_TELEMETRY, A),
-    "RAPIDFIRE_TELEMETRY_DIR": _row(applied("the memory callback's telemetry stream"), _SWEEP_NO_TELEMETRY, A),
-    "RAPIDFIRE_SYNC_DEBUG": _row(
-        applied("SyncDebugCallback"), na(_SWEEP_ONE + ": there are no ranks to compare"), applied("SyncDebugCallback")
+    "RAPIDFIRE_CACHE_DIR": row(applied("the memory callback's process registry"), _SWEEP_NO_TELEMETRY, APPLIED),
+    "RAPIDFIRE_TELEMETRY_DIR": row(applied("the memory callback's telemetry stream"), _SWEEP_NO_TELEMETRY, APPLIED),
+    "RAPIDFIRE_SYNC_DEBUG": row(
+        applied("SyncDebugCallback"), na(SWEEP_ONE_PROCESS + ": there are no ranks to compare"), applied("SyncDebugCallback")
     ),
-    "RAPIDFIRE_SYNC_INTERVAL": _row(
+    "RAPIDFIRE_SYNC_INTERVAL": row(
         applied("with RAPIDFIRE_SYNC_DEBUG, without a rapidfire config (gradient.sync_interval wins)"),
-        na(_SWEEP_ONE + ": there are no ranks to compare"),
+        na(SWEEP_ONE_PROCESS + ": there are no ranks to compare"),
         applied("with RAPIDFIRE_SYNC_DEBUG"),
     ),
-    "RAPIDFIRE_SYNC_THRESHOLD": _row(
-        applied("with RAPIDFIRE_SYNC_DEBUG"), na(_SWEEP_ONE + ": there are no ranks to compare"),
+    "RAPIDFIRE_SYNC_THRESHOLD": row(
+        applied("with RAPIDFIRE_SYNC_DEBUG"), na(SWEEP_ONE_PROCESS + ": there are no ranks to compare"),
         applied("with RAPIDFIRE_SYNC_DEBUG"),
     ),  # fmt: skip
 }
@@ -484,12 +399,25 @@ def _refused_value(use: Use, value: Any, defaults: tuple = (None,)) -> bool:
     return value not in accepts
 
 
+def field_rows(cls: type) -> dict[str, dict[str, Use]]:
+    """One row per dataclass field of ``cls`` (PPOConfig), in field order: the row its metadata holds under
+    ``CONTRACT_KEY``, else ``TRAINING_ARGS_ROWS``'s. A field with neither has no row (the walk of
+    tests/config/test_contract.py fails on it)."""
+    rows = {}
+    for f in fields(cls):
+        declared = f.metadata.get(CONTRACT_KEY)
+        found = declared if declared is not None else TRAINING_ARGS_ROWS.get(f.name)
+        if found is not None:
+            rows[f.name] = dict(found)
+    return rows
+
+
 def ppo_refusals(args: Any, entry: str) -> list[ConfigError]:
     """The PPOConfig fields ``entry`` refuses in ``args``, each as an error naming the field."""
     errors = []
     explicit = getattr(args, "explicit_fields", frozenset())
-    for name, row in PPO_ROWS.items():
-        use = row[entry]
+    for name, field_row in field_rows(type(args)).items():
+        use = field_row[entry]
         if use.verdict != "refused" or name not in explicit:  # asked for: given by name, or set since
             continue
         value = args.asked_value(name)

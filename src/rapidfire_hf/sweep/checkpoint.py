@@ -53,10 +53,8 @@ from rapidfire_hf.checkpoint.errors import (
 from rapidfire_hf.checkpoint.identity import (
     adapter_identity,
     compare_identity,
-    compare_settings,
     model_fingerprint,
     tokenizer_identity,
-    update_settings,
     value_head_identity,
 )
 from rapidfire_hf.checkpoint.manifest import Manifest, is_complete, verify
@@ -70,6 +68,7 @@ from rapidfire_hf.checkpoint.readers import (
 )
 from rapidfire_hf.checkpoint.writer import checkpoints, write_checkpoint
 from rapidfire_hf.models.value_head import ValueHead
+from rapidfire_hf.ppo.field_facts import compare_settings, update_settings
 from rapidfire_hf.ppo.types import PPOTrainerState
 from rapidfire_hf.sweep.fields import LENGTH_FIELDS, STATES, check_trial_name
 from rapidfire_hf.sweep.files import SweepFileError, read_json, write_json

@@ -6,42 +6,19 @@ these tables and answers in a fraction of a second.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 
 # PPOConfig fields a trial may override, with the kind of value each takes. Everything else is shared:
 # the decode (response_length, temperature, top_k/top_p, stop token), the prompt width and the precision
-# are one batched pass for all. tests/sweep/test_validation.py checks this table against PPOConfig.
-FIELD_KINDS = {
-    "learning_rate": "float",
-    "weight_decay": "float",
-    "adam_beta1": "float",
-    "adam_beta2": "float",
-    "adam_epsilon": "float",
-    "max_grad_norm": "float",
-    "lr_scheduler_type": "str",
-    "lr_scheduler_kwargs": "dict?",
-    "warmup_steps": "float",
-    "seed": "int",
-    "max_steps": "int",
-    "total_episodes": "int?",
-    "num_train_epochs": "float",
-    "num_ppo_epochs": "int",
-    "num_mini_batches": "int",
-    "per_device_train_batch_size": "int",
-    "gradient_accumulation_steps": "int",
-    "kl_coef": "float",
-    "kl_estimator": "str",
-    "cliprange": "float",
-    "cliprange_value": "float",
-    "vf_coef": "float",
-    "gamma": "float",
-    "lam": "float",
-    "whiten_rewards": "bool",
-    "reward_weights": "floats?",
-    "missing_eos_penalty": "float?",
-    "logging_steps": "float",
-}
+# are one batched pass for all. The table is PPOConfig's: each field says ``sweep=True`` where it is declared
+# (rapidfire_hf.ppo.field_facts.FIELD_KINDS, the kind read from its annotation). ``ctl`` needs it without torch
+# or transformers, so it is kept as trial_fields.json beside this file, written by
+# ``python -m rapidfire_hf.sweep.fields`` and checked equal to PPOConfig's by tests/ppo/test_field_facts.py.
+TRIAL_FIELDS_FILE = Path(__file__).with_name("trial_fields.json")
+FIELD_KINDS: dict[str, str] = json.loads(TRIAL_FIELDS_FILE.read_text(encoding="utf-8"))
 PER_TRIAL_FIELDS = frozenset(FIELD_KINDS)
 # the fields that only set how long a trial runs: a resumed trial may change them (to extend a sweep)
 LENGTH_FIELDS = frozenset({"max_steps", "total_episodes", "num_train_epochs"})
@@ -103,3 +80,15 @@ def value_problem(key: str, value) -> str | None:
         "floats": "a list of numbers such as [1.0, 0.5]",
     }[kind]
     return f"{key} takes {wanted}{' or null' if FIELD_KINDS[key].endswith('?') else ''}, got {value!r}"
+
+
+def write_trial_fields(path: Path = TRIAL_FIELDS_FILE) -> dict[str, str]:
+    """Write PPOConfig's per-trial fields (``rapidfire_hf.ppo.field_facts.FIELD_KINDS``) to ``path``."""
+    from rapidfire_hf.ppo.field_facts import FIELD_KINDS as declared
+
+    path.write_text(json.dumps(declared, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    return declared
+
+
+if __name__ == "__main__":
+    print(f"{len(write_trial_fields())} per-trial fields written to {TRIAL_FIELDS_FILE}")

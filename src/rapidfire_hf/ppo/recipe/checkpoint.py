@@ -41,15 +41,14 @@ from rapidfire_hf.checkpoint.errors import (
 from rapidfire_hf.checkpoint.identity import (
     adapter_identity,
     compare_identity,
-    compare_settings,
     model_fingerprint,
     tokenizer_identity,
-    update_settings,
     value_head_identity,
 )
 from rapidfire_hf.checkpoint.manifest import Manifest, verify
 from rapidfire_hf.checkpoint.readers import read_pt, read_safetensors, require_finite
 from rapidfire_hf.checkpoint.writer import fsync, latest_checkpoint, write_checkpoint
+from rapidfire_hf.ppo.field_facts import compare_settings, update_settings
 from rapidfire_hf.ppo.types import PPOTrainerState, TrainedParts
 
 logger = logging.getLogger("rapidfire_hf.ppo.checkpoint")  # the name it had before the recipe folder
@@ -310,7 +309,7 @@ def check_run(parts: TrainedParts, manifest: Manifest, scheduler_state=None) -> 
       states (sampling, dropout) are restored from the checkpoint. So it is refused, not warned about;
     - the number of prompts in ``train_dataset``: the permutation is over all rows and the batches per
       epoch depend on it;
-    - each setting of :data:`rapidfire_hf.checkpoint.identity.UPDATE_SETTINGS` (``response_length``,
+    - each setting of :data:`rapidfire_hf.ppo.field_facts.UPDATE_SETTINGS` (``response_length``,
       ``temperature``, ``kl_coef``, ``cliprange``, ...): each changes what an update computes;
     - the run's identity (:func:`rapidfire_hf.checkpoint.identity.compare_identity`): another base,
       reference or reward model (even of the same shape), another tokenizer (even of the same size),

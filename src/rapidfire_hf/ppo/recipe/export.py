@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rapidfire_hf.models.value_head import V_HEAD_PREFIX
+from rapidfire_hf.ppo.field_facts import CARD_FIELDS
 from rapidfire_hf.ppo.types import TrainedParts
 
 CARD = """---
@@ -36,12 +37,6 @@ Trained with PPO by rapidfire_hf's `PPOTrainer` ({value} value function) for {up
 
 Load the policy with `AutoModelForCausalLM.from_pretrained("{name}")`{head_hint}.
 """
-
-_CARD_FIELDS = (
-    "learning_rate", "kl_coef", "kl_estimator", "cliprange", "cliprange_value", "vf_coef", "gamma", "lam",
-    "num_ppo_epochs", "num_mini_batches", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "response_length", "temperature", "value_mode", "seed",
-)  # fmt: skip
 
 
 def save_for_hub(parts: TrainedParts, output_dir: str | os.PathLike, dataset_name: str | None = None) -> None:
@@ -76,7 +71,7 @@ def save_for_hub(parts: TrainedParts, output_dir: str | os.PathLike, dataset_nam
 def _model_card(parts: TrainedParts, out: Path, dataset_name: str | None) -> str:
     args, module = parts.args, parts.module
     base = getattr(getattr(module.policy, "config", None), "_name_or_path", "") or "a local model"
-    rows = "\n".join(f"| `{k}` | {getattr(args, k, None)} |" for k in _CARD_FIELDS)
+    rows = "\n".join(f"| `{k}` | {getattr(args, k, None)} |" for k in CARD_FIELDS)
     hint = (
         "; the policy and its value head together with `rapidfire_hf.AutoModelForCausalLMWithValueHead`"
         if module.fused
