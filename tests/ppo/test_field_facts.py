@@ -92,3 +92,13 @@ def test_the_sweep_ctl_table_is_ppo_configs():
         f"{TRIAL_FIELDS_FILE.name} again"
     )
     assert FIELD_KINDS == field_facts.FIELD_KINDS and PER_TRIAL_FIELDS == set(field_facts.FIELD_KINDS)
+
+
+@pytest.mark.parametrize("name, saved, now", [("kl_coef", 0.05, 0.1), ("cliprange", 0.2, 0.3)])
+def test_a_resume_with_another_loss_knob_is_refused_naming_it(tmp_path, name, saved, now):
+    def settings(value):
+        return field_facts.update_settings(PPOConfig(output_dir=str(tmp_path), report_to=[], **{name: value}))
+
+    refused, kept = field_facts.compare_settings(settings(saved), settings(now))
+    assert kept == [] and len(refused) == 1
+    assert refused[0].startswith(f"{name}: saved {saved}, this run {now}; it sets the ")
