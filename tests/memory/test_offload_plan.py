@@ -78,3 +78,11 @@ def test_a_quantized_or_lora_run_moves_only_what_is_a_separate_frozen_model():
     assert FULL.with_frozen("8bit").frozen_weight_bytes() == 0
     lora = replace(FULL, peft=True)  # the reference is the adapter-disabled policy: only the reward model
     assert lora.frozen_weight_bytes() == pytest.approx(SHAPE.params("score") * 2)
+
+
+def test_the_plan_says_why_quantized_frozen_models_do_not_move():
+    """Quantized frozen models stay on the device: the plan's reason says so instead of claiming that no
+    frozen model's weights are on it."""
+    plan = card_plan(FULL.with_frozen("8bit"), int(79.19 * GIB), "aggressive", host_offload="auto")
+    assert not plan.offload_frozen
+    assert "quantized" in plan.reasons["offload_frozen"]

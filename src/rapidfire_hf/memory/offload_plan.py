@@ -99,7 +99,10 @@ def choose_offload(
     frozen = max(0, frozen_bytes)
     full = replace(budget, frozen_away=frozen, state_away=state > 0)
     plain_plan = make(budget)
-    none = {"frozen": "no frozen model's weights on the device", "state": "no optimizer state to move"}
+    none = {
+        "frozen": "no frozen weights that move (none on the device, or quantized ones, which stay there)",
+        "state": "no optimizer state to move",
+    }
     chosen, why = budget, None
     if want == "off":
         why = "your host_offload='off'"
