@@ -219,7 +219,10 @@ def _runs_section(vocab_size: int) -> list[str]:
         ("PPOTrainer, FSDP2", trainer_rollout("fsdp2"),
          "`tests/distributed/test_ppo_fsdp2.py` (gloo, 1 and 2 processes, accelerate's FSDP2 plugin): greedy tokens "
          "equal the unsharded `model.generate` and engine, one all-gather per unit per rollout, one PPO update"),
-        ("PPOTrainer, DeepSpeed ZeRO-3", trainer_rollout("deepspeed_zero3"), "not on the CPU (no DeepSpeed here)"),
+        ("PPOTrainer, DeepSpeed ZeRO-3", trainer_rollout("deepspeed_zero3"),
+         "`tests/distributed/test_ppo_zero3.py` (gloo, 1 and 2 processes, accelerate's DeepSpeed plugin, needs "
+         "DeepSpeed), `rollout_backend='static'`: greedy tokens equal the unsharded `model.generate` and engine, one "
+         "`GatheredParameters` and no per-module fetch per rollout, one PPO update"),
         ("PPOSweep, a family with a native decode", "one batched decode of every trial (native path)",
          "`tests/sweep/test_independence.py`"),
         ("PPOSweep, OPT (generic only)", f"one batched decode of every trial ({opt_path} path)",

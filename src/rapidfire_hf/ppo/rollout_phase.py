@@ -177,8 +177,7 @@ class _ChunkReplay:
 # why PPO's rollout runs model.generate under ZeRO-3 (the start table says it)
 ZERO3_ROLLOUT = (
     "DeepSpeed ZeRO-3: model.generate runs on the policy gathered once per rollout (GatheredParameters); "
-    "rollout_backend='static' runs the engine inside that gather (checked on the CPU at the engine level, not yet "
-    "in a PPO run)"
+    "rollout_backend='static' runs the engine inside that gather (checked on the CPU in a PPO run, not yet on GPUs)"
 )
 
 

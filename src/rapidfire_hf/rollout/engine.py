@@ -45,15 +45,16 @@ def _model_device(model) -> torch.device:
 DECODE_PATHS = ("native", "generic")
 
 
-def choose_decode_path(model) -> tuple[str | None, str | None]:
+def choose_decode_path(model, gathered: bool = False) -> tuple[str | None, str | None]:
     """``(path, why)``: the static engine's forward for ``model``. ``("native", None)`` where the hand-written
     Llama-family forward runs it (``llama_forward.unsupported_reason`` is None); else ``("generic", why not
     native)`` where the model's own forward can run over the engine's cache (``rollout/generic_forward.py``);
-    else ``(None, why neither)``: only ``model.generate`` runs it."""
-    native = unsupported_reason(model)
+    else ``(None, why neither)``: only ``model.generate`` runs it. ``gathered``: the path it runs inside a gather of
+    its ZeRO-3 partitions (PPOTrainer's rollout; the start table asks outside it)."""
+    native = unsupported_reason(model, gathered)
     if native is None:
         return "native", None
-    generic = generic_unsupported_reason(model)
+    generic = generic_unsupported_reason(model, gathered)
     if generic is None:
         return "generic", native
     return None, f"native: {native}; generic: {generic}"

@@ -34,8 +34,9 @@ ATTENTION_IMPLS = ("sdpa", "eager")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def generic_unsupported_reason(model) -> str | None:
-    """Why the generic path cannot run ``model`` (None when it can)."""
+def generic_unsupported_reason(model, gathered: bool = False) -> str | None:
+    """Why the generic path cannot run ``model`` (None when it can); ``gathered`` as in
+    ``llama_forward.unsupported_reason``."""
     lm = unwrap_peft(model)
     cfg = getattr(lm, "config", None)
     if cfg is None or not callable(getattr(lm, "forward", None)):
@@ -46,7 +47,7 @@ def generic_unsupported_reason(model) -> str | None:
         )
     if not (hasattr(lm, "can_generate") and lm.can_generate()):
         return f"{type(lm).__name__} cannot generate (not a causal LM head)"
-    if zero3_partitioned(lm):
+    if not gathered and zero3_partitioned(lm):
         return ZERO3_PARTITIONED
     impl = getattr(cfg, "_attn_implementation", None)
     if impl not in ATTENTION_IMPLS:

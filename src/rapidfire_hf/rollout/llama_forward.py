@@ -38,14 +38,15 @@ DECODE_LINEARS = ("torch", "triton")
 SUPPORTED = FAMILIES
 
 
-def unsupported_reason(model) -> str | None:
+def unsupported_reason(model, gathered: bool = False) -> str | None:
     """Why the static engine cannot run ``model`` (None when it can): the one place that decides whether the
-    native decode path runs (its family, layer types, rotary scaling) or ``rollout_backend="auto"`` falls back."""
+    native decode path runs (its family, layer types, rotary scaling) or ``rollout_backend="auto"`` falls back.
+    ``gathered``: judge it as it runs inside a gather of its ZeRO-3 partitions (PPOTrainer's rollout)."""
     lm = unwrap_peft(model)
     reason = family_reason(lm)
     if reason is not None:
         return reason
-    if zero3_partitioned(lm):
+    if not gathered and zero3_partitioned(lm):
         return ZERO3_PARTITIONED
     return None
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
 from rapidfire_hf.rollout.engine import choose_decode_path
+from rapidfire_hf.rollout.sharded import zero3_partitioned
 
 
 @dataclass
@@ -29,7 +30,8 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
                 memory_callback, kernel_patches, backend: str, device) -> StartFacts:  # fmt: skip
     """Collect the table's facts from the trainer's parts (no side effects)."""
     skipped = []
-    path, reason = choose_decode_path(policy)
+    zero3 = zero3_partitioned(policy)  # the rollout runs the engine inside a gather of the partitions
+    path, reason = choose_decode_path(policy, gathered=zero3)
     kernels = [
         f"{name}={value}"
         for name, value, default in (
@@ -64,6 +66,8 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
         forward = "native forward" if path == "native" else f"generic path: the model's own forward, {reason}"
         if _sharded(policy):  # FSDP2: rollout/sharded.py, distributed/generation.py
             forward += "; FSDP2: the policy gathered once per rollout, resharded after it"
+        elif zero3:  # distributed/generation.py
+            forward += "; DeepSpeed ZeRO-3: the policy gathered once per rollout, partitioned after it"
         rollout = f"rollout: static engine ({forward}), decode_mode={args.rollout_decode_mode}{extra}"
     value = "value: fused head on the policy" if fused_value else "value: separate value model"
     if rapidfire_optimizer is not None:
