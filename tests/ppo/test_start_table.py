@@ -67,7 +67,7 @@ def test_logging_level_warning_keeps_it_quiet(tmp_path, tokenizer, capsys):
         ("fsdp2", "auto", "auto"),  # the static engine on the policy gathered once per rollout (on CUDA)
         ("fsdp2", "hf", "hf"),
         ("deepspeed_zero3", "auto", "hf"),  # ZeRO-3: model.generate under the once-per-rollout gather
-        ("deepspeed_zero3", "static", "static"),  # asked by name: the engine refuses ZeRO-3 weights by name
+        ("deepspeed_zero3", "static", "static"),  # asked by name: the engine inside the gather
         ("ddp", "auto", "auto"),
     ],
 )
@@ -102,3 +102,35 @@ def test_the_start_table_names_why_zero3_generates_with_model_generate(tokenizer
     args.rollout_backend = "hf"
     facts = start_facts(args, None, policy, False, opt, None, None, None, patches, "hf", cuda)
     assert facts.rollout == "rollout: model.generate (rollout_backend='hf')"
+
+
+def test_the_start_table_names_the_engine_path_of_a_zero3_policy_and_its_gather(tokenizer):
+    """Under ZeRO-3 the table is printed outside the rollout's gather: it names the path the engine runs inside it
+    (native for a Llama), not the partition refusal the engine gives outside it (``choose_decode_path(gathered=)``).
+    The partitions are faked as DeepSpeed marks them (``ds_id``, ``ds_status``): DeepSpeed is not needed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rapidfire_hf.demo import build_tiny_llama
+    from rapidfire_hf.ppo.recipe.start_report import start_facts
+    from rapidfire_hf.rollout.engine import choose_decode_path
+    from rapidfire_hf.rollout.sharded import ZERO3_PARTITIONED
+
+    policy = build_tiny_llama(tokenizer)
+    for i, p in enumerate(policy.parameters()):
+        p.ds_id, p.ds_status = i, SimpleNamespace(name="NOT_AVAILABLE")
+    assert choose_decode_path(policy) == (None, f"native: {ZERO3_PARTITIONED}; generic: {ZERO3_PARTITIONED}")
+    assert choose_decode_path(policy, gathered=True) == ("native", None)
+    args = SimpleNamespace(rollout_decode_mode="auto", rollout_decode_attention="auto", rollout_decode_sampler="torch",
+                           rollout_decode_fuse_projections="auto", rollout_decode_linear="torch",
+                           rollout_decode_fuse_lora=False, rollout_backend="static",
+                           rollout_kv_cache_dtype="auto")  # fmt: skip
+    patches = SimpleNamespace(summary=lambda: {"compiled_layers": {}, "liger": False})
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    cuda = torch.device("cuda")
+    facts = start_facts(args, None, policy, False, opt, None, None, None, patches, "static", cuda)
+    assert facts.rollout == (
+        "rollout: static engine (native forward; DeepSpeed ZeRO-3: the policy gathered once per rollout, "
+        "partitioned after it), decode_mode=auto"
+    )
