@@ -2,8 +2,8 @@
 rollout runs the static engine on the policy gathered once per rollout (one ``GatheredParameters``, no per-module
 fetch while generating), partitioned again after it, and one PPO update runs.
 
-Needs DeepSpeed (skipped without it; ``pip install deepspeed`` builds no op at install and runs it here on the CPU,
-DeepSpeed 0.19.8)."""
+Needs DeepSpeed (skipped without it). ``pip install deepspeed`` (0.19.8) takes 9 s here and builds no op at install;
+the first run JIT-builds its CPU shared-memory comm op with the C++ compiler (~50 s, cached after)."""
 
 from __future__ import annotations
 
