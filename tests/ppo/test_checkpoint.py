@@ -253,7 +253,9 @@ def run_child(out: Path, kill_at: int, log: Path) -> int:
     code = (
         f"from tests.ppo.test_checkpoint import child_main; child_main({str(out)!r}, {kill_at}, {str(log)!r})"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    # the repository root (for `tests.`) before the caller's own path (which may be where rapidfire_hf is)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
