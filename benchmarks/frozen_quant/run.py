@@ -77,8 +77,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(VARIANTS)}")
     if args.shape not in LLAMA_SHAPES:
         p.error(f"--shape {args.shape!r}: known {', '.join(LLAMA_SHAPES)}")
+    for flag in ("updates", "batch", "micro", "prompt_length", "response_length", "epochs"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    for flag in ("lr", "budget_s"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            p.error(f"--{flag.replace('_', '-')} {value}: must be a positive number")
     if args.batch % args.micro:
         p.error(f"--batch {args.batch} is not divisible by --micro {args.micro}")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        p.error(f"--out {args.out}: cannot make the folder ({err.strerror or err})")
     return args
 
 

@@ -92,3 +92,21 @@ def test_the_readme_numbers_are_the_stored_cpu_run():
     assert command.split("run.py", 1)[1].strip() in text.replace(
         "\n    ", " "
     )  # the command is in the README
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--updates", "-1"], "--updates -1: must be at least 1"),
+        (["--micro", "0"], "--micro 0: must be at least 1"),
+        (["--lr", "0"], "--lr 0.0: must be a positive number"),
+        (["--budget-s", "nan"], "--budget-s nan: must be a positive number"),
+        (["--out", "/dev/null/x"], "--out /dev/null/x: cannot make the folder"),
+    ],
+)
+def test_a_bad_argument_is_refused_in_one_line(tmp_path, capsys, extra, says):
+    argv = ["--out", str(tmp_path / "out"), *extra]
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(argv)
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
