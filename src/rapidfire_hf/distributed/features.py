@@ -81,7 +81,8 @@ FEATURES: dict[str, dict[Engine, tuple[Status, str]]] = {
         # FSDP2 holds: the static engine runs on the policy gathered once per rollout (rollout/sharded.py)
         Engine.ZERO3: (
             Status.FALLS_BACK,
-            "model.generate on the policy gathered once per rollout; the static engine's gather is FSDP2's only",
+            "model.generate on the policy gathered once per rollout; rollout_backend='static' runs the engine "
+            "inside that gather (checked on the CPU, not yet on GPUs)",
         ),
     },
     "sync_debug": {
