@@ -64,6 +64,7 @@ def main(out: Path) -> None:
     fsdp2_environment(int(os.environ["WORLD_SIZE"]))
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
+    from rollout_check import greedy_rollout_check  # beside this script
     from torch.distributed.tensor import DTensor
 
     from rapidfire_hf.demo.task import (
@@ -74,7 +75,6 @@ def main(out: Path) -> None:
     )
     from rapidfire_hf.distributed import Engine
     from rapidfire_hf.ppo import PPOConfig, PPOTrainer
-    from rapidfire_hf.rollout import RolloutEngine, SamplingParams
     from rapidfire_hf.rollout.sharded import fsdp_units
 
     tok = build_char_tokenizer()
@@ -96,35 +96,20 @@ def main(out: Path) -> None:
     result = {"sharded_before": all(isinstance(p, DTensor) for p in sharded.parameters())}
 
     # the greedy rollout of the sharded trainer against the unsharded policy (model.generate and the engine)
-    batch = trainer.next_prompts(0)
-    seen = []
-    trainer.roller.engine = None  # built by the rollout, on gathered weights
-    with torch.no_grad():
-        first = trainer.roller.rollout(batch, None, sampling=False)  # builds the engine
-        trainer.roller.engine._static.step_callback = lambda t: seen.append(
-            all(not isinstance(p, DTensor) for p in sharded.parameters())
-        )
-        with counted_all_gathers() as gathers:  # two chunks of 2 prompts: still one gather per unit
-            rollout = trainer.roller.rollout(batch, 2, sampling=False)
-    queries = batch["input_ids"]
-    params = SamplingParams(max_new_tokens=config.response_length, do_sample=False)
-    ref = {}
-    for backend in ("hf", "static"):
-        engine = RolloutEngine(single, tok.pad_token_id, [tok.eos_token_id], backend=backend)
-        ref[backend] = engine.generate(queries, queries != tok.pad_token_id, params).responses
-    engine = trainer.roller.engine
+    facts, gathers = greedy_rollout_check(
+        trainer,
+        single,
+        tok,
+        config.response_length,
+        lambda: all(not isinstance(p, DTensor) for p in sharded.parameters()),
+        counted_all_gathers,
+    )
+    whole_every_step = facts.pop("whole_steps")
+    result.update(facts)
     result.update(
-        backend=engine.backend,
-        path=engine.path,
-        rows=int(queries.shape[0]),
-        equal_generate=bool(torch.equal(rollout.responses, ref["hf"])),
-        equal_engine=bool(torch.equal(rollout.responses, ref["static"])),
-        equal_first=bool(torch.equal(first.responses, rollout.responses)),
-        tokens=int((rollout.responses != tok.pad_token_id).sum()),
-        steps=len(seen),
         all_gathers=len(gathers),
         units=len(fsdp_units(trainer.accelerator.unwrap_model(trainer.model))),
-        gathered_every_step=bool(seen) and all(seen),
+        gathered_every_step=whole_every_step,
         sharded_after=all(isinstance(p, DTensor) for p in sharded.parameters()),
     )
 
