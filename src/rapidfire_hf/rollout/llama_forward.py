@@ -33,6 +33,8 @@ from rapidfire_hf.rollout.moe_decode import is_moe_block, moe_layout_reason, rou
 from rapidfire_hf.rollout.sharded import ZERO3_PARTITIONED, zero3_partitioned
 
 DECODE_LINEARS = ("torch", "triton")
+# a local layer's cache shorter than the rollout: a ring of ``window`` slots, or the full length masked
+SLIDING_CACHES = ("ring", "full")
 
 # model_type -> the family's switches (rollout/families.py); kept under this name for callers
 SUPPORTED = FAMILIES
@@ -274,6 +276,19 @@ def _band(valid: torch.Tensor, query_slot, window: int | None, length: int) -> t
     return valid & (keys > query_slot - window)
 
 
+def _ring_valid(key_valid: torch.Tensor, slot: torch.Tensor, size: int) -> torch.Tensor:
+    """``[B, size]``: which entries of a ring cache of ``size`` slots the query at cache slot ``slot`` sees.
+
+    Entry ``j`` holds the latest slot ``<= slot`` congruent to ``j`` modulo ``size``,
+    ``slot - (slot - j) mod size``: exactly the window ``(slot - size, slot]`` of HF's sliding-window mask. It
+    is seen where that slot exists (``>= 0``: a ring not yet filled) and is valid in ``key_valid`` (``[B, L]``
+    over all slots of the rollout: left padding, the prompt, the response so far). ``slot`` is a ``[1]``
+    tensor, so a recorded or compiled step computes this at run time, one shape for every step."""
+    entries = torch.arange(size, device=key_valid.device)
+    held = slot - torch.remainder(slot - entries, size)
+    return key_valid.index_select(1, held.clamp_min(0)) & (held >= 0)
+
+
 def attention_softcap(config, softcap: float | None) -> float | None:
     """The attention soft-cap the model's own forward applies: ``softcap`` (the config's
     ``attn_logit_softcapping``), or None where the model attends through transformers' sdpa, which has no cap
@@ -300,9 +315,15 @@ class StaticLlama:
     Llama are the switches of its :class:`~rapidfire_hf.rollout.families.Family` (module names, norm
     positions, q/k/v layout, q/k norms, parallel residual, MoE module calls, scaled embeddings, soft-capping,
     Granite's multipliers, no-RoPE layers), plus the config's sliding windows and per-layer-type rotary
-    tables. Sliding-window layers keep the full-length cache and mask keys outside their window (a window
-    spanning prompt + response is plain full attention): simpler than a ring, at the cost of
-    ``(P + R - window)`` extra cache slots per local layer while the rollout is longer than the window.
+    tables. A sliding-window layer whose window spans prompt + response is plain full attention over the
+    full-length cache; a shorter window keeps a ring of ``window`` slots (``sliding_cache="ring"``): decode
+    writes slot ``s`` at entry ``s mod window`` and attends over the ring with :func:`_ring_valid`'s mask,
+    prefill stores the prompt's last ``window`` slots the same way (its own attention is over the whole
+    prompt, banded by :func:`_band`). Keys are cached after their rotary embedding (every family here rotates
+    q and k by absolute positions, Gemma-3's local layers by their own base), so the order of the entries does
+    not change attention (up to the rounding of a sum taken in another order). Every decode attention takes a
+    ring: SDPA, matmul and the soft-capped attention mask it; the Triton kernel reads all of it (its
+    ``kv_end`` bound applies to full-length caches only); an 8-bit cache keeps its scales in the same ring.
 
     Args:
         model: an HF causal LM of a supported family, possibly wrapped by PEFT.
@@ -335,6 +356,10 @@ class StaticLlama:
             cache at head width 128. Writes quantize the new K/V; the Triton attention dequantizes inside the
             kernel, SDPA / matmul / soft-capped attention dequantize the slots the step reads first. The
             prompt's own prefill attention runs on the unquantized K/V; every decode step reads the 8-bit cache.
+        sliding_cache: ``"ring"`` (default: a local layer's cache holds ``min(window, P + R)`` slots, see
+            above) or ``"full"`` (every layer ``P + R`` slots, a local layer's window a mask over them: the
+            engine before the ring, kept to measure the two against each other, benchmarks/rollout/families.py
+            ``--sliding-cache``; set on a built net as the attribute of this name before its first cache).
     """
 
     def __init__(
@@ -345,7 +370,11 @@ class StaticLlama:
         linear: str = "torch",
         fuse_lora: bool = False,
         kv_cache_dtype: str | None = None,
+        sliding_cache: str = "ring",
     ):
+        if sliding_cache not in SLIDING_CACHES:
+            raise ValueError(f"sliding_cache must be one of {SLIDING_CACHES}, got {sliding_cache!r}")
+        self.sliding_cache = sliding_cache
         self.kv_format = kv_format(kv_cache_dtype)
         if linear not in DECODE_LINEARS:
             raise ValueError(f"linear must be one of {DECODE_LINEARS}, got {linear!r}")
@@ -532,37 +561,49 @@ class StaticLlama:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    def cache_lengths(self, length: int) -> list[int]:
+        """Per layer: the cache slots of a rollout of ``length`` (prompt + response) slots: ``length``, or the
+        window of a local layer whose window is shorter (its ring; all ``length`` with ``sliding_cache="full"``)."""
+        if self.sliding_cache == "full":
+            return [length] * len(self.layers)
+        return [w if w is not None and w < length else length for w in self.windows]
+
     def new_cache(self, batch: int, length: int, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zeroed ``(k, v)`` caches: one ``[B, KV, L, D]`` tensor per layer, in the model's dtype (sliding-window
-        layers too: their window is a mask, see the class docstring).
+        """Zeroed ``(k, v)`` caches for a rollout of ``length`` slots: one ``[B, KV, L_i, D]`` tensor per layer,
+        in the model's dtype, ``L_i`` from :meth:`cache_lengths` (a local layer's ring: its window).
 
         One tensor per layer rather than one stacked tensor: under ``torch.compile`` an in-place write into
         a view of a graph input can be functionalised into a scatter over the whole base tensor.
         """
-        shape = (batch, self.n_kv, length, self.head_dim)
         dtype = self.dtype if self.kv_format is None else self.kv_format.dtype
 
         def make():
-            return [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+            return [
+                torch.zeros((batch, self.n_kv, n, self.head_dim), dtype=dtype, device=device)
+                for n in self.cache_lengths(length)
+            ]
 
         return make(), make()
 
     def new_cache_scales(self, batch: int, length: int, device) -> tuple[list, list] | None:
-        """An 8-bit cache's ``(k_scales, v_scales)``: one ``[B, KV, L]`` fp32 tensor per layer each (ones,
-        so an unwritten slot dequantizes to the zero it holds); None for a cache in the model's dtype."""
+        """An 8-bit cache's ``(k_scales, v_scales)``: one ``[B, KV, L_i]`` fp32 tensor per layer each (ones,
+        so an unwritten slot dequantizes to the zero it holds; ``L_i`` as :meth:`new_cache`'s); None for a
+        cache in the model's dtype."""
         if self.kv_format is None:
             return None
-        shape = (batch, self.n_kv, length)
 
         def make():
-            return [torch.ones(shape, dtype=SCALE_DTYPE, device=device) for _ in self.layers]
+            return [
+                torch.ones((batch, self.n_kv, n), dtype=SCALE_DTYPE, device=device)
+                for n in self.cache_lengths(length)
+            ]
 
         return make(), make()
 
     def _write(self, cache, scales, i: int, x: torch.Tensor, slot=None) -> None:
         """Store ``x`` ``[B, KV, n, D]`` into layer ``i``'s cache at slots ``[0, n)`` (``slot`` None: the
-        prompt) or at the one slot ``slot`` (``[1]`` int64, ``x`` ``[B, KV, 1, D]``), quantized for an 8-bit
-        cache (its scales into ``scales[i]``)."""
+        prompt) or at the slots ``slot`` (``[n]`` int64), quantized for an 8-bit cache (its scales into
+        ``scales[i]``)."""
         s = None
         if self.kv_format is not None:
             x, s = quantize(x, self.kv_format)
@@ -577,6 +618,18 @@ class StaticLlama:
         # as bytes: torch has no index_copy_ kernel for float8 (a same-size dtype view copies the same bits)
         cache[i].view(torch.uint8).index_copy_(2, slot, x.view(torch.uint8))
         scales[i].index_copy_(2, slot, s)
+
+    def _write_prompt(self, cache, scales, i: int, x: torch.Tensor) -> None:
+        """Store the prompt's ``x`` ``[B, KV, P, D]`` into layer ``i``'s cache: at slots ``[0, P)``, or, in a
+        ring shorter than the prompt, its last ``window`` slots at entries ``slot mod window``."""
+        size, p = cache[i].shape[2], x.shape[2]
+        if p <= size:
+            self._write(cache, scales, i, x)
+            return
+        if self.windows[i] != size:
+            raise ValueError(f"layer {i}'s cache holds {size} slots, fewer than the prompt's {p}")
+        entries = torch.arange(p - size, p, device=x.device) % size
+        self._write(cache, scales, i, x[:, :, p - size :].contiguous(), entries)
 
     def rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[B, L]`` -> ``(cos, sin)`` each ``[T, B, L, Dr]`` from the model's rotary module(s):
@@ -697,7 +750,8 @@ class StaticLlama:
             input_ids: ``[B, P]`` left-padded prompts.
             attention_mask: ``[B, P]`` 1 for real tokens.
             cos: ``[T, B, P, Dr]`` rotary cosines of the prompt positions, per table (``sin`` likewise).
-            k_cache: per layer ``[B, KV, L, D]``, written in place (``v_cache`` likewise).
+            k_cache: per layer ``[B, KV, L_i, D]`` (:meth:`new_cache`), written in place (``v_cache``
+                likewise); a local layer's ring shorter than ``P`` keeps the prompt's last ``L_i`` slots.
             scales: an 8-bit cache's ``(k_scales, v_scales)`` (:meth:`new_cache_scales`), written in place.
 
         Returns:
@@ -720,8 +774,8 @@ class StaticLlama:
                 t = self._table_of[i]
                 q, k, v = self._qkv(i, h, (b, p), None if t is None else (cos[t], sin[t]))
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
-                self._write(k_cache, ks, i, k)
-                self._write(v_cache, vs, i, v)
+                self._write_prompt(k_cache, ks, i, k)
+                self._write_prompt(v_cache, vs, i, v)
                 # the prompt is attended once per rollout, so expanding K/V here costs little
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
                 q, mask = q.transpose(1, 2), masks[self.windows[i]][:, None]
@@ -743,9 +797,12 @@ class StaticLlama:
             tokens: ``[B]`` the tokens to feed.
             slot: ``[1]`` int64 cache slot of these tokens (a tensor, so the step can be graph-captured).
             cos: ``[T, B, Dr]`` rotary cosines at the tokens' positions, per table (``sin`` likewise).
-            key_valid: ``[B, L]`` bool, True for slots the tokens may attend to (including ``slot``).
-            k_cache: per layer ``[B, KV, L, D]``, written in place (``v_cache`` likewise).
-            kv_len: attend over slots ``[0, kv_len)`` only (must include ``slot``); None = all ``L``.
+            key_valid: ``[B, L]`` bool over all ``L`` slots of the rollout, True for slots the tokens may
+                attend to (including ``slot``).
+            k_cache: per layer ``[B, KV, L_i, D]`` (:meth:`new_cache`), written in place (``v_cache``
+                likewise): a ring (``L_i < L``) at entry ``slot mod L_i``.
+            kv_len: attend over slots ``[0, kv_len)`` only (must include ``slot``; a ring: its first
+                ``min(kv_len, L_i)`` entries, all it has written by then); None = all.
             scales: an 8-bit cache's ``(k_scales, v_scales)`` (:meth:`new_cache_scales`).
 
         Returns:
@@ -753,12 +810,25 @@ class StaticLlama:
         """
         ks, vs = self._scales(scales)
         b = tokens.shape[0]
-        length = k_cache[0].shape[2]
+        length = key_valid.shape[1]
         n = length if kv_len is None else kv_len
         valid = key_valid[:, :n]
-        masks = {w: _band(valid, slot, w, length) for w in set(self.windows)}
+        # per layer: the slots it reads, its mask's key, and (a ring) the entry this token goes to
+        reads, keys, where = [], [], []
+        for cache, window in zip(k_cache, self.windows):
+            size = cache.shape[2]
+            ring = size < length
+            reads.append(min(n, size) if ring else n)
+            keys.append(("ring", size) if ring else ("band", window))
+            where.append(torch.remainder(slot, size) if ring else slot)
+        masks = {}
+        for kind, arg in set(keys):
+            if kind == "ring":
+                masks[kind, arg] = _ring_valid(key_valid, slot, arg)[:, : min(n, arg)]
+            else:
+                masks[kind, arg] = _band(valid, slot, arg, length)
         # no slot past this step's is valid: the Triton kernel stops there at run time (one shape for the
-        # whole response: a compiled step's ``n`` is the whole cache)
+        # whole response: a compiled step's ``n`` is the whole cache); it reads a ring whole
         kv_end = slot + 1 if self.attention == "triton" else None
         x = self.embed_tokens(tokens)
         for i in range(len(self.layers)):
@@ -773,19 +843,21 @@ class StaticLlama:
                 else:
                     q, k, v = self._qkv(i, h, (b,), rope)
                 q = q.view(b, self.n_kv, self.group, self.head_dim)
-                self._write(k_cache, ks, i, k[:, :, None, :], slot)
-                self._write(v_cache, vs, i, v[:, :, None, :], slot)
-                kc, vc, mask = k_cache[i][:, :, :n], v_cache[i][:, :, :n], masks[self.windows[i]]
+                self._write(k_cache, ks, i, k[:, :, None, :], where[i])
+                self._write(v_cache, vs, i, v[:, :, None, :], where[i])
+                m, ring = reads[i], keys[i][0] == "ring"
+                kc, vc, mask = k_cache[i][:, :, :m], v_cache[i][:, :, :m], masks[keys[i]]
                 quant = {}
                 if ks is not None:  # an 8-bit cache: the slots read this step, with their scales
-                    quant = {"k_scale": ks[i][:, :, :n], "v_scale": vs[i][:, :, :n]}
+                    quant = {"k_scale": ks[i][:, :, :m], "v_scale": vs[i][:, :, :m]}
                 if self.attn_softcap is not None:
                     if quant:
                         kc = dequantize(kc, quant["k_scale"], q.dtype)
                         vc = dequantize(vc, quant["v_scale"], q.dtype)
                     o = _capped_attention(q, kc, vc, mask[:, None, None, :], self.scale, self.attn_softcap)
                 else:
-                    o = gqa_decode_attention(q, kc, vc, mask, self.scale, self.attention, kv_end, **quant)
+                    end = None if ring else kv_end
+                    o = gqa_decode_attention(q, kc, vc, mask, self.scale, self.attention, end, **quant)
                 out = self._out_linear[i]
                 o = o.reshape(b, -1)
                 return out(o, self.out_projs[i].weight) if out else self.out_projs[i](o)

@@ -1,0 +1,131 @@
+"""Sliding-window layers keep a ring of ``window`` cache slots (rollout/llama_forward.py, ``sliding_cache="ring"``):
+greedy tokens equal ``model.generate`` far past a small window, sampled log-probs equal a fresh forward, the
+cache of a local layer really holds ``window`` slots, and the ring agrees with the full-length masked cache
+(``sliding_cache="full"``) it replaced, with an 8-bit cache too. CPU, fp32, the family cases' tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _rollout_helpers import fresh_logits, hf_greedy
+from family_cases import GREEDY_TOKENS, LOGPROB_ATOL, build, case
+
+from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+from rapidfire_hf.rollout.families import layer_windows
+from rapidfire_hf.rollout.llama_forward import StaticLlama
+from rapidfire_hf.rollout.static_engine import StaticEngine
+
+WINDOW = 8  # far below prompt (32 slots) + 100 tokens: every local layer wraps its ring many times
+INT8_ATOL = 5e-3  # test_kv_cache_dtype.LOGPROB_ATOL["int8"]
+WINDOWED = ["mistral", "gemma2", "gemma3_text", "phi3"]
+# real prompt lengths 1, 8 (exactly the window), 9 (one past it) and 33, left-padded
+LONG_PROMPTS = ["x", "abcdefgh", "abcdefghi", "the quick brown fox jumps over ->"]
+
+
+def _model(tokenizer, name: str, seed: int = 0):
+    return build(case(name), len(tokenizer), seed=seed, sliding_window=WINDOW)
+
+
+def _engine(model, **kw) -> RolloutEngine:
+    return RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native", **kw
+    )
+
+
+def _long_prompts(tokenizer):
+    enc = tokenizer(LONG_PROMPTS, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_greedy_far_past_the_window_equals_generate(tokenizer, prompts, name):
+    model = _model(tokenizer, name)
+    ids, mask = prompts
+    ref = hf_greedy(model, ids, mask, GREEDY_TOKENS, stop=None)
+    out = _engine(model).generate(ids, mask, SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False))
+    assert torch.equal(out.responses, ref)
+    assert len(set(ref.flatten().tolist())) >= 8  # not one repeated token
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text"])
+def test_prompts_longer_than_the_window_left_padded(tokenizer, name):
+    """Rows shorter than, equal to, one past and four times the window in one left-padded batch, the prompt
+    not padded to a bucket (prompt_bucket=1: the longest row's prompt fills every slot): prefill stores only
+    the last ``window`` slots of each ring, banded attention over the whole prompt."""
+    model = _model(tokenizer, name)
+    ids, mask = _long_prompts(tokenizer)
+    assert ids.shape[1] > 4 * WINDOW and int(mask.sum(-1).min()) < WINDOW
+    ref = hf_greedy(model, ids, mask, 60, stop=None)
+    engine = StaticEngine(model, pad_token_id=0, stop_token_ids=[], prompt_bucket=1, path="native")
+    with torch.no_grad():
+        tokens, _ = engine.generate(ids, mask, SamplingParams(max_new_tokens=60, do_sample=False))
+    assert torch.equal(tokens, ref)
+    assert engine._buf.k[0].shape[2] == WINDOW  # the ring was used (layer 0 is local in both)
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_sampled_logprobs_past_the_window_equal_a_forward(tokenizer, name):
+    model = _model(tokenizer, name, seed=1)
+    ids, mask = _long_prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=40, temperature=0.8)
+    out = _engine(model).generate(ids, mask, params, generator=torch.Generator().manual_seed(0))
+    logits = fresh_logits(model, out.sequences, mask)[:, out.prompt_length - 1 : -1]
+    ref = torch.log_softmax(logits / 0.8, -1).gather(-1, out.responses[..., None]).squeeze(-1)
+    assert (out.logprobs - ref).abs().max() <= LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_a_local_layer_holds_window_slots(tokenizer, prompts, name):
+    """The allocated cache: ``window`` slots per local layer, the whole rollout per global one; the engine's
+    held bytes shrink by exactly the slots the ring saves, against the full-length cache."""
+    model = _model(tokenizer, name)
+    windows = layer_windows(model.config)
+    assert any(windows)
+    ids, mask = prompts
+    params = SamplingParams(max_new_tokens=50, do_sample=False)
+    engines = {}
+    for sliding in ("ring", "full"):
+        engines[sliding] = engine = StaticEngine(model, 0, [], path="native")
+        engine.net.sliding_cache = sliding
+        with torch.no_grad():
+            engine.generate(ids, mask, params)
+    length = 32 + 50  # the prompt bucket + the response
+    for name_, buf in (("k", engines["ring"]._buf.k), ("v", engines["ring"]._buf.v)):
+        got = [t.shape[2] for t in buf]
+        assert got == [WINDOW if w else length for w in windows], name_
+    assert {t.shape[2] for t in engines["full"]._buf.k} == {length}
+    local = sum(1 for w in windows if w)
+    per_slot = 2 * ids.shape[0] * model.config.num_key_value_heads * 16 * 4  # K and V, head_dim 16, fp32
+    saved = engines["full"].held_bytes() - engines["ring"].held_bytes()
+    assert saved == local * (length - WINDOW) * per_slot
+    # a window spanning the whole rollout is plain full attention over the full-length cache
+    wide = StaticLlama(build(case(name), len(tokenizer), sliding_window=length))
+    assert {t.shape[2] for t in wide.new_cache(2, length, "cpu")[0]} == {length}
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_the_8bit_ring_gives_the_full_8bit_caches_tokens(tokenizer, prompts, name):
+    """int8 with a ring against int8 over the full-length masked cache: the same quantized K/V, attended in
+    another order (the scales ride in the same ring: ``[B, KV, window]``). The other order's fp32 rounding
+    (~1e-7) moves a K/V element across an int8 rounding boundary now and then, so the log-probs are held to
+    the 8-bit cache's own tolerance (tests/rollout/test_kv_cache_dtype.py; 7e-4 measured here), the tokens
+    to equality."""
+    model = _model(tokenizer, name)
+    ids, mask = prompts
+    params = SamplingParams(max_new_tokens=60, do_sample=False)
+    out = {}
+    for sliding in ("ring", "full"):
+        engine = StaticEngine(model, 0, [], path="native", kv_cache_dtype="int8")
+        engine.net.sliding_cache = sliding
+        with torch.no_grad():
+            out[sliding] = engine.generate(ids, mask, params)
+        if sliding == "ring":
+            assert engine._buf.k_scale[0].shape == (ids.shape[0], model.config.num_key_value_heads, WINDOW)
+            assert engine._buf.k[0].dtype == torch.int8
+    assert torch.equal(out["ring"][0], out["full"][0])
+    assert (out["ring"][1] - out["full"][1]).abs().max() <= INT8_ATOL
+
+
+def test_a_bad_sliding_cache_is_named(tokenizer):
+    with pytest.raises(ValueError, match=r"sliding_cache must be one of \('ring', 'full'\), got 'rings'"):
+        StaticLlama(_model(tokenizer, "mistral"), sliding_cache="rings")
