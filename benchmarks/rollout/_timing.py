@@ -8,6 +8,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+from rapidfire_hf.rollout.llama_forward import SLIDING_CACHES
 
 
 def _sync(device: str) -> None:
@@ -115,7 +116,12 @@ VARIANTS = {  # attention, sampler, fused projections, compile mode, projections
 
 
 def _runner(model, system: str, ids, mask):
-    """``run(n, hook)`` generating ``n`` tokens with ``system``; ``hook(k)`` follows decode step k."""
+    """``run(n, hook)`` generating ``n`` tokens with ``system``; ``hook(k)`` follows decode step k. An ``ours_``
+    system with ``@full`` keeps the full-length masked cache for sliding-window layers instead of their ring
+    (``StaticLlama.sliding_cache``, for the comparison of benchmarks/rollout/families.py)."""
+    system, _, sliding = system.partition("@")
+    if sliding not in ("", *SLIDING_CACHES) or (sliding and not system.startswith("ours_")):
+        raise ValueError(f"@{sliding}: an ours_ system takes @ring or @full")
     if system.startswith("ours_"):
         mode, _, variant = system.removeprefix("ours_").partition("+")
         engine = RolloutEngine(
@@ -131,6 +137,8 @@ def _runner(model, system: str, ids, mask):
             decode_linear=VARIANTS[variant][4],
             decode_fuse_lora=variant == "fuse_lora",
         )
+        if sliding:
+            engine._static.net.sliding_cache = sliding  # before the first cache is allocated
 
         def run(n, hook):
             engine._static.step_callback = hook

@@ -2,6 +2,10 @@
 
     python benchmarks/rollout/families.py --out DIR --budget-s 400       # one H100: < 8 minutes
     python benchmarks/rollout/families.py --out /tmp/fam_smoke --smoke   # tiny models on the CPU, seconds
+    # sliding-window layers: the ring of `window` slots against the old full-length masked cache, past the
+    # window (Gemma-3-1B: 512), on one H100 in < 3 minutes
+    python benchmarks/rollout/families.py --out DIR --families gemma3-1b --prompt-len 128 --new-tokens 1024 \
+        --systems ours_cuda_graph --batches 8,64 --sliding-cache ring,full --budget-s 100
 
 Each family's model is built random-init directly on the GPU in bf16 from its published hyper-parameters
 (:data:`SHAPES`), all kept resident, and timed in one process: the engine's compiled step (``ours_compile``,
@@ -9,6 +13,11 @@ the CUDA default) and its uncompiled recorded step (``ours_cuda_graph``) against
 dynamic cache (``hf_dynamic``) and the static cache (``hf_static``, which transformers compiles), at each
 batch. Rows run in priority order (the cheap comparisons for every family first, the compilations after),
 and a row not started within ``--budget-s`` is written as skipped, so the call fits its time slot.
+
+``--sliding-cache ring,full`` times every ``ours_`` system twice: as the engine runs it (a local layer's cache a
+ring of ``window`` slots) and as ``system@full`` (every layer's cache the whole rollout, the window a mask:
+the engine before the ring, ``StaticLlama.sliding_cache``); the summary's ``sliding`` entries give the
+full/ring step-time and peak-memory ratios.
 
 Writes results.json (environment, command, shapes, bf16 greedy agreement per family, rows, per-family
 summary with the decode time per weight byte against the Llama row) and results.csv into --out.
@@ -109,7 +118,7 @@ def agreement(model, prompt_len: int, new_tokens: int, device: str, mode: str) -
 def plan(names: list[str], systems: list[str], batches: list[int]) -> list[tuple[str, str, int]]:
     """Rows in priority order: the uncompiled systems for every family and batch first, then each compiled
     system at the smallest batch for every family, then the larger batches."""
-    cheap = [s for s in systems if s in ("ours_cuda_graph", "hf_dynamic", "ours_eager")]
+    cheap = [s for s in systems if s.partition("@")[0] in ("ours_cuda_graph", "hf_dynamic", "ours_eager")]
     costly = [s for s in systems if s not in cheap]
     rows = [(n, s, b) for n in names for b in batches for s in cheap]
     rows += [(n, s, b) for b in batches for n in names for s in costly]
@@ -136,12 +145,23 @@ def summarize(rows: list[dict], weights: dict[str, int], batches: list[int]) -> 
                     entry[f"{hf}_ms"] = ok[(fam, hf, b)]
                     entry[f"speedup_vs_{hf}"] = round(ok[(fam, hf, b)] / ours, 2)
             out.append(entry)
+    for fam, system, b in list(ok):  # the ring against the full-length masked cache (--sliding-cache)
+        base_system, _, sliding = system.partition("@")
+        if sliding == "full" and (fam, base_system, b) in ok:
+            ring, full = ok[(fam, base_system, b)], ok[(fam, system, b)]
+            peaks = {r["system"]: r.get("peak_gib") for r in rows
+                     if r["family"] == fam and r["batch"] == b and r.get("status") == "ok"}  # fmt: skip
+            entry = {"family": fam, "batch": b, "sliding": base_system, "ring_ms": ring, "full_ms": full,
+                     "full_over_ring": round(full / ring, 3),
+                     "ring_peak_gib": peaks.get(base_system), "full_peak_gib": peaks.get(system)}  # fmt: skip
+            out.append(entry)
+    out, sliding = [e for e in out if "sliding" not in e], [e for e in out if "sliding" in e]
     base = {e["batch"]: e for e in out if e["family"] == BASELINE}
     for e in out:
         ref = base.get(e["batch"])
         if ref is not None and ref["ours"] == e["ours"]:
             e["per_byte_vs_llama"] = round(e["ms_per_weight_gib"] / ref["ms_per_weight_gib"], 3)
-    return out
+    return out + sliding
 
 
 def parse_args(argv=None):
@@ -154,6 +174,10 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=None, help="generated tokens per call (default 128)")
     p.add_argument("--systems", default=None, help=f"subset of {','.join(SYSTEMS)},ours_eager")
     p.add_argument("--budget-s", type=float, default=400.0, help="rows not started by then are skipped")
+    p.add_argument(
+        "--sliding-cache", default="ring",
+        help="ring, or ring,full: also time every ours_ system with the full-length masked cache (system@full)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -170,7 +194,13 @@ def main(argv=None) -> int:
         for s in (args.systems or ("ours_eager,hf_dynamic" if args.smoke else ",".join(SYSTEMS))).split(",")
         if s
     ]
+    sliding = [c for c in args.sliding_cache.split(",") if c]
     bad = [n for n in names if n not in SHAPES] + [s for s in systems if s not in (*SYSTEMS, "ours_eager")]
+    if not sliding or sliding[0] != "ring" or any(c not in ("ring", "full") for c in sliding):
+        print(f"--sliding-cache {args.sliding_cache!r}: 'ring' or 'ring,full'", file=sys.stderr)
+        return 2
+    if "full" in sliding:  # each of our systems once more over the full-length masked cache
+        systems += [f"{s}@full" for s in systems if s.startswith("ours_")]
     if bad:
         print(f"unknown family/system {', '.join(bad)}; families: {', '.join(SHAPES)}; "
               f"systems: {', '.join(SYSTEMS)}, ours_eager", file=sys.stderr)  # fmt: skip
@@ -196,6 +226,7 @@ def main(argv=None) -> int:
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "batches": batches,
+        "sliding_cache": sliding,
         "sampling": "do_sample=True, temperature=1.0, no stop token (every row runs all steps)",
         "timing": "as benchmarks/rollout/run.py: one warm-up call, one timed call; ms_per_step over steps 1..T-1",
         "shapes": {n: {"config": SHAPES[n][0], **config_kwargs(n, args.smoke)} for n in names},

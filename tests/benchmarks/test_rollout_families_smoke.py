@@ -48,3 +48,39 @@ def test_plan_runs_cheap_rows_first_and_unknown_names_are_refused(tmp_path, caps
     assert [b for _, s, b in rows if s == "ours_compile"] == [8, 8, 64, 64]
     assert fam.main(["--out", str(tmp_path), "--smoke", "--families", "gpt2"]) == 2
     assert "unknown family/system gpt2" in capsys.readouterr().err
+
+
+def test_smoke_times_the_sliding_ring_against_the_full_length_cache(tmp_path, capsys):
+    """``--sliding-cache ring,full``: Gemma-3's stand-in (window 8) past its window, each of our systems on the
+    ring and again on the old full-length masked cache (``@full``), compared in the summary."""
+    fam = _families()
+    argv = ["--out", str(tmp_path), "--smoke", "--families", "gemma3-1b", "--systems", "ours_eager",
+            "--prompt-len", "8", "--new-tokens", "24", "--sliding-cache", "ring,full"]  # fmt: skip
+    assert fam.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["system"], r["status"]) for r in result["results"]] == [
+        ("ours_eager", "ok"),
+        ("ours_eager@full", "ok"),
+    ]
+    (entry,) = [e for e in result["summary"] if "sliding" in e]
+    assert entry["sliding"] == "ours_eager" and entry["full_over_ring"] > 0
+    assert fam.main([*argv[:-1], "full"]) == 2
+    assert "--sliding-cache 'full': 'ring' or 'ring,full'" in capsys.readouterr().err
+
+
+def test_the_full_system_runs_the_full_length_cache():
+    import torch
+
+    sys.path.insert(0, str(SCRIPT_DIR))
+    try:
+        import _timing
+    finally:
+        sys.path.remove(str(SCRIPT_DIR))
+    fam = _families()
+    model = fam.build_model("gemma3-1b", "cpu", torch.float32, smoke=True, max_positions=64)
+    ids, mask = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    # the prompt padded to the bucket of 32, then 32 tokens: a local layer's ring 8 slots, else 64
+    for system, slots in (("ours_eager", [8, 64]), ("ours_eager@full", [64, 64])):
+        run = _timing._runner(model, system, ids, mask)
+        run(32, None)
+        assert [k.shape[2] for k in run.engine._static._buf.k] == slots, system

@@ -79,3 +79,30 @@ def test_the_asked_value_is_what_the_table_says():
         auto.asked["kv_cache_dtype"] == "auto"
         and "'auto' keeps the model's dtype" in auto.reasons["kv_cache_dtype"]
     )
+
+
+def test_a_local_layers_cache_counts_its_window_not_the_rollout():
+    """Gemma-3-1B's shape (26 layers, every sixth global, window 512, one K/V head of width 256): past the
+    window its 22 local layers hold 512 slots each (the static engine's ring), the 4 global ones the whole
+    rollout; within the window every layer holds the rollout."""
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        num_hidden_layers=26, hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+    )  # fmt: skip
+    shape = DecoderShape.from_config(cfg)
+    assert shape.windows.count(512) == 22 and shape.windows.count(None) == 4
+    per_layer_token = 2 * 1 * 256 * 2  # K and V, one head of 256, bf16
+    long = RunShape(shape, rollout_rows=8, micro_rows=8, prompt_tokens=128, response_tokens=1024).workload()
+    assert long.kv_bytes_per_token == 26 * per_layer_token
+    assert long.cache_row_bytes() == per_layer_token * (4 * 1152 + 22 * 512)
+    assert long.held_cache_bytes(8) == 8 * long.cache_row_bytes()  # the static engine keeps it
+    cache = long.cache_row_bytes()
+    assert long.generation_row_bytes() - cache == replace(long, kv_windows=()).generation_row_bytes() - (
+        1152 * long.kv_bytes_per_token
+    )  # the rest of a generated row is unchanged
+    short = RunShape(shape, rollout_rows=8, micro_rows=8, prompt_tokens=128, response_tokens=256).workload()
+    assert short.cache_row_bytes() == 384 * short.kv_bytes_per_token
+    with pytest.raises(ValueError, match="kv_windows has 3 entries for 26 layers"):
+        replace(long, kv_windows=(512, None, 512))

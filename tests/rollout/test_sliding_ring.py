@@ -10,8 +10,8 @@ import torch
 from _rollout_helpers import fresh_logits, hf_greedy
 from family_cases import GREEDY_TOKENS, LOGPROB_ATOL, build, case
 
+from rapidfire_hf.models.plumbing import layer_windows
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams
-from rapidfire_hf.rollout.families import layer_windows
 from rapidfire_hf.rollout.llama_forward import StaticLlama
 from rapidfire_hf.rollout.static_engine import StaticEngine
 
@@ -129,3 +129,26 @@ def test_the_8bit_ring_gives_the_full_8bit_caches_tokens(tokenizer, prompts, nam
 def test_a_bad_sliding_cache_is_named(tokenizer):
     with pytest.raises(ValueError, match=r"sliding_cache must be one of \('ring', 'full'\), got 'rings'"):
         StaticLlama(_model(tokenizer, "mistral"), sliding_cache="rings")
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "mistral", "llama"])
+def test_the_planners_cache_bytes_are_the_engines(tokenizer, prompts, name):
+    """The memory planner's KV term (``Workload.cache_row_bytes``, windows from PPOTrainer's own workload
+    builder) is the static engine's allocated K/V, ring or not."""
+    from types import SimpleNamespace
+
+    from rapidfire_hf.ppo.recipe.planning import workload
+
+    model = _model(tokenizer, name) if name != "llama" else build(case(name), len(tokenizer))  # no window
+    ids, mask = prompts
+    engine = StaticEngine(model, 0, [], path="native")
+    with torch.no_grad():
+        engine.generate(ids, mask, SamplingParams(max_new_tokens=50, do_sample=False))
+    held = sum(t.numel() * t.element_size() for t in [*engine._buf.k, *engine._buf.v])
+    b = ids.shape[0]
+    args = SimpleNamespace(
+        local_batch_size=b, local_mini_batch_size=b, per_device_train_batch_size=b, response_length=50,
+        rollout_kv_cache_dtype=None,
+    )  # fmt: skip
+    work = workload(args, model.config, prompt_tokens=32, itemsize=4, cache_persists=True)
+    assert work.held_cache_bytes(b) == held

@@ -94,6 +94,7 @@ class RunShape:
             layers=s.layers,
             vocab=s.vocab,
             kv_bytes_per_token=s.kv_bytes_per_token(self.itemsize, self.kv_cache_dtype),
+            kv_windows=s.windows,
             itemsize=self.itemsize,
             cache_persists=self.static_engine and self.cache_kept,
             intermediate=s.intermediate,

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rapidfire_hf.kernels.kv_quant import vector_bytes
+from rapidfire_hf.models.plumbing import layer_windows
 
 GIB = 1024**3
 
@@ -55,11 +56,15 @@ class DecoderShape:
     head_dim: int
     vocab: int
     tied: bool = False  # the LM head shares the embedding matrix
+    # per layer its sliding window, None for full attention; () when no layer has one (models/plumbing.py)
+    windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_config(cls, config) -> DecoderShape:
-        """The shape of a HF config (``LlamaConfig`` and its kin: grouped-query heads, ``head_dim``)."""
+        """The shape of a HF config (``LlamaConfig`` and its kin: grouped-query heads, ``head_dim``, the sliding
+        windows of its local layers)."""
         heads = config.num_attention_heads
+        windows = tuple(layer_windows(config))
         return cls(
             hidden=config.hidden_size,
             layers=config.num_hidden_layers,
@@ -69,6 +74,7 @@ class DecoderShape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             vocab=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
+            windows=windows if any(w is not None for w in windows) else (),
         )
 
     @property

@@ -103,6 +103,10 @@ class Workload:
             chunk is held through scoring and training too.
         kv_cache_dtype: the cache's elements: None (the model's dtype), ``"fp8"`` or ``"int8"``
             (``PPOConfig.rollout_kv_cache_dtype``); ``kv_bytes_per_token`` is already in it, this names it.
+        kv_windows: per layer its sliding window, None for full attention (``models.plumbing.layer_windows``;
+            () when no layer has one): a local layer's cache holds ``min(window, tokens)`` slots (the static
+            engine's ring, rollout/llama_forward.py; ``model.generate``'s sliding cache layers keep about as
+            many), see :meth:`cache_row_bytes`.
     """
 
     rollout_rows: int
@@ -118,10 +122,25 @@ class Workload:
     cache_persists: bool = False
     intermediate: int | None = None
     kv_cache_dtype: str | None = None
+    kv_windows: tuple[int | None, ...] = ()
+
+    def __post_init__(self):
+        if self.kv_windows and len(self.kv_windows) != self.layers:
+            raise ValueError(
+                f"kv_windows has {len(self.kv_windows)} entries for {self.layers} layers: one a layer"
+            )
 
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.response_tokens
+
+    def cache_row_bytes(self) -> int:
+        """K and V one row holds in the rollout's cache: ``tokens`` slots of every full-attention layer and
+        ``min(window, tokens)`` of a local one (``kv_bytes_per_token`` is every layer's share of one token)."""
+        if not self.kv_windows:
+            return self.tokens * self.kv_bytes_per_token
+        slots = sum(self.tokens if w is None else min(w, self.tokens) for w in self.kv_windows)
+        return slots * self.kv_bytes_per_token // self.layers
 
     @property
     def micro_batches(self) -> int:
@@ -144,12 +163,12 @@ class Workload:
     def held_cache_bytes(self, generation_rows: int) -> int:
         """What a generation chunk of ``generation_rows`` leaves held through scoring and training: its KV
         cache when the engine keeps it, else nothing."""
-        return generation_rows * self.tokens * self.kv_bytes_per_token if self.cache_persists else 0
+        return generation_rows * self.cache_row_bytes() if self.cache_persists else 0
 
     def generation_row_bytes(self) -> int:
-        """Bytes one generated row holds: its KV cache for every token, the prefill's working set and one
-        step's logits in fp32 (twice: the logits and the sampling probabilities)."""
-        cache = self.tokens * self.kv_bytes_per_token
+        """Bytes one generated row holds: its KV cache (:meth:`cache_row_bytes`), the prefill's working set and
+        one step's logits in fp32 (twice: the logits and the sampling probabilities)."""
+        cache = self.cache_row_bytes()
         prefill = self.prompt_tokens * 16 * self.hidden * self.itemsize
         return cache + prefill + 2 * self.vocab * 4
 

@@ -1,6 +1,7 @@
 """Where the pieces of a Hugging Face causal LM are: the model under a PEFT wrapper, its decoder layers, its
-final norm, its ``(decoder, lm_head)`` pair, and a sequence classifier's ``(backbone, score)`` pair. Every part
-asks here instead of walking the attributes itself.
+final norm, its ``(decoder, lm_head)`` pair, a sequence classifier's ``(backbone, score)`` pair, and which
+layers attend through a sliding window (the rollout engine's ring caches and the memory planner's KV bytes
+both read it). Every part asks here instead of walking the attributes itself.
 """
 
 from __future__ import annotations
@@ -92,3 +93,15 @@ def disable_dropout(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per layer: the sliding window (keys with ``slot > query_slot - window`` are seen) or None for full
+    attention, as the model's own mask builder decides it: per ``layer_types`` where the config has them,
+    else ``sliding_window`` for every layer (Mistral, Phi-3, Mixtral, Qwen3-MoE). ``config``: a HF config."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types[:n]]
+    return [window] * n

@@ -13,6 +13,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+from rapidfire_hf.models.plumbing import layer_windows
+
 # the four norm positions of a decoder layer: before / after attention, before / after the MLP
 PRE_NORM = ("input_layernorm", None, "post_attention_layernorm", None)
 SANDWICH = (
@@ -91,18 +93,6 @@ FAMILIES: dict[str, Family] = {
 def family_of(config) -> Family | None:
     """The :class:`Family` of an HF config (None when its model_type is not in :data:`FAMILIES`)."""
     return FAMILIES.get(getattr(config, "model_type", None))
-
-
-def layer_windows(config) -> list[int | None]:
-    """Per layer: the sliding window (keys with ``slot > query_slot - window`` are seen) or None for full
-    attention, as the model's own mask builder decides it: per ``layer_types`` where the config has them,
-    else ``sliding_window`` for every layer (Mistral, Phi-3, Mixtral, Qwen3-MoE)."""
-    n = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types:
-        return [window if t == "sliding_attention" else None for t in types[:n]]
-    return [window] * n
 
 
 def rope_kinds(config, body) -> list[str | None]:

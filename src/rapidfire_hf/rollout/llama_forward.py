@@ -21,11 +21,11 @@ from rapidfire_hf.kernels import gqa_decode_attention
 from rapidfire_hf.kernels.decode_attention import IMPLS
 from rapidfire_hf.kernels.kv_quant import SCALE_DTYPE, dequantize, kv_format, quantize
 from rapidfire_hf.models import unwrap_peft
+from rapidfire_hf.models.plumbing import layer_windows
 from rapidfire_hf.rollout.families import (
     FAMILIES,
     family_of,
     family_reason,
-    layer_windows,
     rope_kinds,
     rotary_tables,
 )

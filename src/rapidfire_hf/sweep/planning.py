@@ -43,6 +43,7 @@ from rapidfire_hf.memory.planner import (
     make_plan,
     unplanned,
 )
+from rapidfire_hf.models.plumbing import layer_windows
 from rapidfire_hf.sweep.phases import train_pack_rows
 
 logger = logging.getLogger("rapidfire_hf.sweep")
@@ -109,6 +110,7 @@ class SweepPlanner:
             cache_persists=static,
             intermediate=getattr(cfg, "intermediate_size", None),
             kv_cache_dtype=kv_cache_dtype,
+            kv_windows=tuple(layer_windows(cfg)),
         )
 
     def update(self, phases, trials, shared, prompt_tokens: int) -> Plan | None:

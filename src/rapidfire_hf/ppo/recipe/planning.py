@@ -44,6 +44,7 @@ from rapidfire_hf.memory.planner import (
     unplanned,
     unplanned_fused_copies,
 )
+from rapidfire_hf.models.plumbing import layer_windows
 from rapidfire_hf.optim.step_health import eight_bit_optimizer
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.recipe.probe_cache import ProbeCache
@@ -107,6 +108,7 @@ def workload(
         cache_persists=cache_persists,
         intermediate=getattr(policy_config, "intermediate_size", None),
         kv_cache_dtype=kv_cache,
+        kv_windows=tuple(layer_windows(policy_config)),
     )
 
 
