@@ -133,11 +133,12 @@ def test_a_bad_sliding_cache_is_named(tokenizer):
 
 @pytest.mark.parametrize("name", ["gemma3_text", "mistral", "llama"])
 def test_the_planners_cache_bytes_are_the_engines(tokenizer, prompts, name):
-    """The memory planner's KV term (``Workload.cache_row_bytes``, windows from PPOTrainer's own workload
-    builder) is the static engine's allocated K/V, ring or not."""
+    """The memory planner's KV term (``Workload.cache_row_bytes``, windows from PPOTrainer's and PPOSweep's own
+    workload builders) is the static engine's allocated K/V, ring or not."""
     from types import SimpleNamespace
 
     from rapidfire_hf.ppo.recipe.planning import workload
+    from rapidfire_hf.sweep.planning import SweepPlanner
 
     model = _model(tokenizer, name) if name != "llama" else build(case(name), len(tokenizer))  # no window
     ids, mask = prompts
@@ -152,3 +153,6 @@ def test_the_planners_cache_bytes_are_the_engines(tokenizer, prompts, name):
     )  # fmt: skip
     work = workload(args, model.config, prompt_tokens=32, itemsize=4, cache_persists=True)
     assert work.held_cache_bytes(b) == held
+    trials = [SimpleNamespace(args=args)]  # PPOSweep's planner: one trial of the same rows
+    swept = SweepPlanner().workload(trials, 32, 50, b, model, static=True, itemsize=4)
+    assert swept.held_cache_bytes(b) == held
