@@ -151,8 +151,25 @@ def test_the_planners_cache_bytes_are_the_engines(tokenizer, prompts, name):
         local_batch_size=b, local_mini_batch_size=b, per_device_train_batch_size=b, response_length=50,
         rollout_kv_cache_dtype=None,
     )  # fmt: skip
-    work = workload(args, model.config, prompt_tokens=32, itemsize=4, cache_persists=True)
+    work = workload(args, model, prompt_tokens=32, itemsize=4, cache_persists=True)
     assert work.held_cache_bytes(b) == held
     trials = [SimpleNamespace(args=args)]  # PPOSweep's planner: one trial of the same rows
     swept = SweepPlanner().workload(trials, 32, 50, b, model, static=True, itemsize=4)
     assert swept.held_cache_bytes(b) == held
+
+
+def test_no_ring_is_counted_where_the_generic_path_runs(tokenizer):
+    """A windowed Phi-3 with longrope runs the generic path (the model's own forward, full-length caches): the
+    planner counts every slot there."""
+    from family_cases import OUTSIDE
+
+    from rapidfire_hf.rollout.llama_forward import ring_windows, unsupported_reason
+
+    (longrope,) = [kw for name, *_, kw in OUTSIDE if name == "phi3 with longrope"]
+    model = _model(tokenizer, "phi3")
+    rope = dict(
+        longrope["rope_parameters"], short_factor=[1.0] * 4, long_factor=[2.0] * 4
+    )  # partial rotary 0.5
+    generic = build(case("phi3"), len(tokenizer), sliding_window=WINDOW, rope_parameters=rope)
+    assert unsupported_reason(generic) is not None and all(layer_windows(generic.config))
+    assert ring_windows(model) == (WINDOW,) * 4 and ring_windows(generic) == ()

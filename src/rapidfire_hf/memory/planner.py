@@ -104,8 +104,9 @@ class Workload:
         kv_cache_dtype: the cache's elements: None (the model's dtype), ``"fp8"`` or ``"int8"``
             (``PPOConfig.rollout_kv_cache_dtype``); ``kv_bytes_per_token`` is already in it, this names it.
         kv_windows: per layer its sliding window, None for full attention (``models.plumbing.layer_windows``;
-            () when no layer has one): a local layer's cache holds ``min(window, tokens)`` slots (the static
-            engine's ring, rollout/llama_forward.py; ``model.generate``'s sliding cache layers keep about as
+            () when no layer has one, or its cache is full-length anyway: the static engine's generic path):
+            a local layer's cache holds ``min(window, tokens)`` slots (the native path's ring,
+            ``rollout.llama_forward.ring_windows``; ``model.generate``'s sliding cache layers keep about as
             many), see :meth:`cache_row_bytes`.
     """
 

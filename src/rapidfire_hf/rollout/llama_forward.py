@@ -53,6 +53,16 @@ def unsupported_reason(model, gathered: bool = False) -> str | None:
     return None
 
 
+def ring_windows(model) -> tuple[int | None, ...]:
+    """Per layer the sliding window that bounds its static-engine cache (a ring of ``min(window, P + R)``
+    slots, :class:`StaticLlama`; None: the whole rollout), as the memory planner counts it
+    (``Workload.kv_windows``); () where the native path cannot run ``model`` (the generic path keeps every
+    layer's cache full-length). Judged as PPOTrainer's rollout runs it, inside a ZeRO-3 gather."""
+    if unsupported_reason(model, gathered=True) is not None:
+        return ()
+    return tuple(layer_windows(unwrap_peft(model).config))
+
+
 def _fusable(layer, fam, lora: bool = False) -> bool:
     """Whether a decoder layer's q/k/v and gate/up projections are plain bias-free ``nn.Linear`` of one dtype
     (with ``lora``: or PEFT LoRA ``Linear`` layers over such a base; quantized linears and biased projections

@@ -43,7 +43,7 @@ from rapidfire_hf.memory.planner import (
     make_plan,
     unplanned,
 )
-from rapidfire_hf.models.plumbing import layer_windows
+from rapidfire_hf.rollout.llama_forward import ring_windows
 from rapidfire_hf.sweep.phases import train_pack_rows
 
 logger = logging.getLogger("rapidfire_hf.sweep")
@@ -110,7 +110,7 @@ class SweepPlanner:
             cache_persists=static,
             intermediate=getattr(cfg, "intermediate_size", None),
             kv_cache_dtype=kv_cache_dtype,
-            kv_windows=tuple(layer_windows(cfg)),
+            kv_windows=ring_windows(model),
         )
 
     def update(self, phases, trials, shared, prompt_tokens: int) -> Plan | None:

@@ -44,13 +44,12 @@ from rapidfire_hf.memory.planner import (
     unplanned,
     unplanned_fused_copies,
 )
-from rapidfire_hf.models.plumbing import layer_windows
 from rapidfire_hf.optim.step_health import eight_bit_optimizer
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.recipe.probe_cache import ProbeCache
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
 from rapidfire_hf.rollout.engine import resolved_backend
-from rapidfire_hf.rollout.llama_forward import fused_projection_bytes
+from rapidfire_hf.rollout.llama_forward import fused_projection_bytes, ring_windows
 from rapidfire_hf.utils.device_memory import device_capacity_bytes
 
 logger = logging.getLogger("rapidfire_hf.ppo.trainer")
@@ -87,12 +86,12 @@ class PlannedRun:
     offload: PhaseOffload | None
 
 
-def workload(
-    args, policy_config, prompt_tokens: int, itemsize: int, cache_persists: bool = False
-) -> Workload:
-    """The :class:`Workload` of one update of ``args`` on a policy of ``policy_config`` (``cache_persists``:
-    the rollout runs the static engine, which keeps its KV cache between updates; the cache is in
-    ``args.rollout_kv_cache_dtype``, refused at start where the engine cannot keep it)."""
+def workload(args, policy, prompt_tokens: int, itemsize: int, cache_persists: bool = False) -> Workload:
+    """The :class:`Workload` of one update of ``args`` on ``policy`` (``cache_persists``: the rollout runs the
+    static engine, which keeps its KV cache between updates; the cache is in ``args.rollout_kv_cache_dtype``,
+    refused at start where the engine cannot keep it; a sliding-window layer's cache is its ring where the
+    native path runs the policy: ``rollout.llama_forward.ring_windows``)."""
+    policy_config = policy.config
     kv_cache = engine_kv_cache_dtype(args.rollout_kv_cache_dtype)
     return Workload(
         rollout_rows=args.local_batch_size,
@@ -108,7 +107,7 @@ def workload(
         cache_persists=cache_persists,
         intermediate=getattr(policy_config, "intermediate_size", None),
         kv_cache_dtype=kv_cache,
-        kv_windows=tuple(layer_windows(policy_config)),
+        kv_windows=ring_windows(policy),
     )
 
 
@@ -343,7 +342,7 @@ def unplanned_run(run: PlanInputs, prompt_tokens: int) -> Plan:
     """The plan before :func:`plan_run` (a phase called outside ``train()``): the user's settings."""
     args, acc, memory = run.args, run.accelerator, run.memory
     unwrapped = run.module
-    work = workload(args, unwrapped.policy.config, prompt_tokens, 2)
+    work = workload(args, unwrapped.policy, prompt_tokens, 2)
     want = asked(args, None, False)
     plan = unplanned(work, want, "none", memory.optimization if memory is not None else "balanced")
     static = resolved_backend(unwrapped.policy, rollout_backend(args, run.engine_support)) == "static"
@@ -360,7 +359,7 @@ def plan_run(run: PlanInputs, queries: torch.Tensor) -> PlannedRun:
     ctx = queries.shape[1]
     itemsize = 2 if acc.mixed_precision in ("bf16", "fp16") else next(unwrapped.parameters()).element_size()
     static = resolved_backend(unwrapped.policy, rollout_backend(args, run.engine_support)) == "static"
-    work = workload(args, unwrapped.policy.config, ctx, itemsize, cache_persists=static)
+    work = workload(args, unwrapped.policy, ctx, itemsize, cache_persists=static)
     want = asked(args, memory, acc.distributed_type == DistributedType.DEEPSPEED)
     if pipeline_state(run.optimizer)[1]:  # it counts backwards itself: pieces would count as micro-batches
         want = replace(want, split=False)
