@@ -98,8 +98,9 @@ def test_triton_attention_dequantizes_inside_the_kernel(tokenizer, prompts):
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
 def test_every_family_decodes_over_an_8bit_cache(tokenizer, prompts, name):
-    """Sliding windows (masks over the full-length cache), soft-capped attention (dequantized first), q/k
-    norms, partial rotary, MoE: each family's log-probs over an int8 cache stay close to its own forward."""
+    """Sliding windows (a ring of ``window`` slots, its scales alongside), soft-capped attention (dequantized
+    first), q/k norms, partial rotary, MoE: each family's log-probs over an int8 cache stay close to its own
+    forward."""
     c = next(c for c in CASES if c.name == name)
     model = build(c, len(tokenizer))
     ids, mask = prompts

@@ -173,3 +173,47 @@ def test_no_ring_is_counted_where_the_generic_path_runs(tokenizer):
     generic = build(case("phi3"), len(tokenizer), sliding_window=WINDOW, rope_parameters=rope)
     assert unsupported_reason(generic) is not None and all(layer_windows(generic.config))
     assert ring_windows(model) == (WINDOW,) * 4 and ring_windows(generic) == ()
+
+
+@pytest.fixture()
+def no_tf32():
+    """fp32 matmuls in fp32 on the GPU (the greedy comparisons with ``generate``)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+@pytest.mark.parametrize("mode", ["compile", "cuda_graph"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text"])
+def test_ring_greedy_on_cuda(tokenizer, prompts, no_tf32, name, mode, attention):
+    """The ring inside a compiled / recorded step (its entry and mask computed from the step tensor), with
+    SDPA and the Triton kernel (which reads the whole ring): fp32 greedy tokens equal ``generate``, twice
+    (the second call replays the recorded graphs)."""
+    model = _model(tokenizer, name).cuda()
+    ids, mask = (x.cuda() for x in prompts)
+    engine = _engine(model, decode_mode=mode, decode_attention=attention)
+    ref = hf_greedy(model, ids, mask, GREEDY_TOKENS, stop=None)
+    for _ in range(2):
+        got = engine.generate(ids, mask, SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False))
+        assert torch.equal(got.responses, ref)
+    assert engine._static._buf.k[0].shape[2] == WINDOW
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_the_8bit_ring_on_cuda(tokenizer, prompts, no_tf32, attention):
+    """int8 ring against int8 full-length cache in the recorded step (Triton dequantizes inside the kernel)."""
+    model = _model(tokenizer, "gemma3_text").cuda()
+    ids, mask = (x.cuda() for x in prompts)
+    out = {}
+    for sliding in ("ring", "full"):
+        engine = StaticEngine(model, 0, [], decode_mode="cuda_graph", attention=attention, path="native",
+                              kv_cache_dtype="int8")  # fmt: skip
+        engine.net.sliding_cache = sliding
+        with torch.no_grad():
+            out[sliding] = engine.generate(ids, mask, SamplingParams(max_new_tokens=60, do_sample=False))
+    assert torch.equal(out["ring"][0], out["full"][0])
+    assert (out["ring"][1] - out["full"][1]).abs().max() <= INT8_ATOL
