@@ -63,6 +63,22 @@ def test_prompts_longer_than_the_window_left_padded(tokenizer, name):
     assert engine._buf.k[0].shape[2] == WINDOW  # the ring was used (layer 0 is local in both)
 
 
+def test_a_chunked_prefill_fills_the_rings_row_by_row(tokenizer):
+    """``prefill_rows``: each chunk writes its rows' rings through views of the cache (prompts longer than the
+    window), the same tokens and cache as one prefill."""
+    model = _model(tokenizer, "gemma2")
+    ids, mask = _long_prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=30, do_sample=False)
+    out = {}
+    for rows in (None, 1):
+        engine = StaticEngine(model, 0, [], path="native", prefill_rows=rows)
+        with torch.no_grad():
+            out[rows] = (engine.generate(ids, mask, params)[0], [k.clone() for k in engine._buf.k])
+    assert torch.equal(out[None][0], out[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[None][1], out[1][1]))
+    assert out[1][1][0].shape[2] == WINDOW
+
+
 @pytest.mark.parametrize("name", WINDOWED)
 def test_sampled_logprobs_past_the_window_equal_a_forward(tokenizer, name):
     model = _model(tokenizer, name, seed=1)
