@@ -9,6 +9,7 @@ import pytest
 import torch
 from _rollout_helpers import fresh_logits, hf_greedy
 from family_cases import GREEDY_TOKENS, LOGPROB_ATOL, build, case
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rapidfire_hf.models.plumbing import layer_windows
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams
@@ -140,6 +141,40 @@ def test_the_8bit_ring_gives_the_full_8bit_caches_tokens(tokenizer, prompts, nam
             assert engine._buf.k[0].dtype == torch.int8
     assert torch.equal(out["ring"][0], out["full"][0])
     assert (out["ring"][1] - out["full"][1]).abs().max() <= INT8_ATOL
+
+
+class _Remainders(TorchDispatchMode):
+    """Counts the ``remainder`` ops a decode step issues (each one a kernel of a recorded step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket is torch.ops.aten.remainder
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_ring_entry_per_window_size_not_per_layer(tokenizer):
+    """Every local layer of one window shares the step's ring entry ``slot mod window``: one remainder a
+    step, however many layers have that window (Gemma-3-1B: 22 local layers of 26)."""
+    net = StaticLlama(_model(tokenizer, "mistral"))
+    assert sum(w == WINDOW for w in net.windows) >= 2
+    b, length = 2, 4 * WINDOW
+    k, v = net.new_cache(b, length, "cpu")
+    cos, sin = net.rope_table(torch.arange(length).expand(b, length))
+    step = 3 * WINDOW
+    with torch.no_grad(), _Remainders() as ops:
+        net.decode(
+            torch.ones(b, dtype=torch.long),
+            torch.tensor([step]),
+            cos[:, :, step],
+            sin[:, :, step],
+            torch.ones(b, length, dtype=torch.bool),
+            k,
+            v,
+        )
+    assert ops.n == 2  # the entry, and the ring mask's (slot - j) mod window
 
 
 def test_a_bad_sliding_cache_is_named(tokenizer):

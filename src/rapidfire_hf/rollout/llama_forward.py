@@ -824,13 +824,15 @@ class StaticLlama:
         n = length if kv_len is None else kv_len
         valid = key_valid[:, :n]
         # per layer: the slots it reads, its mask's key, and (a ring) the entry this token goes to
-        reads, keys, where = [], [], []
+        reads, keys, where, entry = [], [], [], {}  # entry: one remainder per ring size, not per layer
         for cache, window in zip(k_cache, self.windows):
             size = cache.shape[2]
             ring = size < length
             reads.append(min(n, size) if ring else n)
             keys.append(("ring", size) if ring else ("band", window))
-            where.append(torch.remainder(slot, size) if ring else slot)
+            if ring and size not in entry:
+                entry[size] = torch.remainder(slot, size)
+            where.append(entry[size] if ring else slot)
         masks = {}
         for kind, arg in set(keys):
             if kind == "ring":
