@@ -7,6 +7,8 @@
 #                                                     # (~2 x 3.5 min; each row its own worker process)
 #   bash benchmarks/card80/h100.sh OUT lora7b_kv      # lora7b_offload and lora7b_int8kv (the KV cache in int8)
 #   bash benchmarks/card80/h100.sh OUT full7b_kv      # full7b_offload and full7b_int8kv, 3 updates each
+#   bash benchmarks/card80/h100.sh OUT lora7b_fuse    # lora7b_offload and lora7b_fuselora (LoRA layers in
+#                                                     # the fused decode projections), 3 updates each
 # UPDATES_80 (default 4) sets the updates of a row; the first is the warm-up. CAP_GIB=79.19 caps a bigger
 # card to an H100 80 GB's memory (the allocator refuses past it; speed stays the bigger card's).
 set -u
@@ -25,6 +27,8 @@ for part in "$@"; do
     lora7b_kv|full7b_kv) base=${part%_kv}
                  $PY benchmarks/card80/run.py --out "$OUT/$part" --rows ${base}_offload,${base}_int8kv \
                      --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
-    *) echo "unknown part $part (full7b, lora7b, full7b_trades, lora7b_kv, full7b_kv)"; exit 2 ;;
+    lora7b_fuse) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows lora7b_offload,lora7b_fuselora \
+                     --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
+    *) echo "unknown part $part (full7b, lora7b, full7b_trades, lora7b_kv, full7b_kv, lora7b_fuse)"; exit 2 ;;
   esac
 done

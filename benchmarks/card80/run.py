@@ -12,7 +12,9 @@ tokens, fused value head, ``memory.optimization=aggressive``, chunks and micro-b
   ``bash benchmarks/card80/h100.sh OUT full7b_trades`` runs the two in one device call;
 - ``lora7b_int8kv`` / ``full7b_int8kv``: ``lora7b_offload`` / ``full7b_offload`` with an 8-bit KV cache
   (``rollout_kv_cache_dtype="int8"``); ``h100.sh OUT lora7b_kv`` (or ``full7b_kv``) runs each beside its
-  model-dtype row in one device call.
+  model-dtype row in one device call;
+- ``lora7b_fuselora``: ``lora7b_offload`` with ``rollout_decode_fuse_lora=True`` (the LoRA layers in the fused
+  decode projections, where the plan fuses); ``h100.sh OUT lora7b_fuse`` runs it beside ``lora7b_offload``.
 
 For each row the results hold, per phase (generation, scoring, training): the peak the trainer's plan
 predicted (``plan.phase_peak_bytes``, from its one-row probe on the card), the peak the same plan predicts
@@ -54,6 +56,9 @@ ROWS = {
     # fused decode projections); PPOConfig's defaults otherwise
     "lora7b_int8kv": {"batch": 256, "peft": True, "host_offload": "auto", "rollout_kv_cache_dtype": "int8"},
     "full7b_int8kv": {"batch": 160, "peft": False, "host_offload": "auto", "rollout_kv_cache_dtype": "int8"},
+    # PPOConfig.rollout_decode_fuse_lora=True (opt-in, not measured on a GPU yet): the LoRA layers join the
+    # fused decode projections where the plan fuses at all (benchmarks/ppo_vs_trl/worker.py "fuselora")
+    "lora7b_fuselora": {"batch": 256, "peft": True, "host_offload": "auto", "decode_kernels": "fuselora"},
 }
 
 
@@ -88,7 +93,7 @@ def worker_config(row: str, args: argparse.Namespace) -> dict:
         flags.append("--smoke")
     cfg = row_config("aggressive", preset_args(flags))
     cfg["name"], cfg["row"] = f"{row}_b{cfg['batch']}", row
-    for key in ("host_offload", "rollout_kv_cache_dtype"):
+    for key in ("host_offload", "rollout_kv_cache_dtype", "decode_kernels"):
         if key in spec:
             cfg[key] = spec[key]
     if args.cap_gib:

@@ -129,3 +129,19 @@ def test_the_chart_draws_a_stored_call_and_refuses_one_where_nothing_ran(tmp_pat
             chart(tmp_path / "bad.json")
     with pytest.raises(SystemExit, match="not a benchmarks/card80 results.json"):
         chart(tmp_path / "missing.json")
+
+
+def test_the_fuselora_row_differs_only_in_fusing_lora_and_reaches_the_trainer():
+    """``h100.sh OUT lora7b_fuse``: LoRA b256 as the default runs it and with rollout_decode_fuse_lora=True."""
+    from benchmarks.ppo_vs_trl.worker import speedup_args
+
+    args = parse_args(["--out", "x", "--rows", "lora7b_offload,lora7b_fuselora", "--updates", "3"])
+    plain, fused = worker_config("lora7b_offload", args), worker_config("lora7b_fuselora", args)
+    assert speedup_args(fused)["rollout_decode_fuse_lora"] is True
+    assert "rollout_decode_fuse_lora" not in speedup_args(plain)  # PPOConfig's default (False)
+    strip = {"name", "row", "decode_kernels"}
+    assert {k: v for k, v in plain.items() if k not in strip} == {
+        k: v for k, v in fused.items() if k not in strip
+    }
+    script = (Path(__file__).resolve().parents[2] / "benchmarks/card80/h100.sh").read_text()
+    assert "lora7b_fuse)" in script and "--rows lora7b_offload,lora7b_fuselora" in script
