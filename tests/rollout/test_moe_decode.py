@@ -1,15 +1,18 @@
 """The routed MoE decode (rollout/moe_decode.py) against the models' own MoE blocks (CPU, fp32), and proof
-that it has no host sync or data-dependent shape, so a CUDA graph can record it."""
+that it has no host sync or data-dependent shape, so a CUDA graph can record it; each of its expert forms
+forced through the engine gives ``model.generate``'s greedy tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_cases import build, case
+from _rollout_helpers import hf_greedy
+from family_cases import GREEDY_TOKENS, build, case
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from rapidfire_hf.rollout import RolloutEngine, SamplingParams
 from rapidfire_hf.rollout.llama_forward import StaticLlama
-from rapidfire_hf.rollout.moe_decode import moe_layout_reason, routed_moe
+from rapidfire_hf.rollout.moe_decode import MOE_FORMS, grouped_form_reason, moe_layout_reason, routed_moe
 
 # (case, config overrides): the tiny cases and a Qwen3-30B-A3B-like routing (8 of 128 experts)
 SHAPES = [
@@ -29,7 +32,7 @@ def _moe_blocks(name, overrides):
     return model, [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
 
 
-@pytest.mark.parametrize("form", ["gather", "dense", None])
+@pytest.mark.parametrize("form", [*MOE_FORMS, None])
 @pytest.mark.parametrize("name,overrides", SHAPES)
 def test_routed_moe_equals_the_models_block(name, overrides, form):
     model, blocks = _moe_blocks(name, overrides)
@@ -47,15 +50,9 @@ def test_routed_moe_equals_the_models_block(name, overrides, form):
             assert (out - ref).abs().max() <= 1e-6 * max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_decode_step_runs_routed_moe_and_has_no_host_sync(name):
-    """The decode step traced with fake tensors: a host read (``.item``, ``nonzero``, a data-dependent
-    shape) cannot be traced at all, and none of the ops that make one appear in the graph."""
-    model = build(case(name), 64)
-    net = StaticLlama(model, attention="matmul")
-    moe_layers = [i for i, layer in enumerate(net.layers) if hasattr(layer.mlp, "experts")]
-    assert moe_layers and all(net.moe_native[i] for i in moe_layers) and net.moe_reason is None
-    b, length = 4, 16
+def _trace_decode_step(net, b, dtype=torch.float32):
+    """The decode step of ``net`` at batch ``b`` traced with fake tensors: its graph."""
+    length = 16
     k, v = net.new_cache(b, length, "cpu")
     pos = torch.arange(length).expand(b, length)
     cos, sin = net.rope_table(pos)
@@ -64,18 +61,50 @@ def test_decode_step_runs_routed_moe_and_has_no_host_sync(name):
     def step(tokens, slot, cos, sin, valid, *cache):
         return net.decode(tokens, slot, cos, sin, valid, list(cache[: len(k)]), list(cache[len(k) :]))
 
-    args = (torch.tensor([3, 4, 5, 6]), torch.tensor([5]), cos[:, :, 5], sin[:, :, 5], valid, *k, *v)
+    args = (
+        torch.arange(3, 3 + b),
+        torch.tensor([5]),
+        cos[:, :, 5].to(dtype),
+        sin[:, :, 5].to(dtype),
+        valid,
+        *k,
+        *v,
+    )
     with torch.no_grad():
-        graph = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+        return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+
+
+# (form, dtype): torch's meta kernel of torch._grouped_mm takes bf16 only, so the grouped form traces in bf16
+TRACED = [
+    (None, torch.float32),
+    ("gather", torch.float32),
+    ("dense", torch.float32),
+    ("grouped", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("form,dtype", TRACED)
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_decode_step_runs_routed_moe_and_has_no_host_sync(name, form, dtype):
+    """The decode step traced with fake tensors: a host read (``.item``, ``nonzero``, a data-dependent
+    shape) cannot be traced at all, and none of the ops that make one appear in the graph. A forced form
+    is the one that runs: the grouped form's graph has torch's grouped GEMM, the others have none."""
+    model = build(case(name), 64).to(dtype)
+    net = StaticLlama(model, attention="matmul", moe_form=form)
+    moe_layers = [i for i, layer in enumerate(net.layers) if hasattr(layer.mlp, "experts")]
+    assert moe_layers and all(net.moe_native[i] for i in moe_layers) and net.moe_reason is None
+    b = 4
+    graph = _trace_decode_step(net, b, dtype)
     ops = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
     assert not {o for o in ops if "_local_scalar_dense" in o or "nonzero" in o}, ops
     assert any("topk" in o for o in ops)  # the routing is in the traced step
+    assert any("_grouped_mm" in o for o in ops) == (form == "grouped"), ops
     # the checker sees a host read where there is one: the model's block with transformers' eager expert
     # loop (a Python loop over the experts that ``nonzero`` found: each iteration reads a value on the host)
     mlp = net.layers[moe_layers[0]].mlp
     model.config._experts_implementation = "eager"
     with torch.no_grad(), pytest.raises(RuntimeError, match="_local_scalar_dense"):
-        make_fx(lambda h: mlp(h[:, None, :]))(torch.randn(b, model.config.hidden_size))
+        make_fx(lambda h: mlp(h[:, None, :]))(torch.randn(b, model.config.hidden_size, dtype=dtype))
 
 
 def test_unknown_form_is_refused_by_name():
@@ -93,7 +122,7 @@ def test_unknown_expert_layout_keeps_the_module_call_and_says_so():
     assert not any(net.moe_native) and "transposed" in net.moe_reason
 
 
-@pytest.mark.parametrize("form", ["gather", "dense"])
+@pytest.mark.parametrize("form", MOE_FORMS)
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_routed_moe_is_bit_exact_in_bf16(name, form):
     """bf16: the routing weights' dtype flow (Qwen3-MoE casts them to bf16, Mixtral keeps fp32 until the
@@ -108,3 +137,68 @@ def test_routed_moe_is_bit_exact_in_bf16(name, form):
             ref = mlp(h[:, None, :])
             ref = (ref[0] if isinstance(ref, tuple) else ref).squeeze(1)
             assert torch.equal(routed_moe(mlp, h, model.config.model_type, norm, form), ref)
+
+
+@pytest.mark.parametrize("form", MOE_FORMS)
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_forced_form_gives_generates_greedy_tokens(tokenizer, prompts, name, form, monkeypatch):
+    """Each form forced on the engine's net (as benchmarks/rollout/families.py ``--moe-form`` does) runs at
+    every routed layer and step, and the greedy tokens are ``model.generate``'s (CPU, fp32)."""
+    import rapidfire_hf.rollout.llama_forward as llama_forward
+
+    model = build(case(name), len(tokenizer))
+    ids, mask = prompts
+    ref = hf_greedy(model, ids, mask, GREEDY_TOKENS, stop=None)
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
+    engine._static.net.moe_form = form
+    ran = []
+
+    def spy(mlp, h, model_type, norm_topk_prob=True, form=None):
+        ran.append(form)
+        return routed_moe(mlp, h, model_type, norm_topk_prob, form)
+
+    monkeypatch.setattr(llama_forward, "routed_moe", spy)
+    out = engine.generate(ids, mask, SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False))
+    assert ran and set(ran) == {form}
+    assert torch.equal(out.responses, ref)
+    assert len(set(ref.flatten().tolist())) >= 8
+
+
+def test_forcing_the_grouped_form_where_torch_cannot_run_it_is_refused_by_name(monkeypatch):
+    model, blocks = _moe_blocks("mixtral", {})
+    h = torch.randn(4, model.config.hidden_size)
+    # traced in fp32: torch's meta kernel refuses the dtype; the error names the form
+    with torch.no_grad(), pytest.raises(RuntimeError, match="form='grouped': torch._grouped_mm refused"):
+        make_fx(
+            lambda x: routed_moe(blocks[0], x, "mixtral", form="grouped"),
+            tracing_mode="fake",
+            _allow_non_fake_inputs=True,
+        )(h)
+    # CUDA: one kernel for bf16 on compute capability 9.x / 10.x only (else torch loops on the host)
+    assert "bfloat16 only" in grouped_form_reason("cuda", torch.float32)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "not 8.0" in grouped_form_reason("cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert grouped_form_reason("cuda", torch.bfloat16) is None
+    assert grouped_form_reason("cpu", torch.float32) is None
+    # a torch without the op: forcing the form says so, never runs another form
+    monkeypatch.delattr(torch, "_grouped_mm")
+    with pytest.raises(ValueError, match="form='grouped' cannot run here: .* no torch._grouped_mm"):
+        routed_moe(blocks[0], h, "mixtral", form="grouped")
+    with pytest.raises(
+        ValueError, match="moe_form='grouped' cannot run on this model: .* no torch._grouped_mm"
+    ):
+        StaticLlama(model, attention="matmul", moe_form="grouped")
+    net = StaticLlama(model, attention="matmul")  # the default needs no grouped GEMM
+    assert net.moe_form is None
+    with pytest.raises(ValueError, match="moe_form='grouped' cannot run"):
+        net.moe_form = "grouped"
+    assert net.moe_form is None
+
+
+def test_a_bad_moe_form_is_refused_by_name():
+    model = build(case("mixtral"), 64)
+    with pytest.raises(ValueError, match="moe_form must be None or one of"):
+        StaticLlama(model, attention="matmul", moe_form="sparse")
+    with pytest.raises(ValueError, match="no routed MoE layer"):
+        StaticLlama(build(case("llama"), 64), attention="matmul", moe_form="gather")

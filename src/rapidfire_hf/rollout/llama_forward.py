@@ -29,7 +29,13 @@ from rapidfire_hf.rollout.families import (
     rope_kinds,
     rotary_tables,
 )
-from rapidfire_hf.rollout.moe_decode import is_moe_block, moe_layout_reason, routed_moe
+from rapidfire_hf.rollout.moe_decode import (
+    MOE_FORMS,
+    grouped_form_reason,
+    is_moe_block,
+    moe_layout_reason,
+    routed_moe,
+)
 from rapidfire_hf.rollout.sharded import ZERO3_PARTITIONED, zero3_partitioned
 
 DECODE_LINEARS = ("torch", "triton")
@@ -370,6 +376,11 @@ class StaticLlama:
             above) or ``"full"`` (every layer ``P + R`` slots, a local layer's window a mask over them: the
             engine before the ring, kept to measure the two against each other, benchmarks/rollout/families.py
             ``--sliding-cache``; set on a built net as the attribute of this name before its first cache).
+        moe_form: None (default: :func:`~rapidfire_hf.rollout.moe_decode.routed_moe` picks gather or dense
+            by batch) or one of ``MOE_FORMS`` (``"gather"``, ``"dense"``, ``"grouped"``) forced for every
+            routed MoE layer, to measure the forms against each other (benchmarks/rollout/families.py
+            ``--moe-form``); set on a built net as the attribute of this name before its first step. A form
+            that cannot run (``"grouped"`` without torch's one-kernel grouped GEMM) is refused by name.
     """
 
     def __init__(
@@ -381,6 +392,7 @@ class StaticLlama:
         fuse_lora: bool = False,
         kv_cache_dtype: str | None = None,
         sliding_cache: str = "ring",
+        moe_form: str | None = None,
     ):
         if sliding_cache not in SLIDING_CACHES:
             raise ValueError(f"sliding_cache must be one of {SLIDING_CACHES}, got {sliding_cache!r}")
@@ -453,6 +465,7 @@ class StaticLlama:
                 f"MoE decode runs the model's own expert modules, which a CUDA graph cannot record: {self.moe_reason}",
                 stacklevel=2,
             )
+        self.moe_form = moe_form
         self._qkv_sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
         self.fused = [fuse_projections and _fusable(layer, fam, fuse_lora) for layer in self.layers]
         # per generation (refresh_fused): whether a fused layer runs fused now (its LoRA state reproducible)
@@ -713,13 +726,31 @@ class StaticLlama:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         return self._heads(i, q, k, v, lead, rope)
 
+    @property
+    def moe_form(self) -> str | None:
+        """The expert form forced on every routed MoE layer (None: chosen per batch); see ``__init__``."""
+        return self._moe_form
+
+    @moe_form.setter
+    def moe_form(self, form: str | None) -> None:
+        if form is not None and form not in MOE_FORMS:
+            raise ValueError(f"moe_form must be None or one of {MOE_FORMS}, got {form!r}")
+        if form is not None and not any(self.moe_native):
+            raise ValueError(f"moe_form={form!r}: this model has no routed MoE layer the native decode runs")
+        if form == "grouped":
+            w = next(self.layers[i].mlp.experts.gate_up_proj for i, n in enumerate(self.moe_native) if n)
+            reason = grouped_form_reason(w.device, w.dtype)
+            if reason is not None:
+                raise ValueError(f"moe_form='grouped' cannot run on this model: {reason}")
+        self._moe_form = form
+
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP on ``h``. A routed MoE block at decode (``h`` is ``[B, H]``) runs
         :func:`~rapidfire_hf.rollout.moe_decode.routed_moe` (recordable: no host sync) where its layout is
         known, else its own module on ``[B, 1, H]`` as in the model."""
         mlp = self.layers[i].mlp
         if self.moe_native[i] and h.dim() == 2:
-            return routed_moe(mlp, h, self._model_type, self._norm_topk)
+            return routed_moe(mlp, h, self._model_type, self._norm_topk, self._moe_form)
         if self.family.moe and h.dim() == 2:
             out = mlp(h[:, None, :])
             return (out[0] if isinstance(out, tuple) else out).squeeze(1)

@@ -4,14 +4,27 @@ transformers' expert dispatch loops over the experts a batch hit (``nonzero`` on
 loop over its rows), which syncs with the host and cannot be recorded as a CUDA graph (on one H100 with
 transformers 5.17 the capture failed copying a CPU tensor, and the engine fell back to eager decoding).
 Here every row's top-k experts are routed with the model's own router weight, exactly as the family's
-modeling file does, then their stacked weights are gathered per row (``[B, k, 2I, H]``) and applied with
-batched matmuls: the same shapes every step, no host round trip.
+modeling file does, then the experts run in one of three forms (:data:`MOE_FORMS`), the same shapes every
+step, no host round trip:
 
-Two forms, the same shapes every step: gather each row's k experts (copies ``B * k`` expert weights) or run
-all ``E`` experts on every row (reads each weight once, ``E / k`` times the FLOPs) and pick the top-k
-outputs. Measured on the CPU (one thread, hidden 128, expert width 64, 8 of 128 experts): batch 8 gather
+- ``"gather"``: each row's k experts' stacked weights gathered (``[B, k, 2I, H]``, a copy of ``B * k``
+  expert weights: read, written, read again) and two batched matmuls;
+- ``"dense"``: every one of the ``E`` experts on every row (each weight read once, ``E / k`` times the
+  FLOPs), the top-k outputs picked;
+- ``"grouped"``: the ``B * k`` (row, expert) pairs sorted by expert, per-expert counts by a scatter-add
+  over ``E`` slots and their int32 cumulative offsets, then ``torch._grouped_mm`` (torch's grouped GEMM)
+  for gate/up and for down: each selected expert's weights read once, no copy. Where torch has no such
+  op, or would not run it as one kernel (CUDA: bf16 on sm90 / sm100 only; elsewhere torch loops over the
+  groups on the host, which a CUDA graph cannot record), forcing it is refused by name
+  (:func:`grouped_form_reason`); traced (``make_fx``, ``torch.compile``) it takes bf16 only (torch's meta
+  kernel refuses other dtypes, re-raised naming the form).
+
+Measured on the CPU (one thread, hidden 128, expert width 64, 8 of 128 experts): batch 8 gather
 1.6 ms / dense 3.6 ms; batch 64 gather 27.6 ms / dense 12.6 ms (the module's loop: 1.0 / 7.5 ms, but it
-cannot be recorded). So the dense form runs where ``B * k > E``.
+cannot be recorded). So ``form=None`` runs dense where ``B * k > E``, else gather; the grouped form is
+opt-in (``StaticLlama(moe_form="grouped")``) until measured: on one H100 (bf16, Qwen3-30B-A3B-shaped layers)
+the recorded step with the default forms took 9.72 ms at batch 8 and 8.91 ms at batch 64, the grouped form
+is not yet timed there (benchmarks/rollout/families.py ``--moe-form``).
 """
 
 from __future__ import annotations
@@ -23,6 +36,29 @@ from torch import nn
 # model_type -> whether the top-k probabilities are renormalised always (Mixtral) or per config
 # (Qwen3-MoE's norm_topk_prob), and whether the routing weights are cast back to the logits' dtype
 _ROUTERS = {"qwen3_moe": ("config", True), "mixtral": ("always", False)}
+# the expert forms of :func:`routed_moe` (None picks gather or dense by batch)
+MOE_FORMS = ("gather", "dense", "grouped")
+
+
+def grouped_form_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why ``form="grouped"`` cannot run on ``device`` in ``dtype`` as one recordable grouped GEMM (None
+    when it can): torch without ``torch._grouped_mm``; on CUDA, anything but bf16 on compute capability 9.x
+    / 10.x (torch's CUTLASS kernel; otherwise torch loops over the groups after copying the offsets to the
+    host, a sync a CUDA graph cannot record)."""
+    device = torch.device(device)
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm (the grouped GEMM)"
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return f"torch._grouped_mm runs one CUDA kernel for bfloat16 only, not {dtype}"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major not in (9, 10):
+            return (
+                f"torch._grouped_mm's CUDA kernel needs compute capability 9.x or 10.x, not {major}.{minor}"
+            )
+    elif device.type != "cpu":
+        return f"torch._grouped_mm is not checked on {device.type}"
+    return None
 
 
 def moe_layout_reason(mlp, config) -> str | None:
@@ -78,8 +114,10 @@ def routed_moe(
     Routing: fp32 softmax of the router logits, top-k, renormalised (Mixtral always, Qwen3-MoE when
     ``norm_topk_prob``), cast back to the logits' dtype for Qwen3-MoE. Experts: each row's top-k expert
     weights gathered from the stacked parameters and two batched matmuls (``form="gather"``), or every
-    expert on every row and the top-k outputs picked (``"dense"``); None picks dense where the rows' expert
-    copies would outnumber the experts (``B * k > E``). The weighted top-k outputs are summed over k.
+    expert on every row and the top-k outputs picked (``"dense"``), or the pairs grouped by expert through
+    ``torch._grouped_mm`` (``"grouped"``, refused by name where :func:`grouped_form_reason` says why); None
+    picks dense where the rows' expert copies would outnumber the experts (``B * k > E``), else gather. The
+    weighted top-k outputs are summed over k.
     """
     renorm, cast = _ROUTERS[model_type]
     experts, gate = mlp.experts, mlp.gate
@@ -93,6 +131,8 @@ def routed_moe(
     e = experts.gate_up_proj.shape[0]
     if form is None:
         form = "dense" if h.shape[0] * gate.top_k > e else "gather"
+    if form == "grouped":
+        return _grouped_experts(experts, h, idx, top)
     if form == "gather":
         gu = experts.gate_up_proj[idx]  # [B, k, 2I, H]: copies B * k expert weights
         x = torch.matmul(gu, h[:, None, :, None].to(gu.dtype)).squeeze(-1)  # [B, k, 2I]
@@ -104,7 +144,7 @@ def routed_moe(
         # transformers' default experts implementation (grouped / batched matmul)
         return (out * top[..., None]).sum(dim=1).to(h.dtype)
     if form != "dense":
-        raise ValueError(f"form must be 'gather' or 'dense', got {form!r}")
+        raise ValueError(f"form must be one of {MOE_FORMS} or None, got {form!r}")
     # every expert on every row, reading each expert's weights once; unselected experts weigh 0
     x = F.linear(h, experts.gate_up_proj.flatten(0, 1)).view(h.shape[0], e, -1)  # [B, E, 2I]
     g, u = x.chunk(2, dim=-1)
@@ -113,6 +153,33 @@ def routed_moe(
     )  # [E, B, H]
     out = out.transpose(0, 1).gather(1, idx[..., None].expand(-1, -1, out.shape[-1]))  # [B, k, H]
     return (out * top[..., None]).sum(dim=1).to(h.dtype)
+
+
+def _grouped_experts(experts, h: torch.Tensor, idx: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The experts of :func:`routed_moe` as two grouped GEMMs over the ``S = B * k`` (row, expert) pairs
+    sorted by expert: each selected expert's weights read once, static shapes, no host sync."""
+    if not torch.compiler.is_compiling():  # dynamo traces the same call; checked where it is built
+        reason = grouped_form_reason(h.device, experts.gate_up_proj.dtype)
+        if reason is not None:
+            raise ValueError(f"form='grouped' cannot run here: {reason}")
+    b, k = idx.shape
+    pairs = idx.reshape(-1)  # [S]: row r's j-th expert at r * k + j
+    order = torch.argsort(pairs, stable=True)  # [S]: the pairs grouped by expert (static size)
+    counts = torch.zeros(experts.gate_up_proj.shape[0], dtype=torch.int32, device=h.device)
+    counts.scatter_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))  # [E], bincount without a sync
+    offs = counts.cumsum(0, dtype=torch.int32)  # [E]: where each expert's rows end
+    x = h[order // k].to(experts.gate_up_proj.dtype)  # [S, H]
+    try:
+        y = torch._grouped_mm(x, experts.gate_up_proj.transpose(1, 2), offs=offs)  # [S, 2I]
+        g, u = y.chunk(2, dim=-1)
+        out = torch._grouped_mm(experts.act_fn(g) * u, experts.down_proj.transpose(1, 2), offs=offs)  # [S, H]
+    except RuntimeError as exc:  # e.g. traced in fp32: torch's meta kernel takes bf16 only
+        raise RuntimeError(
+            f"form='grouped': torch._grouped_mm refused {x.dtype} on {h.device}: {exc}"
+        ) from exc
+    out = out * top.reshape(-1)[order, None]  # in the routing weights' dtype, as the other forms
+    rows = torch.empty_like(out).index_copy_(0, order, out)  # back to row order: [B * k, H]
+    return rows.view(b, k, -1).sum(dim=1).to(h.dtype)
 
 
 def is_moe_block(mlp: nn.Module) -> bool:
