@@ -9,6 +9,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams
 from rapidfire_hf.rollout.llama_forward import SLIDING_CACHES
+from rapidfire_hf.rollout.moe_decode import MOE_FORMS
 
 
 def _sync(device: str) -> None:
@@ -118,10 +119,17 @@ VARIANTS = {  # attention, sampler, fused projections, compile mode, projections
 def _runner(model, system: str, ids, mask):
     """``run(n, hook)`` generating ``n`` tokens with ``system``; ``hook(k)`` follows decode step k. An ``ours_``
     system with ``@full`` keeps the full-length masked cache for sliding-window layers instead of their ring
-    (``StaticLlama.sliding_cache``, for the comparison of benchmarks/rollout/families.py)."""
-    system, _, sliding = system.partition("@")
-    if sliding not in ("", *SLIDING_CACHES) or (sliding and not system.startswith("ours_")):
-        raise ValueError(f"@{sliding}: an ours_ system takes @ring or @full")
+    (``StaticLlama.sliding_cache``), with ``@gather`` / ``@dense`` / ``@grouped`` runs every routed MoE layer in
+    that expert form (``StaticLlama.moe_form``; none: the engine's own choice), for the comparisons of
+    benchmarks/rollout/families.py; both may be given (``ours_cuda_graph@full@grouped``)."""
+    system, *mods = system.split("@")
+    sliding = next((m for m in mods if m in SLIDING_CACHES), "")
+    moe_form = next((m for m in mods if m in MOE_FORMS), None)
+    if len(mods) != bool(sliding) + bool(moe_form) or (mods and not system.startswith("ours_")):
+        raise ValueError(
+            f"@{'@'.join(mods)}: an ours_ system takes @ring or @full, and/or an MoE form @"
+            + ", @".join(MOE_FORMS)
+        )
     if system.startswith("ours_"):
         mode, _, variant = system.removeprefix("ours_").partition("+")
         engine = RolloutEngine(
@@ -139,6 +147,8 @@ def _runner(model, system: str, ids, mask):
         )
         if sliding:
             engine._static.net.sliding_cache = sliding  # before the first cache is allocated
+        if moe_form:
+            engine._static.net.moe_form = moe_form  # before the first step is recorded; refused by name
 
         def run(n, hook):
             engine._static.step_callback = hook
@@ -213,6 +223,8 @@ def time_config(model, system: str, batch: int, prompt_len: int, new_tokens: int
         run(new_tokens, hook)
         _sync(device)
         total = time.perf_counter() - t0
+        engine = getattr(run, "engine", None)  # the mode that ran: a step that failed to record runs eager
+        ran = {"decode_mode_ran": engine._static.decode_mode} if engine is not None else {}
     except torch.cuda.OutOfMemoryError:
         return {"status": "OOM"}
     except Exception as exc:  # noqa: BLE001 - one failing config must not lose the others
@@ -226,4 +238,5 @@ def time_config(model, system: str, batch: int, prompt_len: int, new_tokens: int
         "total_s": round(total, 3),
         "warmup_s": round(warmup_s, 2),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+        **ran,
     }

@@ -6,6 +6,10 @@
     # window (Gemma-3-1B: 512), on one H100 in < 3 minutes
     python benchmarks/rollout/families.py --out DIR --families gemma3-1b --prompt-len 128 --new-tokens 1024 \
         --systems ours_cuda_graph --batches 8,64 --sliding-cache ring,full --budget-s 100
+    # routed MoE experts: the recorded step with each expert form forced against the engine's own choice
+    # (Qwen3-30B-A3B layer shape), on one H100 in < 3 minutes
+    python benchmarks/rollout/families.py --out DIR --families qwen3moe-12l --systems ours_cuda_graph \
+        --batches 8,64 --moe-form auto,gather,dense,grouped --budget-s 120
 
 Each family's model is built random-init directly on the GPU in bf16 from its published hyper-parameters
 (:data:`SHAPES`), all kept resident, and timed in one process: the engine's compiled step (``ours_compile``,
@@ -18,6 +22,12 @@ and a row not started within ``--budget-s`` is written as skipped, so the call f
 ring of ``window`` slots) and as ``system@full`` (every layer's cache the whole rollout, the window a mask:
 the engine before the ring, ``StaticLlama.sliding_cache``); the summary's ``sliding`` entries give the
 full/ring step-time and peak-memory ratios.
+
+``--moe-form auto,gather,dense,grouped`` times every ``ours_`` system of a routed-MoE family once more per
+named form, as ``system@form`` (every routed layer in that form, ``StaticLlama.moe_form``; ``auto`` is the
+engine's own choice: dense where ``batch * k > E``, else gather); the summary's ``moe_form`` entries give
+each form's step time over the auto form's (``over_auto``) and the decode mode that ran (a step that fails to
+record runs eager: ``decode_mode_ran``).
 
 Writes results.json (environment, command, shapes, bf16 greedy agreement per family, rows, per-family
 summary with the decode time per weight byte against the Llama row) and results.csv into --out.
@@ -38,6 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import _prompts, random_model, time_config  # noqa: E402
+
+from rapidfire_hf.rollout.moe_decode import MOE_FORMS  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.common
 from benchmarks.common import write_json  # noqa: E402
@@ -115,14 +127,25 @@ def agreement(model, prompt_len: int, new_tokens: int, device: str, mode: str) -
     }
 
 
+def is_moe(name: str) -> bool:
+    """Whether family ``name`` has routed experts (the ``@<moe form>`` systems run for it only)."""
+    kwargs = SHAPES[name][1]
+    return "num_experts" in kwargs or "num_local_experts" in kwargs
+
+
+def moe_form_of(system: str) -> str | None:
+    return next((m for m in system.split("@")[1:] if m in MOE_FORMS), None)
+
+
 def plan(names: list[str], systems: list[str], batches: list[int]) -> list[tuple[str, str, int]]:
     """Rows in priority order: the uncompiled systems for every family and batch first, then each compiled
-    system at the smallest batch for every family, then the larger batches."""
+    system at the smallest batch for every family, then the larger batches. A forced MoE form
+    (``system@gather``...) only for the routed-MoE families."""
     cheap = [s for s in systems if s.partition("@")[0] in ("ours_cuda_graph", "hf_dynamic", "ours_eager")]
     costly = [s for s in systems if s not in cheap]
     rows = [(n, s, b) for n in names for b in batches for s in cheap]
     rows += [(n, s, b) for b in batches for n in names for s in costly]
-    return rows
+    return [(n, s, b) for n, s, b in rows if moe_form_of(s) is None or is_moe(n)]
 
 
 def summarize(rows: list[dict], weights: dict[str, int], batches: list[int]) -> list[dict]:
@@ -155,13 +178,25 @@ def summarize(rows: list[dict], weights: dict[str, int], batches: list[int]) -> 
                      "full_over_ring": round(full / ring, 3),
                      "ring_peak_gib": peaks.get(base_system), "full_peak_gib": peaks.get(system)}  # fmt: skip
             out.append(entry)
+    for fam, system, b in list(ok):  # each forced MoE form against the engine's own choice (--moe-form)
+        form = moe_form_of(system)
+        auto_system = system.replace(f"@{form}", "")
+        if form is not None and (fam, auto_system, b) in ok:
+            ran = {(r["system"]): r.get("decode_mode_ran") for r in rows
+                   if r["family"] == fam and r["batch"] == b and r.get("status") == "ok"}  # fmt: skip
+            ms, auto = ok[(fam, system, b)], ok[(fam, auto_system, b)]
+            out.append({"family": fam, "batch": b, "moe_form": form, "system": auto_system, "ms": ms,
+                        "auto_ms": auto, "over_auto": round(ms / auto, 3), "decode_mode_ran": ran.get(system),
+                        "auto_decode_mode_ran": ran.get(auto_system)})  # fmt: skip
+    moe = [e for e in out if "moe_form" in e]
+    out = [e for e in out if "moe_form" not in e]
     out, sliding = [e for e in out if "sliding" not in e], [e for e in out if "sliding" in e]
     base = {e["batch"]: e for e in out if e["family"] == BASELINE}
     for e in out:
         ref = base.get(e["batch"])
         if ref is not None and ref["ours"] == e["ours"]:
             e["per_byte_vs_llama"] = round(e["ms_per_weight_gib"] / ref["ms_per_weight_gib"], 3)
-    return out + sliding
+    return out + sliding + moe
 
 
 def parse_args(argv=None):
@@ -177,6 +212,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--sliding-cache", default="ring",
         help="ring, or ring,full: also time every ours_ system with the full-length masked cache (system@full)",
+    )  # fmt: skip
+    p.add_argument(
+        "--moe-form", default="auto",
+        help=f"auto, or auto then any of {','.join(MOE_FORMS)}: also time every ours_ system of a routed-MoE family "
+        "with every routed layer in that expert form (system@form)",
     )  # fmt: skip
     return p.parse_args(argv)
 
@@ -199,8 +239,20 @@ def main(argv=None) -> int:
     if not sliding or sliding[0] != "ring" or any(c not in ("ring", "full") for c in sliding):
         print(f"--sliding-cache {args.sliding_cache!r}: 'ring' or 'ring,full'", file=sys.stderr)
         return 2
+    forms = [f for f in args.moe_form.split(",") if f]
+    if (
+        not forms
+        or forms[0] != "auto"
+        or len(set(forms)) != len(forms)
+        or any(f not in MOE_FORMS for f in forms[1:])
+    ):
+        print(f"--moe-form {args.moe_form!r}: 'auto', then any of {', '.join(MOE_FORMS)}, each once",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    ours = [s for s in systems if s.startswith("ours_")]
     if "full" in sliding:  # each of our systems once more over the full-length masked cache
-        systems += [f"{s}@full" for s in systems if s.startswith("ours_")]
+        systems += [f"{s}@full" for s in ours]
+    systems += [f"{s}@{f}" for f in forms[1:] for s in ours]  # and in each forced MoE form
     if bad:
         print(f"unknown family/system {', '.join(bad)}; families: {', '.join(SHAPES)}; "
               f"systems: {', '.join(SYSTEMS)}, ours_eager", file=sys.stderr)  # fmt: skip
@@ -227,6 +279,7 @@ def main(argv=None) -> int:
         "new_tokens": new_tokens,
         "batches": batches,
         "sliding_cache": sliding,
+        "moe_form": forms,
         "sampling": "do_sample=True, temperature=1.0, no stop token (every row runs all steps)",
         "timing": "as benchmarks/rollout/run.py: one warm-up call, one timed call; ms_per_step over steps 1..T-1",
         "shapes": {n: {"config": SHAPES[n][0], **config_kwargs(n, args.smoke)} for n in names},

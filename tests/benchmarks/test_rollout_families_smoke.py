@@ -84,3 +84,50 @@ def test_the_full_system_runs_the_full_length_cache():
         run = _timing._runner(model, system, ids, mask)
         run(32, None)
         assert [k.shape[2] for k in run.engine._static._buf.k] == slots, system
+
+
+def test_smoke_times_each_forced_moe_form_against_the_engines_choice(tmp_path, capsys):
+    """``--moe-form auto,gather,dense,grouped``: the MoE stand-in's step once per forced expert form
+    (``system@form``), a dense family not (it has no routed layer), each form over auto in the summary."""
+    fam = _families()
+    argv = ["--out", str(tmp_path), "--smoke", "--families", "qwen3moe-12l,llama-1.1b", "--systems", "ours_eager",
+            "--moe-form", "auto,gather,dense,grouped"]  # fmt: skip
+    assert fam.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["moe_form"] == ["auto", "gather", "dense", "grouped"]
+    assert [(r["family"], r["system"], r["status"]) for r in result["results"]] == [
+        ("qwen3moe-12l", s, "ok")
+        for s in ("ours_eager", "ours_eager@gather", "ours_eager@dense", "ours_eager@grouped")
+    ] + [("llama-1.1b", "ours_eager", "ok")]
+    entries = [e for e in result["summary"] if "moe_form" in e]
+    assert [e["moe_form"] for e in entries] == ["gather", "dense", "grouped"]
+    for e in entries:
+        assert e["system"] == "ours_eager" and e["batch"] == 2 and e["decode_mode_ran"] == "eager"
+        assert e["over_auto"] == round(e["ms"] / e["auto_ms"], 3) and e["over_auto"] > 0
+    for bad in ("grouped", "auto,sparse", "auto,gather,gather"):
+        assert fam.main([*argv[:-1], bad]) == 2
+        assert f"--moe-form {bad!r}: 'auto', then any of gather, dense, grouped" in capsys.readouterr().err
+
+
+def test_a_moe_form_system_forces_that_form_on_the_engine():
+    import torch
+
+    sys.path.insert(0, str(SCRIPT_DIR))
+    try:
+        import _timing
+    finally:
+        sys.path.remove(str(SCRIPT_DIR))
+    fam = _families()
+    model = fam.build_model("qwen3moe-12l", "cpu", torch.float32, smoke=True, max_positions=64)
+    ids, mask = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    for system, form, sliding in (("ours_eager", None, "ring"), ("ours_eager@grouped", "grouped", "ring"),
+                                  ("ours_eager@full@dense", "dense", "full")):  # fmt: skip
+        net = _timing._runner(model, system, ids, mask).engine._static.net
+        assert (net.moe_form, net.sliding_cache) == (form, sliding), system
+    for system in ("ours_eager@sparse", "hf_dynamic@grouped", "ours_eager@gather@dense"):
+        with pytest.raises(ValueError, match="an ours_ system takes @ring or @full, and/or an MoE form"):
+            _timing._runner(model, system, ids, mask)
+    with pytest.raises(ValueError, match="moe_form='gather': this model has no routed MoE layer"):
+        _timing._runner(
+            fam.build_model("llama-1.1b", "cpu", torch.float32, True, 64), "ours_eager@gather", ids, mask
+        )

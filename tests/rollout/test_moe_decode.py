@@ -202,3 +202,38 @@ def test_a_bad_moe_form_is_refused_by_name():
         StaticLlama(model, attention="matmul", moe_form="sparse")
     with pytest.raises(ValueError, match="no routed MoE layer"):
         StaticLlama(build(case("llama"), 64), attention="matmul", moe_form="gather")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_grouped_form_records_on_cuda_in_bf16(tokenizer, prompts, name):
+    """Where the GPU runs torch's grouped GEMM as one kernel (bf16, compute capability 9.x / 10.x): the
+    grouped form's output is the model block's within bf16 rounding (1e-2 of the largest value: other
+    kernels, other summation order), and the decode step with it forced records as a CUDA graph (no fall back
+    to eager) and replays the same greedy tokens."""
+    import warnings
+
+    reason = grouped_form_reason("cuda", torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    model = build(case(name), len(tokenizer)).cuda().to(torch.bfloat16)
+    norm = bool(getattr(model.config, "norm_topk_prob", True))
+    torch.manual_seed(2)
+    h = torch.randn(64, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for mlp in [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
+            ref = mlp(h[:, None, :])
+            ref = (ref[0] if isinstance(ref, tuple) else ref).squeeze(1).float()
+            out = routed_moe(mlp, h, model.config.model_type, norm, "grouped").float()
+            assert (out - ref).abs().max() <= 1e-2 * max(1.0, ref.abs().max().item())
+    ids, mask = (x.cuda() for x in prompts)
+    engine = RolloutEngine(
+        model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode="cuda_graph"
+    )
+    engine._static.net.moe_form = "grouped"
+    params = SamplingParams(max_new_tokens=32, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = (engine.generate(ids, mask, params).responses for _ in range(2))
+    assert not [str(w.message) for w in caught if "decode_mode=" in str(w.message)]
+    assert engine._static.decode_mode == "cuda_graph" and torch.equal(first, second)
