@@ -13,13 +13,19 @@ SCRIPT_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "rollout"
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _families():
+def _script(name: str):
+    """A module of benchmarks/rollout/, imported as the scripts there import each other."""
+    import importlib
+
     sys.path.insert(0, str(SCRIPT_DIR))
     try:
-        import families
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(SCRIPT_DIR))
-    return families
+
+
+def _families():
+    return _script("families")
 
 
 @pytest.mark.slow  # six models built and run twice each on the CPU
@@ -71,11 +77,7 @@ def test_smoke_times_the_sliding_ring_against_the_full_length_cache(tmp_path, ca
 def test_the_full_system_runs_the_full_length_cache():
     import torch
 
-    sys.path.insert(0, str(SCRIPT_DIR))
-    try:
-        import _timing
-    finally:
-        sys.path.remove(str(SCRIPT_DIR))
+    _timing = _script("_timing")
     fam = _families()
     model = fam.build_model("gemma3-1b", "cpu", torch.float32, smoke=True, max_positions=64)
     ids, mask = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
@@ -112,11 +114,7 @@ def test_smoke_times_each_forced_moe_form_against_the_engines_choice(tmp_path, c
 def test_a_moe_form_system_forces_that_form_on_the_engine():
     import torch
 
-    sys.path.insert(0, str(SCRIPT_DIR))
-    try:
-        import _timing
-    finally:
-        sys.path.remove(str(SCRIPT_DIR))
+    _timing = _script("_timing")
     fam = _families()
     model = fam.build_model("qwen3moe-12l", "cpu", torch.float32, smoke=True, max_positions=64)
     ids, mask = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
