@@ -590,6 +590,9 @@ def run_ours(cfg: dict, device: str) -> dict:
         "build_s": trainer.build_s,
         "kl_coef_applied": trainer.args.kl_coef,
         "oom_splits": trainer.run_state.oom_splits,
+        # a decode step that failed to compile or record ran one mode down: say so in the row
+        "decode_mode_ran": trainer.run_state.decode_mode_ran,
+        "decode_fallbacks": list(trainer.run_state.decode_fallbacks),
         "optimizer_class": inner_optimizer_name(trainer.optimizer),
         "ref_class": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
         "reward_class": type(trainer.reward_model).__name__,

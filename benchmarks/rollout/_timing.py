@@ -224,7 +224,7 @@ def time_config(model, system: str, batch: int, prompt_len: int, new_tokens: int
         _sync(device)
         total = time.perf_counter() - t0
         engine = getattr(run, "engine", None)  # the mode that ran: a step that failed to record runs eager
-        ran = {"decode_mode_ran": engine._static.decode_mode} if engine is not None else {}
+        ran = {"decode_mode_ran": engine.decode_mode_ran} if engine is not None else {}
     except torch.cuda.OutOfMemoryError:
         return {"status": "OOM"}
     except Exception as exc:  # noqa: BLE001 - one failing config must not lose the others

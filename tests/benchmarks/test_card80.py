@@ -48,6 +48,10 @@ def test_smoke_runs_a_row_on_the_cpu(tmp_path):
     assert (tmp_path / "table.md").read_text().startswith("| row | phase |")
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored["rows"][0]["plan"]["phase_peak_bytes"] and stored["summary"] == lines
+    # the row says how its decode steps ran (the worker's run_state; the CPU smoke: model.generate)
+    row = stored["rows"][0]
+    assert row["decode_mode_ran"] == {"hf": "generate", "static": "eager"}[row["rollout_backend"]]
+    assert row["decode_fallbacks"] == []
 
 
 def test_the_trades_rows_differ_only_in_host_offload_and_reach_the_trainer():

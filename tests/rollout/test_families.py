@@ -295,6 +295,10 @@ def test_a_step_that_cannot_be_compiled_or_recorded_falls_back_mode_by_mode(toke
     ]
     assert tried[:3] == ["compile", "cuda_graph", "eager"] and set(tried[3:]) == {"eager"}
     assert engine._static.decode_mode == "eager"
+    # what ran and each fall back, for the run's view (PPOTrainer.run_state) and benchmark rows
+    assert engine.decode_mode_ran == "eager"
+    steps = [f.split(":")[0] for f in engine.decode_fallbacks]
+    assert steps == ["compile -> cuda_graph", "cuda_graph -> eager"]
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, 20, stop=None))
 
 

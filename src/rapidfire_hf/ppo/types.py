@@ -109,6 +109,10 @@ class RunState:
     oom_splits: int  # micro-batches split and retried after a CUDA OOM, so far
     trainable_parameters: int  # elements of the trained parameters (ZeRO-3: their full size, ``ds_numel``)
     trainable_dtypes: tuple[str, ...]  # the trained parameters' dtypes, sorted ("bfloat16", "float32", ...)
+    # how the last rollout's decode steps ran (RolloutEngine.decode_mode_ran: "compile", "cuda_graph", "eager",
+    # "generate"; None before the first rollout) and each fall back to a lower mode so far, in order
+    decode_mode_ran: str | None = None
+    decode_fallbacks: tuple[str, ...] = ()
 
 
 def _to_float(v):

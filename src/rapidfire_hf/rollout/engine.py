@@ -224,6 +224,7 @@ class RolloutEngine:
             )
         self.kv_cache_dtype = kv_cache_dtype
         self._static = None
+        self._generated = False  # model.generate has run (decode_mode_ran)
         if backend == "static":
             from rapidfire_hf.rollout.static_engine import StaticEngine
 
@@ -279,6 +280,20 @@ class RolloutEngine:
         """Bytes of the fused decode projections' weight copies allocated so far (``decode_fuse_projections``;
         kept for the engine's life, refreshed in place before each generation; 0 without them)."""
         return self._static.net.fused_bytes() if self._static is not None else 0
+
+    @property
+    def decode_mode_ran(self) -> str | None:
+        """How the last generation's decode steps ran: ``"compile"``, ``"cuda_graph"`` or ``"eager"`` (the static
+        engine, after any fall back to a lower mode), ``"generate"`` (``model.generate``); None before the first."""
+        if self._static is None:
+            return "generate" if self._generated else None
+        return self._static.mode_ran
+
+    @property
+    def decode_fallbacks(self) -> tuple[str, ...]:
+        """Each time the decode step could not run in its mode and ran one mode down, in order
+        (``"compile -> cuda_graph: <error>"``); each was also warned once, when it happened."""
+        return tuple(self._static.fallbacks) if self._static is not None else ()
 
     def release(self) -> None:
         """Free the static engine's KV cache, buffers and recorded graphs (rebuilt on the next call)."""
@@ -340,6 +355,7 @@ class RolloutEngine:
                     self.stop_token_ids,
                     generator,
                 )
+                self._generated = True
         return self._finish(input_ids, tokens, logprobs, params.max_new_tokens)
 
     def _finish(self, input_ids, tokens, logprobs, r: int) -> RolloutOutput:

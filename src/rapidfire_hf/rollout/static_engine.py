@@ -192,6 +192,8 @@ class StaticEngine:
         self._compiled = None
         self._compiled_shapes: set[tuple] = set()
         self.step_callback = None  # called with t after each decode step (timing, progress); None = off
+        self.mode_ran: str | None = None  # the mode the last generation's decode steps ran (None: none yet)
+        self.fallbacks: list[str] = []  # each fall back to a lower mode, "compile -> cuda_graph: <error>"
 
     def held_bytes(self) -> int:
         """Bytes of the KV cache and step buffers kept for the next generation (0 after ``release``)."""
@@ -402,6 +404,7 @@ class StaticEngine:
             mode = self._run_step_or_fall_back(params, mode, t)
             if self.step_callback is not None:
                 self.step_callback(t)
+        self.mode_ran = mode
         return buf.tokens.clone(), buf.logprobs.clone()
 
     def _run_step_or_fall_back(self, params: SamplingParams, mode: str, t: int) -> str:
@@ -421,6 +424,7 @@ class StaticEngine:
                     "torch.compile of the decode step" if mode == "compile" else "recording the decode step"
                 )
                 warnings.warn(f"{what} failed ({exc!r}); running it as decode_mode={lower!r}", stacklevel=3)
+                self.fallbacks.append(f"{mode} -> {lower}: {exc!r}"[:300])
                 self._reset_graphs()
                 self.decode_mode = mode = lower
 

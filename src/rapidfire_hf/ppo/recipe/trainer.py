@@ -467,7 +467,8 @@ class PPOTrainer:
     @property
     def run_state(self) -> RunState:
         """What this run holds and has done so far, read-only (:class:`~rapidfire_hf.ppo.types.RunState`):
-        the rollout backend, OOM splits, trained parameters. Read by ``rapidfire demo`` and benchmark scripts."""
+        the rollout backend and how its decode steps ran, OOM splits, trained parameters. Read by ``rapidfire
+        demo`` and benchmark scripts."""
         engine, params = self.roller.engine, self.stepper.params
         copy_bytes = getattr(engine, "copy_bytes", None)
         return RunState(
@@ -477,6 +478,8 @@ class PPOTrainer:
             # ZeRO-3 leaves each parameter an empty placeholder; ds_numel is its full size
             trainable_parameters=sum(getattr(p, "ds_numel", p.numel()) for p in params),
             trainable_dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+            decode_mode_ran=engine.decode_mode_ran if engine is not None else None,
+            decode_fallbacks=engine.decode_fallbacks if engine is not None else (),
         )
 
     def trained_parts(self) -> TrainedParts:
