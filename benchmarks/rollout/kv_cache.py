@@ -142,6 +142,7 @@ def time_row(
         engine.generate(ids, mask, params, generator=torch.Generator(device).manual_seed(1))
         _sync(device)
         total = time.perf_counter() - t0
+        ran = engine.decode_mode_ran  # a step that failed to record ran eager (warned): the row says so
         buf = engine._static._buf
         cache_bytes = sum(
             t.numel() * t.element_size() for t in [*buf.k, *buf.v, *(buf.k_scale or []), *(buf.v_scale or [])]
@@ -163,6 +164,7 @@ def time_row(
         "warmup_s": round(warmup_s, 2),
         "cache_mib": round(cache_bytes / 2**20, 2),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+        "decode_mode_ran": ran,
     }
 
 

@@ -23,6 +23,7 @@ def test_tiny_cpu_run_writes_every_row(tmp_path):
         ("bf16", 2), ("fp8", 2), ("int8", 2), ("fp8", 4), ("int8", 4), ("bf16", 4)
     ]  # fmt: skip
     assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in rows), rows
+    assert {r["decode_mode_ran"] for r in rows} == {"eager"}  # the CPU runs the eager step, and says so
     mib = {(r["cache"], r["batch"]): r["cache_mib"] for r in rows}
     # fp32 on the CPU: one byte plus a 4-byte scale per 32-wide head vector, against four bytes
     assert mib[("int8", 2)] == pytest.approx(mib[("bf16", 2)] * (1 + 4 / 32) / 4, rel=0.02)
