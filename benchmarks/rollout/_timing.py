@@ -8,7 +8,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams
-from rapidfire_hf.rollout.llama_forward import SLIDING_CACHES
+from rapidfire_hf.rollout.kv_layout import SLIDING_CACHES
 from rapidfire_hf.rollout.moe_decode import MOE_FORMS
 
 

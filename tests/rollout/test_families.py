@@ -188,7 +188,7 @@ def test_models_doc_is_rendered_from_the_cases(tokenizer):
 
 
 def test_a_window_spanning_the_rollout_is_full_attention(tokenizer, prompts):
-    from rapidfire_hf.rollout.llama_forward import _band
+    from rapidfire_hf.rollout.kv_layout import band as _band
 
     model = build(case("gemma3_text"), len(tokenizer), sliding_window=512)
     ids, mask = prompts

@@ -12,6 +12,7 @@ current training weights.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch import nn
 
 from rapidfire_hf.kernels import gqa_decode_attention
 from rapidfire_hf.kernels.decode_attention import IMPLS
-from rapidfire_hf.kernels.kv_quant import SCALE_DTYPE, dequantize, kv_format, quantize
+from rapidfire_hf.kernels.kv_quant import dequantize, kv_format
 from rapidfire_hf.models import unwrap_peft
 from rapidfire_hf.models.plumbing import layer_windows
 from rapidfire_hf.rollout.families import (
@@ -29,6 +30,7 @@ from rapidfire_hf.rollout.families import (
     rope_kinds,
     rotary_tables,
 )
+from rapidfire_hf.rollout.kv_layout import KVLayout
 from rapidfire_hf.rollout.moe_decode import (
     MOE_FORMS,
     grouped_form_reason,
@@ -39,8 +41,6 @@ from rapidfire_hf.rollout.moe_decode import (
 from rapidfire_hf.rollout.sharded import ZERO3_PARTITIONED, zero3_partitioned
 
 DECODE_LINEARS = ("torch", "triton")
-# a local layer's cache shorter than the rollout: a ring of ``window`` slots, or the full length masked
-SLIDING_CACHES = ("ring", "full")
 
 # model_type -> the family's switches (rollout/families.py); kept under this name for callers
 SUPPORTED = FAMILIES
@@ -61,7 +61,7 @@ def unsupported_reason(model, gathered: bool = False) -> str | None:
 
 def ring_windows(model) -> tuple[int | None, ...]:
     """Per layer the sliding window that bounds its static-engine cache (a ring of ``min(window, P + R)``
-    slots, :class:`StaticLlama`; None: the whole rollout), as the memory planner counts it
+    slots, :class:`~rapidfire_hf.rollout.kv_layout.KVLayout`; None: the whole rollout), as the memory planner counts it
     (``Workload.kv_windows``); () where the native path cannot run ``model`` (the generic path keeps every
     layer's cache full-length). Judged as PPOTrainer's rollout runs it, inside a ZeRO-3 gather."""
     if unsupported_reason(model, gathered=True) is not None:
@@ -283,28 +283,6 @@ def _capped_attention(q, k, v, allowed, scale: float, softcap: float) -> torch.T
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
-def _band(valid: torch.Tensor, query_slot, window: int | None, length: int) -> torch.Tensor:
-    """``valid`` (``[..., n]`` over key slots) restricted to the sliding window ``slot > query_slot - window``
-    (HF's sliding-window mask); unchanged when there is no window or it spans all ``length`` slots."""
-    if window is None or window >= length:
-        return valid
-    keys = torch.arange(valid.shape[-1], device=valid.device)
-    return valid & (keys > query_slot - window)
-
-
-def _ring_valid(key_valid: torch.Tensor, slot: torch.Tensor, size: int) -> torch.Tensor:
-    """``[B, size]``: which entries of a ring cache of ``size`` slots the query at cache slot ``slot`` sees.
-
-    Entry ``j`` holds the latest slot ``<= slot`` congruent to ``j`` modulo ``size``,
-    ``slot - (slot - j) mod size``: exactly the window ``(slot - size, slot]`` of HF's sliding-window mask. It
-    is seen where that slot exists (``>= 0``: a ring not yet filled) and is valid in ``key_valid`` (``[B, L]``
-    over all slots of the rollout: left padding, the prompt, the response so far). ``slot`` is a ``[1]``
-    tensor, so a recorded or compiled step computes this at run time, one shape for every step."""
-    entries = torch.arange(size, device=key_valid.device)
-    held = slot - torch.remainder(slot - entries, size)
-    return key_valid.index_select(1, held.clamp_min(0)) & (held >= 0)
-
-
 def attention_softcap(config, softcap: float | None) -> float | None:
     """The attention soft-cap the model's own forward applies: ``softcap`` (the config's
     ``attn_logit_softcapping``), or None where the model attends through transformers' sdpa, which has no cap
@@ -331,15 +309,11 @@ class StaticLlama:
     Llama are the switches of its :class:`~rapidfire_hf.rollout.families.Family` (module names, norm
     positions, q/k/v layout, q/k norms, parallel residual, MoE module calls, scaled embeddings, soft-capping,
     Granite's multipliers, no-RoPE layers), plus the config's sliding windows and per-layer-type rotary
-    tables. A sliding-window layer whose window spans prompt + response is plain full attention over the
-    full-length cache; a shorter window keeps a ring of ``window`` slots (``sliding_cache="ring"``): decode
-    writes slot ``s`` at entry ``s mod window`` and attends over the ring with :func:`_ring_valid`'s mask,
-    prefill stores the prompt's last ``window`` slots the same way (its own attention is over the whole
-    prompt, banded by :func:`_band`). Keys are cached after their rotary embedding (every family here rotates
-    q and k by absolute positions, Gemma-3's local layers by their own base), so the order of the entries does
-    not change attention (up to the rounding of a sum taken in another order). Every decode attention takes a
-    ring: SDPA, matmul and the soft-capped attention mask it; the Triton kernel reads all of it (its
-    ``kv_end`` bound applies to full-length caches only); an 8-bit cache keeps its scales in the same ring.
+    tables. Where each layer's K/V go in its cache (a ring of ``window`` slots for a sliding window shorter
+    than the rollout), and the prefill and decode masks, are its :attr:`layout`
+    (:class:`~rapidfire_hf.rollout.kv_layout.KVLayout`). Every decode attention takes a ring: SDPA, matmul
+    and the soft-capped attention mask it; the Triton kernel reads all of it (its ``kv_end`` bound applies to
+    full-length caches only).
 
     Args:
         model: an HF causal LM of a supported family, possibly wrapped by PEFT.
@@ -394,10 +368,7 @@ class StaticLlama:
         sliding_cache: str = "ring",
         moe_form: str | None = None,
     ):
-        if sliding_cache not in SLIDING_CACHES:
-            raise ValueError(f"sliding_cache must be one of {SLIDING_CACHES}, got {sliding_cache!r}")
-        self.sliding_cache = sliding_cache
-        self.kv_format = kv_format(kv_cache_dtype)
+        kv = kv_format(kv_cache_dtype)
         if linear not in DECODE_LINEARS:
             raise ValueError(f"linear must be one of {DECODE_LINEARS}, got {linear!r}")
         if linear != "torch" and not fuse_projections:
@@ -441,7 +412,8 @@ class StaticLlama:
         self.scale = attn.scaling
         self.hidden = cfg.hidden_size
         self.qk_norm = fam.qk_norm
-        self.windows = layer_windows(cfg)
+        # where each layer's K/V go in its cache (a ring for a short sliding window), the steps' masks
+        self.layout = KVLayout(tuple(layer_windows(cfg)), sliding_cache, kv, self.n_kv, self.head_dim)
         kinds = rope_kinds(cfg, self.body)
         self.rope_kinds = kinds
         self._tables = list(dict.fromkeys(k for k in kinds if k is not None))  # rotary tables, in this order
@@ -584,75 +556,37 @@ class StaticLlama:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    @property
+    def sliding_cache(self) -> str:
+        """``"ring"`` or ``"full"`` (:data:`~rapidfire_hf.rollout.kv_layout.SLIDING_CACHES`); set on a built net
+        before its first cache (a new :attr:`layout`)."""
+        return self.layout.sliding_cache
+
+    @sliding_cache.setter
+    def sliding_cache(self, value: str) -> None:
+        self.layout = replace(self.layout, sliding_cache=value)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per layer its sliding window (None: global attention)."""
+        return self.layout.windows
+
+    @property
+    def kv_format(self):
+        """The 8-bit cache's :class:`~rapidfire_hf.kernels.kv_quant.KVFormat` (None: the model's dtype)."""
+        return self.layout.kv_format
+
     def cache_lengths(self, length: int) -> list[int]:
-        """Per layer: the cache slots of a rollout of ``length`` (prompt + response) slots: ``length``, or the
-        window of a local layer whose window is shorter (its ring; all ``length`` with ``sliding_cache="full"``)."""
-        if self.sliding_cache == "full":
-            return [length] * len(self.layers)
-        return [w if w is not None and w < length else length for w in self.windows]
+        """Per layer the cache slots of a rollout of ``length`` slots (:meth:`KVLayout.cache_lengths`)."""
+        return self.layout.cache_lengths(length)
 
     def new_cache(self, batch: int, length: int, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zeroed ``(k, v)`` caches for a rollout of ``length`` slots: one ``[B, KV, L_i, D]`` tensor per layer,
-        in the model's dtype, ``L_i`` from :meth:`cache_lengths` (a local layer's ring: its window).
-
-        One tensor per layer rather than one stacked tensor: under ``torch.compile`` an in-place write into
-        a view of a graph input can be functionalised into a scatter over the whole base tensor.
-        """
-        dtype = self.dtype if self.kv_format is None else self.kv_format.dtype
-
-        def make():
-            return [
-                torch.zeros((batch, self.n_kv, n, self.head_dim), dtype=dtype, device=device)
-                for n in self.cache_lengths(length)
-            ]
-
-        return make(), make()
+        """Zeroed ``(k, v)`` caches, one ``[B, KV, L_i, D]`` tensor per layer (:meth:`KVLayout.new_cache`)."""
+        return self.layout.new_cache(batch, length, device, self.dtype)
 
     def new_cache_scales(self, batch: int, length: int, device) -> tuple[list, list] | None:
-        """An 8-bit cache's ``(k_scales, v_scales)``: one ``[B, KV, L_i]`` fp32 tensor per layer each (ones,
-        so an unwritten slot dequantizes to the zero it holds; ``L_i`` as :meth:`new_cache`'s); None for a
-        cache in the model's dtype."""
-        if self.kv_format is None:
-            return None
-
-        def make():
-            return [
-                torch.ones((batch, self.n_kv, n), dtype=SCALE_DTYPE, device=device)
-                for n in self.cache_lengths(length)
-            ]
-
-        return make(), make()
-
-    def _write(self, cache, scales, i: int, x: torch.Tensor, slot=None) -> None:
-        """Store ``x`` ``[B, KV, n, D]`` into layer ``i``'s cache at slots ``[0, n)`` (``slot`` None: the
-        prompt) or at the slots ``slot`` (``[n]`` int64), quantized for an 8-bit cache (its scales into
-        ``scales[i]``)."""
-        s = None
-        if self.kv_format is not None:
-            x, s = quantize(x, self.kv_format)
-        if slot is None:
-            cache[i][:, :, : x.shape[2]] = x
-            if s is not None:
-                scales[i][:, :, : x.shape[2]] = s
-            return
-        if s is None:
-            cache[i].index_copy_(2, slot, x)
-            return
-        # as bytes: torch has no index_copy_ kernel for float8 (a same-size dtype view copies the same bits)
-        cache[i].view(torch.uint8).index_copy_(2, slot, x.view(torch.uint8))
-        scales[i].index_copy_(2, slot, s)
-
-    def _write_prompt(self, cache, scales, i: int, x: torch.Tensor) -> None:
-        """Store the prompt's ``x`` ``[B, KV, P, D]`` into layer ``i``'s cache: at slots ``[0, P)``, or, in a
-        ring shorter than the prompt, its last ``window`` slots at entries ``slot mod window``."""
-        size, p = cache[i].shape[2], x.shape[2]
-        if p <= size:
-            self._write(cache, scales, i, x)
-            return
-        if self.windows[i] != size:
-            raise ValueError(f"layer {i}'s cache holds {size} slots, fewer than the prompt's {p}")
-        entries = torch.arange(p - size, p, device=x.device) % size
-        self._write(cache, scales, i, x[:, :, p - size :].contiguous(), entries)
+        """An 8-bit cache's ``(k_scales, v_scales)``, None otherwise (:meth:`KVLayout.new_cache_scales`)."""
+        return self.layout.new_cache_scales(batch, length, device)
 
     def rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[B, L]`` -> ``(cos, sin)`` each ``[T, B, L, Dr]`` from the model's rotary module(s):
@@ -777,13 +711,6 @@ class StaticLlama:
         return self._residual(x, m)
 
     # ----- prefill and decode ----------------------------------------------------------------------
-    def _scales(self, scales) -> tuple[list | None, list | None]:
-        """``(k_scales, v_scales)`` of a call: given exactly when the cache is 8-bit."""
-        if (scales is None) != (self.kv_format is None):
-            want = "no scales" if self.kv_format is None else f"the {self.kv_format.name} cache's scales"
-            raise ValueError(f"this forward's cache needs {want} (scales= of prefill / decode)")
-        return (None, None) if scales is None else scales
-
     def prefill(self, input_ids, attention_mask, cos, sin, k_cache, v_cache, scales=None) -> torch.Tensor:
         """Run the prompt, fill cache slots ``[0, P)``, return the last position's normed hidden state.
 
@@ -798,15 +725,10 @@ class StaticLlama:
         Returns:
             ``[B, H]`` final-norm hidden state at position ``P - 1``.
         """
-        ks, vs = self._scales(scales)
+        layout = self.layout
+        ks, vs = layout.split_scales(scales)
         b, p = input_ids.shape
-        device = input_ids.device
-        key_ok = attention_mask.bool()
-        causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()
-        eye = torch.eye(p, dtype=torch.bool, device=device)
-        rows = torch.arange(p, device=device)[:, None]
-        # a pad query sees itself, so its (unused) output is finite and never NaN-poisons the cache
-        masks = {w: (_band(causal, rows, w, p)[None] & key_ok[:, None, :]) | eye for w in set(self.windows)}
+        masks = layout.prompt_masks(attention_mask)
         cos, sin = cos[:, :, :, None, :], sin[:, :, :, None, :]
         x = self.embed_tokens(input_ids)
         for i in range(len(self.layers)):
@@ -815,11 +737,11 @@ class StaticLlama:
                 t = self._table_of[i]
                 q, k, v = self._qkv(i, h, (b, p), None if t is None else (cos[t], sin[t]))
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
-                self._write_prompt(k_cache, ks, i, k)
-                self._write_prompt(v_cache, vs, i, v)
+                layout.write_prompt(k_cache, ks, i, k)
+                layout.write_prompt(v_cache, vs, i, v)
                 # the prompt is attended once per rollout, so expanding K/V here costs little
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-                q, mask = q.transpose(1, 2), masks[self.windows[i]][:, None]
+                q, mask = q.transpose(1, 2), masks[i][:, None]
                 if self.attn_softcap is not None:
                     o = _capped_attention(q, k, v, mask, self.scale, self.attn_softcap)
                 else:
@@ -849,27 +771,10 @@ class StaticLlama:
         Returns:
             ``[B, H]`` final-norm hidden states.
         """
-        ks, vs = self._scales(scales)
+        layout = self.layout
+        ks, vs = layout.split_scales(scales)
         b = tokens.shape[0]
-        length = key_valid.shape[1]
-        n = length if kv_len is None else kv_len
-        valid = key_valid[:, :n]
-        # per layer: the slots it reads, its mask's key, and (a ring) the entry this token goes to
-        reads, keys, where, entry = [], [], [], {}  # entry: one remainder per ring size, not per layer
-        for cache, window in zip(k_cache, self.windows):
-            size = cache.shape[2]
-            ring = size < length
-            reads.append(min(n, size) if ring else n)
-            keys.append(("ring", size) if ring else ("band", window))
-            if ring and size not in entry:
-                entry[size] = torch.remainder(slot, size)
-            where.append(entry[size] if ring else slot)
-        masks = {}
-        for kind, arg in set(keys):
-            if kind == "ring":
-                masks[kind, arg] = _ring_valid(key_valid, slot, arg)[:, : min(n, arg)]
-            else:
-                masks[kind, arg] = _band(valid, slot, arg, length)
+        step = layout.decode_step(k_cache, key_valid, slot, kv_len)
         # no slot past this step's is valid: the Triton kernel stops there at run time (one shape for the
         # whole response: a compiled step's ``n`` is the whole cache); it reads a ring whole
         kv_end = slot + 1 if self.attention == "triton" else None
@@ -886,10 +791,10 @@ class StaticLlama:
                 else:
                     q, k, v = self._qkv(i, h, (b,), rope)
                 q = q.view(b, self.n_kv, self.group, self.head_dim)
-                self._write(k_cache, ks, i, k[:, :, None, :], where[i])
-                self._write(v_cache, vs, i, v[:, :, None, :], where[i])
-                m, ring = reads[i], keys[i][0] == "ring"
-                kc, vc, mask = k_cache[i][:, :, :m], v_cache[i][:, :, :m], masks[keys[i]]
+                layout.write(k_cache, ks, i, k[:, :, None, :], step.entries[i])
+                layout.write(v_cache, vs, i, v[:, :, None, :], step.entries[i])
+                m, ring = step.reads[i], step.rings[i]
+                kc, vc, mask = k_cache[i][:, :, :m], v_cache[i][:, :, :m], step.masks[i]
                 quant = {}
                 if ks is not None:  # an 8-bit cache: the slots read this step, with their scales
                     quant = {"k_scale": ks[i][:, :, :m], "v_scale": vs[i][:, :, :m]}
