@@ -8,6 +8,7 @@ init so greedy decoding is not decided by near-ties.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 GREEDY_TOKENS = 100  # greedy tokens compared with model.generate per case (CPU, fp32)
@@ -90,8 +91,9 @@ def build(c: Case, vocab_size: int, seed: int = 0, **overrides):
     import torch
     import transformers
 
+    # a copy: transformers' configs rewrite the dicts they are given in place (rope_parameters gains fields)
     kwargs = {**COMMON, **c.kwargs, **overrides, "vocab_size": vocab_size}
-    kwargs = {k: v for k, v in kwargs.items() if v is not DROP}
+    kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if v is not DROP})
     config = getattr(transformers, c.config)(**kwargs)
     if getattr(config, "attn_logit_softcapping", None) is not None:
         # the reference must be the model's soft-capped forward: only eager attention applies the cap, and
@@ -128,7 +130,7 @@ def _outside_model(name: str, config: str, model: str, kwargs: dict, vocab_size:
 
     base = {} if name == "gpt2" else {**COMMON}
     return getattr(transformers, model)(
-        getattr(transformers, config)(**base, **kwargs, vocab_size=vocab_size)
+        getattr(transformers, config)(**copy.deepcopy({**base, **kwargs}), vocab_size=vocab_size)
     )
 
 
