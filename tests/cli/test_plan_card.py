@@ -272,3 +272,34 @@ def test_the_fit_hint_offers_an_8bit_kv_cache_where_it_makes_the_plan_fit(capsys
     assert main(long) == 1
     assert "an 8-bit KV cache (--kv-cache-dtype int8; changes the arithmetic)" in capsys.readouterr().err
     assert main([*long, "--kv-cache-dtype", "int8"]) == 0
+
+
+def _generation_peak(tmp_path, capsys, name: str, config) -> int:
+    folder = tmp_path / name
+    config.save_pretrained(folder)
+    argv = ["plan", "--model", str(folder), "--gpu-memory", "80", "--batch", "64", "--prompt-length", "64",
+            "--response-length", "448", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)["phase_peak_bytes"]["generation"]
+
+
+def test_a_local_windowed_model_counts_its_ring_only_where_the_native_path_runs(tmp_path, capsys):
+    """A sliding window shorter than the rollout is a ring of ``window`` KV slots on the engine's native path;
+    the generic path (here Phi-3 with longrope scaling) keeps full-length caches, and ``rapidfire plan
+    --model`` counts them as PPOTrainer does (the shape alone would count a ring)."""
+    from transformers import MistralConfig, Phi3Config
+
+    small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
+    native = {w: _generation_peak(tmp_path, capsys, f"mistral{w}", MistralConfig(**small, sliding_window=w))
+              for w in (16, None)}  # fmt: skip
+    assert native[16] < native[None]  # the ring: 16 slots a layer instead of 512
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
+            "long_factor": [2.0] * 32, "original_max_position_embeddings": 256}  # fmt: skip
+    generic = {
+        w: _generation_peak(
+            tmp_path, capsys, f"phi{w}", Phi3Config(**small, sliding_window=w, rope_parameters=dict(rope))
+        )
+        for w in (16, None)
+    }
+    assert generic[16] == generic[None]  # full-length caches either way

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import sys
 import tempfile
@@ -213,10 +214,31 @@ def _decoder_shape(args: argparse.Namespace):
 
     try:
         conf = AutoConfig.from_pretrained(args.model)
-        return DecoderShape.from_config(conf), args.model
+        shape = DecoderShape.from_config(conf)
     except Exception as err:  # noqa: BLE001 - whatever the config's loader or validator raises: the user's file
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PlanUsageError(f"--model {args.model}: no decoder shape in its config.json ({first})") from None
+    if shape.windows and not _native_ring(conf):
+        # the generic path keeps every layer's cache full-length: count it so (PPOTrainer's plan does too)
+        shape = dataclasses.replace(shape, windows=())
+    return shape, args.model
+
+
+def _native_ring(conf) -> bool:
+    """Whether the static engine's native path, which keeps a local layer's cache as a ring of its window,
+    runs the model of ``conf``: judged on the model built on the meta device (no memory, no weights read).
+    A model that cannot be built that way is planned with full-length caches (the larger estimate)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rapidfire_hf.rollout.llama_forward import ring_windows
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(conf)
+    except Exception:  # noqa: BLE001 - an architecture transformers cannot build: no ring assumed
+        return False
+    return bool(ring_windows(model))
 
 
 def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
