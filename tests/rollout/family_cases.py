@@ -193,6 +193,13 @@ def render_models_md(vocab_size: int) -> str:
         "greedy tokens equal `model.generate` for 100 tokens (Mistral, Gemma-2, Gemma-3, Phi-3), prompts",
         "longer than the window, sampled log-probs, the allocated slots, and an int8 cache.",
         "",
+        "A routed MoE layer (`qwen3_moe`, `mixtral`) decodes through the model's own router and stacked expert",
+        "weights with no host round trip (`rollout/moe_decode.py`): each row's top-k experts gathered where",
+        "`B * k <= E`, else every expert on every row; a third form, one grouped GEMM over the rows sorted by",
+        "expert (`torch._grouped_mm`, bf16 on compute capability 9.x/10.x), is selectable for measurement",
+        "(`benchmarks/rollout/families.py --moe-form`) and not the default until a GPU call times the three.",
+        "`tests/rollout/test_moe_decode.py` checks each form against the model's own block.",
+        "",
         *_runs_section(vocab_size),
     ]
     return "\n".join(lines)
