@@ -31,3 +31,14 @@ def run_ranks(script: str, out: Path, *args: str, nproc: int = 2, timeout: int =
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         raise AssertionError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{tail}")
+
+
+def assert_greedy_rollout_equal(r: dict, rank: int) -> None:
+    """What every sharded-rollout rank script reports (``scripts/rollout_check.py``): the engine ran native,
+    and the greedy tokens of the sharded trainer's rollout equal the unsharded policy's (``model.generate``
+    and the static engine, one process) and a second rollout's (weights gathered again)."""
+    assert (r["backend"], r["path"]) == ("static", "native"), rank
+    assert r["tokens"] > 2 * r["rows"]
+    assert r["equal_generate"], f"rank {rank}: tokens differ from the unsharded model.generate"
+    assert r["equal_engine"], f"rank {rank}: tokens differ from the unsharded static engine"
+    assert r["equal_first"], f"rank {rank}: a second rollout (weights gathered again) differs"

@@ -20,6 +20,21 @@ def _table(out: str) -> list[str]:
     return table
 
 
+
+def _start_inputs(policy, backend: str):
+    """What ``start_facts`` reads for the rollout row: the rollout settings at their defaults (``backend`` as
+    given), no kernel patches, a plain optimizer, a CUDA device (nothing is allocated there)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    args = SimpleNamespace(rollout_decode_mode="auto", rollout_decode_attention="auto", rollout_decode_sampler="torch",
+                           rollout_decode_fuse_projections="auto", rollout_decode_linear="torch",
+                           rollout_decode_fuse_lora=False, rollout_backend=backend,
+                           rollout_kv_cache_dtype="auto")  # fmt: skip
+    patches = SimpleNamespace(summary=lambda: {"compiled_layers": {}, "liger": False})
+    return args, patches, torch.optim.SGD(policy.parameters(), lr=0.1), torch.device("cuda")
+
 def test_no_config_names_what_it_leaves_off(tmp_path, tokenizer, capsys):
     tiny_trainer(tmp_path, tokenizer, max_steps=1).train()
     table = _table(capsys.readouterr().out)
@@ -81,22 +96,14 @@ def test_the_rollout_backend_under_each_engine(engine, asked, runs):
 
 
 def test_the_start_table_names_why_zero3_generates_with_model_generate(tokenizer):
-    from types import SimpleNamespace
 
-    import torch
 
     from rapidfire_hf.demo import build_tiny_llama
     from rapidfire_hf.ppo.recipe.start_report import start_facts
     from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
 
     policy = build_tiny_llama(tokenizer)
-    args = SimpleNamespace(rollout_decode_mode="auto", rollout_decode_attention="auto", rollout_decode_sampler="torch",
-                           rollout_decode_fuse_projections="auto", rollout_decode_linear="torch",
-                           rollout_decode_fuse_lora=False, rollout_backend="auto",
-                           rollout_kv_cache_dtype="auto")  # fmt: skip
-    patches = SimpleNamespace(summary=lambda: {"compiled_layers": {}, "liger": False})
-    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
-    cuda = torch.device("cuda")
+    args, patches, opt, cuda = _start_inputs(policy, "auto")
     facts = start_facts(args, None, policy, False, opt, None, None, None, patches, "hf", cuda)
     assert facts.rollout == f"rollout: model.generate ({ZERO3_ROLLOUT})" and "ZeRO-3" in ZERO3_ROLLOUT
     args.rollout_backend = "hf"
@@ -110,8 +117,6 @@ def test_the_start_table_names_the_engine_path_of_a_zero3_policy_and_its_gather(
     The partitions are faked as DeepSpeed marks them (``ds_id``, ``ds_status``): DeepSpeed is not needed."""
     from types import SimpleNamespace
 
-    import torch
-
     from rapidfire_hf.demo import build_tiny_llama
     from rapidfire_hf.ppo.recipe.start_report import start_facts
     from rapidfire_hf.rollout.engine import choose_decode_path
@@ -122,13 +127,7 @@ def test_the_start_table_names_the_engine_path_of_a_zero3_policy_and_its_gather(
         p.ds_id, p.ds_status = i, SimpleNamespace(name="NOT_AVAILABLE")
     assert choose_decode_path(policy) == (None, f"native: {ZERO3_PARTITIONED}; generic: {ZERO3_PARTITIONED}")
     assert choose_decode_path(policy, gathered=True) == ("native", None)
-    args = SimpleNamespace(rollout_decode_mode="auto", rollout_decode_attention="auto", rollout_decode_sampler="torch",
-                           rollout_decode_fuse_projections="auto", rollout_decode_linear="torch",
-                           rollout_decode_fuse_lora=False, rollout_backend="static",
-                           rollout_kv_cache_dtype="auto")  # fmt: skip
-    patches = SimpleNamespace(summary=lambda: {"compiled_layers": {}, "liger": False})
-    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
-    cuda = torch.device("cuda")
+    args, patches, opt, cuda = _start_inputs(policy, "static")
     facts = start_facts(args, None, policy, False, opt, None, None, None, patches, "static", cuda)
     assert facts.rollout == (
         "rollout: static engine (native forward; DeepSpeed ZeRO-3: the policy gathered once per rollout, "
