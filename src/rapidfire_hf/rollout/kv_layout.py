@@ -147,12 +147,15 @@ class KVLayout:
             if s is not None:
                 scales[i][:, :, : x.shape[2]] = s
             return
-        if s is None:
+        if s is None or cache[i].dtype == torch.int8:
             cache[i].index_copy_(2, entries, x)
-            return
-        # as bytes: torch has no index_copy_ kernel for float8 (a same-size dtype view copies the same bits)
-        cache[i].view(torch.uint8).index_copy_(2, entries, x.view(torch.uint8))
-        scales[i].index_copy_(2, entries, s)
+        else:
+            # float8 as bytes: torch has no index_copy_ kernel for float8 (a same-size dtype view copies the
+            # same bits). Not int8: under torch.compile on CUDA the write through the dtype view cost a copy
+            # of the whole cache per step (below)
+            cache[i].view(torch.uint8).index_copy_(2, entries, x.view(torch.uint8))
+        if s is not None:
+            scales[i].index_copy_(2, entries, s)
 
     def write_prompt(self, cache, scales, i: int, x: torch.Tensor) -> None:
         """Store the prompt's ``x`` ``[B, KV, P, D]`` into layer ``i``'s cache: at slots ``[0, P)``, or, in a
