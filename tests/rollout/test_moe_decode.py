@@ -10,9 +10,15 @@ from _rollout_helpers import hf_greedy
 from family_cases import GREEDY_TOKENS, build, case
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rapidfire_hf.rollout import RolloutEngine, SamplingParams
+from rapidfire_hf.rollout import RolloutEngine, SamplingParams, moe_decode
 from rapidfire_hf.rollout.llama_forward import StaticLlama
-from rapidfire_hf.rollout.moe_decode import MOE_FORMS, grouped_form_reason, moe_layout_reason, routed_moe
+from rapidfire_hf.rollout.moe_decode import (
+    MOE_FORMS,
+    default_form,
+    grouped_form_reason,
+    moe_layout_reason,
+    routed_moe,
+)
 
 # (case, config overrides): the tiny cases and a Qwen3-30B-A3B-like routing (8 of 128 experts)
 SHAPES = [
@@ -153,9 +159,9 @@ def test_a_forced_form_gives_generates_greedy_tokens(tokenizer, prompts, name, f
     engine._static.net.moe_form = form
     ran = []
 
-    def spy(mlp, h, model_type, norm_topk_prob=True, form=None):
+    def spy(mlp, h, model_type, norm_topk_prob=True, form=None, grouped_ok=False):
         ran.append(form)
-        return routed_moe(mlp, h, model_type, norm_topk_prob, form)
+        return routed_moe(mlp, h, model_type, norm_topk_prob, form, grouped_ok)
 
     monkeypatch.setattr(llama_forward, "routed_moe", spy)
     out = engine.generate(ids, mask, SamplingParams(max_new_tokens=GREEDY_TOKENS, do_sample=False))
@@ -237,3 +243,66 @@ def test_the_grouped_form_records_on_cuda_in_bf16(tokenizer, prompts, name):
         first, second = (engine.generate(ids, mask, params).responses for _ in range(2))
     assert not [str(w.message) for w in caught if "decode_mode=" in str(w.message)]
     assert engine._static.decode_mode == "cuda_graph" and torch.equal(first, second)
+
+
+def test_the_default_form_follows_batch_and_device():
+    """dense once the (row, expert) pairs outnumber the experts; below that the grouped GEMM where it records
+    on CUDA (the H100 call in default_form's docstring), gather elsewhere."""
+    assert default_form(8, 8, 128, grouped_ok=True) == "grouped"
+    assert default_form(8, 8, 128, grouped_ok=False) == "gather"
+    assert default_form(16, 8, 128, grouped_ok=True) == "grouped"  # 128 pairs: not more than the experts
+    assert default_form(17, 8, 128, grouped_ok=True) == "dense"
+    assert default_form(64, 8, 128, grouped_ok=False) == "dense"
+
+
+def test_routed_moe_runs_the_grouped_gemm_by_default_where_the_caller_says_it_records(monkeypatch):
+    """form None with grouped_ok: the grouped path runs (spied) and gives the block's output (fp32); on a
+    CPU model StaticLlama never says grouped_ok, so its default stays gather / dense there."""
+    model, blocks = _moe_blocks(
+        "qwen3_moe",
+        {"num_experts": 128, "num_experts_per_tok": 8, "mlp_only_layers": [], "num_hidden_layers": 1},
+    )
+    ran = []
+    real = moe_decode._grouped_experts
+    monkeypatch.setattr(moe_decode, "_grouped_experts", lambda *a: ran.append(1) or real(*a))
+    torch.manual_seed(0)
+    h = torch.randn(4, model.config.hidden_size)
+    norm = bool(getattr(model.config, "norm_topk_prob", True))
+    with torch.no_grad():
+        ref = blocks[0](h[:, None, :])
+        ref = (ref[0] if isinstance(ref, tuple) else ref).squeeze(1)
+        out = routed_moe(blocks[0], h, model.config.model_type, norm, None, grouped_ok=True)
+        assert ran and (out - ref).abs().max() <= 1e-6 * max(1.0, ref.abs().max().item())
+        ran.clear()
+        routed_moe(blocks[0], h, model.config.model_type, norm, None, grouped_ok=False)
+        assert not ran
+    assert StaticLlama(model, attention="matmul")._grouped_ok is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_default_form_is_grouped_on_cuda_and_compiles(tokenizer, prompts, name, monkeypatch):
+    """The engine's default decode (compiled, then recorded) on a bf16 MoE model on a GPU where the grouped
+    GEMM records: a small batch runs the grouped form and compiles without falling back; a second call replays
+    the same greedy tokens. (The grouped form's arithmetic against the block: the test above, and the CPU
+    tests in fp32 / bf16.)"""
+    import warnings
+
+    reason = grouped_form_reason("cuda", torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    model = build(case(name), len(tokenizer)).cuda().to(torch.bfloat16)
+    ids, mask = (x.cuda() for x in prompts)
+    params = SamplingParams(max_new_tokens=32, do_sample=False)
+    forms = []
+    real = moe_decode.default_form
+    monkeypatch.setattr(moe_decode, "default_form", lambda *a: forms.append(real(*a)) or forms[-1])
+    engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode="compile")
+    assert engine._static.net._grouped_ok
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = (engine.generate(ids, mask, params).responses for _ in range(2))
+    assert not [str(w.message) for w in caught if "decode_mode=" in str(w.message)]
+    assert engine.decode_mode_ran == "compile" and not engine.decode_fallbacks
+    assert forms and set(forms) == {"grouped"}
+    assert torch.equal(first, second)

@@ -350,8 +350,8 @@ class StaticLlama:
             above) or ``"full"`` (every layer ``P + R`` slots, a local layer's window a mask over them: the
             engine before the ring, kept to measure the two against each other, benchmarks/rollout/families.py
             ``--sliding-cache``; set on a built net as the attribute of this name before its first cache).
-        moe_form: None (default: :func:`~rapidfire_hf.rollout.moe_decode.routed_moe` picks gather or dense
-            by batch) or one of ``MOE_FORMS`` (``"gather"``, ``"dense"``, ``"grouped"``) forced for every
+        moe_form: None (default: :func:`~rapidfire_hf.rollout.moe_decode.default_form` picks by batch and
+            device) or one of ``MOE_FORMS`` (``"gather"``, ``"dense"``, ``"grouped"``) forced for every
             routed MoE layer, to measure the forms against each other (benchmarks/rollout/families.py
             ``--moe-form``); set on a built net as the attribute of this name before its first step. A form
             that cannot run (``"grouped"`` without torch's one-kernel grouped GEMM) is refused by name.
@@ -671,11 +671,14 @@ class StaticLlama:
             raise ValueError(f"moe_form must be None or one of {MOE_FORMS}, got {form!r}")
         if form is not None and not any(self.moe_native):
             raise ValueError(f"moe_form={form!r}: this model has no routed MoE layer the native decode runs")
-        if form == "grouped":
+        self._grouped_ok = False
+        if any(self.moe_native):
             w = next(self.layers[i].mlp.experts.gate_up_proj for i, n in enumerate(self.moe_native) if n)
             reason = grouped_form_reason(w.device, w.dtype)
-            if reason is not None:
+            if form == "grouped" and reason is not None:
                 raise ValueError(f"moe_form='grouped' cannot run on this model: {reason}")
+            # form None: default_form picks the grouped GEMM for a small batch where it records on CUDA
+            self._grouped_ok = reason is None and w.device.type == "cuda"
         self._moe_form = form
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -684,7 +687,7 @@ class StaticLlama:
         known, else its own module on ``[B, 1, H]`` as in the model."""
         mlp = self.layers[i].mlp
         if self.moe_native[i] and h.dim() == 2:
-            return routed_moe(mlp, h, self._model_type, self._norm_topk, self._moe_form)
+            return routed_moe(mlp, h, self._model_type, self._norm_topk, self._moe_form, self._grouped_ok)
         if self.family.moe and h.dim() == 2:
             out = mlp(h[:, None, :])
             return (out[0] if isinstance(out, tuple) else out).squeeze(1)

@@ -21,10 +21,8 @@ step, no host round trip:
 
 Measured on the CPU (one thread, hidden 128, expert width 64, 8 of 128 experts): batch 8 gather
 1.6 ms / dense 3.6 ms; batch 64 gather 27.6 ms / dense 12.6 ms (the module's loop: 1.0 / 7.5 ms, but it
-cannot be recorded). So ``form=None`` runs dense where ``B * k > E``, else gather; the grouped form is
-opt-in (``StaticLlama(moe_form="grouped")``) until measured: on one H100 (bf16, Qwen3-30B-A3B-shaped layers)
-the recorded step with the default forms took 9.72 ms at batch 8 and 8.91 ms at batch 64, the grouped form
-is not yet timed there (benchmarks/rollout/families.py ``--moe-form``).
+cannot be recorded). So ``form=None`` runs dense where ``B * k > E``; below that the grouped GEMM on a CUDA
+device where it records, gather elsewhere (:func:`default_form`, with the H100 numbers that chose it).
 """
 
 from __future__ import annotations
@@ -106,8 +104,25 @@ def moe_layout_reason(mlp, config) -> str | None:
     return None
 
 
+def default_form(batch: int, k: int, e: int, grouped_ok: bool) -> str:
+    """The expert form :func:`routed_moe` runs when none is forced: dense where the rows' (row, expert)
+    pairs outnumber the experts (``batch * k > e``); otherwise the grouped GEMM where it runs as one
+    recordable kernel on a CUDA device (``grouped_ok``: :func:`grouped_form_reason` is None there), else
+    gather. One H100, bf16, Qwen3-30B-A3B-shaped layers, recorded step, one call (2026-12-07,
+    benchmarks/rollout/results/h100/moeform_2026-12-07): batch 8 gather 9.72 ms / dense 7.61 / grouped 5.40;
+    batch 64 gather 50.2 / dense 8.90 / grouped 9.20."""
+    if batch * k > e:
+        return "dense"
+    return "grouped" if grouped_ok else "gather"
+
+
 def routed_moe(
-    mlp, h: torch.Tensor, model_type: str, norm_topk_prob: bool = True, form: str | None = None
+    mlp,
+    h: torch.Tensor,
+    model_type: str,
+    norm_topk_prob: bool = True,
+    form: str | None = None,
+    grouped_ok: bool = False,
 ) -> torch.Tensor:
     """``mlp`` (a block :func:`moe_layout_reason` accepts) on ``h [B, H]``, as its own forward computes it.
 
@@ -116,8 +131,8 @@ def routed_moe(
     weights gathered from the stacked parameters and two batched matmuls (``form="gather"``), or every
     expert on every row and the top-k outputs picked (``"dense"``), or the pairs grouped by expert through
     ``torch._grouped_mm`` (``"grouped"``, refused by name where :func:`grouped_form_reason` says why); None
-    picks dense where the rows' expert copies would outnumber the experts (``B * k > E``), else gather. The
-    weighted top-k outputs are summed over k.
+    picks :func:`default_form` (``grouped_ok``: the caller checked the grouped GEMM runs here). The weighted
+    top-k outputs are summed over k.
     """
     renorm, cast = _ROUTERS[model_type]
     experts, gate = mlp.experts, mlp.gate
@@ -130,7 +145,7 @@ def routed_moe(
         top = top.to(logits.dtype)
     e = experts.gate_up_proj.shape[0]
     if form is None:
-        form = "dense" if h.shape[0] * gate.top_k > e else "gather"
+        form = default_form(h.shape[0], gate.top_k, e, grouped_ok)
     if form == "grouped":
         return _grouped_experts(experts, h, idx, top)
     if form == "gather":
