@@ -110,7 +110,7 @@ def default_form(batch: int, k: int, e: int, grouped_ok: bool) -> str:
     recordable kernel on a CUDA device (``grouped_ok``: :func:`grouped_form_reason` is None there), else
     gather. One H100, bf16, Qwen3-30B-A3B-shaped layers, recorded step, one call (2026-12-07,
     benchmarks/rollout/results/h100/moeform_2026-12-07): batch 8 gather 9.72 ms / dense 7.61 / grouped 5.40;
-    batch 64 gather 50.2 / dense 8.90 / grouped 9.20."""
+    batch 64 gather 50.18 / dense 8.90 / grouped 9.20."""
     if batch * k > e:
         return "dense"
     return "grouped" if grouped_ok else "gather"
