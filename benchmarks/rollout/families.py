@@ -26,8 +26,9 @@ full/ring step-time and peak-memory ratios.
 ``--moe-form auto,gather,dense,grouped`` times every ``ours_`` system of a routed-MoE family once more per
 named form, as ``system@form`` (every routed layer in that form, ``StaticLlama.moe_form``; ``auto`` is the
 engine's own choice, ``moe_decode.default_form``: dense where ``batch * k > E``, else the grouped GEMM where
-it records on CUDA, else gather); the summary's ``moe_form`` entries give each form's step time over the auto form's (``over_auto``) and the decode mode that ran (a step that fails to
-record runs eager: ``decode_mode_ran``).
+it records on CUDA, else gather); the summary's ``moe_form`` entries give each form's step time over the
+auto form's (``over_auto``) and the decode mode that ran (a step that fails to record runs eager:
+``decode_mode_ran``).
 
 Writes results.json (environment, command, shapes, bf16 greedy agreement per family, rows, per-family
 summary with the decode time per weight byte against the Llama row) and results.csv into --out.
