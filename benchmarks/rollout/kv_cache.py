@@ -210,7 +210,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--attention", default="auto", help="decode attention: auto (Triton on CUDA), sdpa, matmul"
     )
-    p.add_argument("--agree-rows", type=int, default=8, help="prompts of the greedy agreement check (0: skip it)")
+    p.add_argument(
+        "--agree-rows", type=int, default=8, help="prompts of the greedy agreement check (0: skip it)"
+    )
     p.add_argument("--agree-tokens", type=int, default=64, help="greedy tokens per prompt of that check")
     p.add_argument("--budget-s", type=float, default=240.0, help="rows not started by then are skipped")
     return p.parse_args(argv)
@@ -250,7 +252,14 @@ def main(argv=None) -> int:
     try:
         if args.agree_rows > 0:
             meta["greedy_agreement"] = agreement(
-                model, eight, args.agree_rows, args.prompt_len, args.agree_tokens, device, mode, args.attention
+                model,
+                eight,
+                args.agree_rows,
+                args.prompt_len,
+                args.agree_tokens,
+                device,
+                mode,
+                args.attention,
             )
     except Exception as exc:  # noqa: BLE001 - the timings are still worth having
         meta["greedy_agreement"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
