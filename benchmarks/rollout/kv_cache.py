@@ -170,13 +170,14 @@ def time_row(
 
 def plan(caches: list[str], base_batch: int, batches: list[int]) -> list[tuple[str, int]]:
     """(cache, batch) rows in priority order: bf16 at ``base_batch``, each 8-bit cache at every batch (the
-    base first), then bf16 at the other batches."""
+    base first), then bf16 at the other batches; bf16 rows only where ``caches`` names it."""
     eight = [c for c in caches if c != "bf16"]
-    rows = [("bf16", base_batch)]
+    rows = [("bf16", base_batch)] if "bf16" in caches else []
     rows += [
         (c, b) for b in sorted(set([base_batch, *batches]), key=lambda b: (b != base_batch, b)) for c in eight
     ]
-    rows += [("bf16", b) for b in sorted(set(batches) - {base_batch})]
+    if "bf16" in caches:
+        rows += [("bf16", b) for b in sorted(set(batches) - {base_batch})]
     return rows
 
 
