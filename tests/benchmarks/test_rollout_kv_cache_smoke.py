@@ -42,7 +42,6 @@ def test_bad_arguments_exit_with_status_2(tmp_path):
 
 
 def test_bf16_rows_only_where_the_caches_name_it():
-    from benchmarks.rollout.kv_cache import plan
-
+    plan = load_benchmark("rollout/kv_cache.py", keep_on_path=True).plan
     assert plan(["int8"], 128, [128, 256]) == [("int8", 128), ("int8", 256)]
     assert plan(["bf16", "int8"], 128, [256]) == [("bf16", 128), ("int8", 128), ("int8", 256), ("bf16", 256)]
