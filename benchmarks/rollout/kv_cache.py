@@ -232,10 +232,20 @@ def main(argv=None) -> int:
     if bad or not caches or not batches or min(batches + [args.base_batch]) < 1 or args.new_tokens < 3:
         print(f"bad --caches {bad} (of {CACHES}) / --batches / --new-tokens (>= 3)", file=sys.stderr)
         return 2
+    if len(set(caches)) != len(caches):
+        print(f"--caches names a cache twice: {args.caches}", file=sys.stderr)
+        return 2
+    if args.agree_rows < 0:
+        print(f"--agree-rows must be 0 (skip the check) or more, got {args.agree_rows}", file=sys.stderr)
+        return 2
     mode = args.decode_mode or ("cuda_graph" if device == "cuda" else "eager")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"--out {args.out}: cannot create the folder ({exc.strerror})", file=sys.stderr)
+        return 2
     meta = {
         "env": environment(torch.device(device) if device == "cuda" else "cpu"),
         "args": vars(args),

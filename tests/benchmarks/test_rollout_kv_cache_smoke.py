@@ -45,3 +45,26 @@ def test_bf16_rows_only_where_the_caches_name_it():
     plan = load_benchmark("rollout/kv_cache.py", keep_on_path=True).plan
     assert plan(["int8"], 128, [128, 256]) == [("int8", 128), ("int8", 256)]
     assert plan(["bf16", "int8"], 128, [256]) == [("bf16", 128), ("int8", 128), ("int8", 256), ("bf16", 256)]
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--caches", "int8,int8"], "names a cache twice"),
+        (["--agree-rows", "-3"], "--agree-rows must be 0"),
+        (["--caches", "int9"], "bad --caches ['int9']"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(tmp_path, capsys, args, said):
+    kv = load_benchmark("rollout/kv_cache.py", keep_on_path=True)
+    assert kv.main(["--out", str(tmp_path), "--shape", "tiny", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert said in err and len(err.splitlines()) == 1
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_in_one_line(tmp_path, capsys):
+    kv = load_benchmark("rollout/kv_cache.py", keep_on_path=True)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert kv.main(["--out", str(blocker / "x"), "--shape", "tiny", "--device", "cpu"]) == 2
+    assert "cannot create the folder" in capsys.readouterr().err
