@@ -64,12 +64,18 @@ def test_the_engine_follows_a_models_attention_that_drops_its_soft_cap(tokenizer
     params = SamplingParams(max_new_tokens=40, do_sample=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        capped = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
+        capped = RolloutEngine(
+            model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native"
+        )
         capped_out = capped.generate(ids, mask, params)
-    assert not [w for w in caught if "soft-capping" in str(w.message)]  # eager applies the cap: nothing to say
+    assert not [
+        w for w in caught if "soft-capping" in str(w.message)
+    ]  # eager applies the cap: nothing to say
     model.config._attn_implementation = "sdpa"  # what transformers 5.17 picks for Gemma-2 by default
     with pytest.warns(UserWarning, match=r"attn_implementation='sdpa'.*attn_logit_softcapping=2\.0.*'eager'"):
-        engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native")
+        engine = RolloutEngine(
+            model, pad_token_id=0, stop_token_ids=[], backend="static", decode_path="native"
+        )
     out = engine.generate(ids, mask, params)
     reference = build(case("gemma2"), len(tokenizer), seed=1)
     for layer in reference.model.layers:  # sdpa's forward: the eager one without the attention cap
@@ -233,7 +239,9 @@ def test_a_model_type_that_lies_about_its_layers_is_refused(tokenizer):
     assert "final_layer_norm" in unsupported_reason(model)
 
 
-@pytest.mark.parametrize(("name", "native"), [("gemma3_text", True), ("gpt2", False)])
+@pytest.mark.parametrize(
+    ("name", "native"), [("gemma3_text", True), ("qwen3_moe", True), ("mixtral", True), ("gpt2", False)]
+)
 def test_start_table_names_the_path_auto_takes_on_cuda(tokenizer, name, native):
     from types import SimpleNamespace
 
@@ -260,7 +268,8 @@ def test_start_table_names_the_path_auto_takes_on_cuda(tokenizer, name, native):
         args, None, policy, False, opt, None, None, None, patches, "auto", torch.device("cuda")
     )
     if native:
-        assert facts.rollout.startswith("rollout: static engine (native forward)")
+        assert facts.rollout.startswith("rollout: static engine (native forward")
+        assert ("routed MoE experts" in facts.rollout) == (name in ("qwen3_moe", "mixtral")), facts.rollout
     else:  # the generic path: the model's own forward over the engine's cache
         assert facts.rollout.startswith(
             "rollout: static engine (generic path: the model's own forward, model_type 'gpt2' is not one of"

@@ -306,3 +306,17 @@ def test_the_default_form_is_grouped_on_cuda_and_compiles(tokenizer, prompts, na
     assert engine.decode_mode_ran == "compile" and not engine.decode_fallbacks
     assert forms and set(forms) == {"grouped"}
     assert torch.equal(first, second)
+
+
+def test_the_start_table_says_how_the_experts_run():
+    """The start table's rollout line names the routed experts' forms for the run's device: the batch from
+    which dense runs, and below it gather on the CPU; nothing for a model without routed layers."""
+    from rapidfire_hf.rollout.moe_decode import default_form_said
+
+    model = build(case("qwen3_moe"), 64, num_experts=16, num_experts_per_tok=4, mlp_only_layers=[])
+    said = default_form_said(model, torch.device("cpu"))
+    assert said == "routed MoE experts (4 of 16): dense from batch 5, below it gather"
+    assert default_form(5, 4, 16, grouped_ok=True) == "dense" and default_form(4, 4, 16, True) == "grouped"
+    if not torch.cuda.is_available():  # a GPU this process cannot see: the rule, not a verdict
+        assert "the grouped GEMM where it records" in default_form_said(model, torch.device("cuda"))
+    assert default_form_said(build(case("llama"), 64), torch.device("cpu")) is None

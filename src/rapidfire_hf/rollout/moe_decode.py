@@ -116,6 +116,25 @@ def default_form(batch: int, k: int, e: int, grouped_ok: bool) -> str:
     return "grouped" if grouped_ok else "gather"
 
 
+def default_form_said(model, device: torch.device) -> str | None:
+    """One clause for the start table: how ``model``'s routed MoE layers pick their expert form when decoded on
+    ``device`` (:func:`default_form`); None where it has no routed layer :func:`routed_moe` computes."""
+    config = getattr(model, "config", None)
+    blocks = [m for m in model.modules() if is_moe_block(m)]
+    if config is None or not blocks or moe_layout_reason(blocks[0], config) is not None:
+        return None
+    e, k = blocks[0].gate.weight.shape[0], blocks[0].gate.top_k
+    dtype = blocks[0].experts.gate_up_proj.dtype
+    if device.type != "cuda":
+        below = "gather"
+    elif not torch.cuda.is_available():  # a plan for a GPU this process cannot see
+        below = "the grouped GEMM where it records (bf16, compute capability 9.x / 10.x), else gather"
+    else:
+        reason = grouped_form_reason(device, dtype)
+        below = "the grouped GEMM" if reason is None else f"gather ({reason})"
+    return f"routed MoE experts ({k} of {e}): dense from batch {e // k + 1}, below it {below}"
+
+
 def routed_moe(
     mlp,
     h: torch.Tensor,

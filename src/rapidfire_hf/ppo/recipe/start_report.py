@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rapidfire_hf.models.plumbing import unwrap_peft
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
 from rapidfire_hf.rollout.engine import choose_decode_path
+from rapidfire_hf.rollout.moe_decode import default_form_said
 from rapidfire_hf.rollout.sharded import zero3_partitioned
 
 
@@ -45,7 +47,9 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
     ]
     if args.rollout_decode_mode != "auto":
         kernels.insert(0, f"mode={args.rollout_decode_mode}")
-    unused = f"rollout_decode_{', rollout_decode_'.join(kernels)} (model.generate has no decode step of its own)"
+    unused = (
+        f"rollout_decode_{', rollout_decode_'.join(kernels)} (model.generate has no decode step of its own)"
+    )
     if backend == "hf":
         why = "rollout_backend='hf'" if args.rollout_backend == "hf" else ZERO3_ROLLOUT
         rollout = f"rollout: model.generate ({why})"
@@ -64,6 +68,8 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
         extra = f", {', '.join(kernels)}" if kernels else ""
         # which forward the engine runs, and why not the native one (rollout.engine.choose_decode_path)
         forward = "native forward" if path == "native" else f"generic path: the model's own forward, {reason}"
+        moe = default_form_said(unwrap_peft(policy), device) if path == "native" else None
+        forward += f"; {moe}" if moe else ""  # how the routed experts run (rollout/moe_decode.py)
         if _sharded(policy):  # FSDP2: rollout/sharded.py, distributed/generation.py
             forward += "; FSDP2: the policy gathered once per rollout, resharded after it"
         elif zero3:  # distributed/generation.py
