@@ -33,6 +33,7 @@ from rapidfire_hf.rollout.families import (
 from rapidfire_hf.rollout.kv_layout import KVLayout
 from rapidfire_hf.rollout.moe_decode import (
     MOE_FORMS,
+    grouped_by_default,
     grouped_form_reason,
     is_moe_block,
     moe_layout_reason,
@@ -678,7 +679,7 @@ class StaticLlama:
             if form == "grouped" and reason is not None:
                 raise ValueError(f"moe_form='grouped' cannot run on this model: {reason}")
             # form None: default_form picks the grouped GEMM for a small batch where it records on CUDA
-            self._grouped_ok = reason is None and w.device.type == "cuda"
+            self._grouped_ok = grouped_by_default(w.device, w.dtype)
         self._moe_form = form
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,13 @@ def default_form(batch: int, k: int, e: int, grouped_ok: bool) -> str:
     return "grouped" if grouped_ok else "gather"
 
 
+def grouped_by_default(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether :func:`default_form` may pick the grouped GEMM for experts in ``dtype`` on ``device``: a CUDA
+    device where it records as one kernel (:func:`grouped_form_reason`); elsewhere it is not timed."""
+    device = torch.device(device)
+    return device.type == "cuda" and grouped_form_reason(device, dtype) is None
+
+
 def default_form_said(model, device: torch.device) -> str | None:
     """One clause for the start table: how ``model``'s routed MoE layers pick their expert form when decoded on
     ``device`` (:func:`default_form`); None where it has no routed layer :func:`routed_moe` computes."""
@@ -129,9 +136,10 @@ def default_form_said(model, device: torch.device) -> str | None:
         below = "gather"
     elif not torch.cuda.is_available():  # a plan for a GPU this process cannot see
         below = "the grouped GEMM where it records (bf16, compute capability 9.x / 10.x), else gather"
+    elif grouped_by_default(device, dtype):
+        below = "the grouped GEMM"
     else:
-        reason = grouped_form_reason(device, dtype)
-        below = "the grouped GEMM" if reason is None else f"gather ({reason})"
+        below = f"gather ({grouped_form_reason(device, dtype)})"
     return f"routed MoE experts ({k} of {e}): dense from batch {e // k + 1}, below it {below}"
 
 
