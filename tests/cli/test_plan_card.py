@@ -224,11 +224,21 @@ def test_an_8bit_kv_cache_grows_the_generation_chunk_and_the_table_names_it(caps
     """Issue 46 item 2: with nothing offloaded, the 7B batch of 160 generates in 2 chunks of 80 with the model's
     dtype, at once with int8."""
     off = [*TARGET, "--json", "--host-offload", "off"]
-    assert main(off) == 0
+    assert main([*off, "--kv-cache-dtype", "model"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*off, "--kv-cache-dtype", "int8"]) == 0
     small = json.loads(capsys.readouterr().out)
     assert (plain["generation_rows"], small["generation_rows"]) == (80, 160)
+    # "auto" (the default) takes int8 here under aggressive: one chunk instead of two (memory.kv_choice)
+    assert main(off) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert (auto["generation_rows"], auto["kv_cache_dtype"], auto["asked"]["kv_cache_dtype"]) == (160, "int8", "auto")
+    assert auto["reasons"]["kv_cache_dtype"].startswith(
+        "auto, aggressive: generation in 1 chunk of 160 rows, not 2 of 80; 264.0 KiB a token of a row"
+    )
+    assert {k: v for k, v in auto.items() if k != "reasons" and k != "asked"} == {
+        k: v for k, v in small.items() if k != "reasons" and k != "asked"
+    }
     assert (plain["kv_cache_dtype"], small["kv_cache_dtype"]) == ("model dtype", "int8")
     assert small["kv_bytes_per_token"] / plain["kv_bytes_per_token"] == (128 + 4) / 256
     assert main([*TARGET, "--kv-cache-dtype", "int8"]) == 0
@@ -269,9 +279,20 @@ def test_the_fit_hint_offers_an_8bit_kv_cache_where_it_makes_the_plan_fit(capsys
     # 7B LoRA with 4,096-token responses on a 40 GiB card: the KV cache of one generated row is 2.1 GiB
     long = ["plan", "--shape", "llama-7b", "--gpu-memory", "40", "--batch", "8", "--micro", "1", "--peft",
             "--response-length", "4096", "--value-mode", "fused", "--config", "aggressive"]  # fmt: skip
-    assert main(long) == 1
+    assert main([*long, "--kv-cache-dtype", "model"]) == 1
     assert "an 8-bit KV cache (--kv-cache-dtype int8; changes the arithmetic)" in capsys.readouterr().err
     assert main([*long, "--kv-cache-dtype", "int8"]) == 0
+    capsys.readouterr()
+    # "auto" (the default) takes it under aggressive: the plan in the model's dtype does not fit
+    assert main([*long, "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["kv_cache_dtype"] == "int8" and auto["fits"]
+    assert auto["reasons"]["kv_cache_dtype"].startswith(
+        "auto, aggressive: the plan in the model's dtype does not fit the card"
+    )
+    main([*long[:-2], "--config", "balanced", "--json"])  # balanced keeps the arithmetic: the model's dtype
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_cache_dtype"] == "model dtype" and "only aggressive may" in plan["reasons"]["kv_cache_dtype"]
 
 
 def _generation_peak(tmp_path, capsys, name: str, config) -> int:

@@ -73,11 +73,11 @@ def test_the_generation_peak_of_a_fixed_chunk_drops_by_the_caches_bytes(kv):
 def test_the_asked_value_is_what_the_table_says():
     plan = card_plan(RUN, CARD, "aggressive", asked=Asked(free_cache=True, kv_cache_dtype="model"))
     assert plan.asked["kv_cache_dtype"] == "model" and plan.kv_cache_dtype == "model dtype"
-    assert "'auto' keeps the model's dtype" not in plan.reasons["kv_cache_dtype"]
+    assert "'auto': int8 only where" not in plan.reasons["kv_cache_dtype"]
     auto = card_plan(RUN, CARD, "aggressive")
     assert (
         auto.asked["kv_cache_dtype"] == "auto"
-        and "'auto' keeps the model's dtype" in auto.reasons["kv_cache_dtype"]
+        and "'auto': int8 only where memory.optimization=aggressive" in auto.reasons["kv_cache_dtype"]
     )
 
 

@@ -247,6 +247,8 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
     from rapidfire_hf.config.schema import to_plain
     from rapidfire_hf.memory.card_plan import RunShape, card_plan, fit_hint
     from rapidfire_hf.memory.frozen_choice import AUTO, plan_frozen
+    from rapidfire_hf.memory.kv_choice import AUTO as KV_AUTO
+    from rapidfire_hf.memory.kv_choice import plan_kv_cache
     from rapidfire_hf.memory.planner import GIB, Asked
 
     gib = _gpu_gib(str(args.gpu_memory))
@@ -278,7 +280,12 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
     if auto:  # PPOTrainer's own choice for "auto" (memory.frozen_choice), then the plan of what it chose
         choice = plan_frozen(run, device, level, asked=asked, host_offload=args.host_offload)
         run = run.with_frozen(choice.bits) if choice.bits else run
-    plan = card_plan(run, device, level, asked=asked, label=f"{name}, bf16", host_offload=args.host_offload)
+    label = f"{name}, bf16"
+    if args.kv_cache_dtype == KV_AUTO:  # PPOTrainer's own choice for "auto" (memory.kv_choice)
+        kv, plan = plan_kv_cache(run, device, level, asked=asked, label=label, host_offload=args.host_offload)
+        run = dataclasses.replace(run, kv_cache_dtype=kv.dtype)
+    else:
+        plan = card_plan(run, device, level, asked=asked, label=label, host_offload=args.host_offload)
     if choice is not None:
         plan = choice.on(plan)
     mem = run.memory(eight_bit_state=plan.optimizer_state == "8-bit")

@@ -27,6 +27,8 @@ class LevelTarget:
             the copies cost time), chosen only where the room it frees changes the plan.
         frozen_quantization: may hold the frozen reference and reward models in 8 or 4 bits where PPOConfig
             asks ``"auto"`` (changes their arithmetic: :mod:`rapidfire_hf.memory.frozen_choice`).
+        kv_cache_8bit: may store the rollout KV cache in int8 where PPOConfig's ``rollout_kv_cache_dtype`` is
+            ``"auto"`` (changes generation's arithmetic: :mod:`rapidfire_hf.memory.kv_choice`).
         compaction_interval: fewest optimizer steps between two threshold compactions (a compaction makes
             the next step cudaMalloc its activations again, so lazier levels wait longer).
         checkpoint_policy: the selective-checkpointing policy the level stands for (``"none"``,
@@ -44,6 +46,7 @@ class LevelTarget:
     recompute_below: float | None
     offload: bool = False
     frozen_quantization: bool = False
+    kv_cache_8bit: bool = False
 
 
 # least recompute first: the order selective checkpointing tries the policies in
@@ -53,7 +56,8 @@ MEMORY_LEVELS: dict[str, LevelTarget] = {
         LevelTarget("conservative", 0.80, False, False, 50, "none", None),
         LevelTarget("balanced", 0.85, True, False, 20, "elementwise", 16.0, offload=True),
         LevelTarget(
-            "aggressive", 0.92, True, True, 5, "matmuls", 4096.0, offload=True, frozen_quantization=True
+            "aggressive", 0.92, True, True, 5, "matmuls", 4096.0, offload=True, frozen_quantization=True,
+            kv_cache_8bit=True,
         ),
         LevelTarget("auto", 0.85, True, False, 20, None, None, offload=True),
     )

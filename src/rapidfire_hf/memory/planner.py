@@ -344,6 +344,11 @@ class Plan:
     train_label: str = "training micro-batch (rows)"  # (PPOSweep: rows of all trials per training forward)
 
     @property
+    def engine_kv_cache_dtype(self) -> str | None:
+        """The rollout engine's ``kv_cache_dtype`` for this plan's cache (None: the model's dtype)."""
+        return None if self.kv_cache_dtype == "model dtype" else self.kv_cache_dtype
+
+    @property
     def forward_rows(self) -> int:
         """Rows of the largest training forward: the micro-batch, or its first piece after the plan's
         halvings (the first piece of a halving gets the odd row)."""
@@ -436,7 +441,10 @@ def kv_cache_view(work: Workload, asked: Asked) -> dict:
     if work.kv_cache_dtype is None:
         why = f"the model's dtype: {per_token}"
         if asked.kv_cache_dtype == "auto":
-            why += " ('auto' keeps the model's dtype until a GPU benchmark shows an 8-bit cache pays)"
+            why += (
+                " ('auto': int8 only where memory.optimization=aggressive's plan generates in fewer chunks "
+                "with it, memory.kv_choice)"
+            )
     else:
         why = (
             f"your rollout_kv_cache_dtype: {per_token} (8-bit elements, one fp32 scale per head vector; "

@@ -33,12 +33,13 @@ _QUANTIZATION = Optional(Among(("8bit", "4bit", "auto")), "kept as given")
 # rollout_kv_cache_dtype: "auto" and "model" keep the model's dtype (None to the engine); "fp8" / "int8" are
 # RolloutEngine's kv_cache_dtype (kernels/kv_quant.py)
 KV_CACHE_CHOICES = ("auto", "model", "fp8", "int8")
-KV_CACHE_DEFAULT = "auto"  # the model's dtype until a GPU benchmark shows an 8-bit cache pays
+KV_CACHE_DEFAULT = "auto"  # int8 where aggressive's plan generates in fewer chunks with it (memory.kv_choice)
 
 
 def engine_kv_cache_dtype(value: str) -> str | None:
-    """``RolloutEngine``'s ``kv_cache_dtype`` for ``PPOConfig.rollout_kv_cache_dtype``: None for ``"auto"``
-    (the model's dtype until a GPU benchmark shows an 8-bit cache pays) and ``"model"``, else the value."""
+    """``RolloutEngine``'s ``kv_cache_dtype`` for ``PPOConfig.rollout_kv_cache_dtype`` before any plan: None
+    for ``"auto"`` and ``"model"``, else the value. What ``"auto"`` runs is the plan's
+    (``Plan.engine_kv_cache_dtype``: :mod:`rapidfire_hf.memory.kv_choice`)."""
     return None if value in ("auto", "model") else value
 
 
@@ -756,15 +757,19 @@ class PPOConfig(TrainingArguments):
             "The fast engine's KV cache: 'model' (the model's dtype), 'fp8' (e4m3) or 'int8': one byte "
             "per element plus one fp32 scale per (row, K/V head, token), 0.516x the bytes of bf16 at head "
             "width 128, so the plan's generation chunks grow (changes the arithmetic: greedy tokens may differ "
-            "from the model dtype's cache). 'auto' (the default) is 'model' until a GPU benchmark shows the "
-            "bigger chunk decodes faster per token (benchmarks/rollout/kv_cache.py). 8-bit needs the static "
+            "from the model dtype's cache). 'auto' (the default) is 'int8' where memory.optimization="
+            "aggressive's plan then generates the rollout batch in fewer chunks (PPOTrainer; one H100, 7B LoRA "
+            "batch 256: one chunk of 256 instead of 2 of 128, 4,084 vs 3,719 tokens/s in one call, "
+            "benchmarks/card80/results/h100_2026-12-07c), else 'model'. 8-bit needs the static "
             "engine's native decode path: refused by name at start where the rollout runs model.generate "
             "(rollout_backend='hf', 'auto' on the CPU, ZeRO-3) or the generic path, and 'fp8' on a GPU below "
             "compute capability 8.9 (Triton compiles no e4m3 there). Said in the plan and start tables.",
             contract=both(
                 applied(
                     "'fp8' / 'int8' by the static engine's native decode path, in the plan's KV-cache bytes and "
-                    "its table; refused by name where the rollout runs model.generate or the generic path"
+                    "its table; 'auto' by PPOTrainer's plan (memory.kv_choice) and as the model's dtype by "
+                    "PPOSweep, each said in its plan table; refused by name where the rollout runs model.generate "
+                    "or the generic path"
                 )
             ),
         ),

@@ -9,7 +9,6 @@ import torch
 
 from rapidfire_hf.distributed.features import Engine
 from rapidfire_hf.distributed.generation import gathered_for_generation
-from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.recovery import NoGradChunks
 from rapidfire_hf.ppo.types import Rollout
 
@@ -83,11 +82,14 @@ class Roller:
         sampling: bool = True,
         generator: torch.Generator | None = None,
         fuse_projections: bool = False,
+        kv_cache_dtype: str | None = None,
     ) -> Rollout:
         """Generate responses for a batch of prompts (greedy when not ``sampling``), ``generation_rows``
         prompts at a time (all at once when None), the noise drawn from ``generator`` (chunk after chunk;
         None: the global RNG). ``fuse_projections``: the engine's ``decode_fuse_projections`` when this call
-        builds it (the plan's decision, ``Plan.fuse_projections``)."""
+        builds it (the plan's decision, ``Plan.fuse_projections``); ``kv_cache_dtype`` likewise its
+        ``kv_cache_dtype`` (``Plan.engine_kv_cache_dtype``: the user's ``rollout_kv_cache_dtype``, or what
+        ``"auto"`` chose)."""
         device = self.accelerator.device
         policy = self.accelerator.unwrap_model(self.model).policy
         queries = batch["input_ids"].to(device)
@@ -112,7 +114,7 @@ class Roller:
             self.kernel_patches.original(),
         ):
             if self.engine is None:  # built on gathered weights (the generic path probes the model's forward)
-                self.engine = self._build_engine(policy, fuse_projections)
+                self.engine = self._build_engine(policy, fuse_projections, kv_cache_dtype)
             engine = self.engine
             # an OOM halves the chunk and retries (ppo/recovery.py)
             parts = self.chunks.run(
@@ -129,7 +131,7 @@ class Roller:
             queries=queries, responses=torch.cat(responses), logprobs=torch.cat(logprobs), extra=extra
         )
 
-    def _build_engine(self, policy, fuse_projections: bool):
+    def _build_engine(self, policy, fuse_projections: bool, kv_cache_dtype: str | None):
         from rapidfire_hf.rollout import RolloutEngine
 
         args = self.args
@@ -151,7 +153,7 @@ class Roller:
             decode_fuse_lora=fuse and args.rollout_decode_fuse_lora,
             # an 8-bit cache the engine cannot keep was refused at start (ppo/settings_check.py); the engine
             # refuses it again by name if its path changed since
-            kv_cache_dtype=engine_kv_cache_dtype(args.rollout_kv_cache_dtype),
+            kv_cache_dtype=kv_cache_dtype,
         )
 
 

@@ -33,6 +33,8 @@ from dataclasses import replace
 from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.memory.checkpointing import level_budget
 from rapidfire_hf.memory.levels import DEFAULT_LEVEL
+from rapidfire_hf.memory.kv_choice import AUTO as KV_AUTO
+from rapidfire_hf.memory.kv_choice import KVChoice
 from rapidfire_hf.memory.planner import (
     UNPLANNED_SCORING_ROWS,
     Asked,
@@ -163,6 +165,10 @@ class SweepPlanner:
                 equal_scoring=False,
             )
         plan.title, plan.train_label = "PPOSweep plan", "training rows per forward (all trials)"
+        if asked.kv_cache_dtype == KV_AUTO:  # said here, not memory.kv_choice's plan comparison
+            plan = KVChoice(
+                None, "auto: the model's dtype (PPOSweep decodes every trial in one batch; 'int8' to ask)"
+            ).on(plan)
         if plan.planned and not self.train_rows and plan.train_rows > work.micro_rows:
             plan.reasons["train_rows"] = (
                 f"{plan.train_rows // work.micro_rows} trials' micro-batches per forward (each trial's math unchanged)"

@@ -28,6 +28,8 @@ from rapidfire_hf.memory.checkpointing import (
     user_checkpointing,
 )
 from rapidfire_hf.memory.estimate import DecoderShape, analytic_probe
+from rapidfire_hf.memory.kv_choice import AUTO as KV_AUTO
+from rapidfire_hf.memory.kv_choice import EIGHT_BIT, cache_unable, choose_kv_cache
 from rapidfire_hf.memory.offload_plan import choose_offload, with_offload_of
 from rapidfire_hf.memory.oom import pipeline_state
 from rapidfire_hf.memory.phase_offload import PhaseOffload
@@ -40,6 +42,7 @@ from rapidfire_hf.memory.planner import (
     Workload,
     decide_fused_copies,
     kv_bytes_per_token,
+    level_target,
     make_plan,
     unplanned,
     unplanned_fused_copies,
@@ -48,7 +51,7 @@ from rapidfire_hf.optim.step_health import eight_bit_optimizer
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.recipe.probe_cache import ProbeCache
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
-from rapidfire_hf.rollout.engine import resolved_backend
+from rapidfire_hf.rollout.engine import choose_decode_path, resolved_backend
 from rapidfire_hf.rollout.llama_forward import fused_projection_bytes, ring_windows
 from rapidfire_hf.utils.device_memory import device_capacity_bytes
 
@@ -338,6 +341,40 @@ def _agreed(acc, plan: Plan) -> Plan:
     return Plan(**shared)
 
 
+def kv_auto_unable(run: PlanInputs, static: bool) -> str | None:
+    """Why ``rollout_kv_cache_dtype="auto"`` keeps the model's dtype whatever the plan (None: the plans
+    decide): :func:`rapidfire_hf.memory.kv_choice.cache_unable`, or an engine built before the plan (a
+    rollout outside ``train()``), whose cache stays as built."""
+    if run.engine is not None:
+        return "the rollout engine was built before the plan; its cache stays as built"
+    policy = run.module.policy
+    config = getattr(policy, "config", None)
+    return cache_unable(
+        static,
+        static and choose_decode_path(policy)[0] == "native",
+        run.accelerator.device.type == "cuda",
+        softcap=getattr(config, "attn_logit_softcapping", None) is not None,
+    )
+
+
+def kv_auto_plan(run: PlanInputs, plan: Plan, work: Workload, planned, static: bool, itemsize: int) -> Plan:
+    """``plan`` (the cache in the model's dtype), or the plan with an int8 cache where
+    :func:`rapidfire_hf.memory.kv_choice.choose_kv_cache` takes it; either with the choice's reason in its
+    "KV cache dtype" row. ``planned``: the plan of a workload, made as ``plan`` was."""
+    level = run.memory.optimization
+    unable = kv_auto_unable(run, static)
+    rows = run.args.local_batch_size
+    if unable is not None or not level_target(level).kv_cache_8bit:
+        return choose_kv_cache(level, None, None, rows, unable).on(plan)
+    config = run.module.policy.config
+    eight_work = replace(
+        work, kv_bytes_per_token=kv_bytes_per_token(config, itemsize, EIGHT_BIT), kv_cache_dtype=EIGHT_BIT
+    )
+    eight = planned(eight_work)
+    choice = choose_kv_cache(level, plan, eight, rows)
+    return choice.on(eight if choice.dtype else plan)
+
+
 def unplanned_run(run: PlanInputs, prompt_tokens: int) -> Plan:
     """The plan before :func:`plan_run` (a phase called outside ``train()``): the user's settings."""
     args, acc, memory = run.args, run.accelerator, run.memory
@@ -392,22 +429,29 @@ def plan_run(run: PlanInputs, queries: torch.Tensor) -> PlannedRun:
         else:
             budget = level_budget(acc.device, memory.optimization, first_step_reserve(run))
             budget = replace(budget, grad_bytes=min(budget.reserve_bytes, first_step_gradients(run)))
-            budget, plan = choose_offload(
-                lambda b: make_plan(work, want, probe, b, memory.optimization),
-                work,
-                budget,
-                frozen,
-                memory.optimization,
-                args.host_offload,
-                state_movable=acc.device.type == "cuda" or include_cpu,
-            )
-            if fuse is not None:  # the same plan with the copies held: kept only where it changes nothing
-                held = (
-                    make_plan(work, want, probe, budget.holding(copies), memory.optimization)
-                    if copies
-                    else plan
+
+            def planned(work: Workload) -> Plan:
+                room, plan = choose_offload(
+                    lambda b: make_plan(work, want, probe, b, memory.optimization),
+                    work,
+                    budget,
+                    frozen,
+                    memory.optimization,
+                    args.host_offload,
+                    state_movable=acc.device.type == "cuda" or include_cpu,
                 )
-                plan = with_offload_of(plan, decide_fused_copies(plan, held, fuse, copies, built))
+                if fuse is not None:  # the same plan with the copies held: kept only where it changes nothing
+                    held = (
+                        make_plan(work, want, probe, room.holding(copies), memory.optimization)
+                        if copies
+                        else plan
+                    )
+                    plan = with_offload_of(plan, decide_fused_copies(plan, held, fuse, copies, built))
+                return plan
+
+            plan = planned(work)
+            if args.rollout_kv_cache_dtype == KV_AUTO:  # the model's dtype or int8 (memory.kv_choice)
+                plan = kv_auto_plan(run, plan, work, planned, static, itemsize)
         plan = _agreed(acc, plan)
         _apply(models, plan.checkpointing)
         state = run.state_decision  # set when the trainer built the optimizer

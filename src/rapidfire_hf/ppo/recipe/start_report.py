@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rapidfire_hf.models.plumbing import unwrap_peft
+from rapidfire_hf.memory.planner import level_target
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
 from rapidfire_hf.rollout.engine import choose_decode_path
@@ -65,6 +66,9 @@ def start_facts(args, rf_config, policy, fused_value: bool, optimizer, rapidfire
         kernels = [k for k in kernels if not k.startswith("mode=")]
         kv_cache = engine_kv_cache_dtype(args.rollout_kv_cache_dtype)  # elsewhere refused at start
         kernels += [f"kv_cache_dtype={kv_cache}"] if kv_cache is not None else []
+        level = rf_config.memory.optimization if rf_config is not None else None
+        if args.rollout_kv_cache_dtype == "auto" and level is not None and level_target(level).kv_cache_8bit:
+            kernels.append("kv_cache_dtype=auto (int8 where the plan then generates in fewer chunks)")
         extra = f", {', '.join(kernels)}" if kernels else ""
         # which forward the engine runs, and why not the native one (rollout.engine.choose_decode_path)
         forward = "native forward" if path == "native" else f"generic path: the model's own forward, {reason}"

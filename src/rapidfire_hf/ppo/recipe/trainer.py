@@ -532,7 +532,12 @@ class PPOTrainer:
         unprobed = self.precision_plugin.unprobed() if self.precision_plugin is not None else nullcontext()
         with unprobed:
             rollout = self.roller.rollout(
-                batch, plan.generation_rows, sampling, generator, fuse_projections=bool(plan.fuse_projections)
+                batch,
+                plan.generation_rows,
+                sampling,
+                generator,
+                fuse_projections=bool(plan.fuse_projections),
+                kv_cache_dtype=plan.engine_kv_cache_dtype,
             )
         if plan.free_cache:  # the plan gave the kept cache's memory to bigger generation chunks
             self.roller.engine.release()
