@@ -45,7 +45,7 @@ def test_a_bad_value_set_after_construction_is_refused_by_the_trainer(tmp_path, 
     assert _keys(info.value) == {"rollout_kv_cache_dtype"}
 
 
-def test_the_default_keeps_the_models_dtype(tmp_path):
+def test_the_default_is_auto(tmp_path):
     args = PPOConfig(output_dir=str(tmp_path), report_to=[])
     assert args.rollout_kv_cache_dtype == "auto"
 
@@ -155,3 +155,58 @@ def test_enable_rapidfire_on_a_ppo_trainer_plans_with_the_trainers_cache(tmp_pat
     trainer.train()
     assert trainer.roller.engine.kv_cache_dtype == "int8"
     assert trainer.plan.planned and trainer.plan.kv_cache_dtype == "int8"
+
+
+def _auto_trainer(tmp_path, tokenizer, monkeypatch, level: str, choice=None):
+    """A CPU run of ``rollout_kv_cache_dtype="auto"`` on the static engine at ``level``, planned as on a GPU
+    (``kv_auto_unable`` says nothing stops an 8-bit cache), with ``choice`` in place of the plans' own."""
+    from rapidfire_hf.ppo.recipe import planning
+
+    monkeypatch.setattr(planning, "kv_auto_unable", lambda run, static: None)
+    if choice is not None:
+        monkeypatch.setattr(planning, "choose_kv_cache", lambda *a, **k: choice)
+    trainer = _trainer(tmp_path, tokenizer, rollout_backend="static", rapidfire_config=level)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_auto_builds_the_engine_with_the_cache_its_plan_chose(tmp_path, tokenizer, monkeypatch, capsys):
+    """memory.kv_choice: where the plan takes int8 for "auto", the rollout engine is built with it and the plan
+    is the 8-bit one (its bytes per token); the choice's reason is the table's row."""
+    from rapidfire_hf.memory.kv_choice import KVChoice
+    from rapidfire_hf.memory.planner import kv_bytes_per_token
+
+    trainer = _auto_trainer(tmp_path, tokenizer, monkeypatch, "aggressive", KVChoice("int8", "chosen here"))
+    engine, plan = trainer.roller.engine, trainer.plan
+    assert (engine.path, engine.kv_cache_dtype) == ("native", "int8")
+    assert (plan.kv_cache_dtype, plan.asked["kv_cache_dtype"], plan.reasons["kv_cache_dtype"]) == (
+        "int8", "auto", "chosen here"
+    )
+    config = trainer.accelerator.unwrap_model(trainer.model).policy.config
+    itemsize = next(trainer.model.parameters()).element_size()
+    assert plan.kv_bytes_per_token == kv_bytes_per_token(config, itemsize, "int8")
+    assert "KV cache dtype               auto" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize(
+    ("level", "reason"),
+    [
+        # the tiny batch generates at once either way: 8 bits would take no fewer chunks
+        ("aggressive", "auto, aggressive: the model's dtype (8 bits would generate in the same 1 chunk)"),
+        ("balanced", "auto: the model's dtype; memory.optimization=balanced keeps the arithmetic"),
+    ],
+)
+def test_auto_keeps_the_models_dtype_where_the_plans_say_so(tmp_path, tokenizer, monkeypatch, level, reason):
+    trainer = _auto_trainer(tmp_path, tokenizer, monkeypatch, level)
+    assert trainer.roller.engine.kv_cache_dtype is None
+    assert trainer.plan.kv_cache_dtype == "model dtype"
+    assert trainer.plan.reasons["kv_cache_dtype"].startswith(reason)
+
+
+def test_auto_on_the_cpu_says_why_it_keeps_the_models_dtype(tmp_path, tokenizer):
+    trainer = _trainer(tmp_path, tokenizer, rollout_backend="static", rapidfire_config="aggressive")
+    trainer.train()
+    assert trainer.roller.engine.kv_cache_dtype is None
+    assert trainer.plan.reasons["kv_cache_dtype"] == "auto: the model's dtype (not a CUDA GPU)"
