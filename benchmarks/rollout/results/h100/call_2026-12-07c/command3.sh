@@ -11,4 +11,4 @@ for spec in "qwen3_moe grouped 2" "qwen3_moe dense 5" "qwen3_moe gather 2" "mixt
     || echo "{\"spec\": \"$spec\", \"rc\": $?}" >> $OUT/moe_diag.jsonl
 done
 cut -c1-400 $OUT/moe_diag.jsonl
-python3 benchmarks/card80/run.py --out $OUT/lora7b_auto --rows lora7b_offload --updates 3 --timeout 330 2>&1 | tail -6
+python3 benchmarks/card80/run.py --out $OUT/lora7b_auto --rows lora7b_offload --updates 3 --timeout 330 ${CAP_GIB:+--cap-gib $CAP_GIB} 2>&1 | tail -6
