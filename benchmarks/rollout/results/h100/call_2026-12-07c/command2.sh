@@ -13,5 +13,5 @@ done
 cut -c1-400 $OUT/moe_diag.jsonl
 timeout 50 python3 -m pytest -q -p no:cacheprovider tests/rollout/test_moe_decode.py -k grouped_on_cuda 2>&1 \
   | grep -v "^DEBUG\|^  \|^$" > $OUT/moe_tests.log; tail -3 $OUT/moe_tests.log
-timeout 290 python3 benchmarks/frozen_quant/run.py --out $OUT/gpu_frozen_quant --shape llama-1.1b --batch 32 \
-  --micro 8 --prompt-length 64 --response-length 64 --updates 20 --epochs 2 --reward-scale 1 --budget-s 270 2>&1 | tail -15
+timeout 200 python3 benchmarks/frozen_quant/run.py --out $OUT/gpu_frozen_quant --shape llama-1.1b --batch 32 \
+  --micro 8 --prompt-length 64 --response-length 64 --updates 20 --epochs 2 --reward-scale 1 --budget-s 180 2>&1 | tail -15
