@@ -187,6 +187,7 @@ def test_auto_builds_the_engine_with_the_cache_its_plan_chose(tmp_path, tokenize
     itemsize = next(trainer.model.parameters()).element_size()
     assert plan.kv_bytes_per_token == kv_bytes_per_token(config, itemsize, "int8")
     assert "KV cache dtype               auto" in capsys.readouterr().out
+    assert plan.metrics()["rapidfire/plan/kv_cache_8bit"] == 1
 
 
 @pytest.mark.usefixtures("single_thread")
@@ -203,6 +204,7 @@ def test_auto_keeps_the_models_dtype_where_the_plans_say_so(tmp_path, tokenizer,
     assert trainer.roller.engine.kv_cache_dtype is None
     assert trainer.plan.kv_cache_dtype == "model dtype"
     assert trainer.plan.reasons["kv_cache_dtype"].startswith(reason)
+    assert trainer.plan.metrics()["rapidfire/plan/kv_cache_8bit"] == 0
 
 
 def test_auto_on_the_cpu_says_why_it_keeps_the_models_dtype(tmp_path, tokenizer):

@@ -422,6 +422,8 @@ class Plan:
             "rapidfire/plan/recompute": recompute,
             "rapidfire/plan/scoring_rows": self.scoring_rows,
             "rapidfire/plan/generation_rows": self.generation_rows,
+            # 1 where the rollout KV cache is 8-bit (asked, or "auto"'s choice: memory.kv_choice)
+            "rapidfire/plan/kv_cache_8bit": int(self.engine_kv_cache_dtype is not None),
             "rapidfire/plan/planned_peak_gib": round(self.planned_peak_bytes / GIB, 3),
             "rapidfire/plan/target_gib": round(self.target_bytes / GIB, 3),
             **{
