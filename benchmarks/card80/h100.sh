@@ -5,8 +5,9 @@
 #   bash benchmarks/card80/h100.sh OUT lora7b   # 7B LoRA, batch 256 (~5 min)
 #   bash benchmarks/card80/h100.sh OUT full7b_trades  # full7b without and with host offload, 3 updates each
 #                                                     # (~2 x 3.5 min; each row its own worker process)
-#   bash benchmarks/card80/h100.sh OUT lora7b_kv      # lora7b_offload and lora7b_int8kv (the KV cache in int8)
-#   bash benchmarks/card80/h100.sh OUT full7b_kv      # full7b_offload and full7b_int8kv, 3 updates each
+#   bash benchmarks/card80/h100.sh OUT lora7b_kv      # lora7b_modelkv and lora7b_int8kv (the KV cache in the
+#                                                     # model's dtype, then in int8)
+#   bash benchmarks/card80/h100.sh OUT full7b_kv      # full7b_modelkv and full7b_int8kv, 3 updates each
 #   bash benchmarks/card80/h100.sh OUT lora7b_fuse    # lora7b_offload and lora7b_fuselora (LoRA layers in
 #                                                     # the fused decode projections), 3 updates each
 # UPDATES_80 (default 4) sets the updates of a row; the first is the warm-up. CAP_GIB=79.19 caps a bigger
@@ -20,12 +21,12 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 for part in "$@"; do
   case "$part" in
-    full7b|lora7b|lora7b_offload|lora7b_off|lora7b_int8kv|full7b_int8kv) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows "$part" --updates ${UPDATES_80:-4} ${CAP_GIB:+--cap-gib $CAP_GIB} \
+    full7b|lora7b|lora7b_offload|lora7b_off|lora7b_int8kv|full7b_int8kv|lora7b_modelkv|full7b_modelkv) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows "$part" --updates ${UPDATES_80:-4} ${CAP_GIB:+--cap-gib $CAP_GIB} \
                      --timeout 500 ;;
     full7b_trades) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows full7b_off,full7b_offload \
                      --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
     lora7b_kv|full7b_kv) base=${part%_kv}
-                 $PY benchmarks/card80/run.py --out "$OUT/$part" --rows ${base}_offload,${base}_int8kv \
+                 $PY benchmarks/card80/run.py --out "$OUT/$part" --rows ${base}_modelkv,${base}_int8kv \
                      --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
     lora7b_fuse) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows lora7b_offload,lora7b_fuselora \
                      --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;

@@ -10,6 +10,8 @@ tokens, fused value head, ``memory.optimization=aggressive``, chunks and micro-b
   host offload, as before issue 46 item 2) and ``"auto"`` (the plan may keep the frozen reference and reward
   weights, and the optimizer state, in host memory between phases: ``rapidfire_hf.memory.offload_plan``).
   ``bash benchmarks/card80/h100.sh OUT full7b_trades`` runs the two in one device call;
+- ``lora7b_modelkv`` / ``full7b_modelkv``: the cache in the model's dtype (``rollout_kv_cache_dtype="model"``),
+  whatever ``"auto"`` chooses;
 - ``lora7b_int8kv`` / ``full7b_int8kv``: ``lora7b_offload`` / ``full7b_offload`` with an 8-bit KV cache
   (``rollout_kv_cache_dtype="int8"``); ``h100.sh OUT lora7b_kv`` (or ``full7b_kv``) runs each beside its
   model-dtype row in one device call;
@@ -56,6 +58,10 @@ ROWS = {
     # fused decode projections); PPOConfig's defaults otherwise
     "lora7b_int8kv": {"batch": 256, "peft": True, "host_offload": "auto", "rollout_kv_cache_dtype": "int8"},
     "full7b_int8kv": {"batch": 160, "peft": False, "host_offload": "auto", "rollout_kv_cache_dtype": "int8"},
+    # the cache in the model's dtype, whatever "auto" (the default) chooses: the other side of the int8 rows
+    # (results/h100_2026-12-07c ran it as lora7b_offload, when "auto" was always the model's dtype)
+    "lora7b_modelkv": {"batch": 256, "peft": True, "host_offload": "auto", "rollout_kv_cache_dtype": "model"},
+    "full7b_modelkv": {"batch": 160, "peft": False, "host_offload": "auto", "rollout_kv_cache_dtype": "model"},
     # PPOConfig.rollout_decode_fuse_lora=True (opt-in, not measured on a GPU yet): the LoRA layers join the
     # fused decode projections where the plan fuses at all (benchmarks/ppo_vs_trl/worker.py "fuselora")
     "lora7b_fuselora": {"batch": 256, "peft": True, "host_offload": "auto", "decode_kernels": "fuselora"},
@@ -107,16 +113,20 @@ def shape_prediction(row: dict) -> dict | None:
     from rapidfire_hf.demo.shapes import llama_config, llama_shape
     from rapidfire_hf.memory.card_plan import RunShape, card_plan
     from rapidfire_hf.memory.estimate import DecoderShape
+    from rapidfire_hf.memory.kv_choice import plan_kv_cache
 
     if not row.get("gpu_total_gib"):
         return None
     shape = DecoderShape.from_config(llama_config(llama_shape(row["shape"]), 520))
+    kv = row.get("rollout_kv_cache_dtype") or "auto"
     run = RunShape(shape, row["batch"], row["micro"], row["prompt_len"], row["response_len"],
                    value_mode=row["value_mode"], peft=row["peft"], reward_model=row["reward"] == "model",
-                   kv_cache_dtype=row.get("rollout_kv_cache_dtype"))  # fmt: skip
-    plan = card_plan(
-        run, int(row["gpu_total_gib"] * GIB), "aggressive", host_offload=row.get("host_offload") or "auto"
-    )
+                   kv_cache_dtype=None if kv in ("auto", "model") else kv)  # fmt: skip
+    card, offload = int(row["gpu_total_gib"] * GIB), row.get("host_offload") or "auto"
+    if kv == "auto":  # what PPOTrainer's plan chooses (memory.kv_choice)
+        plan = plan_kv_cache(run, card, "aggressive", host_offload=offload)[1]
+    else:
+        plan = card_plan(run, card, "aggressive", host_offload=offload)
     return {
         "peaks": {p: b / GIB for p, b in plan.phase_peak_bytes.items()},
         "choices": {k: getattr(plan, k) for k in ("train_rows", "splits", "checkpointing", "scoring_rows",

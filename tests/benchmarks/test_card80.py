@@ -78,10 +78,11 @@ def test_the_kv_rows_differ_only_in_the_kv_cache_and_reach_the_trainer(base):
     """``h100.sh OUT lora7b_kv`` / ``full7b_kv``: the model-dtype cache and the int8 cache, same run otherwise."""
     from benchmarks.ppo_vs_trl.worker import speedup_args
 
-    args = parse_args(["--out", "x", "--rows", f"{base}_offload,{base}_int8kv", "--updates", "3"])
-    plain, small = worker_config(f"{base}_offload", args), worker_config(f"{base}_int8kv", args)
+    args = parse_args(["--out", "x", "--rows", f"{base}_modelkv,{base}_int8kv,{base}_offload", "--updates", "3"])
+    plain, small = worker_config(f"{base}_modelkv", args), worker_config(f"{base}_int8kv", args)
     assert speedup_args(small)["rollout_kv_cache_dtype"] == "int8"
-    assert "rollout_kv_cache_dtype" not in speedup_args(plain)  # PPOConfig's default
+    assert speedup_args(plain)["rollout_kv_cache_dtype"] == "model"
+    assert "rollout_kv_cache_dtype" not in speedup_args(worker_config(f"{base}_offload", args))  # the default
     strip = {"name", "row", "rollout_kv_cache_dtype"}
     assert {k: v for k, v in plain.items() if k not in strip} == {
         k: v for k, v in small.items() if k not in strip
@@ -90,10 +91,13 @@ def test_the_kv_rows_differ_only_in_the_kv_cache_and_reach_the_trainer(base):
             "response_len": 384, "value_mode": "fused", "peft": plain["peft"], "reward": "model",
             "host_offload": "auto"}  # fmt: skip
     a, b = (
-        shape_prediction(card)["choices"],
+        shape_prediction({**card, "rollout_kv_cache_dtype": "model"})["choices"],
         shape_prediction({**card, "rollout_kv_cache_dtype": "int8"})["choices"],
     )
     assert (a["kv_cache_dtype"], b["kv_cache_dtype"]) == ("model dtype", "int8")
+    # the default ("auto") row is predicted with PPOTrainer's choice: int8 where it generates in fewer chunks
+    auto = shape_prediction(card)["choices"]
+    assert auto == (b if base == "lora7b" else a)
     # what the plan from the shape expects the int8 row to change: LoRA generates at once, full fine-tuning
     # (already at once) holds the fused decode projections
     if base == "lora7b":
@@ -103,7 +107,7 @@ def test_the_kv_rows_differ_only_in_the_kv_cache_and_reach_the_trainer(base):
             160, 160, False, True
         )  # fmt: skip
     script = (Path(__file__).resolve().parents[2] / "benchmarks/card80/h100.sh").read_text()
-    assert "lora7b_kv|full7b_kv)" in script and "${base}_offload,${base}_int8kv" in script
+    assert "lora7b_kv|full7b_kv)" in script and "${base}_modelkv,${base}_int8kv" in script
 
 
 def test_a_card_cap_that_is_no_card_is_refused(capsys):
