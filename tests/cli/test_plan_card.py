@@ -324,3 +324,24 @@ def test_a_local_windowed_model_counts_its_ring_only_where_the_native_path_runs(
         for w in (16, None)
     }
     assert generic[16] == generic[None]  # full-length caches either way
+
+
+def test_auto_kv_for_a_model_the_native_path_does_not_run_keeps_its_dtype(tmp_path, capsys):
+    """``rapidfire plan --model``: the int8 cache needs the engine's native path, so a model on the generic
+    path (Phi-3 with longrope scaling) keeps the model's dtype and says why; a Llama-family one may take it."""
+    from transformers import MistralConfig, Phi3Config
+
+    small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
+            "long_factor": [2.0] * 32, "original_max_position_embeddings": 256}  # fmt: skip
+    reasons = {}
+    for name, config in (("phi", Phi3Config(**small, rope_parameters=rope)), ("mistral", MistralConfig(**small))):
+        config.save_pretrained(tmp_path / name)
+        argv = ["plan", "--model", str(tmp_path / name), "--gpu-memory", "80", "--batch", "64",
+                "--config", "aggressive", "--json"]  # fmt: skip
+        assert main(argv) == 0
+        reasons[name] = json.loads(capsys.readouterr().out)["reasons"]["kv_cache_dtype"]
+    assert reasons["phi"] == "auto: the model's dtype (the policy runs the engine's generic decode path)"
+    assert reasons["mistral"].startswith("auto, aggressive: the model's dtype (8 bits would generate")
+

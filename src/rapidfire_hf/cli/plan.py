@@ -224,6 +224,26 @@ def _decoder_shape(args: argparse.Namespace):
     return shape, args.model
 
 
+def _decode_facts(args: argparse.Namespace) -> tuple[bool, bool]:
+    """``(native, softcap)`` for the KV-cache choice: whether the static engine's native path runs the policy
+    (a named shape: a Llama, yes; ``--model``: judged on the model built on the meta device, as
+    :func:`_native_ring`; one that cannot be built: no) and whether its attention is soft-capped."""
+    if args.model is None:
+        return True, False
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rapidfire_hf.rollout.engine import choose_decode_path
+
+    try:
+        conf = AutoConfig.from_pretrained(args.model)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(conf)
+    except Exception:  # noqa: BLE001 - read by _decoder_shape already; a model not built here is not native
+        return False, False
+    return choose_decode_path(model)[0] == "native", getattr(conf, "attn_logit_softcapping", None) is not None
+
+
 def _native_ring(conf) -> bool:
     """Whether the static engine's native path, which keeps a local layer's cache as a ring of its window,
     runs the model of ``conf``: judged on the model built on the meta device (no memory, no weights read).
@@ -282,7 +302,9 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
         run = run.with_frozen(choice.bits) if choice.bits else run
     label = f"{name}, bf16"
     if args.kv_cache_dtype == KV_AUTO:  # PPOTrainer's own choice for "auto" (memory.kv_choice)
-        kv, plan = plan_kv_cache(run, device, level, asked=asked, label=label, host_offload=args.host_offload)
+        native, softcap = _decode_facts(args)
+        kv, plan = plan_kv_cache(run, device, level, native, softcap, asked=asked, label=label,
+                                 host_offload=args.host_offload)  # fmt: skip
         run = dataclasses.replace(run, kv_cache_dtype=kv.dtype)
     else:
         plan = card_plan(run, device, level, asked=asked, label=label, host_offload=args.host_offload)

@@ -127,13 +127,15 @@ def cache_unable(static_engine: bool, native: bool, cuda: bool, softcap: bool = 
     return None
 
 
-def plan_kv_cache(run: RunShape, device_bytes: int, level, **card_kwargs) -> tuple[KVChoice, Plan]:
+def plan_kv_cache(
+    run: RunShape, device_bytes: int, level, native: bool = True, softcap: bool = False, **card_kwargs
+) -> tuple[KVChoice, Plan]:
     """:func:`choose_kv_cache` over the plans of ``run`` (its ``kv_cache_dtype`` None) on ``device_bytes``
     (:func:`card_plan`, with ``card_kwargs``), and the plan of what it chose (the choice's reason in its
-    "KV cache dtype" row). Planned from the shape, so on a CUDA GPU with the native path where the run has
-    the static engine."""
+    "KV cache dtype" row). Planned for a CUDA GPU; ``native``: the static engine's native path runs the
+    policy (a Llama-family shape does), ``softcap``: its attention is soft-capped (:func:`cache_unable`)."""
     given = card_plan(run, device_bytes, level, **card_kwargs)
-    unable = cache_unable(run.static_engine, True, True)
+    unable = cache_unable(run.static_engine, native, True, softcap)
     if level is None or not level_target(level).kv_cache_8bit or unable is not None:
         choice = choose_kv_cache(level, None, None, run.rollout_rows, unable)
         return choice, choice.on(given)
