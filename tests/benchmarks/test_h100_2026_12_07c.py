@@ -38,7 +38,11 @@ def test_the_kv_fix_table_is_the_stored_call():
     for cache, batch, step, row, gib in rows:
         r = ran[cache, int(batch)]
         assert r["status"] == "ok" and r["decode_mode_ran"] == "compile"
-        assert (step, row, gib) == (f"{r['ms_per_step']:.2f}", f"{r['ms_per_token']:.4f}", f"{r['cache_mib'] / 1024:.1f}")
+        assert (step, row, gib) == (
+            f"{r['ms_per_step']:.2f}",
+            f"{r['ms_per_token']:.4f}",
+            f"{r['cache_mib'] / 1024:.1f}",
+        )
     # what the text and kv_choice's docstring conclude from them
     assert ran["int8", 128]["ms_per_step"] < ran["bf16", 128]["ms_per_step"]
     gain = ran["bf16", 128]["ms_per_token"] / ran["int8", 256]["ms_per_token"]
@@ -59,7 +63,11 @@ def test_the_compiled_family_rows_are_the_stored_call():
         assert r["decode_mode_ran"] == "compile" and step == f"{r['ms_per_step']:.2f}"
         assert byte == f"{per_byte[family, int(batch)]:.2f}"
     gather = next(s for s in data["summary"] if s.get("moe_form") == "gather")
-    assert (f"{gather['auto_ms']:.2f}", f"{gather['ms']:.2f}", f"{gather['over_auto']:.2f}") == ("3.87", "8.64", "2.23")
+    assert (f"{gather['auto_ms']:.2f}", f"{gather['ms']:.2f}", f"{gather['over_auto']:.2f}") == (
+        "3.87",
+        "8.64",
+        "2.23",
+    )
     assert gather["auto_decode_mode_ran"] == "compile"
     log = (CALL / "moe_tests.log").read_text()
     assert "2 failed, 2 passed" in log and "test_the_default_form_is_grouped_on_cuda_and_compiles" in log

@@ -14,7 +14,13 @@ import pytest
 
 from rapidfire_hf.memory.card_plan import RunShape, card_plan
 from rapidfire_hf.memory.estimate import DecoderShape
-from rapidfire_hf.memory.kv_choice import KVChoice, cache_unable, choose_kv_cache, generation_chunks, plan_kv_cache
+from rapidfire_hf.memory.kv_choice import (
+    KVChoice,
+    cache_unable,
+    choose_kv_cache,
+    generation_chunks,
+    plan_kv_cache,
+)
 from rapidfire_hf.memory.planner import GIB
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +48,9 @@ def test_the_lora_7b_batch_256_row_takes_int8_as_the_gpu_run_measured():
     for key in ("train_rows", "checkpointing", "splits", "scoring_rows", "optimizer_state", "offload_frozen"):
         assert getattr(plan, key) == getattr(given, key), key
     # the GPU rows ran these plans: bf16 2 chunks of 128, int8 one of 256, 0 OOM splits, int8 faster
-    rows = json.loads((ROOT / "benchmarks/card80/results/h100_2026-12-07c/lora7b_kv/results.json").read_text())
+    rows = json.loads(
+        (ROOT / "benchmarks/card80/results/h100_2026-12-07c/lora7b_kv/results.json").read_text()
+    )
     ran = {r["row"]: r for r in rows["rows"]}
     assert ran["lora7b_offload"]["plan"]["generation_rows"] == given.generation_rows == 128
     assert ran["lora7b_int8kv"]["plan"]["generation_rows"] == plan.generation_rows == 256
@@ -53,8 +61,11 @@ def test_the_lora_7b_batch_256_row_takes_int8_as_the_gpu_run_measured():
     ("run", "level", "why"),
     [
         # the README's headline shape: one chunk either way
-        (replace(LORA_256, shape=_shape("llama-1.1b"), rollout_rows=8, peft=False, reward_model=False),
-         "aggressive", "8 bits would generate in the same 1 chunk"),  # fmt: skip
+        (
+            replace(LORA_256, shape=_shape("llama-1.1b"), rollout_rows=8, peft=False, reward_model=False),
+            "aggressive",
+            "8 bits would generate in the same 1 chunk",
+        ),  # fmt: skip
         (LORA_256, "balanced", "memory.optimization=balanced keeps the arithmetic"),
         (LORA_256, "conservative", "memory.optimization=conservative keeps the arithmetic"),
         (LORA_256, "auto", "memory.optimization=auto keeps the arithmetic"),
@@ -107,9 +118,9 @@ def test_what_stops_an_8bit_cache_is_named():
 
 def test_chunks_count_the_last_short_one():
     given = card_plan(LORA_256, H100, "aggressive")
-    assert [generation_chunks(replace(given, generation_rows=r), 256) for r in (256, 255, 128, 100, 1, 0)] == [
-        1, 2, 2, 3, 256, 1
-    ]
+    assert [
+        generation_chunks(replace(given, generation_rows=r), 256) for r in (256, 255, 128, 100, 1, 0)
+    ] == [1, 2, 2, 3, 256, 1]
 
 
 def test_a_trade_avoided_at_the_same_chunks_is_not_what_was_measured():

@@ -105,7 +105,9 @@ def choose_kv_cache(
     if not eight_bit.fits:
         return KVChoice(None, f"auto, {name}: the model's dtype (8 bits would not fit either)")
     if avoided is None and q < g:
-        return KVChoice(None, f"auto, {name}: the model's dtype (8 bits would take fewer chunks but add a trade)")
+        return KVChoice(
+            None, f"auto, {name}: the model's dtype (8 bits would take fewer chunks but add a trade)"
+        )
     return KVChoice(
         None,
         f"auto, {name}: the model's dtype (8 bits would generate in the same {g} "

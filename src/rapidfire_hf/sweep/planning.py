@@ -32,9 +32,9 @@ from dataclasses import replace
 
 from rapidfire_hf.config.schema import to_plain
 from rapidfire_hf.memory.checkpointing import level_budget
-from rapidfire_hf.memory.levels import DEFAULT_LEVEL
 from rapidfire_hf.memory.kv_choice import AUTO as KV_AUTO
 from rapidfire_hf.memory.kv_choice import KVChoice
+from rapidfire_hf.memory.levels import DEFAULT_LEVEL
 from rapidfire_hf.memory.planner import (
     UNPLANNED_SCORING_ROWS,
     Asked,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rapidfire_hf.models.plumbing import unwrap_peft
 from rapidfire_hf.memory.planner import level_target
+from rapidfire_hf.models.plumbing import unwrap_peft
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.rollout_phase import ZERO3_ROLLOUT
 from rapidfire_hf.rollout.engine import choose_decode_path
