@@ -18,7 +18,9 @@ weight's sum and norm must agree within ``RTOL`` / ``ATOL``, and the test says w
 was re-recorded for that on the EPYC machine, after checking its numbers against the earlier recording within
 those tolerances (same code, commit e42166f). The plan's two metrics that the per-phase planner added
 (``rapidfire/plan/forward_rows``, ``rapidfire/plan/splits``, logged at the first update of the rapidfire cases)
-were added to the recording on 2026-12-06 after every other metric and weight still compared equal.
+were added to the recording on 2026-12-06 after every other metric and weight still compared equal, and
+``rapidfire/plan/kv_cache_8bit`` (0: the cache in the model's dtype, ``memory.kv_choice``) on 2026-12-07 the
+same way.
 """
 
 from __future__ import annotations
