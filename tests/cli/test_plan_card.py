@@ -311,7 +311,7 @@ def test_a_local_windowed_model_counts_its_ring_only_where_the_native_path_runs(
     from transformers import MistralConfig, Phi3Config
 
     small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
+                 num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024, pad_token_id=0)  # fmt: skip
     native = {w: _generation_peak(tmp_path, capsys, f"mistral{w}", MistralConfig(**small, sliding_window=w))
               for w in (16, None)}  # fmt: skip
     assert native[16] < native[None]  # the ring: 16 slots a layer instead of 512
@@ -332,7 +332,7 @@ def test_auto_kv_for_a_model_the_native_path_does_not_run_keeps_its_dtype(tmp_pa
     from transformers import MistralConfig, Phi3Config
 
     small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
+                 num_key_value_heads=4, vocab_size=512, max_position_embeddings=1024, pad_token_id=0)  # fmt: skip
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
             "long_factor": [2.0] * 32, "original_max_position_embeddings": 256}  # fmt: skip
     reasons = {}

@@ -105,10 +105,10 @@ def test_the_same_chunks_keep_the_models_dtype():
 
 
 def test_what_stops_an_8bit_cache_is_named():
-    assert cache_unable(True, True, True) is None
-    assert cache_unable(True, True, False) == "not a CUDA GPU"
-    assert cache_unable(True, False, True) == "the policy runs the engine's generic decode path"
-    assert "soft-capped" in cache_unable(True, True, True, softcap=True)
+    assert cache_unable(True, True) is None
+    assert cache_unable(True, False) == "not a CUDA GPU"
+    assert cache_unable(False, True) == "the rollout runs model.generate"
+    assert cache_unable(True, True, "the model's reason") == "the model's reason"
     choice = choose_kv_cache("aggressive", None, None, 8, "not a CUDA GPU")
     assert choice == KVChoice(None, "auto: the model's dtype (not a CUDA GPU)")
     assert choose_kv_cache(None, None, None, 8).dtype is None

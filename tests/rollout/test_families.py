@@ -329,3 +329,28 @@ def test_fused_projections_where_the_family_has_separate_ones(tokenizer, prompts
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, 60, stop=None))
     assert (engine.copy_bytes() > 0) == fuses
     assert engine.copy_bytes() == fused_projection_bytes(model)
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("llama", None),
+        ("gemma3_text", None),
+        ("gemma2", "soft-capped attention dequantizes the cache it reads each step; not measured"),
+    ],
+)
+def test_which_models_auto_may_give_an_8bit_cache(tokenizer, name, why):
+    """``rollout_kv_cache_dtype="auto"`` may store the cache in int8 only where the native decode attention
+    reads it in its kernel (memory.kv_choice): not Gemma-2's soft-capped attention, nor the generic path."""
+    from rapidfire_hf.rollout.engine import eight_bit_cache_reason
+
+    assert eight_bit_cache_reason(build(case(name), len(tokenizer))) == why
+
+
+def test_a_generic_path_model_gets_no_8bit_cache_from_auto(tokenizer):
+    from rapidfire_hf.rollout.engine import eight_bit_cache_reason
+    from tests.sweep.test_generic_path import tiny_opt
+
+    model = tiny_opt(tokenizer)
+    assert choose_decode_path(model)[0] == "generic"
+    assert eight_bit_cache_reason(model) == "the policy runs the engine's generic decode path"

@@ -224,41 +224,42 @@ def _decoder_shape(args: argparse.Namespace):
     return shape, args.model
 
 
-def _decode_facts(args: argparse.Namespace) -> tuple[bool, bool]:
-    """``(native, softcap)`` for the KV-cache choice: whether the static engine's native path runs the policy
-    (a named shape: a Llama, yes; ``--model``: judged on the model built on the meta device, as
-    :func:`_native_ring`; one that cannot be built: no) and whether its attention is soft-capped."""
-    if args.model is None:
-        return True, False
+def _meta_model(conf):
+    """The causal LM of ``conf`` built on the meta device (no memory, no weights read), or None where
+    transformers cannot build it."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from rapidfire_hf.rollout.engine import choose_decode_path
+    from transformers import AutoModelForCausalLM
 
     try:
-        conf = AutoConfig.from_pretrained(args.model)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(conf)
-    except Exception:  # noqa: BLE001 - read by _decoder_shape already; a model not built here is not native
-        return False, False
-    return choose_decode_path(model)[0] == "native", getattr(conf, "attn_logit_softcapping", None) is not None
+            return AutoModelForCausalLM.from_config(conf)
+    except Exception:  # noqa: BLE001 - an architecture transformers cannot build
+        return None
+
+
+def _kv_model_reason(args: argparse.Namespace) -> str | None:
+    """Why the policy's decode would not read an 8-bit KV cache (``rollout.engine.eight_bit_cache_reason``),
+    for the KV-cache choice: None for a named shape (a Llama); ``--model``: judged on its meta-device model."""
+    if args.model is None:
+        return None
+    from transformers import AutoConfig
+
+    from rapidfire_hf.rollout.engine import eight_bit_cache_reason
+
+    model = _meta_model(AutoConfig.from_pretrained(args.model))  # read by _decoder_shape already
+    if model is None:
+        return "transformers cannot build the model to check its decode path"
+    return eight_bit_cache_reason(model)
 
 
 def _native_ring(conf) -> bool:
     """Whether the static engine's native path, which keeps a local layer's cache as a ring of its window,
     runs the model of ``conf``: judged on the model built on the meta device (no memory, no weights read).
     A model that cannot be built that way is planned with full-length caches (the larger estimate)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from rapidfire_hf.rollout.llama_forward import ring_windows
 
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(conf)
-    except Exception:  # noqa: BLE001 - an architecture transformers cannot build: no ring assumed
-        return False
-    return bool(ring_windows(model))
+    model = _meta_model(conf)
+    return model is not None and bool(ring_windows(model))
 
 
 def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
@@ -302,8 +303,7 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
         run = run.with_frozen(choice.bits) if choice.bits else run
     label = f"{name}, bf16"
     if args.kv_cache_dtype == KV_AUTO:  # PPOTrainer's own choice for "auto" (memory.kv_choice)
-        native, softcap = _decode_facts(args)
-        kv, plan = plan_kv_cache(run, device, level, native, softcap, asked=asked, label=label,
+        kv, plan = plan_kv_cache(run, device, level, _kv_model_reason(args), asked=asked, label=label,
                                  host_offload=args.host_offload)  # fmt: skip
         run = dataclasses.replace(run, kv_cache_dtype=kv.dtype)
     else:

@@ -115,29 +115,26 @@ def choose_kv_cache(
     )
 
 
-def cache_unable(static_engine: bool, native: bool, cuda: bool, softcap: bool = False) -> str | None:
-    """Why a run cannot take :data:`EIGHT_BIT` for ``"auto"`` (None: it can): the static engine's native decode
-    path on a CUDA GPU, whose attention reads the 8-bit cache in its kernel."""
+def cache_unable(static_engine: bool, cuda: bool, model_reason: str | None = None) -> str | None:
+    """Why a run cannot take :data:`EIGHT_BIT` for ``"auto"`` (None: it can): the static engine on a CUDA GPU,
+    on a model whose decode attention reads the 8-bit cache in its kernel (``model_reason``: why not, from
+    ``rapidfire_hf.rollout.engine.eight_bit_cache_reason``)."""
     if not cuda:
         return "not a CUDA GPU"
     if not static_engine:
         return "the rollout runs model.generate"
-    if not native:
-        return "the policy runs the engine's generic decode path"
-    if softcap:
-        return "soft-capped attention dequantizes the cache it reads each step; not measured"
-    return None
+    return model_reason
 
 
 def plan_kv_cache(
-    run: RunShape, device_bytes: int, level, native: bool = True, softcap: bool = False, **card_kwargs
+    run: RunShape, device_bytes: int, level, model_reason: str | None = None, **card_kwargs
 ) -> tuple[KVChoice, Plan]:
     """:func:`choose_kv_cache` over the plans of ``run`` (its ``kv_cache_dtype`` None) on ``device_bytes``
     (:func:`card_plan`, with ``card_kwargs``), and the plan of what it chose (the choice's reason in its
-    "KV cache dtype" row). Planned for a CUDA GPU; ``native``: the static engine's native path runs the
-    policy (a Llama-family shape does), ``softcap``: its attention is soft-capped (:func:`cache_unable`)."""
+    "KV cache dtype" row). Planned for a CUDA GPU; ``model_reason``: why the model's decode would not read an
+    8-bit cache (:func:`cache_unable`; None: a Llama-family shape, which does)."""
     given = card_plan(run, device_bytes, level, **card_kwargs)
-    unable = cache_unable(run.static_engine, native, True, softcap)
+    unable = cache_unable(run.static_engine, True, model_reason)
     if level is None or not level_target(level).kv_cache_8bit or unable is not None:
         choice = choose_kv_cache(level, None, None, run.rollout_rows, unable)
         return choice, choice.on(given)

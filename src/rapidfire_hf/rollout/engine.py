@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from rapidfire_hf.kernels.kv_quant import kv_format
+from rapidfire_hf.rollout.families import family_of
 from rapidfire_hf.rollout.generic_forward import generic_unsupported_reason
 from rapidfire_hf.rollout.hf_backend import hf_generate
 from rapidfire_hf.rollout.llama_forward import unsupported_reason
@@ -58,6 +59,20 @@ def choose_decode_path(model, gathered: bool = False) -> tuple[str | None, str |
     if generic is None:
         return "generic", native
     return None, f"native: {native}; generic: {generic}"
+
+
+def eight_bit_cache_reason(model) -> str | None:
+    """Why the static engine would not read an 8-bit KV cache of ``model`` in its decode attention kernel
+    (None: it would): the native path only (:func:`choose_decode_path`), and not a soft-capped attention, which
+    dequantizes every slot it reads first (not measured). ``PPOConfig.rollout_kv_cache_dtype="auto"`` asks it
+    (``memory.kv_choice``)."""
+    if choose_decode_path(model)[0] != "native":
+        return "the policy runs the engine's generic decode path"
+    config = getattr(model, "config", None)
+    family = family_of(config)
+    if family is not None and family.softcap and getattr(config, "attn_logit_softcapping", None) is not None:
+        return "soft-capped attention dequantizes the cache it reads each step; not measured"
+    return None
 
 
 def resolved_backend(model, backend: str = "auto") -> str:

@@ -51,7 +51,7 @@ from rapidfire_hf.optim.step_health import eight_bit_optimizer
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.ppo.recipe.probe_cache import ProbeCache
 from rapidfire_hf.ppo.rollout_phase import rollout_backend
-from rapidfire_hf.rollout.engine import choose_decode_path, resolved_backend
+from rapidfire_hf.rollout.engine import eight_bit_cache_reason, resolved_backend
 from rapidfire_hf.rollout.llama_forward import fused_projection_bytes, ring_windows
 from rapidfire_hf.utils.device_memory import device_capacity_bytes
 
@@ -347,14 +347,8 @@ def kv_auto_unable(run: PlanInputs, static: bool) -> str | None:
     rollout outside ``train()``), whose cache stays as built."""
     if run.engine is not None:
         return "the rollout engine was built before the plan; its cache stays as built"
-    policy = run.module.policy
-    config = getattr(policy, "config", None)
-    return cache_unable(
-        static,
-        static and choose_decode_path(policy)[0] == "native",
-        run.accelerator.device.type == "cuda",
-        softcap=getattr(config, "attn_logit_softcapping", None) is not None,
-    )
+    model = eight_bit_cache_reason(run.module.policy) if static else None
+    return cache_unable(static, run.accelerator.device.type == "cuda", model)
 
 
 def kv_auto_plan(run: PlanInputs, plan: Plan, work: Workload, planned, static: bool, itemsize: int) -> Plan:
