@@ -75,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=4, help="updates per row; the first is the warm-up")
     p.add_argument("--timeout", type=int, default=480, help="seconds per row")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny smoke shape, 8 + 8 tokens, batch 8")
+    p.add_argument("--profile-update", type=int, default=None,
+                   help="run this update (0-based, not the first) under torch.profiler and store its top "
+                        "operators by device time in the row's 'profile'; it is kept out of the medians, so add "
+                        "one to --updates (e.g. --updates 4 --profile-update 3)")  # fmt: skip
     p.add_argument("--cap-gib", type=float, default=None,
                    help="cap the card to this many GiB (79.19: an H100 80 GB's size on a bigger card): memory "
                         "only, the bigger card's speed stays; recorded in each row")  # fmt: skip
@@ -82,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.rows = [r for r in args.rows.split(",") if r]
     if args.cap_gib is not None and not 0 < args.cap_gib < 1024:
         p.error(f"--cap-gib {args.cap_gib}: expected the GiB of the card to plan for, e.g. 79.19")
+    if args.profile_update is not None and not 1 <= args.profile_update < args.updates:
+        p.error(f"--profile-update {args.profile_update}: expected an update after the first and before "
+                f"--updates ({args.updates}), e.g. --updates 4 --profile-update 3")  # fmt: skip
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown:
         p.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROWS)}")
@@ -104,6 +111,8 @@ def worker_config(row: str, args: argparse.Namespace) -> dict:
             cfg[key] = spec[key]
     if args.cap_gib:
         cfg["gpu_cap_gib"] = args.cap_gib
+    if args.profile_update is not None:
+        cfg["profile_update"] = args.profile_update
     return cfg
 
 

@@ -153,3 +153,13 @@ def test_the_fuselora_row_differs_only_in_fusing_lora_and_reaches_the_trainer():
     }
     script = (Path(__file__).resolve().parents[2] / "benchmarks/card80/h100.sh").read_text()
     assert "lora7b_fuse)" in script and "--rows lora7b_offload,lora7b_fuselora" in script
+
+
+def test_a_profiled_update_reaches_the_worker_and_one_outside_the_run_is_refused(capsys):
+    args = parse_args(["--out", "x", "--rows", "lora7b_offload", "--updates", "4", "--profile-update", "3"])
+    assert worker_config("lora7b_offload", args)["profile_update"] == 3
+    assert "profile_update" not in worker_config("lora7b_offload", parse_args(["--out", "x"]))
+    for bad in (["--updates", "3", "--profile-update", "3"], ["--profile-update", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--out", "x", *bad])
+        assert "--profile-update" in capsys.readouterr().err
