@@ -321,3 +321,30 @@ def test_the_start_table_says_how_the_experts_run():
     if not torch.cuda.is_available():  # a GPU this process cannot see: the rule, not a verdict
         assert "the grouped GEMM where it records" in default_form_said(model, torch.device("cuda"))
     assert default_form_said(build(case("llama"), 64), torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_compiled_the_grouped_gemm_is_one_opaque_op_with_the_eager_result(name):
+    """Under ``torch.compile`` the grouped form's two grouped GEMMs reach the compiler as the project's opaque
+    op (``rapidfire_hf::grouped_mm``, torch's own kernel inside), not as ``aten._grouped_mm`` for inductor to
+    lower to its own template (that compiled step failed CUDA-graph capture on an H100); the traced function
+    gives the eager function's values exactly. Eager and ``make_fx`` keep torch's op (the test above)."""
+    if grouped_form_reason("cpu", torch.bfloat16) is not None:
+        pytest.skip(grouped_form_reason("cpu", torch.bfloat16))
+    model, blocks = _moe_blocks(name, {})
+    model = model.to(torch.bfloat16)
+    h = torch.randn(2, model.config.hidden_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: routed_moe(blocks[0], x, name, True, "grouped"), backend=keep, fullgraph=True)
+    with torch.no_grad():
+        compiled, eager = step(h), routed_moe(blocks[0], h, name, True, "grouped")
+    ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert ops.count("rapidfire_hf.grouped_mm.default") == 2, ops
+    assert not [o for o in ops if "aten._grouped_mm" in o or o.endswith("_grouped_mm")], ops
+    assert torch.equal(compiled, eager)
