@@ -333,7 +333,9 @@ def test_compiled_the_grouped_gemm_is_one_opaque_op_with_the_eager_result(name):
         pytest.skip(grouped_form_reason("cpu", torch.bfloat16))
     model, blocks = _moe_blocks(name, {})
     model = model.to(torch.bfloat16)
-    h = torch.randn(2, model.config.hidden_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    h = torch.randn(
+        2, model.config.hidden_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3)
+    )
     graphs = []
 
     def keep(gm, example_inputs):
@@ -341,7 +343,9 @@ def test_compiled_the_grouped_gemm_is_one_opaque_op_with_the_eager_result(name):
         return gm.forward
 
     torch._dynamo.reset()
-    step = torch.compile(lambda x: routed_moe(blocks[0], x, name, True, "grouped"), backend=keep, fullgraph=True)
+    step = torch.compile(
+        lambda x: routed_moe(blocks[0], x, name, True, "grouped"), backend=keep, fullgraph=True
+    )
     with torch.no_grad():
         compiled, eager = step(h), routed_moe(blocks[0], h, name, True, "grouped")
     ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
