@@ -65,8 +65,10 @@ VARIANTS = {
     "fuse": ("sdpa", "torch"),  # + decode_fuse_projections (FUSED below)
     "tattn": ("triton", "torch"),  # the flash-decoding kernel alone (bounded by the step's slot)
     "fuse_tattn": ("triton", "torch"),  # both
+    "int8": ("auto", "torch"),  # the defaults with the KV cache in int8 (INT8 below)
 }
 FUSED = ("fuse", "fuse_tattn")
+INT8 = ("int8",)  # kv_cache_dtype="int8": what PPOTrainer's "auto" chooses for 7B LoRA batch 256
 SHAPES = {"llama-1.1b": LLAMA_SHAPES["llama-1.1b"], "llama-7b": LLAMA_SHAPES["llama-7b"]}
 SMOKE_SHAPES = {"smoke": llama_shape("smoke", vocab_size=128)}
 PEAK_TB_S = {"H200": 4.8, "H100": 3.35}  # HBM peak (vendor figures), as benchmarks/kernels/run.py
@@ -392,6 +394,7 @@ def profile_cell(model, shape: dict, variant: str, batch: int, args, cuda: bool)
         decode_attention=attention,
         decode_sampler=sampler,
         decode_fuse_projections=variant in FUSED,
+        kv_cache_dtype="int8" if variant in INT8 else None,
     )
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(3, shape["vocab_size"], (batch, args.prompt_len), generator=g).to(model.device)
@@ -570,7 +573,8 @@ def main(argv=None) -> int:
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.shapes, args.batches, args.variants, args.mode = "smoke", "2", "default", "eager"
+        variants = "default" if args.variants == "default,triton" else args.variants  # asked: kept
+        args.shapes, args.batches, args.variants, args.mode = "smoke", "2", variants, "eager"
         args.prompt_len, args.new_tokens, args.first_step, args.steps = 8, 8, 2, 3
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS] + [
         s for s in args.shapes.split(",") if s not in shapes
@@ -604,6 +608,9 @@ def main(argv=None) -> int:
         }
         row["weight_bytes"] = llama_weight_bytes(shape, batch, element_size)
         row["kv_bytes"] = kv_read_bytes(shape, batch, slots, element_size)
+        if variant in INT8:  # one byte an element and one fp32 scale per head vector
+            head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+            row["kv_bytes"] = kv_read_bytes(shape, batch, slots, 1) * (1 + 4 / head_dim)
         row["floor_ms"] = floor_ms(row["weight_bytes"] + row["kv_bytes"], tb_s)
         need = estimate_gib(shape, batch, padded, args.new_tokens, element_size)
         # the whole device less a margin (the process holds nothing else between cells)

@@ -94,6 +94,33 @@ def test_profile_smoke_splits_the_step_into_categories_gaps_and_a_floor_from_the
     assert (tmp_path / "results.csv").stat().st_size > 0 and (tmp_path / "profile.png").stat().st_size > 0
 
 
+def test_profile_int8_variant_runs_the_8bit_cache_and_counts_its_bytes(tmp_path):
+    """The ``int8`` variant builds the engine with ``kv_cache_dtype="int8"`` (its cache holds int8) and its
+    floor counts one byte an element plus one fp32 scale per head vector."""
+    from tests.benchmarks.loader import load_benchmark
+
+    from rapidfire_hf.rollout import RolloutEngine
+
+    prof = load_benchmark("kernels/profile_decode.py")
+    made = []
+    real = RolloutEngine.__init__
+
+    def spy(self, *a, **kw):
+        made.append(kw.get("kv_cache_dtype"))
+        real(self, *a, **kw)
+
+    RolloutEngine.__init__ = spy
+    try:
+        assert prof.main(["--out", str(tmp_path), "--smoke", "--variants", "default,int8"]) == 0
+    finally:
+        RolloutEngine.__init__ = real
+    assert made == [None, "int8"]
+    plain, small = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert plain["status"] == small["status"] == "ok" and small["variant"] == "int8"
+    d = 64 // 4
+    assert small["kv_bytes"] == pytest.approx(plain["kv_bytes"] / 4 * (1 + 4 / d))  # fp32 smoke: 4 -> 1 byte
+
+
 def test_logprobs_smoke_every_implementation_matches_the_fp32_reference(tmp_path):
     from tests.benchmarks.loader import load_benchmark
 
