@@ -97,9 +97,8 @@ def test_profile_smoke_splits_the_step_into_categories_gaps_and_a_floor_from_the
 def test_profile_int8_variant_runs_the_8bit_cache_and_counts_its_bytes(tmp_path):
     """The ``int8`` variant builds the engine with ``kv_cache_dtype="int8"`` (its cache holds int8) and its
     floor counts one byte an element plus one fp32 scale per head vector."""
-    from tests.benchmarks.loader import load_benchmark
-
     from rapidfire_hf.rollout import RolloutEngine
+    from tests.benchmarks.loader import load_benchmark
 
     prof = load_benchmark("kernels/profile_decode.py")
     made = []
