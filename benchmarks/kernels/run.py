@@ -138,6 +138,43 @@ def attention_rows(args, device: str, dtype) -> list[dict]:
     return rows
 
 
+def attention_int8_rows(args, device: str, dtype) -> list[dict]:
+    """The flash-decoding kernel over an int8 cache (one fp32 scale per head vector, ``kernels/kv_quant.py``)
+    at the mid-response bound, once per ``--launches`` entry (:class:`Launch`): which launch reads the 8-bit
+    cache fastest. The reference is the fp32 attention over the dequantized cache; the floor the int8 slots
+    and their scales up to the bound."""
+    from rapidfire_hf.kernels.kv_quant import dequantize, kv_format, quantize
+    from rapidfire_hf.kernels.triton_flash_decode import flash_decode
+
+    rows, per_ms, fmt = [], _peak_bytes_per_ms(device), kv_format("int8")
+    end = args.end or args.cache
+    for shape, (kv, group, d) in ATTENTION_SHAPES.items():
+        for batch in args.batches:
+            g = torch.Generator(device).manual_seed(0)
+            q = torch.randn(batch, kv, group, d, device=device, generator=g)
+            (kq, ks), (vq, vs) = (
+                quantize(torch.randn(batch, kv, args.cache, d, device=device, generator=g), fmt) for _ in "kv"
+            )
+            valid = torch.ones(batch, args.cache, dtype=torch.bool, device=device)
+            valid[: batch // 2, : args.cache // 4] = False  # left padding on half of the rows
+            valid[:, end:] = False
+            k, v = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+            from rapidfire_hf.kernels import gqa_decode_attention
+
+            ref = gqa_decode_attention(q, k, v, valid, d**-0.5, "matmul")
+            del k, v
+            q = q.to(dtype)
+            floor = 2 * batch * kv * end * (d + 4) / per_ms if per_ms else None
+            kv_end = torch.tensor([end], device=device)
+            for launch in args.launches:
+                call = partial(flash_decode, q, kq, vq, valid, d**-0.5, None, kv_end, ks, vs, launch)
+                out = call()
+                ms = _time(call, device, args.warmup, args.repeats)
+                name = f"triton-int8@{end}+kv_end[{launch.block_n}x{launch.num_warps}x{launch.num_stages}]"
+                rows.append(_timed_row("attention_int8", shape, batch, name, ms, floor, out, ref))
+    return rows
+
+
 def _timed_row(kernel: str, shape: str, batch: int, impl: str, ms: float, floor, out, ref) -> dict:
     """One table row: time, floor and the largest difference from the fp32 reference (printed as it lands)."""
     row = {
@@ -241,7 +278,16 @@ def main(argv=None) -> int:
         help="filled slots of the mid-response rows (0: none); 320 is the "
         "mean over the steps of 128 + 384 tokens",
     )
-    p.add_argument("--kernels", default="attention,sampling,matmul", help="which sections to run")
+    p.add_argument(
+        "--kernels",
+        default="attention,sampling,matmul",
+        help="which sections to run, of attention, attention_int8, sampling, matmul",
+    )
+    p.add_argument(
+        "--launches",
+        default="64x4x3",
+        help="attention_int8: the flash-decoding kernel's launches to time, BLOCKxWARPSxSTAGES, comma-separated",
+    )
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=20)
@@ -264,11 +310,23 @@ def main(argv=None) -> int:
         args.end = 40
         args.matmul_rows = [3]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    from rapidfire_hf.kernels.triton_flash_decode import Launch  # after TRITON_INTERPRET is set
+
+    try:
+        args.launches = [Launch.parse(x) for x in args.launches.split(",") if x]
+    except ValueError as exc:
+        print(f"--launches: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     env["command"] = " ".join(["python", "benchmarks/kernels/run.py", *(argv or sys.argv[1:])])
-    sections = {"attention": attention_rows, "sampling": sampling_rows, "matmul": matmul_rows}
+    sections = {
+        "attention": attention_rows,
+        "attention_int8": attention_int8_rows,
+        "sampling": sampling_rows,
+        "matmul": matmul_rows,
+    }
     picked = [k for k in args.kernels.split(",") if k]
     if unknown := [k for k in picked if k not in sections]:
         print(f"unknown --kernels {', '.join(unknown)}; known: {', '.join(sections)}", file=sys.stderr)

@@ -142,3 +142,23 @@ def test_logprobs_smoke_every_implementation_matches_the_fp32_reference(tmp_path
         else:
             assert "grad_hidden_max_abs_err" not in row
     assert (tmp_path / "results.csv").stat().st_size > 0 and (tmp_path / "logprobs.png").stat().st_size > 0
+
+
+def test_int8_attention_section_times_each_launch_against_the_dequantized_reference(tmp_path, capsys):
+    """``--kernels attention_int8``: one row per ``--launches`` entry, each within fp32 rounding of the fp32
+    attention over the dequantized cache (the launch changes the block order, not the arithmetic); a launch
+    that is no launch is refused by name."""
+    from tests.benchmarks.loader import load_benchmark
+
+    run = load_benchmark("kernels/run.py")
+    argv = ["--out", str(tmp_path), "--smoke", "--kernels", "attention_int8", "--launches", "64x4x3,32x2x2"]
+    assert run.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["impl"] for r in rows if r["shape"] == "llama-7b"] == [
+        "triton-int8@40+kv_end[64x4x3]",
+        "triton-int8@40+kv_end[32x2x2]",
+    ]
+    assert all(r["max_abs_diff"] < 1e-5 for r in rows), rows
+    for bad in ("64x4", "48x4x3", "64x3x3", "64x4x0", "axbxc"):
+        assert run.main([*argv[:5], "--launches", bad]) == 2
+        assert "--launches" in capsys.readouterr().err

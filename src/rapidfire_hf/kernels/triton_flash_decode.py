@@ -26,6 +26,7 @@ Triton decides at import whether kernels are compiled for the GPU or run by its 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,6 +34,36 @@ import triton.language as tl
 
 BLOCK_N = 64  # cache slots per inner step
 PROGRAMS_PER_SM = 2
+
+
+class Launch(NamedTuple):
+    """How the partial kernel is launched: cache slots per inner step, warps per program, software-pipeline
+    stages of the inner loop (Triton's ``num_warps`` / ``num_stages``)."""
+
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def parse(cls, text: str) -> Launch:
+        """``"128x8x3"`` -> ``Launch(128, 8, 3)``; anything else is refused by name."""
+        parts = text.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"launch {text!r}: expected BLOCKxWARPSxSTAGES, e.g. 64x4x3")
+        launch = cls(*(int(p) for p in parts))
+        launch.check()
+        return launch
+
+    def check(self) -> None:
+        power = [v for v in (self.block_n, self.num_warps) if v < 1 or v & (v - 1)]
+        if power or not 16 <= self.block_n <= 512 or self.num_warps > 16 or not 1 <= self.num_stages <= 8:
+            raise ValueError(
+                f"launch {self}: block_n a power of two in 16..512, num_warps a power of two up to 16, "
+                "num_stages 1..8"
+            )
+
+
+DEFAULT_LAUNCH = Launch()
 
 
 @triton.jit
@@ -176,10 +207,10 @@ def sm_count(device: torch.device) -> int:
     return 4  # the interpreter: a few splits, so the merge path runs in the CPU tests too
 
 
-def num_splits(batch: int, n_kv: int, kv_len: int, device: torch.device) -> int:
-    """Splits of the cache length: about ``PROGRAMS_PER_SM`` programs per SM, at most one per ``BLOCK_N`` slots."""
+def num_splits(batch: int, n_kv: int, kv_len: int, device: torch.device, block_n: int = BLOCK_N) -> int:
+    """Splits of the cache length: about ``PROGRAMS_PER_SM`` programs per SM, at most one per ``block_n`` slots."""
     want = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), batch * n_kv)
-    return max(1, min(want, triton.cdiv(kv_len, BLOCK_N)))
+    return max(1, min(want, triton.cdiv(kv_len, block_n)))
 
 
 def flash_decode(
@@ -192,6 +223,7 @@ def flash_decode(
     kv_end: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """``[B, KV, G, D]`` queries over ``[B, KV, L, D]`` caches (``key_valid`` ``[B, L]``) -> ``[B, KV, G, D]``.
 
@@ -201,7 +233,11 @@ def flash_decode(
     must lie below it; the result then equals ``kv_end=None``'s up to the rounding of another compilation).
     ``k_scale`` / ``v_scale``: ``[B, KV, L]`` fp32 per-slot scales of an 8-bit (fp8 / int8) cache
     (``kernels/kv_quant.py``), applied inside the kernel, which reads one byte per cached element.
+    ``launch``: the partial kernel's :class:`Launch` (None: :data:`DEFAULT_LAUNCH`); the same arithmetic in
+    another order (blocks of another size), so results agree to rounding, not bits.
     """
+    launch = DEFAULT_LAUNCH if launch is None else launch
+    launch.check()
     b, n_kv, group, d = q.shape
     kv_len = k_cache.shape[2]
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -220,8 +256,9 @@ def flash_decode(
         raise ValueError(f"a {k_cache.dtype} cache with {q.dtype} queries needs k_scale / v_scale")
     valid = key_valid  # bool is loaded as int1 (a dtype view here would break torch.compile: no bool iinfo)
     out = torch.empty_like(q)
-    n_splits = splits or num_splits(b, n_kv, kv_len, q.device)
-    split_len = triton.cdiv(triton.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
+    block_n = launch.block_n
+    n_splits = splits or num_splits(b, n_kv, kv_len, q.device, block_n)
+    split_len = triton.cdiv(triton.cdiv(kv_len, n_splits), block_n) * block_n
     n_splits = triton.cdiv(kv_len, split_len)
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(d))
@@ -251,8 +288,8 @@ def flash_decode(
         out.stride(0), out.stride(1), out.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         n_kv, group, kv_len, split_len, n_splits, scale,
-        HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=BLOCK_N, SINGLE=n_splits == 1, IEEE=ieee,
-        HAS_END=kv_end is not None, QUANT=quant,
+        HEAD_DIM=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=block_n, SINGLE=n_splits == 1, IEEE=ieee,
+        HAS_END=kv_end is not None, QUANT=quant, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if n_splits > 1:
         _merge_kernel[(b * n_kv,)](
