@@ -345,3 +345,17 @@ def test_auto_kv_for_a_model_the_native_path_does_not_run_keeps_its_dtype(tmp_pa
     assert reasons["phi"] == "auto: the model's dtype (the policy runs the engine's generic decode path)"
     assert reasons["mistral"].startswith("auto, aggressive: the model's dtype (8 bits would generate")
 
+
+
+def test_frozen_auto_is_planned_with_the_kv_cache_auto_chooses(capsys):
+    """``--frozen-quantization auto`` with ``--kv-cache-dtype auto`` (the default) plans the frozen models with
+    the cache "auto" takes, as PPOTrainer does: 7B LoRA batch 320 on 48 GiB quantizes the reward model (int8
+    cache, no offload); with the model's dtype named it keeps them as given."""
+    base = ["plan", "--shape", "llama-7b", "--gpu-memory", "48", "--batch", "320", "--value-mode", "fused",
+            "--peft", "--reward", "model", "--config", "aggressive", "--frozen-quantization", "auto", "--json"]  # fmt: skip
+    assert main(base) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert (auto["frozen"], auto["kv_cache_dtype"], auto["offload_frozen"]) == ("8bit", "int8", False), auto
+    assert main([*base, "--kv-cache-dtype", "model"]) == 0
+    model = json.loads(capsys.readouterr().out)
+    assert (model["frozen"], model["kv_cache_dtype"]) == ("as given", "model dtype"), model

@@ -20,6 +20,7 @@ from rapidfire_hf.memory.kv_choice import (
     choose_kv_cache,
     generation_chunks,
     plan_kv_cache,
+    run_with_kv_choice,
 )
 from rapidfire_hf.memory.planner import GIB
 
@@ -131,3 +132,22 @@ def test_a_trade_avoided_at_the_same_chunks_is_not_what_was_measured():
     assert eight.checkpointing == "none"
     choice = choose_kv_cache("aggressive", given, eight, 256)
     assert choice.dtype is None and choice.reason.endswith("the same 2 chunks)")
+
+
+def test_the_frozen_models_auto_precision_is_planned_with_the_cache_auto_chooses():
+    """7B LoRA, batch 320, a 48 GiB card: "auto" takes int8 (2 generation chunks, not 3), and the frozen
+    models' "auto" precision planned with that cache quantizes the reward model (8 bits spare the host offload
+    of the frozen weights at the same chunks), which the plan with the bf16 cache, a run that does not happen,
+    judged needless (it would cost a generation chunk there). A cache the user names is kept as named."""
+    from rapidfire_hf.memory.frozen_choice import plan_frozen
+
+    run = replace(LORA_256, rollout_rows=320)
+    card = 48 * GIB
+    chosen = run_with_kv_choice(run, card, "aggressive")
+    assert chosen == replace(run, kv_cache_dtype="int8")
+    assert plan_frozen(run, card, "aggressive").bits is None
+    frozen = plan_frozen(chosen, card, "aggressive")
+    assert frozen.bits == "8bit" and "host offload" in frozen.reason, frozen
+    named = replace(run, kv_cache_dtype="fp8")
+    assert run_with_kv_choice(named, card, "aggressive") is named
+    assert run_with_kv_choice(run, card, "balanced") == run  # the level keeps the model's dtype

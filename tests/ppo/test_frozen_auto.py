@@ -193,3 +193,21 @@ def test_auto_with_hf_checkpointing_plans_without_a_traceback(tmp_path, tok, mon
     monkeypatch.setattr(frozen_auto, "card_bytes", lambda device: 80 * GIB)
     trainer = _trainer(tmp_path, tok, config="aggressive", gradient_checkpointing=True, **AUTO)
     assert trainer.frozen_choice.bits is None and "the plan fits" in trainer.frozen_choice.reason
+
+
+@pytest.mark.parametrize("kv", ["auto", "model"])
+def test_the_trainer_plans_frozen_auto_with_the_kv_cache_auto_chooses(tmp_path, tok, monkeypatch, kv):
+    """With ``rollout_kv_cache_dtype="auto"`` (the default) the frozen models' plan is made on the run with
+    the cache "auto" chooses (``memory.kv_choice.run_with_kv_choice``, the policy's own reason when its decode
+    cannot read 8 bits); a cache the user names is planned as named."""
+    seen = []
+    real = frozen_auto.run_with_kv_choice
+
+    def spy(run, card, level, reason=None, **kw):
+        seen.append((run.kv_cache_dtype, level, reason))
+        return real(run, card, level, reason, **kw)
+
+    monkeypatch.setattr(frozen_auto, "run_with_kv_choice", spy)
+    monkeypatch.setattr(frozen_auto, "card_bytes", lambda device: 80 * GIB)
+    _trainer(tmp_path, tok, config="aggressive", rollout_kv_cache_dtype=kv, **AUTO)
+    assert seen == ([(None, "aggressive", None)] if kv == "auto" else []), seen

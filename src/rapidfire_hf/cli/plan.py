@@ -269,7 +269,7 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
     from rapidfire_hf.memory.card_plan import RunShape, card_plan, fit_hint
     from rapidfire_hf.memory.frozen_choice import AUTO, plan_frozen
     from rapidfire_hf.memory.kv_choice import AUTO as KV_AUTO
-    from rapidfire_hf.memory.kv_choice import plan_kv_cache
+    from rapidfire_hf.memory.kv_choice import plan_kv_cache, run_with_kv_choice
     from rapidfire_hf.memory.planner import GIB, Asked
 
     gib = _gpu_gib(str(args.gpu_memory))
@@ -299,7 +299,11 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
     device = int(gib * GIB)
     choice = None
     if auto:  # PPOTrainer's own choice for "auto" (memory.frozen_choice), then the plan of what it chose
-        choice = plan_frozen(run, device, level, asked=asked, host_offload=args.host_offload)
+        frozen_run = run
+        if args.kv_cache_dtype == KV_AUTO:  # planned with the cache "auto" chooses, as PPOTrainer does
+            frozen_run = run_with_kv_choice(run, device, level, _kv_model_reason(args), asked=asked,
+                                            host_offload=args.host_offload)  # fmt: skip
+        choice = plan_frozen(frozen_run, device, level, asked=asked, host_offload=args.host_offload)
         run = run.with_frozen(choice.bits) if choice.bits else run
     label = f"{name}, bf16"
     if args.kv_cache_dtype == KV_AUTO:  # PPOTrainer's own choice for "auto" (memory.kv_choice)

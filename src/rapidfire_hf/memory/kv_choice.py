@@ -141,3 +141,18 @@ def plan_kv_cache(
     eight = card_plan(replace(run, kv_cache_dtype=EIGHT_BIT), device_bytes, level, **card_kwargs)
     choice = choose_kv_cache(level, given, eight, run.rollout_rows)
     return choice, choice.on(eight if choice.dtype else given)
+
+
+def run_with_kv_choice(
+    run: RunShape, device_bytes: int, level, model_reason: str | None = None, **card_kwargs
+) -> RunShape:
+    """``run`` with the cache ``"auto"`` chooses on its plan (:func:`plan_kv_cache`), for the frozen models'
+    ``"auto"`` precision to be planned with it (``memory.frozen_choice.plan_frozen``). The 8-bit cache is
+    decided first because it is the milder change: it moves only generation's sampling (scoring recomputes
+    the log-probs with the model's weights and dtype), while 8- or 4-bit frozen models move the KL term
+    and the score themselves; planned the other way, a plan the 8-bit cache makes fit would quantize the
+    frozen models for nothing."""
+    if run.kv_cache_dtype is not None:  # the user's own cache dtype
+        return run
+    choice, _ = plan_kv_cache(run, device_bytes, level, model_reason, **card_kwargs)
+    return replace(run, kv_cache_dtype=choice.dtype) if choice.dtype else run

@@ -16,6 +16,8 @@ import torch
 from rapidfire_hf.memory.card_plan import LORA_TARGETS, RunShape
 from rapidfire_hf.memory.estimate import DecoderShape
 from rapidfire_hf.memory.frozen_choice import AUTO, FrozenChoice, choose_frozen, plan_frozen
+from rapidfire_hf.memory.kv_choice import AUTO as KV_AUTO
+from rapidfire_hf.memory.kv_choice import run_with_kv_choice
 from rapidfire_hf.memory.planner import Asked, level_target
 from rapidfire_hf.ppo.config import engine_kv_cache_dtype
 from rapidfire_hf.utils.device_memory import device_capacity_bytes
@@ -100,17 +102,24 @@ def decide_frozen(
         return FrozenChoice(None, f"auto: the planner cannot read {type(policy).__name__}'s shape ({err})")
     from rapidfire_hf.ppo.recipe.planning import asked
 
-    return plan_frozen(
-        run,
-        card or 0,
-        level,
-        ref_auto=ref_auto,
-        reward_auto=reward_auto,
-        asked=_card_asked(asked(args, memory, deepspeed=False)),
-        eight_bit_available=is_available("bitsandbytes"),
-        fuse_projections=args.rollout_decode_fuse_projections,
-        host_offload=args.host_offload,
-    )
+    card_kwargs = {
+        "asked": _card_asked(asked(args, memory, deepspeed=False)),
+        "eight_bit_available": is_available("bitsandbytes"),
+        "fuse_projections": args.rollout_decode_fuse_projections,
+        "host_offload": args.host_offload,
+    }
+    if args.rollout_kv_cache_dtype == KV_AUTO:  # the cache "auto" will choose, decided first (kv_choice)
+        run = run_with_kv_choice(run, card, level, _eight_bit_reason(run, policy), **card_kwargs)
+    return plan_frozen(run, card or 0, level, ref_auto=ref_auto, reward_auto=reward_auto, **card_kwargs)
+
+
+def _eight_bit_reason(run: RunShape, policy) -> str | None:
+    """Why the policy's decode would not read an 8-bit cache (``rollout.engine.eight_bit_cache_reason``)."""
+    if not run.static_engine:
+        return None  # kv_choice.cache_unable names model.generate itself
+    from rapidfire_hf.rollout.engine import eight_bit_cache_reason
+
+    return eight_bit_cache_reason(policy)
 
 
 # the analytic probe knows the selective policies: HF's own checkpointing (everything recomputed) plans as the
