@@ -61,10 +61,25 @@ ROWS = {
     # the cache in the model's dtype, whatever "auto" (the default) chooses: the other side of the int8 rows
     # (results/h100_2026-12-07c ran it as lora7b_offload, when "auto" was always the model's dtype)
     "lora7b_modelkv": {"batch": 256, "peft": True, "host_offload": "auto", "rollout_kv_cache_dtype": "model"},
-    "full7b_modelkv": {"batch": 160, "peft": False, "host_offload": "auto", "rollout_kv_cache_dtype": "model"},
+    "full7b_modelkv": {
+        "batch": 160,
+        "peft": False,
+        "host_offload": "auto",
+        "rollout_kv_cache_dtype": "model",
+    },
     # PPOConfig.rollout_decode_fuse_lora=True (opt-in, not measured on a GPU yet): the LoRA layers join the
     # fused decode projections where the plan fuses at all (benchmarks/ppo_vs_trl/worker.py "fuselora")
     "lora7b_fuselora": {"batch": 256, "peft": True, "host_offload": "auto", "decode_kernels": "fuselora"},
+    # PPOConfig(use_liger_kernel=True) (Liger's RMSNorm, SwiGLU, RoPE in the policy and reference forwards of
+    # scoring and training), then with torch_compile=True too: opt-in, measured at 1.1B only before
+    "lora7b_liger": {"batch": 256, "peft": True, "host_offload": "auto", "liger": True},
+    "lora7b_ligercompile": {
+        "batch": 256,
+        "peft": True,
+        "host_offload": "auto",
+        "liger": True,
+        "compile": True,
+    },
 }
 
 
@@ -106,7 +121,7 @@ def worker_config(row: str, args: argparse.Namespace) -> dict:
         flags.append("--smoke")
     cfg = row_config("aggressive", preset_args(flags))
     cfg["name"], cfg["row"] = f"{row}_b{cfg['batch']}", row
-    for key in ("host_offload", "rollout_kv_cache_dtype", "decode_kernels"):
+    for key in ("host_offload", "rollout_kv_cache_dtype", "decode_kernels", "liger", "compile"):
         if key in spec:
             cfg[key] = spec[key]
     if args.cap_gib:

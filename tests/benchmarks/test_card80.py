@@ -78,7 +78,9 @@ def test_the_kv_rows_differ_only_in_the_kv_cache_and_reach_the_trainer(base):
     """``h100.sh OUT lora7b_kv`` / ``full7b_kv``: the model-dtype cache and the int8 cache, same run otherwise."""
     from benchmarks.ppo_vs_trl.worker import speedup_args
 
-    args = parse_args(["--out", "x", "--rows", f"{base}_modelkv,{base}_int8kv,{base}_offload", "--updates", "3"])
+    args = parse_args(
+        ["--out", "x", "--rows", f"{base}_modelkv,{base}_int8kv,{base}_offload", "--updates", "3"]
+    )
     plain, small = worker_config(f"{base}_modelkv", args), worker_config(f"{base}_int8kv", args)
     assert speedup_args(small)["rollout_kv_cache_dtype"] == "int8"
     assert speedup_args(plain)["rollout_kv_cache_dtype"] == "model"
@@ -122,7 +124,15 @@ def test_a_card_cap_that_is_no_card_is_refused(capsys):
 def test_the_chart_draws_a_stored_call_and_refuses_one_where_nothing_ran(tmp_path):
     from benchmarks.card80.chart import chart
 
-    stored = Path(__file__).resolve().parents[2] / "benchmarks" / "card80" / "results" / "h100_2026-12-06" / "full7b_trades" / "results.json"
+    stored = (
+        Path(__file__).resolve().parents[2]
+        / "benchmarks"
+        / "card80"
+        / "results"
+        / "h100_2026-12-06"
+        / "full7b_trades"
+        / "results.json"
+    )
     png = chart(stored, tmp_path / "chart.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     data = json.loads(stored.read_text())
@@ -163,3 +173,21 @@ def test_a_profiled_update_reaches_the_worker_and_one_outside_the_run_is_refused
         with pytest.raises(SystemExit):
             parse_args(["--out", "x", *bad])
         assert "--profile-update" in capsys.readouterr().err
+
+
+def test_the_liger_rows_differ_only_in_the_speed_switches_and_reach_the_trainer():
+    from benchmarks.ppo_vs_trl.worker import speedup_args
+
+    args = parse_args(["--out", "x", "--rows", "lora7b_offload,lora7b_liger,lora7b_ligercompile"])
+    base, liger, both = (
+        worker_config(r, args) for r in ("lora7b_offload", "lora7b_liger", "lora7b_ligercompile")
+    )
+    strip = lambda c: {k: v for k, v in c.items() if k not in ("name", "row", "liger", "compile")}  # noqa: E731
+    assert strip(base) == strip(liger) == strip(both)
+    assert (liger["liger"], liger["compile"]) == (True, False) and (both["liger"], both["compile"]) == (
+        True,
+        True,
+    )
+    assert speedup_args(liger)["use_liger_kernel"] is True and "torch_compile" not in speedup_args(liger)
+    assert speedup_args(both)["torch_compile"] is True
+    assert "use_liger_kernel" not in speedup_args(base)
