@@ -281,7 +281,7 @@ def test_routed_moe_runs_the_grouped_gemm_by_default_where_the_caller_says_it_re
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_the_default_form_is_grouped_on_cuda_and_compiles(tokenizer, prompts, name, monkeypatch):
+def test_the_default_form_is_grouped_on_cuda_and_compiles(tokenizer, prompts, name):
     """The engine's default decode (compiled, then recorded) on a bf16 MoE model on a GPU where the grouped
     GEMM records: a small batch runs the grouped form and compiles without falling back; a second call replays
     the same greedy tokens. (The grouped form's arithmetic against the block: the test above, and the CPU
@@ -295,17 +295,20 @@ def test_the_default_form_is_grouped_on_cuda_and_compiles(tokenizer, prompts, na
     # 2 rows: 2 * k (row, expert) pairs do not outnumber the experts (Mixtral's 4), so the default is grouped
     ids, mask = (x[:2].cuda() for x in prompts)
     params = SamplingParams(max_new_tokens=32, do_sample=False)
-    forms = []
-    real = moe_decode.default_form
-    monkeypatch.setattr(moe_decode, "default_form", lambda *a: forms.append(real(*a)) or forms[-1])
     engine = RolloutEngine(model, pad_token_id=0, stop_token_ids=[], backend="static", decode_mode="compile")
     assert engine._static.net._grouped_ok
+    cfg = model.config
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    # the form the step takes, asked outside it. With a spy inside the compiled step (a closure appending to a
+    # list) this test failed the capture on an H100 twice, while the same engine without the spy compiled and
+    # recorded in its own process (benchmarks/rollout/results/h100/call_2026-12-07d/moe_diag.jsonl); a guard
+    # on the list recompiling during the capture is the likely cause
+    assert default_form(ids.shape[0], cfg.num_experts_per_tok, experts, True) == "grouped"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first, second = (engine.generate(ids, mask, params).responses for _ in range(2))
     assert not [str(w.message) for w in caught if "decode_mode=" in str(w.message)]
     assert engine.decode_mode_ran == "compile" and not engine.decode_fallbacks
-    assert forms and set(forms) == {"grouped"}
     assert torch.equal(first, second)
 
 
@@ -322,33 +325,3 @@ def test_the_start_table_says_how_the_experts_run():
         assert "the grouped GEMM where it records" in default_form_said(model, torch.device("cuda"))
     assert default_form_said(build(case("llama"), 64), torch.device("cpu")) is None
 
-
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_compiled_the_grouped_gemm_is_one_opaque_op_with_the_eager_result(name):
-    """Under ``torch.compile`` the grouped form's two grouped GEMMs reach the compiler as the project's opaque
-    op (``rapidfire_hf::grouped_mm``, torch's own kernel inside), not as ``aten._grouped_mm`` for inductor to
-    lower to its own template (that compiled step failed CUDA-graph capture on an H100); the traced function
-    gives the eager function's values exactly. Eager and ``make_fx`` keep torch's op (the test above)."""
-    if grouped_form_reason("cpu", torch.bfloat16) is not None:
-        pytest.skip(grouped_form_reason("cpu", torch.bfloat16))
-    model, blocks = _moe_blocks(name, {})
-    model = model.to(torch.bfloat16)
-    h = torch.randn(
-        2, model.config.hidden_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3)
-    )
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    step = torch.compile(
-        lambda x: routed_moe(blocks[0], x, name, True, "grouped"), backend=keep, fullgraph=True
-    )
-    with torch.no_grad():
-        compiled, eager = step(h), routed_moe(blocks[0], h, name, True, "grouped")
-    ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-    assert ops.count("rapidfire_hf.grouped_mm.default") == 2, ops
-    assert not [o for o in ops if "aten._grouped_mm" in o or o.endswith("_grouped_mm")], ops
-    assert torch.equal(compiled, eager)

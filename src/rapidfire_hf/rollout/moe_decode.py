@@ -197,31 +197,6 @@ def routed_moe(
     return (out * top[..., None]).sum(dim=1).to(h.dtype)
 
 
-def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(x, w, offs=offs)
-
-
-if hasattr(torch, "_grouped_mm"):
-    # Under torch.compile the grouped GEMM is this opaque op: inductor calls torch's own kernel (the one the
-    # recorded step captures) instead of lowering it to its own grouped-GEMM template, whose compiled step
-    # failed CUDA-graph capture on one H100 (torch 2.11: "operation failed due to a previous error during
-    # capture", both tiny MoE cases; the engine fell back to the recorded step).
-    @torch.library.custom_op("rapidfire_hf::grouped_mm", mutates_args=())
-    def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """``torch._grouped_mm(x, w, offs=offs)`` as one op the compiler does not look into."""
-        return _grouped_mm_eager(x, w, offs)
-
-    @grouped_mm.register_fake
-    def _(x, w, offs):
-        return torch._grouped_mm(x, w, offs=offs)  # torch's meta kernel: its shape and dtype checks
-else:  # no grouped GEMM in this torch: grouped_form_reason refuses the form before this is reached
-    grouped_mm = _grouped_mm_eager
-
-
-def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return grouped_mm(x, w, offs) if torch.compiler.is_compiling() else _grouped_mm_eager(x, w, offs)
-
-
 def _grouped_experts(experts, h: torch.Tensor, idx: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """The experts of :func:`routed_moe` as two grouped GEMMs over the ``S = B * k`` (row, expert) pairs
     sorted by expert: each selected expert's weights read once, static shapes, no host sync."""
@@ -237,9 +212,9 @@ def _grouped_experts(experts, h: torch.Tensor, idx: torch.Tensor, top: torch.Ten
     offs = counts.cumsum(0, dtype=torch.int32)  # [E]: where each expert's rows end
     x = h[order // k].to(experts.gate_up_proj.dtype)  # [S, H]
     try:
-        y = _gmm(x, experts.gate_up_proj.transpose(1, 2), offs)  # [S, 2I]
+        y = torch._grouped_mm(x, experts.gate_up_proj.transpose(1, 2), offs=offs)  # [S, 2I]
         g, u = y.chunk(2, dim=-1)
-        out = _gmm(experts.act_fn(g) * u, experts.down_proj.transpose(1, 2), offs)  # [S, H]
+        out = torch._grouped_mm(experts.act_fn(g) * u, experts.down_proj.transpose(1, 2), offs=offs)  # [S, H]
     except RuntimeError as exc:  # e.g. traced in fp32: torch's meta kernel takes bf16 only
         raise RuntimeError(
             f"form='grouped': torch._grouped_mm refused {x.dtype} on {h.device}: {exc}"
