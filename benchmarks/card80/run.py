@@ -73,6 +73,7 @@ ROWS = {
     # PPOConfig(use_liger_kernel=True) (Liger's RMSNorm, SwiGLU, RoPE in the policy and reference forwards of
     # scoring and training), then with torch_compile=True too: opt-in, measured at 1.1B only before
     "lora7b_liger": {"batch": 256, "peft": True, "host_offload": "auto", "liger": True},
+    "full7b_liger": {"batch": 160, "peft": False, "host_offload": "auto", "liger": True},
     "lora7b_ligercompile": {
         "batch": 256,
         "peft": True,
