@@ -41,12 +41,16 @@ CASES = [
 ]
 
 
-# one H100 80 GB (benchmarks/card80, 2026-12-06): host offload off and auto, and LoRA at batch 256
-H100_80 = Path(__file__).resolve().parents[2] / "benchmarks" / "card80" / "results" / "h100_2026-12-06"
+# one H100 80 GB (benchmarks/card80): 2026-12-06 host offload off and auto, and LoRA at batch 256; 2026-12-07
+# (fourth session) LoRA batch 256 with the default's int8 cache and with the model's dtype, full batch 160
+H100_80 = Path(__file__).resolve().parents[2] / "benchmarks" / "card80" / "results"
 H100_CASES = [
-    ("full7b_trades", "full7b_off"),
-    ("full7b_trades", "full7b_offload"),
-    ("lora7b_offload", "lora7b_offload"),
+    ("h100_2026-12-06/full7b_trades", "full7b_off"),
+    ("h100_2026-12-06/full7b_trades", "full7b_offload"),
+    ("h100_2026-12-06/lora7b_offload", "lora7b_offload"),
+    ("h100_2026-12-07d/lora7b_speed", "lora7b_offload"),
+    ("h100_2026-12-07d/lora7b_speed2", "lora7b_modelkv"),
+    ("h100_2026-12-07d/full7b_base", "full7b_offload"),
 ]
 
 
@@ -72,6 +76,7 @@ def replay(r: dict):
         peft=r["peft"],
         reward_model=r["reward"] == "model",
         cache_kept=not plan.get("free_cache"),
+        kv_cache_dtype=plan.get("kv_cache_dtype") if plan.get("kv_cache_dtype") in ("int8", "fp8") else None,
     )
     asked = Asked(
         scoring_rows=plan["scoring_rows"],
