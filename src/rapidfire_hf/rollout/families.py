@@ -79,6 +79,7 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(embed_scale=True, norms=SANDWICH, softcap=True, offset_norm=True),
     "gemma3_text": Family(embed_scale=True, norms=SANDWICH, qk_norm="head", softcap=True, offset_norm=True),
     "olmo2": Family(norms=POST_NORM, qk_norm="proj"),
+    "olmo3": Family(norms=POST_NORM, qk_norm="proj"),  # OLMo-2's layer; windows and RoPE per layer type
     "phi3": Family(qkv="fused"),
     "gpt_neox": Family(
         final_norm="final_layer_norm", attn="attention", out_proj="dense", qkv="neox", parallel_residual=True
