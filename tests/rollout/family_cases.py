@@ -68,6 +68,8 @@ CASES = [
          "OLMo-2's layer with window 24 on three of four layers, a RoPE base per layer type (1e4 / 1e6)"),
     Case("phi3", "Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "sliding_window": 24},
          "fused qkv_proj and gate_up_proj, partial rotary 0.5, window 24"),
+    Case("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 24, "use_bias": True},
+         "LayerNorm with bias, biased q/k/v/o, GELU MLP, window 24 on every layer"),
     Case("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM",
          {"rotary_pct": 0.25, "use_parallel_residual": True, "num_key_value_heads": DROP, "head_dim": DROP},
          "parallel residual, rotary on 25% of each head, LayerNorm with bias, per-head fused q/k/v"),
@@ -107,6 +109,13 @@ def build(c: Case, vocab_size: int, seed: int = 0, **overrides):
         config = getattr(transformers, c.config)(**kwargs, attn_implementation=REFERENCE_ATTENTION)
     torch.manual_seed(seed)
     model = getattr(transformers, c.model)(config).eval()
+    # transformers initialises biases to 0: moved off it so a bias the static forward dropped or misplaced
+    # changes the tokens (norm weights stay: moved too, some tiny models' greedy tokens collapse to one)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 2)  # every case keeps >= 8 distinct greedy tokens
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2
     return model

@@ -81,6 +81,7 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family(norms=POST_NORM, qk_norm="proj"),
     "olmo3": Family(norms=POST_NORM, qk_norm="proj"),  # OLMo-2's layer; windows and RoPE per layer type
     "phi3": Family(qkv="fused"),
+    "starcoder2": Family(),  # Llama's layout with LayerNorm, biased projections and a GELU MLP (its own modules)
     "gpt_neox": Family(
         final_norm="final_layer_norm", attn="attention", out_proj="dense", qkv="neox", parallel_residual=True
     ),  # fmt: skip
