@@ -50,6 +50,8 @@ class Family:
         softcap: attention-logit and final-logit soft-capping from the config (Gemma-2/3).
         multipliers: Granite's embedding / residual multipliers and logits scaling from the config.
         nope_layers: the config's ``no_rope_layers`` marks layers without rotary embeddings (SmolLM3).
+        global_nope: where the config has a sliding window, its full-attention layers take no rotary
+            embedding (EXAONE-4's hybrid attention; without a window every layer is rotated).
         offset_norm: the RMSNorms scale by ``1 + w`` in fp32 and cast after (Gemma 1/2/3): the static forward
             computes them from their weights with ``1 + w`` precomputed once per generation, and a layer's
             per-head q and k norms in one pass (rollout/llama_forward.py, ``offset_rms_norm``).
@@ -67,6 +69,7 @@ class Family:
     softcap: bool = False
     multipliers: bool = False
     nope_layers: bool = False
+    global_nope: bool = False
     offset_norm: bool = False
 
 
@@ -80,6 +83,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(embed_scale=True, norms=SANDWICH, qk_norm="head", softcap=True, offset_norm=True),
     "olmo2": Family(norms=POST_NORM, qk_norm="proj"),
     "olmo3": Family(norms=POST_NORM, qk_norm="proj"),  # OLMo-2's layer; windows and RoPE per layer type
+    "exaone4": Family(norms=POST_NORM, qk_norm="head", global_nope=True),
     "phi3": Family(qkv="fused"),
     "starcoder2": Family(),  # Llama's layout with LayerNorm, biased projections and a GELU MLP (its own modules)
     "gpt_neox": Family(
@@ -116,6 +120,8 @@ def rope_kinds(config, body) -> list[str | None]:
     if fam is not None and fam.nope_layers:
         use_rope = getattr(config, "no_rope_layers", None) or [1] * n
         kinds = [k if use_rope[i] else None for i, k in enumerate(kinds)]
+    if fam is not None and fam.global_nope and getattr(config, "sliding_window", None) is not None:
+        kinds = [k if t == "sliding_attention" else None for k, t in zip(kinds, types)]
     return kinds
 
 
