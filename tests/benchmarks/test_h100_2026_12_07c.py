@@ -8,24 +8,14 @@ edit that leaves text and file apart, fails here."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+
+from tests.benchmarks.readme_text import section as _section
+from tests.benchmarks.readme_text import table as _table
 
 ROOT = Path(__file__).resolve().parents[2]
 CALL = ROOT / "benchmarks" / "rollout" / "results" / "h100" / "call_2026-12-07c"
 CARD80 = ROOT / "benchmarks" / "card80" / "results" / "h100_2026-12-07c" / "lora7b_kv"
-
-
-def _section(readme: str, title: str) -> str:
-    text = (ROOT / readme).read_text()
-    start = text.index(title)
-    nxt = re.search(r"\n#{2,3} ", text[start + 1 :])
-    return text[start : start + 1 + nxt.start()] if nxt else text[start:]
-
-
-def _table(text: str, first_cell: str) -> list[list[str]]:
-    lines = text.split(f"| {first_cell} |")[1].split("\n\n")[0].splitlines()[2:]
-    return [[c.strip().strip("*").strip("`") for c in ln.strip("|").split("|")] for ln in lines]
 
 
 def test_the_kv_fix_table_is_the_stored_call():
