@@ -74,6 +74,15 @@ ROWS = {
     # scoring and training), then with torch_compile=True too: opt-in, measured at 1.1B only before
     "lora7b_liger": {"batch": 256, "peft": True, "host_offload": "auto", "liger": True},
     "full7b_liger": {"batch": 160, "peft": False, "host_offload": "auto", "liger": True},
+    # the frozen reference and reward models in bitsandbytes 8-bit (issue 46 item 2's trade, not yet measured
+    # on a GPU): what the room buys the plan, tokens/s and peak beside full7b_offload
+    "full7b_frozen8": {
+        "batch": 160,
+        "peft": False,
+        "host_offload": "auto",
+        "ref_quant": "8bit",
+        "reward_quant": "8bit",
+    },
     "lora7b_ligercompile": {
         "batch": 256,
         "peft": True,
@@ -122,7 +131,15 @@ def worker_config(row: str, args: argparse.Namespace) -> dict:
         flags.append("--smoke")
     cfg = row_config("aggressive", preset_args(flags))
     cfg["name"], cfg["row"] = f"{row}_b{cfg['batch']}", row
-    for key in ("host_offload", "rollout_kv_cache_dtype", "decode_kernels", "liger", "compile"):
+    for key in (
+        "host_offload",
+        "rollout_kv_cache_dtype",
+        "decode_kernels",
+        "liger",
+        "compile",
+        "ref_quant",
+        "reward_quant",
+    ):
         if key in spec:
             cfg[key] = spec[key]
     if args.cap_gib:

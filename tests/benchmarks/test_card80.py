@@ -191,3 +191,11 @@ def test_the_liger_rows_differ_only_in_the_speed_switches_and_reach_the_trainer(
     assert speedup_args(liger)["use_liger_kernel"] is True and "torch_compile" not in speedup_args(liger)
     assert speedup_args(both)["torch_compile"] is True
     assert "use_liger_kernel" not in speedup_args(base)
+
+
+def test_the_frozen8_row_differs_only_in_the_frozen_models_bits_and_reaches_the_trainer():
+    args = parse_args(["--out", "x", "--rows", "full7b_offload,full7b_frozen8"])
+    base, q = worker_config("full7b_offload", args), worker_config("full7b_frozen8", args)
+    strip = lambda c: {k: v for k, v in c.items() if k not in ("name", "row", "ref_quant", "reward_quant")}  # noqa: E731
+    assert strip(base) == strip(q) and (q["ref_quant"], q["reward_quant"]) == ("8bit", "8bit")
+    assert "ref_quant" not in base and "reward_quant" not in base
