@@ -105,3 +105,24 @@ def test_docs_ppo_quotes_the_liger_rows():
         f"{tps['full7b_liger'] / tps['full7b_offload']:.2f}× at full fine-tuning batch 160 ({tps['full7b_liger']:,.0f})"
         in line
     )
+
+
+def test_readme_and_results_doc_quote_the_rows():
+    rows = _rows()
+    tps = {k: f"{r['tokens_per_s']:,.0f}" for k, r in rows.items()}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (
+        f"LoRA at batch 256 runs {tps['lora7b_offload']} tokens/s, **{tps['lora7b_liger']}** with" in readme
+    )
+    doc = " ".join((ROOT / "docs" / "results.md").read_text().split())
+    ratio = {k: rows[k]["tokens_per_s"] / rows[b]["tokens_per_s"] for k, b in
+             (("lora7b_liger", "lora7b_offload"), ("full7b_liger", "full7b_offload"))}  # fmt: skip
+    assert (
+        f"runs {tps['lora7b_offload']} tokens/s with PPOConfig's defaults (the KV cache in int8, `\"auto\"`'s "
+        f"choice: {tps['lora7b_modelkv']} with the model's dtype) and **{tps['lora7b_liger']}** with "
+        f"`use_liger_kernel=True` ({ratio['lora7b_liger']:.2f}x)" in doc
+    )
+    assert (
+        f"runs {tps['full7b_offload']} with the defaults and **{tps['full7b_liger']}** with Liger "
+        f"({ratio['full7b_liger']:.2f}x)" in doc
+    )
