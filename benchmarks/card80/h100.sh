@@ -10,6 +10,10 @@
 #   bash benchmarks/card80/h100.sh OUT full7b_kv      # full7b_modelkv and full7b_int8kv, 3 updates each
 #   bash benchmarks/card80/h100.sh OUT lora7b_fuse    # lora7b_offload and lora7b_fuselora (LoRA layers in
 #                                                     # the fused decode projections), 3 updates each
+#   bash benchmarks/card80/h100.sh OUT full7b_frozen  # full7b_offload and full7b_frozen8 (the frozen reference
+#                                                     # and reward models in 8-bit), 3 updates each
+#   bash benchmarks/card80/h100.sh OUT liger          # lora7b_offload and lora7b_liger, then full7b_offload and
+#                                                     # full7b_liger (use_liger_kernel=True), 3 updates each
 # UPDATES_80 (default 4) sets the updates of a row; the first is the warm-up. CAP_GIB=79.19 caps a bigger
 # card to an H100 80 GB's memory (the allocator refuses past it; speed stays the bigger card's).
 set -u
@@ -30,6 +34,12 @@ for part in "$@"; do
                      --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
     lora7b_fuse) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows lora7b_offload,lora7b_fuselora \
                      --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
-    *) echo "unknown part $part (full7b, lora7b, full7b_trades, lora7b_kv, full7b_kv, lora7b_fuse)"; exit 2 ;;
+    full7b_frozen) $PY benchmarks/card80/run.py --out "$OUT/$part" --rows full7b_offload,full7b_frozen8 \
+                     --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB} ;;
+    liger) for base in lora7b full7b; do
+             $PY benchmarks/card80/run.py --out "$OUT/${base}_liger" --rows ${base}_offload,${base}_liger \
+                 --updates ${UPDATES_80:-3} --timeout 265 ${CAP_GIB:+--cap-gib $CAP_GIB}
+           done ;;
+    *) echo "unknown part $part (full7b, lora7b, full7b_trades, lora7b_kv, full7b_kv, lora7b_fuse, full7b_frozen, liger)"; exit 2 ;;
   esac
 done

@@ -199,3 +199,14 @@ def test_the_frozen8_row_differs_only_in_the_frozen_models_bits_and_reaches_the_
     strip = lambda c: {k: v for k, v in c.items() if k not in ("name", "row", "ref_quant", "reward_quant")}  # noqa: E731
     assert strip(base) == strip(q) and (q["ref_quant"], q["reward_quant"]) == ("8bit", "8bit")
     assert "ref_quant" not in base and "reward_quant" not in base
+
+
+def test_the_frozen_and_liger_parts_run_their_rows_beside_the_defaults():
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[2] / "benchmarks/card80/h100.sh").read_text()
+    assert "--rows full7b_offload,full7b_frozen8" in script
+    assert "for base in lora7b full7b" in script and "--rows ${base}_offload,${base}_liger" in script
+    known = parse_args(["--out", "x"]).rows  # the rows the parts name exist
+    for row in ("full7b_offload", "full7b_frozen8", "lora7b_offload", "lora7b_liger", "full7b_liger"):
+        assert worker_config(row, parse_args(["--out", "x", "--rows", row]))["row"] == row, known
