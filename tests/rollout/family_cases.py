@@ -202,7 +202,7 @@ def render_models_md(vocab_size: int) -> str:
         f"{', '.join(f'`{t}`' for t in GENERIC_CASES)}.",
         "",
         "Each case above is checked by `tests/rollout/test_families.py` on a tiny random-init model of the",
-        "family (4 layers, hidden 64; init 0.1 so greedy decoding is not decided by near-ties):",
+        "family (4 layers, hidden 64; init 0.1 so greedy decoding is not decided by near-ties; biases N(0, 0.1), not 0, so each one counts):",
         "",
         *[f"- {check}" for check in CHECKS],
         "",
