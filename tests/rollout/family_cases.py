@@ -73,6 +73,11 @@ CASES = [
     Case("exaone4 (no window)", "Exaone4Config", "Exaone4ForCausalLM",
          {"sliding_window": None, "layer_types": ["full_attention"] * 4},
          "without a window every layer is rotated"),
+    Case("cohere2", "Cohere2Config", "Cohere2ForCausalLM",
+         {"sliding_window": 24, "logit_scale": 0.5,
+          "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]},
+         "one LayerNorm read by attention and MLP in parallel, RoPE over adjacent dims on the windowed layers "
+         "only (window 24), logit scale 0.5"),
     Case("phi3", "Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "sliding_window": 24},
          "fused qkv_proj and gate_up_proj, partial rotary 0.5, window 24"),
     Case("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 24, "use_bias": True},

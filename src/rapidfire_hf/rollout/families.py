@@ -51,7 +51,11 @@ class Family:
         multipliers: Granite's embedding / residual multipliers and logits scaling from the config.
         nope_layers: the config's ``no_rope_layers`` marks layers without rotary embeddings (SmolLM3).
         global_nope: where the config has a sliding window, its full-attention layers take no rotary
-            embedding (EXAONE-4's hybrid attention; without a window every layer is rotated).
+            embedding (EXAONE-4's and Cohere-2's hybrid attention; an EXAONE-4 without a window rotates every
+            layer, and transformers' Cohere-2 refuses a config without one).
+        shared_norm: attention and MLP read one normed input, summed ``x + attn + mlp`` (Cohere-2).
+        rope_pairs: rotary embedding over adjacent dims ``(2j, 2j + 1)``, in fp32 (Cohere-2), not halves.
+        logit_scale: the logits times the config's ``logit_scale`` (Cohere-2).
         offset_norm: the RMSNorms scale by ``1 + w`` in fp32 and cast after (Gemma 1/2/3): the static forward
             computes them from their weights with ``1 + w`` precomputed once per generation, and a layer's
             per-head q and k norms in one pass (rollout/llama_forward.py, ``offset_rms_norm``).
@@ -70,6 +74,9 @@ class Family:
     multipliers: bool = False
     nope_layers: bool = False
     global_nope: bool = False
+    shared_norm: bool = False
+    rope_pairs: bool = False
+    logit_scale: bool = False
     offset_norm: bool = False
 
 
@@ -84,6 +91,13 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family(norms=POST_NORM, qk_norm="proj"),
     "olmo3": Family(norms=POST_NORM, qk_norm="proj"),  # OLMo-2's layer; windows and RoPE per layer type
     "exaone4": Family(norms=POST_NORM, qk_norm="head", global_nope=True),
+    "cohere2": Family(
+        norms=("input_layernorm", None, None, None),
+        shared_norm=True,
+        rope_pairs=True,
+        logit_scale=True,
+        global_nope=True,
+    ),  # fmt: skip
     "phi3": Family(qkv="fused"),
     "starcoder2": Family(),  # Llama's layout with LayerNorm, biased projections and a GELU MLP (its own modules)
     "gpt_neox": Family(

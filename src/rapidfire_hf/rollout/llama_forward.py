@@ -225,10 +225,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Cohere's rotation: dims ``(2j, 2j + 1)`` form pair ``j``, rotated to ``(-x[2j + 1], x[2j])``."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """Rotary embedding of the first ``cos.shape[-1]`` dims of ``x``; the rest pass through (partial rotary:
     GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor). Computed in the table's dtype and returned in
-    ``x``'s: OLMo-2's rotary module keeps fp32 tables and its model rounds the rotated q/k back."""
+    ``x``'s: OLMo-2's rotary module keeps fp32 tables and its model rounds the rotated q/k back. ``pairs``
+    (Cohere, ``Family.rope_pairs``): adjacent dims rotate together, in fp32 as its model computes them."""
+    if pairs:
+        xf = x.float()
+        return (xf * cos + _rotate_pairs(xf) * sin).to(x.dtype)
     d = cos.shape[-1]
     if d == x.shape[-1]:
         return (x * cos + _rotate_half(x) * sin).to(x.dtype)
@@ -423,6 +432,8 @@ class StaticLlama:
         self.attn_softcap = attention_softcap(cfg, cap)  # None where the model's own attention drops it
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if fam.softcap else None
         self.parallel = fam.parallel_residual and bool(getattr(cfg, "use_parallel_residual", True))
+        self.shared_norm, self.rope_pairs = fam.shared_norm, fam.rope_pairs
+        self.logit_scale = float(cfg.logit_scale) if fam.logit_scale else 1.0
         self.embed_mult = float(cfg.embedding_multiplier) if fam.multipliers else 1.0
         self.residual_mult = float(cfg.residual_multiplier) if fam.multipliers else 1.0
         self.logits_scaling = float(cfg.logits_scaling) if fam.multipliers else 1.0
@@ -619,6 +630,8 @@ class StaticLlama:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         return logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -703,6 +716,9 @@ class StaticLlama:
         residual form (the order of additions of the family's own layer)."""
         pre_a, post_a, pre_m, post_m = self.norms[i]
         s_pre_a, s_post_a, s_pre_m, s_post_m = self._norm_scale[i]
+        if self.shared_norm:  # Cohere: one norm read by attention and MLP, summed as x + attn + mlp
+            h = self._norm(pre_a, s_pre_a, x)
+            return x + attention(h) + mlp(h)
         a = attention(self._norm(pre_a, s_pre_a, x) if pre_a is not None else x)
         if post_a is not None:
             a = self._norm(post_a, s_post_a, a)
@@ -739,7 +755,7 @@ class StaticLlama:
 
             def attention(h, i=i):
                 t = self._table_of[i]
-                q, k, v = self._qkv(i, h, (b, p), None if t is None else (cos[t], sin[t]))
+                q, k, v = self._qkv(i, h, (b, p), None if t is None else (cos[t], sin[t], self.rope_pairs))
                 k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, P, D]
                 layout.write_prompt(k_cache, ks, i, k)
                 layout.write_prompt(v_cache, vs, i, v)
@@ -788,7 +804,9 @@ class StaticLlama:
 
             def attention(h, i=i, fused=fused):
                 t = self._table_of[i]
-                rope = None if t is None else (cos[t][:, None, :], sin[t][:, None, :])  # over [B, heads, D]
+                rope = (
+                    None if t is None else (cos[t][:, None, :], sin[t][:, None, :], self.rope_pairs)
+                )  # over [B, heads, D]
                 if fused:
                     qkv = self._project(h, self._qkv_w[i], self._qkv_lora[i])
                     q, k, v = self._heads(i, *qkv.split(self._qkv_sizes, dim=-1), (b,), rope)
