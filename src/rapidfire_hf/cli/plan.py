@@ -298,16 +298,18 @@ def _card_plan_and_print(args: argparse.Namespace, out: JsonStdout) -> int:
     )
     device = int(gib * GIB)
     choice = None
+    # why the policy's decode would not read an 8-bit cache: asked once (it builds the model on the meta device)
+    kv_reason = _kv_model_reason(args) if args.kv_cache_dtype == KV_AUTO else None
     if auto:  # PPOTrainer's own choice for "auto" (memory.frozen_choice), then the plan of what it chose
         frozen_run = run
         if args.kv_cache_dtype == KV_AUTO:  # planned with the cache "auto" chooses, as PPOTrainer does
-            frozen_run = run_with_kv_choice(run, device, level, _kv_model_reason(args), asked=asked,
+            frozen_run = run_with_kv_choice(run, device, level, kv_reason, asked=asked,
                                             host_offload=args.host_offload)  # fmt: skip
         choice = plan_frozen(frozen_run, device, level, asked=asked, host_offload=args.host_offload)
         run = run.with_frozen(choice.bits) if choice.bits else run
     label = f"{name}, bf16"
     if args.kv_cache_dtype == KV_AUTO:  # PPOTrainer's own choice for "auto" (memory.kv_choice)
-        kv, plan = plan_kv_cache(run, device, level, _kv_model_reason(args), asked=asked, label=label,
+        kv, plan = plan_kv_cache(run, device, level, kv_reason, asked=asked, label=label,
                                  host_offload=args.host_offload)  # fmt: skip
         run = dataclasses.replace(run, kv_cache_dtype=kv.dtype)
     else:

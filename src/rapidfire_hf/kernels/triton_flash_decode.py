@@ -236,8 +236,10 @@ def flash_decode(
     ``launch``: the partial kernel's :class:`Launch` (None: :data:`DEFAULT_LAUNCH`); the same arithmetic in
     another order (blocks of another size), so results agree to rounding, not bits.
     """
-    launch = DEFAULT_LAUNCH if launch is None else launch
-    launch.check()
+    if launch is None:
+        launch = DEFAULT_LAUNCH
+    else:  # a launch given here (the default is valid by construction: not checked again every call)
+        launch.check()
     b, n_kv, group, d = q.shape
     kv_len = k_cache.shape[2]
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:

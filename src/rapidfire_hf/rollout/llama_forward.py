@@ -272,7 +272,7 @@ def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.T
 
 
 def _rope_qk(q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k rotated by ``rope = (cos, sin)`` (:func:`_rope`); unchanged for None."""
+    """q and k rotated by ``rope = (cos, sin, pairs)`` (:func:`_rope`); unchanged for None."""
     if rope is None:
         return q, k
     return _rope(q, *rope), _rope(k, *rope)
@@ -641,7 +641,7 @@ class StaticLlama:
     # ----- per-layer pieces ------------------------------------------------------------------------
     def _heads(self, i: int, q, k, v, lead: tuple[int, ...], rope=None):
         """Flat projections of layer ``i`` -> per-head ``[*lead, heads, D]``, with the family's q/k norms and
-        the rotary embedding ``rope = (cos, sin)`` (broadcast over the heads; None: no rotation). Offset
+        the rotary embedding ``rope = (cos, sin, pairs)`` (broadcast over the heads; None: no rotation). Offset
         per-head norms run in one pass over q and k together, rotated together: the same per-row and
         per-element arithmetic as two passes, one set of kernels."""
         attn = self.attns[i]

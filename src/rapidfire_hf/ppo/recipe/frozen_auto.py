@@ -109,17 +109,11 @@ def decide_frozen(
         "host_offload": args.host_offload,
     }
     if args.rollout_kv_cache_dtype == KV_AUTO:  # the cache "auto" will choose, decided first (kv_choice)
-        run = run_with_kv_choice(run, card, level, _eight_bit_reason(run, policy), **card_kwargs)
+        from rapidfire_hf.rollout.engine import eight_bit_cache_reason
+
+        reason = eight_bit_cache_reason(policy) if run.static_engine else None  # as planning.kv_auto_unable
+        run = run_with_kv_choice(run, card, level, reason, **card_kwargs)
     return plan_frozen(run, card or 0, level, ref_auto=ref_auto, reward_auto=reward_auto, **card_kwargs)
-
-
-def _eight_bit_reason(run: RunShape, policy) -> str | None:
-    """Why the policy's decode would not read an 8-bit cache (``rollout.engine.eight_bit_cache_reason``)."""
-    if not run.static_engine:
-        return None  # kv_choice.cache_unable names model.generate itself
-    from rapidfire_hf.rollout.engine import eight_bit_cache_reason
-
-    return eight_bit_cache_reason(policy)
 
 
 # the analytic probe knows the selective policies: HF's own checkpointing (everything recomputed) plans as the
