@@ -326,3 +326,33 @@ def test_ppo_config_reaches_the_kernels_and_refuses_unknown_names(tmp_path, toke
     torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
     with pytest.raises(ConfigError, match="rollout_decode_sampler"):
         tiny_trainer(tmp_path / "bad", tokenizer, rollout_decode_sampler="cuda-magic")
+
+
+def test_a_launch_reaches_the_kernel_and_one_that_is_no_launch_is_refused(monkeypatch):
+    """``flash_decode(launch=...)``: its block size sets the splits' lengths and the kernel's ``BLOCK``, its
+    warps and stages are the kernel launch's (the default is what ran before: 64 slots, 4 warps, 3 stages);
+    the result agrees with the default launch's to fp32 rounding; an invalid launch is refused by name."""
+    from rapidfire_hf.kernels import triton_flash_decode as tfd
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 2, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(2, 2, 96, 16, generator=g).to(DEVICE) for _ in "kv")
+    valid = torch.ones(2, 96, dtype=torch.bool, device=DEVICE)
+    seen = []
+    real = tfd._partial_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["BLOCK"], kw["num_warps"], kw["num_stages"]))
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(tfd, "_partial_kernel", Spy())
+    base = flash_decode(q, k, v, valid, 0.25, splits=1)
+    other = flash_decode(q, k, v, valid, 0.25, splits=1, launch=tfd.Launch(32, 2, 2))
+    assert seen == [(64, 4, 3), (32, 2, 2)]
+    torch.testing.assert_close(other, base, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="block_n a power of two"):
+        flash_decode(q, k, v, valid, 0.25, launch=tfd.Launch(48, 4, 3))
