@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call 1 of 2026-12-07e (one H100 80 GB): 7B full fine-tuning batch 160 with PPOConfig's defaults
 # (row full7b_offload) against the frozen reference and reward models in 8-bit (row full7b_frozen8), one
-# worker process per row, back to back on one card; then the four families added last session on the GPU.
+# worker process per row, back to back on one card.
 # Run from the repository root, .whl carried: bash THIS_FILE OUT (CAP_GIB=79.19 on a bigger card)
 set -u
 OUT=${1:?output folder}
@@ -12,6 +12,3 @@ date -u +%FT%TZ > $OUT/date.txt
 git rev-parse HEAD 2>/dev/null > $OUT/commit.txt
 timeout 470 python3 benchmarks/card80/run.py --out $OUT/full7b_frozen --rows full7b_offload,full7b_frozen8 \
   --updates 3 --timeout 230 ${CAP_GIB:+--cap-gib $CAP_GIB} 2>&1 | grep "^|\|\[" | tail -14
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/rollout/test_families_gpu.py \
-  -k "olmo3 or starcoder2 or exaone4 or cohere2" 2>&1 | grep -v "^DEBUG\|^$" > $OUT/families_gpu.log
-tail -3 $OUT/families_gpu.log
