@@ -99,6 +99,13 @@ CASES = [
          "8 experts top-2, renormalised (routed decode over the model's router and experts), one dense layer, q/k norms"),
     Case("mixtral", "MixtralConfig", "MixtralForCausalLM",
          {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, "4 experts top-2"),
+    Case("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
+         {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 0.5},
+         "8 experts top-2, not renormalised, q/k RMSNorm over the whole projection, q/k/v clipped to 0.5"),
+    Case("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "shared_expert_intermediate_size": 64, "mlp_only_layers": [3]},
+         "8 experts top-2 and a sigmoid-gated shared expert, q/k/v biases, one dense layer"),
 ]  # fmt: skip
 
 
@@ -221,7 +228,7 @@ def render_models_md(vocab_size: int) -> str:
         "greedy tokens equal `model.generate` for 100 tokens (Mistral, Gemma-2, Gemma-3, Phi-3), prompts",
         "longer than the window, sampled log-probs, the allocated slots, and an int8 cache.",
         "",
-        "A routed MoE layer (`qwen3_moe`, `mixtral`) decodes through the model's own router and stacked expert",
+        "A routed MoE layer (`qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`) decodes through the model's own router and stacked expert",
         "weights with no host round trip (`rollout/moe_decode.py`), in one of three forms: where the rows'",
         "(row, expert) pairs outnumber the experts (`B * k > E`), every expert on every row (dense); below",
         "that, one grouped GEMM over the pairs sorted by expert (`torch._grouped_mm`) where it records on a",

@@ -30,7 +30,13 @@ SHAPES = [
     ),
     ("mixtral", {}),
     ("mixtral", {"num_local_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 1}),
+    ("olmoe", {}),
+    ("olmoe", {"norm_topk_prob": True}),
+    ("qwen2_moe", {}),
+    ("qwen2_moe", {"norm_topk_prob": True}),
 ]
+# every routed family of tests/rollout/family_cases.py
+MOE_CASES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
 
 
 def _moe_blocks(name, overrides):
@@ -90,7 +96,7 @@ TRACED = [
 
 
 @pytest.mark.parametrize("form,dtype", TRACED)
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", MOE_CASES)
 def test_decode_step_runs_routed_moe_and_has_no_host_sync(name, form, dtype):
     """The decode step traced with fake tensors: a host read (``.item``, ``nonzero``, a data-dependent
     shape) cannot be traced at all, and none of the ops that make one appear in the graph. A forced form
@@ -129,7 +135,7 @@ def test_unknown_expert_layout_keeps_the_module_call_and_says_so():
 
 
 @pytest.mark.parametrize("form", MOE_FORMS)
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", MOE_CASES)
 def test_routed_moe_is_bit_exact_in_bf16(name, form):
     """bf16: the routing weights' dtype flow (Qwen3-MoE casts them to bf16, Mixtral keeps fp32 until the
     sum) decides the rounding; equal to the block's default experts implementation bit for bit."""
@@ -146,7 +152,7 @@ def test_routed_moe_is_bit_exact_in_bf16(name, form):
 
 
 @pytest.mark.parametrize("form", MOE_FORMS)
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", MOE_CASES)
 def test_a_forced_form_gives_generates_greedy_tokens(tokenizer, prompts, name, form, monkeypatch):
     """Each form forced on the engine's net (as benchmarks/rollout/families.py ``--moe-form`` does) runs at
     every routed layer and step, and the greedy tokens are ``model.generate``'s (CPU, fp32)."""
@@ -211,7 +217,7 @@ def test_a_bad_moe_form_is_refused_by_name():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", MOE_CASES)
 def test_the_grouped_form_records_on_cuda_in_bf16(tokenizer, prompts, name):
     """Where the GPU runs torch's grouped GEMM as one kernel (bf16, compute capability 9.x / 10.x): the
     grouped form's output is the model block's within bf16 rounding (1e-2 of the largest value: other
@@ -280,7 +286,7 @@ def test_routed_moe_runs_the_grouped_gemm_by_default_where_the_caller_says_it_re
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", MOE_CASES)
 def test_the_default_form_is_grouped_on_cuda_and_compiles(tokenizer, prompts, name):
     """The engine's default decode (compiled, then recorded) on a bf16 MoE model on a GPU where the grouped
     GEMM records: a small batch runs the grouped form and compiles without falling back; a second call replays
@@ -325,3 +331,21 @@ def test_the_start_table_says_how_the_experts_run():
         assert "the grouped GEMM where it records" in default_form_said(model, torch.device("cuda"))
     assert default_form_said(build(case("llama"), 64), torch.device("cpu")) is None
 
+
+def test_a_shared_expert_is_added_or_the_block_is_refused_by_name():
+    """Qwen2-MoE's sigmoid-gated shared expert is part of its block's output (dropping it changes the
+    result); a block of another family carrying one, or a Qwen2-MoE block without it, keeps the module
+    call with the reason said, never a routed decode that leaves it out."""
+    model, blocks = _moe_blocks("qwen2_moe", {})
+    h = torch.randn(8, model.config.hidden_size)
+    with torch.no_grad():
+        full = routed_moe(blocks[0], h, "qwen2_moe", False)
+        shared = torch.sigmoid(blocks[0].shared_expert_gate(h)) * blocks[0].shared_expert(h)
+    assert shared.abs().max() > 1e-3  # the shared expert counts at this size
+    assert (full - shared).abs().max() > 1e-3  # and so do the routed experts
+    del blocks[0].shared_expert_gate
+    assert "lacks the shared expert" in moe_layout_reason(blocks[0], model.config)
+    other, other_blocks = _moe_blocks("olmoe", {})
+    other_blocks[0].shared_expert = torch.nn.Identity()
+    reason = moe_layout_reason(other_blocks[0], other.config)
+    assert "shared_expert" in reason and "'olmoe'" in reason

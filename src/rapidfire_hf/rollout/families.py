@@ -56,6 +56,8 @@ class Family:
         shared_norm: attention and MLP read one normed input, summed ``x + attn + mlp`` (Cohere-2).
         rope_pairs: rotary embedding over adjacent dims ``(2j, 2j + 1)``, in fp32 (Cohere-2), not halves.
         logit_scale: the logits times the config's ``logit_scale`` (Cohere-2).
+        clip_qkv: the config's ``clip_qkv`` (when set) clamps q, k and v to ``[-c, c]`` after the q/k norms,
+            before the heads are split (OLMoE).
         offset_norm: the RMSNorms scale by ``1 + w`` in fp32 and cast after (Gemma 1/2/3): the static forward
             computes them from their weights with ``1 + w`` precomputed once per generation, and a layer's
             per-head q and k norms in one pass (rollout/llama_forward.py, ``offset_rms_norm``).
@@ -77,6 +79,7 @@ class Family:
     shared_norm: bool = False
     rope_pairs: bool = False
     logit_scale: bool = False
+    clip_qkv: bool = False
     offset_norm: bool = False
 
 
@@ -107,6 +110,9 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family(nope_layers=True),
     "qwen3_moe": Family(qk_norm="head", moe=True),
     "mixtral": Family(moe=True),
+    "olmoe": Family(qk_norm="proj", moe=True, clip_qkv=True),  # pre-norm; q/k norms over the projection
+    # Qwen2's attention (q/k/v biases); routed experts beside a sigmoid-gated shared one (rollout/moe_decode.py)
+    "qwen2_moe": Family(moe=True),
 }
 
 

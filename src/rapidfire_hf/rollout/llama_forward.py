@@ -422,6 +422,8 @@ class StaticLlama:
         self.scale = attn.scaling
         self.hidden = cfg.hidden_size
         self.qk_norm = fam.qk_norm
+        clip = getattr(cfg, "clip_qkv", None) if fam.clip_qkv else None
+        self.clip_qkv = None if clip is None else float(clip)
         # where each layer's K/V go in its cache (a ring for a short sliding window), the steps' masks
         self.layout = KVLayout(tuple(layer_windows(cfg)), sliding_cache, kv, self.n_kv, self.head_dim)
         kinds = rope_kinds(cfg, self.body)
@@ -647,6 +649,9 @@ class StaticLlama:
         attn = self.attns[i]
         if self.qk_norm == "proj":
             q, k = attn.q_norm(q), attn.k_norm(k)
+        if self.clip_qkv is not None:  # OLMoE: after the norms, before the heads are split
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)

@@ -32,8 +32,16 @@ import torch.nn.functional as F
 from torch import nn
 
 # model_type -> whether the top-k probabilities are renormalised always (Mixtral) or per config
-# (Qwen3-MoE's norm_topk_prob), and whether the routing weights are cast back to the logits' dtype
-_ROUTERS = {"qwen3_moe": ("config", True), "mixtral": ("always", False)}
+# (norm_topk_prob), and whether the routing weights are cast back to the logits' dtype
+_ROUTERS = {
+    "qwen3_moe": ("config", True),
+    "mixtral": ("always", False),
+    "olmoe": ("config", True),
+    "qwen2_moe": ("config", True),
+}
+# model_types whose block adds a shared expert, gated per row by a sigmoid: ``shared_expert`` (an MLP) and
+# ``shared_expert_gate`` (hidden -> 1), added after the routed experts (Qwen2-MoE)
+_SHARED = {"qwen2_moe"}
 # the expert forms of :func:`routed_moe` (None picks gather or dense by batch)
 MOE_FORMS = ("gather", "dense", "grouped")
 
@@ -70,6 +78,13 @@ def moe_layout_reason(mlp, config) -> str | None:
     experts, gate = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
     if experts is None or gate is None:
         return f"its MoE block {type(mlp).__name__} has no `experts` / `gate`"
+    shared = [n for n in ("shared_expert", "shared_expert_gate") if getattr(mlp, n, None) is not None]
+    if model_type in _SHARED and len(shared) != 2:
+        return (
+            f"its MoE block {type(mlp).__name__} lacks the shared expert and its gate that {model_type!r} has"
+        )
+    if model_type not in _SHARED and shared:  # never dropped without a word
+        return f"its MoE block {type(mlp).__name__} has {shared}, which the routed decode of {model_type!r} does not add"
     gu, down, router = (
         getattr(m, n, None) for m, n in ((experts, "gate_up_proj"), (experts, "down_proj"), (gate, "weight"))
     )
@@ -159,8 +174,18 @@ def routed_moe(
     expert on every row and the top-k outputs picked (``"dense"``), or the pairs grouped by expert through
     ``torch._grouped_mm`` (``"grouped"``, refused by name where :func:`grouped_form_reason` says why); None
     picks :func:`default_form` (``grouped_ok``: the caller checked the grouped GEMM runs here). The weighted
-    top-k outputs are summed over k.
+    top-k outputs are summed over k; a Qwen2-MoE block then adds its sigmoid-gated shared expert.
     """
+    out = _routed(mlp, h, model_type, norm_topk_prob, form, grouped_ok)
+    if model_type in _SHARED:  # Qwen2-MoE: routed + sigmoid(gate(h)) * shared_expert(h), in h's dtype
+        out = out + torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
+    return out
+
+
+def _routed(
+    mlp, h, model_type: str, norm_topk_prob: bool, form: str | None, grouped_ok: bool
+) -> torch.Tensor:
+    """The routed experts of :func:`routed_moe` (without a shared expert), in ``h``'s dtype."""
     renorm, cast = _ROUTERS[model_type]
     experts, gate = mlp.experts, mlp.gate
     logits = F.linear(h, gate.weight)  # [B, E]
