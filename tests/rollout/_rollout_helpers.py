@@ -6,7 +6,8 @@ import contextlib
 
 import torch
 
-from rapidfire_hf.rollout.moe_decode import is_moe_block
+from rapidfire_hf.rollout.families import FAMILIES
+from rapidfire_hf.rollout.moe_decode import is_moe_block, router_of
 
 # bf16 keeps 8 significant bits (2**-8 relative); the engine's kernels and HF's round differently through
 # every layer, so a choice within a few roundings of the top logit is a tie, not an error
@@ -53,7 +54,9 @@ def hf_greedy(model, input_ids, attention_mask, max_new_tokens: int, stop: int |
 def _router_logits(model, sequences, prompt_mask):
     """Per routed MoE layer: its router logits ``[B, T, E]`` and top-k in the fresh forward (:func:`fresh_logits`)."""
     body = getattr(model, "model", model)
-    gates = [layer.mlp.gate for layer in getattr(body, "layers", []) if is_moe_block(layer.mlp)]
+    fam = FAMILIES.get(model.config.model_type)
+    mlps = [getattr(layer, fam.mlp if fam else "mlp", None) for layer in getattr(body, "layers", [])]
+    gates = [router_of(m) for m in mlps if m is not None and is_moe_block(m)]
     seen = []
 
     def keep(module, args, out):

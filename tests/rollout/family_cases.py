@@ -106,6 +106,15 @@ CASES = [
          {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
           "shared_expert_intermediate_size": 64, "mlp_only_layers": [3]},
          "8 experts top-2 and a sigmoid-gated shared expert, q/k/v biases, one dense layer"),
+    Case("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM",
+         {"num_local_experts": 8, "num_experts_per_tok": 2, "embedding_multiplier": 3.0,
+          "residual_multiplier": 0.5, "attention_multiplier": 0.1, "logits_scaling": 2.0},
+         "8 experts top-2 routed by the softmax of the top-2 logits (a `router`, in `block_sparse_moe`), Granite's multipliers"),
+    Case("granitemoeshared", "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+         {"num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
+          "embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+          "logits_scaling": 2.0},
+         "granitemoe with an always-on shared MLP added to the routed output"),
 ]  # fmt: skip
 
 
@@ -228,7 +237,7 @@ def render_models_md(vocab_size: int) -> str:
         "greedy tokens equal `model.generate` for 100 tokens (Mistral, Gemma-2, Gemma-3, Phi-3), prompts",
         "longer than the window, sampled log-probs, the allocated slots, and an int8 cache.",
         "",
-        "A routed MoE layer (`qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`) decodes through the model's own router and stacked expert",
+        "A routed MoE layer (`qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`, `granitemoe`, `granitemoeshared`) decodes through the model's own router and stacked expert",
         "weights with no host round trip (`rollout/moe_decode.py`), in one of three forms: where the rows'",
         "(row, expert) pairs outnumber the experts (`B * k > E`), every expert on every row (dense); below",
         "that, one grouped GEMM over the pairs sorted by expert (`torch._grouped_mm`) where it records on a",

@@ -11,6 +11,7 @@ from family_cases import GREEDY_TOKENS, build, case
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from rapidfire_hf.rollout import RolloutEngine, SamplingParams, moe_decode
+from rapidfire_hf.rollout.families import FAMILIES
 from rapidfire_hf.rollout.llama_forward import StaticLlama
 from rapidfire_hf.rollout.moe_decode import (
     MOE_FORMS,
@@ -34,14 +35,18 @@ SHAPES = [
     ("olmoe", {"norm_topk_prob": True}),
     ("qwen2_moe", {}),
     ("qwen2_moe", {"norm_topk_prob": True}),
+    ("granitemoe", {}),
+    ("granitemoe", {"num_local_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 1}),
+    ("granitemoeshared", {}),
 ]
 # every routed family of tests/rollout/family_cases.py
-MOE_CASES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+MOE_CASES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "granitemoe", "granitemoeshared"]
 
 
 def _moe_blocks(name, overrides):
     model = build(case(name), 64, **overrides)
-    return model, [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    mlps = [getattr(layer, FAMILIES[model.config.model_type].mlp) for layer in model.model.layers]
+    return model, [m for m in mlps if hasattr(m, "experts")]
 
 
 @pytest.mark.parametrize("form", [*MOE_FORMS, None])
@@ -103,7 +108,7 @@ def test_decode_step_runs_routed_moe_and_has_no_host_sync(name, form, dtype):
     is the one that runs: the grouped form's graph has torch's grouped GEMM, the others have none."""
     model = build(case(name), 64).to(dtype)
     net = StaticLlama(model, attention="matmul", moe_form=form)
-    moe_layers = [i for i, layer in enumerate(net.layers) if hasattr(layer.mlp, "experts")]
+    moe_layers = [i for i, m in enumerate(net.mlps) if hasattr(m, "experts")]
     assert moe_layers and all(net.moe_native[i] for i in moe_layers) and net.moe_reason is None
     b = 4
     graph = _trace_decode_step(net, b, dtype)
@@ -113,7 +118,7 @@ def test_decode_step_runs_routed_moe_and_has_no_host_sync(name, form, dtype):
     assert any("_grouped_mm" in o for o in ops) == (form == "grouped"), ops
     # the checker sees a host read where there is one: the model's block with transformers' eager expert
     # loop (a Python loop over the experts that ``nonzero`` found: each iteration reads a value on the host)
-    mlp = net.layers[moe_layers[0]].mlp
+    mlp = net.mlps[moe_layers[0]]
     model.config._experts_implementation = "eager"
     with torch.no_grad(), pytest.raises(RuntimeError, match="_local_scalar_dense"):
         make_fx(lambda h: mlp(h[:, None, :]))(torch.randn(b, model.config.hidden_size, dtype=dtype))
@@ -138,7 +143,11 @@ def test_unknown_expert_layout_keeps_the_module_call_and_says_so():
 @pytest.mark.parametrize("name", MOE_CASES)
 def test_routed_moe_is_bit_exact_in_bf16(name, form):
     """bf16: the routing weights' dtype flow (Qwen3-MoE casts them to bf16, Mixtral keeps fp32 until the
-    sum) decides the rounding; equal to the block's default experts implementation bit for bit."""
+    sum) decides the rounding; the dense and grouped forms equal the block's default experts implementation
+    (torch's grouped GEMM) bit for bit. The gather form multiplies by a batched matrix-vector product, whose
+    accumulation order is not the GEMM's, and the rounding of its output then passes through the weighting
+    and the sum over k: within two bf16 steps of the block's output, on a few elements at most (the
+    granitemoeshared case: 1 element of 4,096, 0.12256 against 0.12158, two steps of 2**-11; CPU, torch 2.13)."""
     model, blocks = _moe_blocks(name, {})
     model.to(torch.bfloat16)
     torch.manual_seed(1)
@@ -148,7 +157,17 @@ def test_routed_moe_is_bit_exact_in_bf16(name, form):
         for mlp in blocks:
             ref = mlp(h[:, None, :])
             ref = (ref[0] if isinstance(ref, tuple) else ref).squeeze(1)
-            assert torch.equal(routed_moe(mlp, h, model.config.model_type, norm, form), ref)
+            out = routed_moe(mlp, h, model.config.model_type, norm, form)
+            if form != "gather":
+                assert torch.equal(out, ref)
+                continue
+            off = out != ref
+            steps = (
+                2
+                * torch.finfo(torch.bfloat16).eps
+                * ref.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+            )  # eps * |x| is at least one bf16 step at x
+            assert off.sum() <= 4 and bool(((out.float() - ref.float()).abs() <= steps)[off].all())
 
 
 @pytest.mark.parametrize("form", MOE_FORMS)
@@ -233,7 +252,8 @@ def test_the_grouped_form_records_on_cuda_in_bf16(tokenizer, prompts, name):
     torch.manual_seed(2)
     h = torch.randn(64, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        for mlp in [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
+        mlps = [getattr(layer, FAMILIES[model.config.model_type].mlp) for layer in model.model.layers]
+        for mlp in [m for m in mlps if hasattr(m, "experts")]:
             ref = mlp(h[:, None, :])
             ref = (ref[0] if isinstance(ref, tuple) else ref).squeeze(1).float()
             out = routed_moe(mlp, h, model.config.model_type, norm, "grouped").float()

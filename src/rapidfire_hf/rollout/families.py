@@ -44,6 +44,9 @@ class Family:
         qk_norm: None, ``"head"`` (q_norm / k_norm per head after the view: Qwen3, Gemma-3) or ``"proj"``
             (over the whole projection before the view: OLMo-2).
         parallel_residual: attention and MLP both read the layer input (GPT-NeoX's use_parallel_residual).
+        mlp: a layer's MLP (or routed MoE block) module.
+        shared_mlp: a layer's always-on MLP added to its routed block's output (Granite-MoE-shared's
+            ``shared_mlp``; None in a layer without one).
         moe: the MLP is a routed mixture of experts: decoded by ``rollout/moe_decode.py`` (the model's router
             and stacked expert weights, no host sync), or its own module on ``[B, 1, H]`` for other layouts.
         embed_scale: embeddings times sqrt(hidden), the factor rounded to the embedding dtype (Gemma).
@@ -66,6 +69,8 @@ class Family:
     final_norm: str = "norm"
     attn: str = "self_attn"
     out_proj: str = "o_proj"
+    mlp: str = "mlp"
+    shared_mlp: str | None = None
     norms: tuple = PRE_NORM
     qkv: str = "split"
     qk_norm: str | None = None
@@ -113,6 +118,10 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family(qk_norm="proj", moe=True, clip_qkv=True),  # pre-norm; q/k norms over the projection
     # Qwen2's attention (q/k/v biases); routed experts beside a sigmoid-gated shared one (rollout/moe_decode.py)
     "qwen2_moe": Family(moe=True),
+    # Granite's multipliers; a router named `router` (softmax of the top-k logits); Granite-MoE-shared adds an
+    # always-on MLP to the routed output
+    "granitemoe": Family(mlp="block_sparse_moe", multipliers=True, moe=True),
+    "granitemoeshared": Family(mlp="block_sparse_moe", shared_mlp="shared_mlp", multipliers=True, moe=True),
 }
 
 
@@ -192,7 +201,7 @@ def family_reason(lm) -> str | None:
         return f"the decoder has no final norm `{fam.final_norm}`"
     layer = body.layers[0] if len(body.layers) else None
     attn = getattr(layer, fam.attn, None)
-    needed = [n for n in fam.norms if n] + ["mlp"]
+    needed = [n for n in fam.norms if n] + [fam.mlp]
     missing = [n for n in needed if not hasattr(layer, n)] + ([fam.attn] if attn is None else [])
     missing += [n for n in (fam.out_proj, "scaling") if attn is not None and not hasattr(attn, n)]
     if missing:

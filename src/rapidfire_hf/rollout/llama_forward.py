@@ -78,7 +78,7 @@ def _fusable(layer, fam, lora: bool = False) -> bool:
     layers route their MLP."""
     if fam is None or fam.qkv != "split" or fam.moe:
         return False
-    attn, mlp = getattr(layer, fam.attn), layer.mlp
+    attn, mlp = getattr(layer, fam.attn), getattr(layer, fam.mlp)
     projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     projs += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
     ok = (lambda m: _plain(m) or _lora_linear(m)) if lora else _plain
@@ -177,7 +177,7 @@ def fused_projection_bytes(model, lora: bool = False) -> int:
     total = 0
     for layer in list(lm.base_model.layers[: lm.config.num_hidden_layers]):
         if _fusable(layer, fam, lora):
-            attn, mlp = getattr(layer, fam.attn), layer.mlp
+            attn, mlp = getattr(layer, fam.attn), getattr(layer, fam.mlp)
             for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
                 w = _base(m).weight
                 total += w.numel() * w.element_size()
@@ -191,7 +191,7 @@ def _plain(module) -> bool:
 def _plain_outputs(layer, fam) -> bool:
     """Whether a decoder layer's o and down projections are plain bias-free ``nn.Linear``."""
     return _plain(getattr(getattr(layer, fam.attn), fam.out_proj, None)) and _plain(
-        getattr(layer.mlp, "down_proj", None)
+        getattr(getattr(layer, fam.mlp, None), "down_proj", None)
     )
 
 
@@ -442,9 +442,14 @@ class StaticLlama:
         self._embed_scale = None
         # routed MoE layers decoded natively; where a layout is unknown, the module call (said once)
         self._model_type, self._norm_topk = cfg.model_type, bool(getattr(cfg, "norm_topk_prob", True))
-        moe_layers = [layer.mlp for layer in self.layers if fam.moe and is_moe_block(layer.mlp)]
+        self.mlps = [getattr(layer, fam.mlp) for layer in self.layers]
+        # Granite-MoE-shared: an always-on MLP added to the routed output (None where a layer has none)
+        self.shared_mlps = [
+            getattr(layer, fam.shared_mlp, None) if fam.shared_mlp else None for layer in self.layers
+        ]
+        moe_layers = [m for m in self.mlps if fam.moe and is_moe_block(m)]
         reasons = {moe_layout_reason(m, cfg) for m in moe_layers} - {None}
-        self.moe_native = [fam.moe and is_moe_block(layer.mlp) and not reasons for layer in self.layers]
+        self.moe_native = [fam.moe and is_moe_block(m) and not reasons for m in self.mlps]
         self.moe_reason = next(iter(sorted(reasons)), None)
         if self.moe_reason is not None:
             warnings.warn(
@@ -525,10 +530,10 @@ class StaticLlama:
         self._refresh_embed_scale()
         self._refresh_norm_scales()
         with torch.no_grad():
-            for i, layer in enumerate(self.layers):
+            for i in range(len(self.layers)):
                 if not self.fused[i]:
                     continue
-                attn, mlp = self.attns[i], layer.mlp
+                attn, mlp = self.attns[i], self.mlps[i]
                 qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
                 terms = [_lora_term(m) for m in (*qkv, *gu)]
                 self.fused_now[i] = UNSUPPORTED not in terms
@@ -692,7 +697,7 @@ class StaticLlama:
             raise ValueError(f"moe_form={form!r}: this model has no routed MoE layer the native decode runs")
         self._grouped_ok = False
         if any(self.moe_native):
-            w = next(self.layers[i].mlp.experts.gate_up_proj for i, n in enumerate(self.moe_native) if n)
+            w = next(self.mlps[i].experts.gate_up_proj for i, n in enumerate(self.moe_native) if n)
             reason = grouped_form_reason(w.device, w.dtype)
             if form == "grouped" and reason is not None:
                 raise ValueError(f"moe_form='grouped' cannot run on this model: {reason}")
@@ -704,14 +709,16 @@ class StaticLlama:
         """Layer ``i``'s MLP on ``h``. A routed MoE block at decode (``h`` is ``[B, H]``) runs
         :func:`~rapidfire_hf.rollout.moe_decode.routed_moe` (recordable: no host sync) where its layout is
         known, else its own module on ``[B, 1, H]`` as in the model."""
-        mlp = self.layers[i].mlp
+        mlp, shared = self.mlps[i], self.shared_mlps[i]
         if self.moe_native[i] and h.dim() == 2:
-            return routed_moe(mlp, h, self._model_type, self._norm_topk, self._moe_form, self._grouped_ok)
-        if self.family.moe and h.dim() == 2:
+            out = routed_moe(mlp, h, self._model_type, self._norm_topk, self._moe_form, self._grouped_ok)
+        elif self.family.moe and h.dim() == 2:
             out = mlp(h[:, None, :])
-            return (out[0] if isinstance(out, tuple) else out).squeeze(1)
-        out = mlp(h)
-        return out[0] if isinstance(out, tuple) else out
+            out = (out[0] if isinstance(out, tuple) else out).squeeze(1)
+        else:
+            out = mlp(h)
+            out = out[0] if isinstance(out, tuple) else out
+        return out if shared is None else out + shared(h)  # the routed output first, as the model adds
 
     def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         return x + branch * self.residual_mult if self.residual_mult != 1.0 else x + branch
@@ -840,9 +847,9 @@ class StaticLlama:
             def mlp(h, i=i, fused=fused):
                 if not fused:
                     return self._mlp(i, h)
-                down = self.layers[i].mlp.down_proj
+                down = self.mlps[i].down_proj
                 gate, up = self._project(h, self._gu_w[i], self._gu_lora[i]).chunk(2, dim=-1)
-                act = self.layers[i].mlp.act_fn(gate) * up
+                act = self.mlps[i].act_fn(gate) * up
                 out = self._out_linear[i]
                 return out(act, down.weight) if out else down(act)
 

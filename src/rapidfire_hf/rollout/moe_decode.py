@@ -31,13 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# model_type -> whether the top-k probabilities are renormalised always (Mixtral) or per config
-# (norm_topk_prob), and whether the routing weights are cast back to the logits' dtype
+# model_type -> how the routing weights are made: the top-k of the fp32 softmax renormalised always
+# (Mixtral) or per config (norm_topk_prob), or the softmax of the top-k fp32 logits ("logits": Granite-MoE);
+# and whether they are cast back to the logits' dtype
 _ROUTERS = {
     "qwen3_moe": ("config", True),
     "mixtral": ("always", False),
     "olmoe": ("config", True),
     "qwen2_moe": ("config", True),
+    "granitemoe": ("logits", True),
+    "granitemoeshared": ("logits", True),
 }
 # model_types whose block adds a shared expert, gated per row by a sigmoid: ``shared_expert`` (an MLP) and
 # ``shared_expert_gate`` (hidden -> 1), added after the routed experts (Qwen2-MoE)
@@ -75,9 +78,9 @@ def moe_layout_reason(mlp, config) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in _ROUTERS:
         return f"no routed decode for model_type {model_type!r}"
-    experts, gate = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    experts, gate = getattr(mlp, "experts", None), router_of(mlp)
     if experts is None or gate is None:
-        return f"its MoE block {type(mlp).__name__} has no `experts` / `gate`"
+        return f"its MoE block {type(mlp).__name__} has no `experts` / `gate` (or `router`)"
     shared = [n for n in ("shared_expert", "shared_expert_gate") if getattr(mlp, n, None) is not None]
     if model_type in _SHARED and len(shared) != 2:
         return (
@@ -145,7 +148,8 @@ def default_form_said(model, device: torch.device) -> str | None:
     blocks = [m for m in model.modules() if is_moe_block(m)]
     if config is None or not blocks or moe_layout_reason(blocks[0], config) is not None:
         return None
-    e, k = blocks[0].gate.weight.shape[0], blocks[0].gate.top_k
+    router = router_of(blocks[0])
+    e, k = router.weight.shape[0], router.top_k
     dtype = blocks[0].experts.gate_up_proj.dtype
     if device.type != "cuda":
         below = "gather"
@@ -168,8 +172,9 @@ def routed_moe(
 ) -> torch.Tensor:
     """``mlp`` (a block :func:`moe_layout_reason` accepts) on ``h [B, H]``, as its own forward computes it.
 
-    Routing: fp32 softmax of the router logits, top-k, renormalised (Mixtral always, Qwen3-MoE when
-    ``norm_topk_prob``), cast back to the logits' dtype for Qwen3-MoE. Experts: each row's top-k expert
+    Routing: fp32 softmax of the router logits, top-k, renormalised (Mixtral always, Qwen3-MoE, OLMoE and
+    Qwen2-MoE when ``norm_topk_prob``), or the softmax of the top-k fp32 logits (Granite-MoE); cast back to
+    the logits' dtype for all but Mixtral. Experts: each row's top-k expert
     weights gathered from the stacked parameters and two batched matmuls (``form="gather"``), or every
     expert on every row and the top-k outputs picked (``"dense"``), or the pairs grouped by expert through
     ``torch._grouped_mm`` (``"grouped"``, refused by name where :func:`grouped_form_reason` says why); None
@@ -187,12 +192,16 @@ def _routed(
 ) -> torch.Tensor:
     """The routed experts of :func:`routed_moe` (without a shared expert), in ``h``'s dtype."""
     renorm, cast = _ROUTERS[model_type]
-    experts, gate = mlp.experts, mlp.gate
+    experts, gate = mlp.experts, router_of(mlp)
     logits = F.linear(h, gate.weight)  # [B, E]
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, idx = torch.topk(probs, gate.top_k, dim=-1)  # [B, k]
-    if renorm == "always" or norm_topk_prob:
-        top = top / top.sum(dim=-1, keepdim=True)
+    if renorm == "logits":  # Granite-MoE: the top-k fp32 logits, then their softmax
+        top, idx = torch.topk(logits.float(), gate.top_k, dim=-1)  # [B, k]
+        top = torch.softmax(top, dim=-1)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, idx = torch.topk(probs, gate.top_k, dim=-1)  # [B, k]
+        if renorm == "always" or norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
     if cast:
         top = top.to(logits.dtype)
     e = experts.gate_up_proj.shape[0]
@@ -251,4 +260,13 @@ def _grouped_experts(experts, h: torch.Tensor, idx: torch.Tensor, top: torch.Ten
 
 def is_moe_block(mlp: nn.Module) -> bool:
     """Whether a layer's MLP is a routed block (Qwen3-MoE keeps dense MLPs in its ``mlp_only_layers``)."""
-    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+    return hasattr(mlp, "experts") and router_of(mlp) is not None
+
+
+def router_of(mlp: nn.Module) -> nn.Module | None:
+    """A routed block's router: ``gate`` (most families) or ``router`` (Granite-MoE); None without one."""
+    for name in ("gate", "router"):
+        router = getattr(mlp, name, None)
+        if isinstance(getattr(router, "weight", None), torch.Tensor):
+            return router
+    return None
