@@ -80,6 +80,10 @@ CASES = [
          "only (window 24), logit scale 0.5"),
     Case("phi3", "Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "sliding_window": 24},
          "fused qkv_proj and gate_up_proj, partial rotary 0.5, window 24"),
+    Case("phi", "PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5, "qk_layernorm": True},
+         "attention and MLP in parallel on one LayerNorm (attn + mlp + x), biased projections, partial rotary 0.5, per-head q/k LayerNorm"),
+    Case("phi (no q/k norm)", "PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.4, "initializer_range": 0.2},
+         "Phi-2's form: qk_layernorm off, partial rotary 0.4 (init 0.2: at 0.1 its greedy tokens collapse)"),
     Case("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 24, "use_bias": True},
          "LayerNorm with bias, biased q/k/v/o, GELU MLP, window 24 on every layer"),
     Case("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM",
@@ -154,6 +158,7 @@ CHECKS = [
     "a model with attention soft-capping runs eager attention there, the one transformers applies the cap in)",
     f"sampled log-probs (temperature 0.8, 40 tokens, past every window) within {LOGPROB_ATOL:g} of a forward "
     "of the model itself",
+    "bf16 (CPU): the prefill's last-position logits equal the model's own forward bit for bit",
     "bf16 (CPU): every greedy token of 40 is the argmax of the model's own bf16 forward over the generated "
     "sequence, up to 2**-5 of the top logit or, in a routed MoE model, of its router's k-th expert at that "
     "position (exact equality with `generate` is a coin toss on near-ties)",

@@ -118,6 +118,28 @@ def _off_argmax(model, out, mask, step: int):
     return dataclasses.replace(out, sequences=sequences, responses=responses)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_prefill_logits_equal_the_models_forward_bit_for_bit(tokenizer, prompts, name):
+    """The static forward over the whole prompt in bf16 (CPU): the last position's logits equal the model's own
+    forward bit for bit, so each family's order of operations is the model's, including the switches that
+    only move rounding (Phi's ``attn + mlp + x`` against Cohere's ``x + attn + mlp``: swapped, the Phi cases'
+    logits move by 0.016 and 0.063). fp32 is not compared bit for bit: there the two SDPA calls differ by up
+    to 1e-6 (the greedy and log-prob checks above hold fp32)."""
+    from rapidfire_hf.rollout.llama_forward import StaticLlama
+
+    model = build(case(name), len(tokenizer)).to(torch.bfloat16)
+    ids, mask = prompts
+    net = StaticLlama(model, attention="matmul")
+    k, v = net.new_cache(ids.shape[0], ids.shape[1] + 4, "cpu")
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cos, sin = net.rope_table(positions)
+    with torch.no_grad():
+        got = net.logits(net.prefill(ids, mask, cos, sin, k, v))
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+    assert ref.dtype == torch.bfloat16  # the engine hands its sampler the bf16 logits upcast to fp32
+    assert torch.equal(got, ref.float()), (got - ref.float()).abs().max().item()
+
+
 def test_argmax_misses_names_a_token_off_the_argmax_unless_the_router_was_tied(tokenizer, prompts):
     """The bf16 check's one exemption beyond a logit tie (a routed MoE layer's near-tied router at that
     position) covers that case only: a token off the argmax with clear routing is named."""

@@ -43,6 +43,8 @@ class Family:
             then v; Phi-3) or ``"neox"`` (one ``query_key_value`` laid out per head as [q | k | v]; GPT-NeoX).
         qk_norm: None, ``"head"`` (q_norm / k_norm per head after the view: Qwen3, Gemma-3) or ``"proj"``
             (over the whole projection before the view: OLMo-2).
+        qk_names: the attention's q and k norm modules (``qk_norm``'s).
+        qk_flag: a config flag that switches the q/k norms on (Phi's ``qk_layernorm``; None: always on).
         parallel_residual: attention and MLP both read the layer input (GPT-NeoX's use_parallel_residual).
         mlp: a layer's MLP (or routed MoE block) module.
         shared_mlp: a layer's always-on MLP added to its routed block's output (Granite-MoE-shared's
@@ -56,7 +58,9 @@ class Family:
         global_nope: where the config has a sliding window, its full-attention layers take no rotary
             embedding (EXAONE-4's and Cohere-2's hybrid attention; an EXAONE-4 without a window rotates every
             layer, and transformers' Cohere-2 refuses a config without one).
-        shared_norm: attention and MLP read one normed input, summed ``x + attn + mlp`` (Cohere-2).
+        shared_norm: attention and MLP read one normed input, summed ``x + attn + mlp`` (Cohere-2), or
+            ``attn + mlp + x`` with ``residual_last`` (Phi), the order of additions each model computes.
+        residual_last: see ``shared_norm``.
         rope_pairs: rotary embedding over adjacent dims ``(2j, 2j + 1)``, in fp32 (Cohere-2), not halves.
         logit_scale: the logits times the config's ``logit_scale`` (Cohere-2).
         clip_qkv: the config's ``clip_qkv`` (when set) clamps q, k and v to ``[-c, c]`` after the q/k norms,
@@ -74,6 +78,8 @@ class Family:
     norms: tuple = PRE_NORM
     qkv: str = "split"
     qk_norm: str | None = None
+    qk_names: tuple = ("q_norm", "k_norm")
+    qk_flag: str | None = None
     parallel_residual: bool = False
     moe: bool = False
     embed_scale: bool = False
@@ -82,6 +88,7 @@ class Family:
     nope_layers: bool = False
     global_nope: bool = False
     shared_norm: bool = False
+    residual_last: bool = False
     rope_pairs: bool = False
     logit_scale: bool = False
     clip_qkv: bool = False
@@ -107,6 +114,18 @@ FAMILIES: dict[str, Family] = {
         global_nope=True,
     ),  # fmt: skip
     "phi3": Family(qkv="fused"),
+    # Phi-1.5 / Phi-2: Cohere's parallel layer (attn + mlp + x), biased projections, partial rotary, a
+    # LayerNorm per head on q and k where the config asks (qk_layernorm)
+    "phi": Family(
+        final_norm="final_layernorm",
+        out_proj="dense",
+        norms=("input_layernorm", None, None, None),
+        shared_norm=True,
+        residual_last=True,
+        qk_norm="head",
+        qk_names=("q_layernorm", "k_layernorm"),
+        qk_flag="qk_layernorm",
+    ),
     "starcoder2": Family(),  # Llama's layout with LayerNorm, biased projections and a GELU MLP (its own modules)
     "gpt_neox": Family(
         final_norm="final_layer_norm", attn="attention", out_proj="dense", qkv="neox", parallel_residual=True
@@ -204,6 +223,8 @@ def family_reason(lm) -> str | None:
     needed = [n for n in fam.norms if n] + [fam.mlp]
     missing = [n for n in needed if not hasattr(layer, n)] + ([fam.attn] if attn is None else [])
     missing += [n for n in (fam.out_proj, "scaling") if attn is not None and not hasattr(attn, n)]
+    if fam.qk_norm and (fam.qk_flag is None or getattr(cfg, fam.qk_flag, False)):
+        missing += [n for n in fam.qk_names if attn is not None and not hasattr(attn, n)]
     if missing:
         return f"its layers lack {missing}, which model_type {model_type!r} has"
     if any(t in ("dynamic", "longrope") for t in rope_types(body)):

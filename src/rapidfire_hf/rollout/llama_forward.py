@@ -421,7 +421,10 @@ class StaticLlama:
         self.head_dim = getattr(attn, "head_dim", None) or attn.head_size
         self.scale = attn.scaling
         self.hidden = cfg.hidden_size
-        self.qk_norm = fam.qk_norm
+        # the q/k norms where the family has them and the config (if it has a flag) switches them on
+        self.qk_norm = fam.qk_norm if fam.qk_flag is None or getattr(cfg, fam.qk_flag, False) else None
+        self._q_norms = [getattr(a, fam.qk_names[0], None) if self.qk_norm else None for a in self.attns]
+        self._k_norms = [getattr(a, fam.qk_names[1], None) if self.qk_norm else None for a in self.attns]
         clip = getattr(cfg, "clip_qkv", None) if fam.clip_qkv else None
         self.clip_qkv = None if clip is None else float(clip)
         # where each layer's K/V go in its cache (a ring for a short sliding window), the steps' masks
@@ -435,6 +438,7 @@ class StaticLlama:
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if fam.softcap else None
         self.parallel = fam.parallel_residual and bool(getattr(cfg, "use_parallel_residual", True))
         self.shared_norm, self.rope_pairs = fam.shared_norm, fam.rope_pairs
+        self.residual_last = fam.residual_last
         self.logit_scale = float(cfg.logit_scale) if fam.logit_scale else 1.0
         self.embed_mult = float(cfg.embedding_multiplier) if fam.multipliers else 1.0
         self.residual_mult = float(cfg.residual_multiplier) if fam.multipliers else 1.0
@@ -482,10 +486,10 @@ class StaticLlama:
         self._qk_offset = [
             fam.offset_norm
             and self.qk_norm == "head"
-            and is_offset_norm(a.q_norm)
-            and is_offset_norm(a.k_norm)
-            and float(a.q_norm.eps) == float(a.k_norm.eps)
-            for a in self.attns
+            and is_offset_norm(qn)
+            and is_offset_norm(kn)
+            and float(qn.eps) == float(kn.eps)
+            for qn, kn in zip(self._q_norms, self._k_norms)
         ]
         self._norm_scale: list[list] = [[None] * 4 for _ in self.layers]
         self._final_scale = None
@@ -503,12 +507,12 @@ class StaticLlama:
                         self._norm_scale[i][j] = _offset_into(self._norm_scale[i][j], module.weight)
             if self._final_offset:
                 self._final_scale = _offset_into(self._final_scale, self.final_norm.weight)
-            for i, attn in enumerate(self.attns):
+            for i, (qn, kn) in enumerate(zip(self._q_norms, self._k_norms)):
                 if self._qk_offset[i]:
                     w = torch.cat(
                         [
-                            attn.q_norm.weight.detach()[None].expand(self.n_heads, -1),
-                            attn.k_norm.weight.detach()[None].expand(self.n_kv, -1),
+                            qn.weight.detach()[None].expand(self.n_heads, -1),
+                            kn.weight.detach()[None].expand(self.n_kv, -1),
                         ]
                     )
                     self._qk_scale[i] = _offset_into(self._qk_scale[i], w)
@@ -651,9 +655,9 @@ class StaticLlama:
         the rotary embedding ``rope = (cos, sin, pairs)`` (broadcast over the heads; None: no rotation). Offset
         per-head norms run in one pass over q and k together, rotated together: the same per-row and
         per-element arithmetic as two passes, one set of kernels."""
-        attn = self.attns[i]
+        q_norm, k_norm = self._q_norms[i], self._k_norms[i]
         if self.qk_norm == "proj":
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q_norm(q), k_norm(k)
         if self.clip_qkv is not None:  # OLMoE: after the norms, before the heads are split
             c = self.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
@@ -661,13 +665,13 @@ class StaticLlama:
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
         if self.qk_norm == "head" and self._qk_scale[i] is not None:
-            qk = offset_rms_norm(torch.cat([q, k], dim=-2), self._qk_scale[i], attn.q_norm.eps)
+            qk = offset_rms_norm(torch.cat([q, k], dim=-2), self._qk_scale[i], q_norm.eps)
             if rope is not None:
                 qk = _rope(qk, *rope)
             q, k = qk.split([self.n_heads, self.n_kv], dim=-2)
             return q, k, v
         if self.qk_norm == "head":
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q_norm(q), k_norm(k)
         return (*_rope_qk(q, k, rope), v)
 
     def _qkv(self, i: int, h: torch.Tensor, lead: tuple[int, ...], rope=None):
@@ -728,9 +732,10 @@ class StaticLlama:
         residual form (the order of additions of the family's own layer)."""
         pre_a, post_a, pre_m, post_m = self.norms[i]
         s_pre_a, s_post_a, s_pre_m, s_post_m = self._norm_scale[i]
-        if self.shared_norm:  # Cohere: one norm read by attention and MLP, summed as x + attn + mlp
+        if self.shared_norm:  # Cohere, Phi: one norm read by attention and MLP, summed in the model's order
             h = self._norm(pre_a, s_pre_a, x)
-            return x + attention(h) + mlp(h)
+            a, m = attention(h), mlp(h)
+            return a + m + x if self.residual_last else x + a + m
         a = attention(self._norm(pre_a, s_pre_a, x) if pre_a is not None else x)
         if post_a is not None:
             a = self._norm(post_a, s_post_a, a)
