@@ -4,11 +4,6 @@
 # worker process per row, back to back on one card.
 # Run from the repository root, .whl carried: bash THIS_FILE OUT (CAP_GIB=79.19 on a bigger card)
 set -u
-OUT=${1:?output folder}
-mkdir -p $OUT
-source benchmarks/common/gpu_env.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-date -u +%FT%TZ > $OUT/date.txt
-git rev-parse HEAD 2>/dev/null > $OUT/commit.txt
+source benchmarks/common/call_start.sh "$@"
 timeout 470 python3 benchmarks/card80/run.py --out $OUT/full7b_frozen --rows full7b_offload,full7b_frozen8 \
   --updates 3 --timeout 230 ${CAP_GIB:+--cap-gib $CAP_GIB} 2>&1 | grep "^|\|\[" | tail -14

@@ -6,11 +6,7 @@
 # the routed-MoE GPU tests of the new MoE families. Run from the repository root, .whl carried:
 # bash THIS_FILE OUT
 set -u
-OUT=${1:?output folder}
-mkdir -p $OUT
-source benchmarks/common/gpu_env.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-date -u +%FT%TZ > $OUT/date.txt
+source benchmarks/common/call_start.sh "$@"
 timeout 420 python3 benchmarks/frozen_quant/run.py --out $OUT/gpu_frozen_quant --shape llama-1.1b --batch 32 \
   --micro 8 --prompt-length 64 --response-length 64 --updates 30 --epochs 2 --reward-scale 1 --budget-s 360 \
   2>&1 | tail -12
