@@ -62,6 +62,8 @@ class Family:
             ``attn + mlp + x`` with ``residual_last`` (Phi), the order of additions each model computes.
         residual_last: see ``shared_norm``.
         rope_pairs: rotary embedding over adjacent dims ``(2j, 2j + 1)``, in fp32 (Cohere-2), not halves.
+        rope_interleave: adjacent dims rotate together too, from the rotary module's usual table in halves:
+            its first half, each frequency repeated, applied in q's dtype (GLM, GLM-4, Helium, ERNIE-4.5).
         logit_scale: the logits times the config's ``logit_scale`` (Cohere-2).
         clip_qkv: the config's ``clip_qkv`` (when set) clamps q, k and v to ``[-c, c]`` after the q/k norms,
             before the heads are split (OLMoE).
@@ -90,6 +92,7 @@ class Family:
     shared_norm: bool = False
     residual_last: bool = False
     rope_pairs: bool = False
+    rope_interleave: bool = False
     logit_scale: bool = False
     clip_qkv: bool = False
     offset_norm: bool = False
@@ -125,6 +128,19 @@ FAMILIES: dict[str, Family] = {
         qk_norm="head",
         qk_names=("q_layernorm", "k_layernorm"),
         qk_flag="qk_layernorm",
+    ),
+    # Llama's layer with adjacent-pair rotary (GLM: partial, over the first half of each head)
+    "helium": Family(rope_interleave=True),
+    "glm": Family(rope_interleave=True),
+    "ernie4_5": Family(rope_interleave=True),
+    "glm4": Family(
+        norms=(
+            "input_layernorm",
+            "post_self_attn_layernorm",
+            "post_attention_layernorm",
+            "post_mlp_layernorm",
+        ),
+        rope_interleave=True,
     ),
     "starcoder2": Family(),  # Llama's layout with LayerNorm, biased projections and a GELU MLP (its own modules)
     "gpt_neox": Family(

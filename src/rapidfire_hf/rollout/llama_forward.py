@@ -230,19 +230,18 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: str | None = None) -> torch.Tensor:
     """Rotary embedding of the first ``cos.shape[-1]`` dims of ``x``; the rest pass through (partial rotary:
-    GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor). Computed in the table's dtype and returned in
-    ``x``'s: OLMo-2's rotary module keeps fp32 tables and its model rounds the rotated q/k back. ``pairs``
-    (Cohere, ``Family.rope_pairs``): adjacent dims rotate together, in fp32 as its model computes them."""
-    if pairs:
-        xf = x.float()
-        return (xf * cos + _rotate_pairs(xf) * sin).to(x.dtype)
+    GPT-NeoX's rotary_pct, Phi-3's partial_rotary_factor, GLM's half). Computed in the table's dtype and
+    returned in ``x``'s: OLMo-2's rotary module keeps fp32 tables and its model rounds the rotated q/k back.
+    ``pairs``: adjacent dims rotate together, ``"fp32"`` in fp32 as Cohere's model computes them
+    (``Family.rope_pairs``), ``"dtype"`` in ``x``'s dtype (``Family.rope_interleave``: GLM, Helium, ERNIE)."""
     d = cos.shape[-1]
-    if d == x.shape[-1]:
-        return (x * cos + _rotate_half(x) * sin).to(x.dtype)
-    rot = x[..., :d]
-    return torch.cat([(rot * cos + _rotate_half(rot) * sin).to(x.dtype), x[..., d:]], dim=-1)
+    rot = x if d == x.shape[-1] else x[..., :d]
+    if pairs == "fp32":
+        rot = rot.float()
+    out = (rot * cos + (_rotate_pairs(rot) if pairs else _rotate_half(rot)) * sin).to(x.dtype)
+    return out if d == x.shape[-1] else torch.cat([out, x[..., d:]], dim=-1)
 
 
 # the (1 + w) RMSNorm classes of transformers whose forward :func:`offset_rms_norm` computes
@@ -437,7 +436,10 @@ class StaticLlama:
         self.attn_softcap = attention_softcap(cfg, cap)  # None where the model's own attention drops it
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if fam.softcap else None
         self.parallel = fam.parallel_residual and bool(getattr(cfg, "use_parallel_residual", True))
-        self.shared_norm, self.rope_pairs = fam.shared_norm, fam.rope_pairs
+        self.shared_norm = fam.shared_norm
+        # how adjacent-pair rotary runs (None: halves): "fp32" (Cohere), "dtype" (GLM, Helium, ERNIE-4.5)
+        self.rope_pairs = "fp32" if fam.rope_pairs else ("dtype" if fam.rope_interleave else None)
+        self._rope_interleave = fam.rope_interleave
         self.residual_last = fam.residual_last
         self.logit_scale = float(cfg.logit_scale) if fam.logit_scale else 1.0
         self.embed_mult = float(cfg.embedding_multiplier) if fam.multipliers else 1.0
@@ -622,6 +624,9 @@ class StaticLlama:
             return empty, empty
         cos = torch.stack([tables[k][0] for k in self._tables])
         sin = torch.stack([tables[k][1] for k in self._tables])
+        if self._rope_interleave:  # the table's first half, each frequency repeated for its pair of dims
+            half = cos.shape[-1] // 2
+            cos, sin = (t[..., :half].repeat_interleave(2, dim=-1) for t in (cos, sin))
         return cos, sin
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
