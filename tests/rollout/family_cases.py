@@ -42,6 +42,9 @@ class Case:
     model: str
     kwargs: dict = field(default_factory=dict)
     exercises: str = ""
+    # parameter names (suffixes) moved off their init like the biases: a switch that only matters when they
+    # are not uniform (a q/k norm's weight, for the order of norm and rotation)
+    perturb: tuple = ()
 
 
 CASES = [
@@ -91,6 +94,14 @@ CASES = [
          "GLM's attention with sandwich norms (after attention and after the MLP)"),
     Case("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", {"use_bias": True},
          "adjacent-pair RoPE, biases on every projection"),
+    Case("seed_oss", "SeedOssConfig", "SeedOssForCausalLM", {"attention_bias": True, "attention_out_bias": True},
+         "Llama's layer with biased q/k/v and o projections"),
+    Case("arcee", "ArceeConfig", "ArceeForCausalLM", {}, "an ungated ReLU-squared MLP (up / down)"),
+    Case("apertus", "ApertusConfig", "ApertusForCausalLM", {"max_position_embeddings": 65536},
+         "per-head q/k RMSNorm, its own norm names, xIELU MLP, Llama-3 rotary scaling"),
+    Case("hunyuan_v1_dense", "HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {},
+         "per-head q/k RMSNorm after the rotary embedding (norm weights N(1, 0.1): with uniform ones the order would not matter)",
+         perturb=("query_layernorm.weight", "key_layernorm.weight")),
     Case("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 24, "use_bias": True},
          "LayerNorm with bias, biased q/k/v/o, GELU MLP, window 24 on every layer"),
     Case("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM",
@@ -153,7 +164,7 @@ def build(c: Case, vocab_size: int, seed: int = 0, **overrides):
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 2)  # every case keeps >= 8 distinct greedy tokens
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or name.endswith(c.perturb):
                 p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2

@@ -45,6 +45,7 @@ class Family:
             (over the whole projection before the view: OLMo-2).
         qk_names: the attention's q and k norm modules (``qk_norm``'s).
         qk_flag: a config flag that switches the q/k norms on (Phi's ``qk_layernorm``; None: always on).
+        qk_after_rope: per-head q/k norms after the rotary embedding, not before (Hunyuan-V1-Dense).
         parallel_residual: attention and MLP both read the layer input (GPT-NeoX's use_parallel_residual).
         mlp: a layer's MLP (or routed MoE block) module.
         shared_mlp: a layer's always-on MLP added to its routed block's output (Granite-MoE-shared's
@@ -82,6 +83,7 @@ class Family:
     qk_norm: str | None = None
     qk_names: tuple = ("q_norm", "k_norm")
     qk_flag: str | None = None
+    qk_after_rope: bool = False
     parallel_residual: bool = False
     moe: bool = False
     embed_scale: bool = False
@@ -142,6 +144,12 @@ FAMILIES: dict[str, Family] = {
         ),
         rope_interleave=True,
     ),
+    "seed_oss": Family(),  # Llama's layout; biases where the config asks (its own modules)
+    "arcee": Family(),  # Llama's attention; an ungated ReLU-squared MLP (its own module)
+    "apertus": Family(norms=("attention_layernorm", None, "feedforward_layernorm", None), qk_norm="head"),
+    "hunyuan_v1_dense": Family(
+        qk_norm="head", qk_names=("query_layernorm", "key_layernorm"), qk_after_rope=True
+    ),  # fmt: skip
     "starcoder2": Family(),  # Llama's layout with LayerNorm, biased projections and a GELU MLP (its own modules)
     "gpt_neox": Family(
         final_norm="final_layer_norm", attn="attention", out_proj="dense", qkv="neox", parallel_residual=True

@@ -424,6 +424,7 @@ class StaticLlama:
         self.qk_norm = fam.qk_norm if fam.qk_flag is None or getattr(cfg, fam.qk_flag, False) else None
         self._q_norms = [getattr(a, fam.qk_names[0], None) if self.qk_norm else None for a in self.attns]
         self._k_norms = [getattr(a, fam.qk_names[1], None) if self.qk_norm else None for a in self.attns]
+        self._qk_after_rope = fam.qk_after_rope
         clip = getattr(cfg, "clip_qkv", None) if fam.clip_qkv else None
         self.clip_qkv = None if clip is None else float(clip)
         # where each layer's K/V go in its cache (a ring for a short sliding window), the steps' masks
@@ -675,6 +676,9 @@ class StaticLlama:
                 qk = _rope(qk, *rope)
             q, k = qk.split([self.n_heads, self.n_kv], dim=-2)
             return q, k, v
+        if self.qk_norm == "head" and self._qk_after_rope:  # Hunyuan-V1-Dense: rotate, then norm
+            q, k = _rope_qk(q, k, rope)
+            return q_norm(q), k_norm(k), v
         if self.qk_norm == "head":
             q, k = q_norm(q), k_norm(k)
         return (*_rope_qk(q, k, rope), v)

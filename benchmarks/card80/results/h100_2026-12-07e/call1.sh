@@ -6,8 +6,8 @@
 # Run from the repository root, .whl carried: bash THIS_FILE OUT (CAP_GIB=79.19 on a bigger card)
 set -u
 source benchmarks/common/call_start.sh "$@"
-timeout 470 python3 benchmarks/card80/run.py --out $OUT/full7b_frozen --rows full7b_offload,full7b_frozen8 \
-  --updates 3 --timeout 230 ${CAP_GIB:+--cap-gib $CAP_GIB} 2>&1 | grep "^|\|\[" | tail -14
+timeout 440 python3 benchmarks/card80/run.py --out $OUT/full7b_frozen --rows full7b_offload,full7b_frozen8 \
+  --updates 3 --timeout 215 ${CAP_GIB:+--cap-gib $CAP_GIB} 2>&1 | grep "^|\|\[" | tail -14
 left=$((580 - SECONDS))
 if [ $left -gt 30 ]; then
   timeout $left python3 -m pytest -q -p no:cacheprovider tests/rollout/test_families_gpu.py -k \
