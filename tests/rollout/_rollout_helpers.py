@@ -60,7 +60,12 @@ def _router_logits(model, sequences, prompt_mask):
     seen = []
 
     def keep(module, args, out):
-        seen.append(((out[0] if isinstance(out, tuple) else out).float(), module))
+        # the router's logits over all E experts: first of the tuple in transformers 5.25, last in 5.17's
+        # Granite-MoE router ((top_k_index, top_k_weights, router_logits)); found by their width
+        e = module.weight.shape[0]
+        outs = out if isinstance(out, tuple) else (out,)
+        logits = next(t for t in outs if t.is_floating_point() and t.shape[-1] == e)
+        seen.append((logits.float(), module))
 
     handles = [g.register_forward_hook(keep) for g in gates]
     try:
