@@ -236,6 +236,7 @@ def test_a_window_spanning_the_rollout_is_full_attention(tokenizer, prompts):
         ("qwen3", {"layer_types": ["chunked_attention"] * 4}, "layer types ['chunked_attention']"),
         ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "dynamic"),
         ("mistral", {"sliding_window": 0}, "sliding_window=[0] is not a positive number"),
+        ("olmo", {"clip_qkv": -1.0}, "clip_qkv=-1.0 is not a positive number"),
     ],
 )
 def test_what_the_native_path_cannot_run_is_refused_by_name(tokenizer, name, overrides, says):

@@ -144,6 +144,9 @@ FAMILIES: dict[str, Family] = {
         ),
         rope_interleave=True,
     ),
+    "olmo": Family(clip_qkv=True),  # OLMo-1: non-parametric LayerNorms (its own modules), clip_qkv
+    "ministral": Family(),  # Mistral's layer; sliding window per layer type
+    "nemotron": Family(),  # LayerNorm1P (its own modules), partial rotary, an ungated ReLU-squared MLP
     "seed_oss": Family(),  # Llama's layout; biases where the config asks (its own modules)
     "arcee": Family(),  # Llama's attention; an ungated ReLU-squared MLP (its own module)
     "apertus": Family(norms=("attention_layernorm", None, "feedforward_layernorm", None), qk_norm="head"),
@@ -235,6 +238,9 @@ def family_reason(lm) -> str | None:
     windows = {w for w in layer_windows(cfg) if w is not None}
     if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows):
         return f"sliding_window={sorted(windows, key=str)} is not a positive number of tokens"
+    clip = getattr(cfg, "clip_qkv", None) if fam.clip_qkv else None
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+        return f"clip_qkv={clip!r} is not a positive number"
     if getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention (use_bidirectional_attention=True) is not a causal decoder"
     body = getattr(lm, "base_model", None)
