@@ -42,7 +42,8 @@ CASES = [
 
 
 # one H100 80 GB (benchmarks/card80): 2026-12-06 host offload off and auto, and LoRA at batch 256; 2026-12-07
-# (fourth session) LoRA batch 256 with the default's int8 cache and with the model's dtype, full batch 160
+# (fourth session) LoRA batch 256 with the default's int8 cache and with the model's dtype, full batch 160;
+# (fifth session) full batch 160 as given and with both frozen models in 8-bit
 H100_80 = Path(__file__).resolve().parents[2] / "benchmarks" / "card80" / "results"
 H100_CASES = [
     ("h100_2026-12-06/full7b_trades", "full7b_off"),
@@ -51,6 +52,8 @@ H100_CASES = [
     ("h100_2026-12-07d/lora7b_speed", "lora7b_offload"),
     ("h100_2026-12-07d/lora7b_speed2", "lora7b_modelkv"),
     ("h100_2026-12-07d/full7b_base", "full7b_offload"),
+    ("h100_2026-12-07e/frozen8", "full7b_offload"),
+    ("h100_2026-12-07e/frozen8", "full7b_frozen8"),
 ]
 
 
@@ -77,6 +80,8 @@ def replay(r: dict):
         reward_model=r["reward"] == "model",
         cache_kept=not plan.get("free_cache"),
         kv_cache_dtype=plan.get("kv_cache_dtype") if plan.get("kv_cache_dtype") in ("int8", "fp8") else None,
+        ref_quantization=r.get("ref_quant"),
+        reward_quantization=r.get("reward_quant"),
     )
     asked = Asked(
         scoring_rows=plan["scoring_rows"],
