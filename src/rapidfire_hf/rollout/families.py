@@ -67,7 +67,7 @@ class Family:
             its first half, each frequency repeated, applied in q's dtype (GLM, GLM-4, Helium, ERNIE-4.5).
         logit_scale: the logits times the config's ``logit_scale`` (Cohere-2).
         clip_qkv: the config's ``clip_qkv`` (when set) clamps q, k and v to ``[-c, c]`` after the q/k norms,
-            before the heads are split (OLMoE).
+            before the heads are split (OLMo, OLMoE).
         offset_norm: the RMSNorms scale by ``1 + w`` in fp32 and cast after (Gemma 1/2/3): the static forward
             computes them from their weights with ``1 + w`` precomputed once per generation, and a layer's
             per-head q and k norms in one pass (rollout/llama_forward.py, ``offset_rms_norm``).

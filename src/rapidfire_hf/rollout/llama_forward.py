@@ -664,7 +664,7 @@ class StaticLlama:
         q_norm, k_norm = self._q_norms[i], self._k_norms[i]
         if self.qk_norm == "proj":
             q, k = q_norm(q), k_norm(k)
-        if self.clip_qkv is not None:  # OLMoE: after the norms, before the heads are split
+        if self.clip_qkv is not None:  # OLMo, OLMoE: after any norms, before the heads are split
             c = self.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(*lead, self.n_heads, self.head_dim)
