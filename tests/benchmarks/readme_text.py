@@ -4,6 +4,7 @@ results."""
 from __future__ import annotations
 
 import re
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,3 +24,16 @@ def table(text: str, first_cell: str) -> list[list[str]]:
     cells without the markdown emphasis and code marks."""
     lines = text.split(f"| {first_cell} |")[1].split("\n\n")[0].splitlines()[2:]
     return [[c.strip().strip("*").strip("`") for c in ln.strip("|").split("|")] for ln in lines]
+
+
+def timing_cells(row: dict) -> tuple[str, ...]:
+    """A benchmarks/card80 row's cells as its README tables write them: s/update, generation, scoring and
+    training seconds (medians after the warm-up), tokens/s, OOM splits."""
+    return (
+        f"{row['s_per_update']:.1f}",
+        f"{statistics.median(row['gen_times'][1:]):.1f}",
+        f"{row['score_s']:.1f}",
+        f"{row['train_s']:.1f}",
+        f"{row['tokens_per_s']:,.0f}",
+        str(row["oom_splits"]),
+    )

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 from pathlib import Path
 
 from tests.benchmarks.readme_text import section as _section
 from tests.benchmarks.readme_text import table as _table
+from tests.benchmarks.readme_text import timing_cells
 
 ROOT = Path(__file__).resolve().parents[2]
 CALL = ROOT / "benchmarks" / "card80" / "results" / "h100_2026-12-07e"
@@ -38,14 +38,7 @@ def test_the_table_is_the_stored_call():
     assert [t[0] for t in table] == ["full7b_offload", "full7b_frozen8"]
     for name, _, s, gen, score, train, tps, ooms, scoring, training in table:
         r = rows[name]
-        assert (s, gen, score, train, tps, ooms) == (
-            f"{r['s_per_update']:.1f}",
-            f"{statistics.median(r['gen_times'][1:]):.1f}",
-            f"{r['score_s']:.1f}",
-            f"{r['train_s']:.1f}",
-            f"{r['tokens_per_s']:,.0f}",
-            str(r["oom_splits"]),
-        ), name
+        assert (s, gen, score, train, tps, ooms) == timing_cells(r), name
         planned = r["plan"]["phase_peak_bytes"]
         assert scoring == f"{planned['scoring'] / GIB:.1f} / {r['phase_peak_gib']['scoring'][-1]:.1f}", name
         assert training == f"{planned['training'] / GIB:.1f} / {r['phase_peak_gib']['training'][-1]:.1f}", (
@@ -91,25 +84,17 @@ def test_what_the_text_says_of_the_rows():
     assert all(r["oom_splits"] == 0 for r in rows.values())
 
 
-def test_docs_ppo_quotes_the_rows():
+def test_the_docs_quote_the_rows():
     rows = _rows()
     base, q8 = rows["full7b_offload"], rows["full7b_frozen8"]
-    doc = _flat((ROOT / "docs" / "ppo.md").read_text())
-    assert (
-        f"{q8['tokens_per_s']:,.0f} tokens/s against {base['tokens_per_s']:,.0f} as given "
-        f"({q8['tokens_per_s'] / base['tokens_per_s']:.2f}x; scoring {q8['score_s']:.1f} against "
-        f"{base['score_s']:.1f} s)"
-    ) in doc
-
-
-def test_docs_results_quotes_the_rows():
-    rows = _rows()
-    base, q8 = rows["full7b_offload"], rows["full7b_frozen8"]
-    doc = _flat((ROOT / "docs" / "results.md").read_text())
-    assert (
-        f"ran {q8['tokens_per_s']:,.0f} tokens/s against {base['tokens_per_s']:,.0f} as given "
-        f"({q8['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
-    ) in doc
+    said = f"{q8['tokens_per_s']:,.0f} tokens/s against {base['tokens_per_s']:,.0f} as given"
+    ratio = f"{q8['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+    quotes = {
+        "ppo.md": f"{said} ({ratio}; scoring {q8['score_s']:.1f} against {base['score_s']:.1f} s)",
+        "results.md": f"ran {said} ({ratio})",
+    }
+    for name, quote in quotes.items():
+        assert quote in _flat((ROOT / "docs" / name).read_text()), name
 
 
 def test_the_families_gpu_log_is_what_the_text_says():
