@@ -210,6 +210,11 @@ def test_every_family_has_a_case_and_runs_natively(tokenizer):
         assert unsupported_reason(build(c, len(tokenizer))) is None, c.name
 
 
+def test_the_configuration_doc_counts_the_native_families():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    assert f"the static engine runs the {len(FAMILIES)} model types of `docs/models.md`" in text
+
+
 def test_models_doc_is_rendered_from_the_cases(tokenizer):
     expected = render_models_md(len(tokenizer))
     assert DOC.read_text() == expected, "docs/models.md drifted: run `python tests/rollout/family_cases.py`"

@@ -33,6 +33,7 @@ SHAPES = [
     ("mixtral", {"num_local_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 1}),
     ("olmoe", {}),
     ("olmoe", {"norm_topk_prob": True}),
+    ("flex_olmo", {}),
     ("qwen2_moe", {}),
     ("qwen2_moe", {"norm_topk_prob": True}),
     ("granitemoe", {}),
@@ -40,7 +41,7 @@ SHAPES = [
     ("granitemoeshared", {}),
 ]
 # every routed family of tests/rollout/family_cases.py
-MOE_CASES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "granitemoe", "granitemoeshared"]
+MOE_CASES = ["qwen3_moe", "mixtral", "olmoe", "flex_olmo", "qwen2_moe", "granitemoe", "granitemoeshared"]
 
 
 def _moe_blocks(name, overrides):

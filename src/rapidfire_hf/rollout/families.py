@@ -162,6 +162,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qk_norm="head", moe=True),
     "mixtral": Family(moe=True),
     "olmoe": Family(qk_norm="proj", moe=True, clip_qkv=True),  # pre-norm; q/k norms over the projection
+    "flex_olmo": Family(norms=POST_NORM, qk_norm="proj", moe=True),  # OLMo-2's layer, OLMoE's routed experts
     # Qwen2's attention (q/k/v biases); routed experts beside a sigmoid-gated shared one (rollout/moe_decode.py)
     "qwen2_moe": Family(moe=True),
     # Granite's multipliers; a router named `router` (softmax of the top-k logits); Granite-MoE-shared adds an

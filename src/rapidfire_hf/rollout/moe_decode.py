@@ -38,6 +38,7 @@ _ROUTERS = {
     "qwen3_moe": ("config", True),
     "mixtral": ("always", False),
     "olmoe": ("config", True),
+    "flex_olmo": ("config", True),
     "qwen2_moe": ("config", True),
     "granitemoe": ("logits", True),
     "granitemoeshared": ("logits", True),
@@ -172,11 +173,11 @@ def routed_moe(
 ) -> torch.Tensor:
     """``mlp`` (a block :func:`moe_layout_reason` accepts) on ``h [B, H]``, as its own forward computes it.
 
-    Routing: fp32 softmax of the router logits, top-k, renormalised (Mixtral always, Qwen3-MoE, OLMoE and
-    Qwen2-MoE when ``norm_topk_prob``), or the softmax of the top-k fp32 logits (Granite-MoE); cast back to
-    the logits' dtype for all but Mixtral. Experts: each row's top-k expert
-    weights gathered from the stacked parameters and two batched matmuls (``form="gather"``), or every
-    expert on every row and the top-k outputs picked (``"dense"``), or the pairs grouped by expert through
+    Routing: fp32 softmax of the router logits, top-k, renormalised (Mixtral always; Qwen3-MoE, OLMoE,
+    FlexOlmo and Qwen2-MoE when ``norm_topk_prob``), or the softmax of the top-k fp32 logits (Granite-MoE);
+    cast back to the logits' dtype for all but Mixtral. Experts: each row's top-k expert weights gathered
+    from the stacked parameters and two batched matmuls (``form="gather"``), or every expert on every row
+    and the top-k outputs picked (``"dense"``), or the pairs grouped by expert through
     ``torch._grouped_mm`` (``"grouped"``, refused by name where :func:`grouped_form_reason` says why); None
     picks :func:`default_form` (``grouped_ok``: the caller checked the grouped GEMM runs here). The weighted
     top-k outputs are summed over k; a Qwen2-MoE block then adds its sigmoid-gated shared expert.
