@@ -232,7 +232,7 @@ def family_reason(lm) -> str | None:
     model_type = getattr(cfg, "model_type", None)
     fam = family_of(cfg)
     if fam is None:
-        return f"model_type {model_type!r} is not one of {sorted(FAMILIES)}"
+        return f"model_type {model_type!r} is not one of the {len(FAMILIES)} native families (docs/models.md)"
     unknown = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if t not in LAYER_TYPES})
     if unknown:
         return f"layer types {unknown} are not supported (only {list(LAYER_TYPES)})"
