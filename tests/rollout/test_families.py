@@ -258,6 +258,23 @@ def test_what_the_native_path_cannot_run_is_refused_by_name(tokenizer, name, ove
     assert RolloutEngine(model, 0, [], backend="auto").backend == "hf"
 
 
+@pytest.mark.parametrize(
+    ("name", "remove", "says"),
+    [
+        ("phi", ("self_attn", "q_layernorm"), "lack ['q_layernorm']"),  # its config asks for q/k norms
+        ("granitemoe", (None, "block_sparse_moe"), "lack ['block_sparse_moe']"),
+        ("hunyuan_v1_dense", ("self_attn", "key_layernorm"), "lack ['key_layernorm']"),
+    ],
+)
+def test_a_layer_without_a_module_its_family_names_is_refused_by_name(tokenizer, name, remove, says):
+    model = build(case(name), len(tokenizer))
+    parent, child = remove
+    for layer in model.model.layers:
+        delattr(getattr(layer, parent) if parent else layer, child)
+    assert says in unsupported_reason(model)
+    assert RolloutEngine(model, 0, [], backend="auto").backend == "hf"
+
+
 def test_a_model_type_that_lies_about_its_layers_is_refused(tokenizer):
     model = build(case("llama"), len(tokenizer))
     model.config.model_type = "gemma2"  # Llama layers have no pre/post feed-forward norms

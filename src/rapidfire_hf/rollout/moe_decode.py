@@ -88,7 +88,8 @@ def moe_layout_reason(mlp, config) -> str | None:
             f"its MoE block {type(mlp).__name__} lacks the shared expert and its gate that {model_type!r} has"
         )
     if model_type not in _SHARED and shared:  # never dropped without a word
-        return f"its MoE block {type(mlp).__name__} has {shared}, which the routed decode of {model_type!r} does not add"
+        name = type(mlp).__name__
+        return f"its MoE block {name} has {shared}, which the routed decode of {model_type!r} does not add"
     gu, down, router = (
         getattr(m, n, None) for m, n in ((experts, "gate_up_proj"), (experts, "down_proj"), (gate, "weight"))
     )
